@@ -1,0 +1,1 @@
+//! Wiring one device: store, queues, signals, readiness.

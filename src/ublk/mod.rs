@@ -1,0 +1,1 @@
+//! The ublk kernel protocol.
