@@ -4,9 +4,12 @@
 //! `ublk` speaks the kernel protocol, `store` keeps pages, `codec` compresses them, `gpu` is one
 //! more batch codec, `daemon` wires one device together and `cli` parses the command line.
 
+pub mod bench;
 pub mod cli;
 pub mod codec;
 pub mod daemon;
+pub mod devices;
 pub mod gpu;
+pub mod stats;
 pub mod store;
 pub mod ublk;
