@@ -1,13 +1,419 @@
-//! Wiring one device: store, queues, signals, readiness.
+//! Wiring one device: the page store behind a ublk device, queue threads, signals, readiness
+//! (sd_notify) and a clean stop. `create` without `--foreground` starts this same program
+//! detached and returns once the device is live.
 
+use std::ffi::OsString;
+use std::io::Write;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixDatagram};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nix::sys::mman::{mlockall, MlockAllFlags};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use thiserror::Error;
+
+use crate::cli::{AlgorithmArg, BackendArg, CreateArgs, StoreArgs};
+use crate::codec::{Algorithm, Backend};
+use crate::store::{BatchedPageStore, StoreConfig, StoreError};
+use crate::ublk::device::block_path;
+use crate::ublk::{BlockHandler, Device, DeviceSpec, Op, Request, UblkError};
+
+/// Where daemons keep their logs and endpoints (root only).
+pub const RUN_DIR: &str = "/run/trueno-ublk";
+/// Environment variable telling a started daemon that it was detached by `create`.
+const DETACHED_ENV: &str = "TRUENO_UBLK_DETACHED_LOG";
+/// How long `create` waits for a detached daemon to report the device live. START_DEV
+/// scans partitions, which under emulation can take a while.
+const READY_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Bytes of buffer per tag: the largest READ or WRITE the kernel sends us.
+pub const DEFAULT_MAX_IO_BYTES: u32 = 256 << 10;
+pub const DEFAULT_QUEUES: u16 = 1;
+pub const DEFAULT_DEPTH: u16 = 64;
+/// Stack of rayon workers: they compress pages, and with `mlockall` every byte is locked.
+const WORKER_STACK_BYTES: usize = 1 << 20;
 
 #[derive(Debug, Error)]
 pub enum DaemonError {
-    #[error("not implemented yet")]
-    NotYet,
+    #[error(transparent)]
+    Ublk(#[from] UblkError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{0}")]
+    Settings(String),
+    #[error("{0}")]
+    Daemon(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
 }
 
-pub fn create(_args: crate::cli::CreateArgs) -> Result<(), DaemonError> {
-    Err(DaemonError::NotYet)
+fn io_error(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DaemonError {
+    let what = what.into();
+    move |source| DaemonError::Io { what, source }
+}
+
+/// The settings of one device, after the command line (and config file) are resolved.
+#[derive(Clone, Debug)]
+pub struct DeviceSettings {
+    pub spec: DeviceSpec,
+    pub store: StoreConfig,
+}
+
+/// Turn `create`'s arguments into device settings.
+pub fn resolve_settings(args: &CreateArgs) -> Result<DeviceSettings, DaemonError> {
+    let size_bytes = args
+        .size
+        .ok_or_else(|| DaemonError::Settings("missing --size (e.g. --size 8G)".into()))?;
+    check_size_against_ram(size_bytes)?;
+    let spec = DeviceSpec {
+        id: args.id,
+        size_bytes,
+        queues: args.queues.unwrap_or(DEFAULT_QUEUES),
+        depth: args.depth.unwrap_or(DEFAULT_DEPTH),
+        max_io_bytes: DEFAULT_MAX_IO_BYTES,
+    };
+    spec.validate()?;
+    let store = store_config(size_bytes, &args.store)?;
+    Ok(DeviceSettings { spec, store })
+}
+
+/// The store settings for a device of `size_bytes` from the store options (defaults where
+/// an option is absent). Shared by `create` and `bench`.
+pub fn store_config(size_bytes: u64, args: &StoreArgs) -> Result<StoreConfig, DaemonError> {
+    let mut config = StoreConfig::new(size_bytes);
+    let zstd_level = args.zstd_level.unwrap_or(1);
+    config.algorithm = match args.algorithm.unwrap_or(AlgorithmArg::Lz4) {
+        AlgorithmArg::Lz4 => Algorithm::Lz4,
+        AlgorithmArg::Zstd => Algorithm::Zstd { level: zstd_level },
+        AlgorithmArg::Adaptive => Algorithm::Adaptive,
+    };
+    config.forced_backend = match args.backend.unwrap_or(BackendArg::Auto) {
+        BackendArg::Auto => None,
+        BackendArg::Simd => Some(Backend::Simd),
+        BackendArg::SimdParallel => Some(Backend::SimdParallel),
+        BackendArg::Gpu => Some(Backend::Gpu),
+    };
+    config.batched = !args.no_batched;
+    if let Some(threshold) = args.batch_threshold {
+        if threshold == 0 {
+            return Err(DaemonError::Settings(
+                "--batch-threshold must be at least 1".into(),
+            ));
+        }
+        config.batch_threshold = threshold;
+    }
+    if let Some(ms) = args.flush_timeout_ms {
+        config.flush_timeout = Duration::from_millis(ms.max(1));
+    }
+    config.mem_limit = args.mem_limit;
+    Ok(config)
+}
+
+/// The page table costs 16 bytes per 4 KiB page up front; refuse a size whose table would
+/// take more than an eighth of RAM (that is, more than 32 times RAM), which no compressed
+/// RAM device could fill anyway.
+fn check_size_against_ram(size_bytes: u64) -> Result<(), DaemonError> {
+    let Some(ram) = total_ram_bytes() else {
+        return Ok(());
+    };
+    let max = ram.saturating_mul(32);
+    if size_bytes > max {
+        return Err(DaemonError::Settings(format!(
+            "size {} is more than 32 times this machine's RAM ({}); a compressed RAM device \
+             cannot hold that much",
+            crate::cli::human_size(size_bytes),
+            crate::cli::human_size(ram)
+        )));
+    }
+    Ok(())
+}
+
+/// MemTotal from /proc/meminfo.
+pub fn total_ram_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// `trueno-ublk create`.
+pub fn create(args: CreateArgs) -> Result<(), DaemonError> {
+    let settings = resolve_settings(&args)?;
+    if args.foreground {
+        run_foreground(settings)
+    } else {
+        start_detached(&settings)
+    }
+}
+
+/// Start this program again as a detached daemon (`create --foreground` with a private
+/// notify socket) and wait until it reports the device live, or fails.
+fn start_detached(settings: &DeviceSettings) -> Result<(), DaemonError> {
+    // Fail fast, in the user's terminal, on what we can check here.
+    drop(crate::ublk::Control::open()?);
+    if let Some(id) = settings.spec.id {
+        if Path::new(&format!("/sys/class/ublk-char/ublkc{id}")).exists() {
+            return Err(UblkError::IdInUse(id).into());
+        }
+    }
+    std::fs::create_dir_all(RUN_DIR).map_err(io_error(format!("creating {RUN_DIR}")))?;
+    set_mode(Path::new(RUN_DIR), 0o700)?;
+    let log_path = PathBuf::from(format!("{RUN_DIR}/starting-{}.log", std::process::id()));
+    let log = std::fs::File::create(&log_path)
+        .map_err(io_error(format!("creating {}", log_path.display())))?;
+
+    let socket_name = format!("trueno-ublk-create-{}-{:x}", std::process::id(), nanos());
+    let socket = UnixDatagram::bind_addr(
+        &SocketAddr::from_abstract_name(socket_name.as_bytes())
+            .map_err(io_error("naming the notify socket"))?,
+    )
+    .map_err(io_error("binding the notify socket"))?;
+    socket
+        .set_read_timeout(Some(Duration::from_millis(100)))
+        .map_err(io_error("notify socket"))?;
+
+    let exe = std::env::current_exe().map_err(io_error("finding this program"))?;
+    let mut child_args: Vec<OsString> = std::env::args_os().skip(1).collect();
+    child_args.push("--foreground".into());
+    let mut child = Command::new(exe)
+        .args(child_args)
+        .env("NOTIFY_SOCKET", format!("@{socket_name}"))
+        .env(DETACHED_ENV, &log_path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .map_err(io_error("starting the daemon"))?;
+
+    let deadline = Instant::now() + READY_TIMEOUT;
+    let mut buffer = [0u8; 4096];
+    loop {
+        match socket.recv(&mut buffer) {
+            Ok(n) => {
+                let message = String::from_utf8_lossy(&buffer[..n]);
+                let field = |key: &str| {
+                    message
+                        .lines()
+                        .find_map(|l| l.strip_prefix(key))
+                        .map(str::to_owned)
+                };
+                if message.lines().any(|l| l == "READY=1") {
+                    println!("{}", field("STATUS=").unwrap_or_default());
+                    return Ok(());
+                }
+                if field("ERRNO=").is_some() {
+                    let _ = child.wait();
+                    return Err(DaemonError::Daemon(
+                        field("STATUS=").unwrap_or_else(|| "the daemon failed".into()),
+                    ));
+                }
+            }
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(error) => return Err(io_error("reading the notify socket")(error)),
+        }
+        if let Some(status) = child
+            .try_wait()
+            .map_err(io_error("waiting for the daemon"))?
+        {
+            return Err(DaemonError::Daemon(format!(
+                "the daemon exited ({status}) before the device was live; its log: {}",
+                log_path.display()
+            )));
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            return Err(DaemonError::Daemon(format!(
+                "the device was not live after {}s; daemon log: {}",
+                READY_TIMEOUT.as_secs(),
+                log_path.display()
+            )));
+        }
+    }
+}
+
+fn nanos() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
+}
+
+fn set_mode(path: &Path, mode: u32) -> Result<(), DaemonError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(io_error(
+        format!("setting permissions of {}", path.display()),
+    ))
+}
+
+/// Send a state line to the service manager (or to `create`) if `NOTIFY_SOCKET` is set.
+fn sd_notify(state: &str) {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let path = path.to_string_lossy().into_owned();
+    let address = match path.strip_prefix('@') {
+        Some(name) => SocketAddr::from_abstract_name(name.as_bytes()),
+        None => SocketAddr::from_pathname(&path),
+    };
+    let sent = address
+        .and_then(|address| UnixDatagram::unbound()?.send_to_addr(state.as_bytes(), &address));
+    if let Err(error) = sent {
+        tracing::warn!(%error, socket = path, "sd_notify failed");
+    }
+}
+
+/// Serve the device in this process until SIGTERM/SIGINT or until the device is stopped.
+fn run_foreground(settings: DeviceSettings) -> Result<(), DaemonError> {
+    let detached_log = std::env::var_os(DETACHED_ENV).map(PathBuf::from);
+    if detached_log.is_some() {
+        // Leave the terminal's session so its hangup and job control never reach us.
+        let _ = nix::unistd::setsid();
+    }
+    init_logging();
+    let result = serve(settings, detached_log.as_deref());
+    if let Err(error) = &result {
+        tracing::error!(%error, "trueno-ublk daemon failed");
+        sd_notify(&format!("STATUS={error}\nERRNO={}", libc::EIO));
+    }
+    result
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TRUENO_UBLK_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+fn serve(settings: DeviceSettings, detached_log: Option<&Path>) -> Result<(), DaemonError> {
+    // Lock every page we have and will have: the daemon serves swap, so its own memory must
+    // never need swap to be read back.
+    if let Err(error) = mlockall(MlockAllFlags::MCL_CURRENT | MlockAllFlags::MCL_FUTURE) {
+        tracing::warn!(%error, "mlockall failed: the daemon's memory may be swapped out, which can deadlock swap on this device");
+    }
+    let _ = rayon::ThreadPoolBuilder::new()
+        .stack_size(WORKER_STACK_BYTES)
+        .start_handler(|_| {
+            let _ = crate::ublk::sys::set_io_flusher();
+        })
+        .build_global();
+
+    // Signals first, so a SIGTERM during start-up is not lost.
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])
+        .map_err(io_error("installing signal handlers"))?;
+    let store = BatchedPageStore::new(settings.store.clone(), None)?;
+    let flusher = store
+        .start_flusher(|| {
+            if let Err(error) = crate::ublk::sys::set_io_flusher() {
+                tracing::warn!(%error, "PR_SET_IO_FLUSHER failed on the flusher");
+            }
+        })
+        .map_err(io_error("starting the flusher"))?;
+    let handler = Arc::new(StoreHandler {
+        store: store.clone(),
+        errors: AtomicU64::new(0),
+    });
+
+    let started = Instant::now();
+    let device = Device::create(settings.spec, handler)?;
+    let id = device.id();
+    let path = block_path(id);
+    if let Some(log) = detached_log {
+        let _ = std::fs::rename(log, format!("{RUN_DIR}/ublkb{id}.log"));
+    }
+    tracing::info!(
+        device = path,
+        size = settings.spec.size_bytes,
+        queues = device.info().nr_hw_queues,
+        depth = device.info().queue_depth,
+        ms = started.elapsed().as_millis() as u64,
+        "device live"
+    );
+    if detached_log.is_none() {
+        println!("{path}");
+        let _ = std::io::stdout().flush();
+    }
+    sd_notify(&format!(
+        "READY=1\nSTATUS={path}\nMAINPID={}",
+        std::process::id()
+    ));
+
+    let (signal_tx, signal_rx) = crossbeam_channel::bounded(4);
+    let signal_handle = signals.handle();
+    let signal_thread = std::thread::Builder::new()
+        .name("signals".into())
+        .stack_size(64 << 10)
+        .spawn(move || {
+            for signal in signals.forever() {
+                if signal_tx.send(signal).is_err() {
+                    break;
+                }
+            }
+        })
+        .map_err(io_error("starting the signal thread"))?;
+    loop {
+        crossbeam_channel::select! {
+            recv(signal_rx) -> signal => match signal {
+                Ok(SIGHUP) => tracing::info!("SIGHUP ignored"),
+                Ok(signal) => {
+                    tracing::info!(signal, "stopping");
+                    break;
+                }
+                Err(_) => break,
+            },
+            recv(device.queue_exits()) -> _ => {
+                tracing::warn!("a queue ended (device stopped from outside?); shutting down");
+                break;
+            }
+        }
+    }
+    sd_notify("STOPPING=1");
+    let stopped = device.shutdown();
+    signal_handle.close();
+    let _ = signal_thread.join();
+    store.shutdown();
+    drop(flusher);
+    stopped?;
+    tracing::info!(device = path, "device deleted");
+    Ok(())
+}
+
+/// Serves block requests from the page store.
+struct StoreHandler {
+    store: Arc<BatchedPageStore>,
+    errors: AtomicU64,
+}
+
+impl BlockHandler for StoreHandler {
+    fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32> {
+        let result = match request.op {
+            Op::Read => self.store.read(request.offset, data),
+            Op::Write => self.store.write(request.offset, data),
+            // Pages are in daemon memory as soon as a write is acknowledged: nothing to flush.
+            Op::Flush => Ok(()),
+            Op::Discard | Op::WriteZeroes => self.store.discard(request.offset, request.len),
+            Op::Unsupported(_) => return Err(-libc::EOPNOTSUPP),
+        };
+        result.map_err(|error| {
+            // Log the first errors and then every 1024th, so a full device cannot flood the log.
+            let count = self.errors.fetch_add(1, Ordering::Relaxed);
+            if count < 16 || count % 1024 == 0 {
+                tracing::warn!(?request, %error, errors = count + 1, "request failed");
+            }
+            error.errno()
+        })
+    }
 }

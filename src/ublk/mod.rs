@@ -1,1 +1,73 @@
-//! The ublk kernel protocol.
+//! The ublk kernel protocol: UAPI definitions (`sys`), the control device (`ctrl`), request
+//! decoding (`io`), device parameters (`params`), the per-queue loop (`queue`), memory shared
+//! with the kernel (`mmap`) and one device's life cycle (`device`). Nothing here knows about
+//! compression: requests go to a `BlockHandler`.
+
+pub mod ctrl;
+pub mod device;
+pub mod io;
+pub mod mmap;
+pub mod params;
+pub mod queue;
+pub mod sys;
+
+pub use ctrl::Control;
+pub use device::Device;
+pub use io::{Op, Request};
+pub use params::DeviceSpec;
+pub use queue::BlockHandler;
+
+/// Errors of the ublk layer, worded so a user knows what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum UblkError {
+    #[error(
+        "the ublk driver is not available (no /dev/ublk-control): run `modprobe ublk_drv`; \
+         it needs Linux >= 6.0 built with CONFIG_BLK_DEV_UBLK"
+    )]
+    DriverMissing,
+    #[error("permission denied on /dev/ublk-control: run as root (or with CAP_SYS_ADMIN)")]
+    PermissionDenied,
+    #[error("device id {0} is already in use: pick another --id or delete it first")]
+    IdInUse(u32),
+    #[error("no ublk device with id {0}")]
+    NoSuchDevice(u32),
+    #[error("{0}")]
+    InvalidSpec(String),
+    #[error("ublk {command} for device {dev_id} failed: {}", std::io::Error::from_raw_os_error(*errno))]
+    Command {
+        command: &'static str,
+        dev_id: u32,
+        errno: i32,
+    },
+    #[error("queue setup failed: {0}")]
+    QueueSetup(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: &'static str,
+        source: std::io::Error,
+    },
+}
+
+impl UblkError {
+    fn command(encoded_op: u32, dev_id: u32, errno: i32) -> Self {
+        let command = match encoded_op & 0xff {
+            0x02 => "GET_DEV_INFO",
+            0x04 => "ADD_DEV",
+            0x05 => "DEL_DEV",
+            0x06 => "START_DEV",
+            0x07 => "STOP_DEV",
+            0x08 => "SET_PARAMS",
+            0x09 => "GET_PARAMS",
+            0x13 => "GET_FEATURES",
+            _ => "command",
+        };
+        if errno == libc::EPERM || errno == libc::EACCES {
+            return UblkError::PermissionDenied;
+        }
+        UblkError::Command {
+            command,
+            dev_id,
+            errno,
+        }
+    }
+}

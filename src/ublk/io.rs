@@ -1,0 +1,187 @@
+//! Decoding and checking one request's descriptor before anything acts on it.
+
+use super::sys::{self, IoDesc};
+
+const SECTOR_SHIFT: u32 = 9;
+
+/// What a request asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    Read,
+    Write,
+    Flush,
+    Discard,
+    WriteZeroes,
+    /// Anything else (WRITE_SAME, zoned ops, future ops): answered with -EOPNOTSUPP.
+    Unsupported(u8),
+}
+
+/// A request as the store sees it: byte offset and length, already checked against the
+/// device size and the tag buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Request {
+    pub op: Op,
+    /// `UBLK_IO_F_*` flags (FUA, NOUNMAP, SWAP, ...).
+    pub flags: u32,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// Why a descriptor was refused; `errno()` is what the request completes with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    #[error("unsupported operation {0}")]
+    Unsupported(u8),
+    #[error("request of {len} bytes at byte {offset} is beyond the device end")]
+    OutOfRange { offset: u64, len: u64 },
+    #[error("request of {len} bytes is larger than the {max} byte I/O buffer")]
+    TooLarge { len: u64, max: u64 },
+    #[error("request of {len} bytes at byte {offset} is not aligned to {block} bytes")]
+    Misaligned { offset: u64, len: u64, block: u64 },
+}
+
+impl RequestError {
+    pub fn errno(&self) -> i32 {
+        match self {
+            RequestError::Unsupported(_) => -libc::EOPNOTSUPP,
+            RequestError::OutOfRange { .. } | RequestError::TooLarge { .. } => -libc::EIO,
+            RequestError::Misaligned { .. } => -libc::EINVAL,
+        }
+    }
+}
+
+impl Request {
+    /// Decode `desc` and check it against a device of `dev_bytes` bytes with `block`-byte
+    /// logical blocks and a `max_io`-byte buffer per tag.
+    pub fn decode(
+        desc: &IoDesc,
+        dev_bytes: u64,
+        block: u64,
+        max_io: u64,
+    ) -> Result<Self, RequestError> {
+        let op = match (desc.op_flags & 0xff) as u8 {
+            sys::UBLK_IO_OP_READ => Op::Read,
+            sys::UBLK_IO_OP_WRITE => Op::Write,
+            sys::UBLK_IO_OP_FLUSH => Op::Flush,
+            sys::UBLK_IO_OP_DISCARD => Op::Discard,
+            sys::UBLK_IO_OP_WRITE_ZEROES => Op::WriteZeroes,
+            other => return Err(RequestError::Unsupported(other)),
+        };
+        let flags = desc.op_flags >> 8 << 8;
+        if op == Op::Flush {
+            return Ok(Self {
+                op,
+                flags,
+                offset: 0,
+                len: 0,
+            });
+        }
+        // Sectors are 512 bytes whatever the logical block size; u64 arithmetic cannot
+        // overflow for a u32 count, but a hostile start sector can.
+        let offset = desc.start_sector.checked_mul(1 << SECTOR_SHIFT);
+        let len = (desc.nr_sectors as u64) << SECTOR_SHIFT;
+        let Some(offset) = offset else {
+            return Err(RequestError::OutOfRange {
+                offset: u64::MAX,
+                len,
+            });
+        };
+        match offset.checked_add(len) {
+            Some(end) if end <= dev_bytes => {}
+            _ => return Err(RequestError::OutOfRange { offset, len }),
+        }
+        if offset % block != 0 || len % block != 0 || len == 0 {
+            return Err(RequestError::Misaligned { offset, len, block });
+        }
+        if matches!(op, Op::Read | Op::Write) && len > max_io {
+            return Err(RequestError::TooLarge { len, max: max_io });
+        }
+        Ok(Self {
+            op,
+            flags,
+            offset,
+            len,
+        })
+    }
+
+    /// Whether the request came from swap (`UBLK_IO_F_SWAP`).
+    pub fn is_swap(&self) -> bool {
+        self.flags & sys::UBLK_IO_F_SWAP != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DEV: u64 = 1 << 30;
+    const MAX_IO: u64 = 512 << 10;
+
+    fn desc(op: u8, flags: u32, start_sector: u64, nr_sectors: u32) -> IoDesc {
+        IoDesc {
+            op_flags: op as u32 | flags,
+            nr_sectors,
+            start_sector,
+            addr: 0,
+        }
+    }
+
+    #[test]
+    fn descriptors_decode_or_fail_with_the_right_errno() {
+        use Op::*;
+        let last_page = DEV / 512 - 8;
+        type Decoded = Result<(Op, u64, u64), i32>;
+        let cases: Vec<(IoDesc, Decoded)> = vec![
+            (desc(0, 0, 0, 8), Ok((Read, 0, 4096))),
+            (desc(1, 0, 8, 16), Ok((Write, 4096, 8192))),
+            (
+                desc(1, sys::UBLK_IO_F_SWAP, last_page, 8),
+                Ok((Write, DEV - 4096, 4096)),
+            ),
+            (desc(0, 0, 0, (MAX_IO / 512) as u32), Ok((Read, 0, MAX_IO))),
+            (desc(2, 0, 123, 0), Ok((Flush, 0, 0))),
+            (desc(3, 0, 0, (DEV / 512) as u32), Ok((Discard, 0, DEV))),
+            (
+                desc(5, sys::UBLK_IO_F_NOUNMAP, 8, 8),
+                Ok((WriteZeroes, 4096, 4096)),
+            ),
+            // Discards are not bounded by the tag buffer: they carry no data.
+            (
+                desc(3, 0, 0, (4 * MAX_IO / 512) as u32),
+                Ok((Discard, 0, 4 * MAX_IO)),
+            ),
+            // Past the end, straddling the end, overflowing.
+            (desc(0, 0, DEV / 512, 8), Err(-libc::EIO)),
+            (desc(1, 0, last_page + 1, 8), Err(-libc::EIO)),
+            (desc(0, 0, u64::MAX / 256, 8), Err(-libc::EIO)),
+            (desc(0, 0, u64::MAX, 8), Err(-libc::EIO)),
+            (desc(3, 0, 8, (DEV / 512) as u32), Err(-libc::EIO)),
+            // Larger than the buffer.
+            (desc(0, 0, 0, (MAX_IO / 512) as u32 + 8), Err(-libc::EIO)),
+            // Not 4 KiB aligned, or empty.
+            (desc(0, 0, 1, 8), Err(-libc::EINVAL)),
+            (desc(1, 0, 0, 1), Err(-libc::EINVAL)),
+            (desc(0, 0, 0, 0), Err(-libc::EINVAL)),
+            // Unknown and unsupported operations.
+            (desc(4, 0, 0, 8), Err(-libc::EOPNOTSUPP)),
+            (desc(13, 0, 0, 8), Err(-libc::EOPNOTSUPP)),
+            (desc(0xff, 0, 0, 8), Err(-libc::EOPNOTSUPP)),
+        ];
+        for (input, want) in cases {
+            let got = Request::decode(&input, DEV, 4096, MAX_IO)
+                .map(|r| (r.op, r.offset, r.len))
+                .map_err(|e| e.errno());
+            assert_eq!(got, want, "decoding {input:?}");
+        }
+    }
+
+    #[test]
+    fn swap_flag_is_visible() {
+        let request =
+            Request::decode(&desc(1, sys::UBLK_IO_F_SWAP, 0, 8), DEV, 4096, MAX_IO).unwrap();
+        assert!(request.is_swap());
+        assert!(!Request::decode(&desc(1, 0, 0, 8), DEV, 4096, MAX_IO)
+            .unwrap()
+            .is_swap());
+    }
+}

@@ -1,0 +1,194 @@
+//! The device's shape as the kernel wants it: the `ADD_DEV` info and the `SET_PARAMS` block.
+
+use super::sys::{
+    self, CtrlDevInfo, ParamBasic, ParamDiscard, Params, UBLK_MAX_QUEUE_DEPTH,
+    UBLK_PARAM_TYPE_BASIC, UBLK_PARAM_TYPE_DISCARD,
+};
+use super::UblkError;
+
+/// Logical and physical block size: one page, so every request is whole pages.
+pub const BLOCK_SHIFT: u8 = 12;
+pub const BLOCK_SIZE: u64 = 1 << BLOCK_SHIFT;
+/// Largest single discard or write-zeroes request we advertise (1 GiB).
+const MAX_DISCARD_SECTORS: u32 = (1 << 30) >> 9;
+/// Largest device we accept: dev_sectors must fit the kernel's sector_t arithmetic with room.
+pub const MAX_DEVICE_BYTES: u64 = 1 << 50;
+
+/// What the user asked for, before the kernel has seen it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceSpec {
+    /// `None`: the kernel picks the id.
+    pub id: Option<u32>,
+    pub size_bytes: u64,
+    pub queues: u16,
+    pub depth: u16,
+    /// Bytes of the buffer per tag, the largest READ or WRITE the kernel will send.
+    pub max_io_bytes: u32,
+}
+
+impl DeviceSpec {
+    /// Check the spec before the kernel sees it, with messages a user can act on.
+    pub fn validate(&self) -> Result<(), UblkError> {
+        let bad = |what: String| Err(UblkError::InvalidSpec(what));
+        if self.size_bytes == 0 || self.size_bytes % BLOCK_SIZE != 0 {
+            return bad(format!(
+                "size {} is not a positive multiple of 4 KiB",
+                self.size_bytes
+            ));
+        }
+        if self.size_bytes > MAX_DEVICE_BYTES {
+            return bad(format!(
+                "size {} is larger than the 1 PiB limit",
+                self.size_bytes
+            ));
+        }
+        if self.queues == 0 || self.queues > 64 {
+            return bad(format!("{} queues: use 1 to 64", self.queues));
+        }
+        if self.depth == 0 || self.depth > UBLK_MAX_QUEUE_DEPTH {
+            return bad(format!(
+                "queue depth {}: use 1 to {UBLK_MAX_QUEUE_DEPTH}",
+                self.depth
+            ));
+        }
+        if self.max_io_bytes < BLOCK_SIZE as u32 || self.max_io_bytes % BLOCK_SIZE as u32 != 0 {
+            return bad(format!(
+                "I/O buffer of {} bytes is not a multiple of 4 KiB",
+                self.max_io_bytes
+            ));
+        }
+        if self.id == Some(u32::MAX) {
+            return bad("device id 4294967295 is reserved".into());
+        }
+        Ok(())
+    }
+
+    /// The `ADD_DEV` payload, asking only for features the driver reported.
+    pub fn dev_info(&self, driver_features: u64) -> CtrlDevInfo {
+        CtrlDevInfo {
+            nr_hw_queues: self.queues,
+            queue_depth: self.depth,
+            max_io_buf_bytes: self.max_io_bytes,
+            dev_id: self.id.unwrap_or(u32::MAX),
+            flags: driver_features & sys::UBLK_F_CMD_IOCTL_ENCODE,
+            ..Default::default()
+        }
+    }
+}
+
+/// The `SET_PARAMS` payload for a device of `size_bytes` whose tags carry `max_io_bytes`
+/// (as the kernel returned it from `ADD_DEV`): 4 KiB blocks, discard and write-zeroes.
+pub fn device_params(size_bytes: u64, max_io_bytes: u32) -> Params {
+    Params {
+        len: std::mem::size_of::<Params>() as u32,
+        types: UBLK_PARAM_TYPE_BASIC | UBLK_PARAM_TYPE_DISCARD,
+        basic: ParamBasic {
+            logical_bs_shift: BLOCK_SHIFT,
+            physical_bs_shift: BLOCK_SHIFT,
+            io_opt_shift: BLOCK_SHIFT,
+            io_min_shift: BLOCK_SHIFT,
+            max_sectors: max_io_bytes >> 9,
+            dev_sectors: size_bytes >> 9,
+            ..Default::default()
+        },
+        discard: ParamDiscard {
+            discard_alignment: 0,
+            discard_granularity: BLOCK_SIZE as u32,
+            max_discard_sectors: MAX_DISCARD_SECTORS,
+            max_write_zeroes_sectors: MAX_DISCARD_SECTORS,
+            // The driver refuses anything but one segment when discard is advertised.
+            max_discard_segments: 1,
+            reserved0: 0,
+        },
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> DeviceSpec {
+        DeviceSpec {
+            id: None,
+            size_bytes: 1 << 30,
+            queues: 1,
+            depth: 64,
+            max_io_bytes: 256 << 10,
+        }
+    }
+
+    #[test]
+    fn params_describe_a_4k_device_with_discard() {
+        let params = device_params(1 << 30, 256 << 10);
+        assert_eq!(params.len, 112);
+        assert_eq!(
+            params.types,
+            UBLK_PARAM_TYPE_BASIC | UBLK_PARAM_TYPE_DISCARD
+        );
+        assert_eq!(params.basic.logical_bs_shift, 12);
+        assert_eq!(params.basic.physical_bs_shift, 12);
+        assert_eq!(params.basic.dev_sectors, (1 << 30) / 512);
+        assert_eq!(params.basic.max_sectors, 512);
+        assert_eq!(params.discard.discard_granularity, 4096);
+        assert_eq!(params.discard.max_discard_segments, 1);
+        assert!(params.discard.max_write_zeroes_sectors > 0);
+    }
+
+    #[test]
+    fn dev_info_asks_only_for_reported_features() {
+        let info = spec().dev_info(0x1fe);
+        assert_eq!(info.flags, sys::UBLK_F_CMD_IOCTL_ENCODE);
+        assert_eq!(info.dev_id, u32::MAX);
+        assert_eq!(spec().dev_info(0).flags, 0);
+        let info = DeviceSpec {
+            id: Some(3),
+            ..spec()
+        }
+        .dev_info(0x1fe);
+        assert_eq!(
+            (info.dev_id, info.nr_hw_queues, info.queue_depth),
+            (3, 1, 64)
+        );
+        assert_eq!(info.max_io_buf_bytes, 256 << 10);
+    }
+
+    #[test]
+    fn specs_are_validated() {
+        assert!(spec().validate().is_ok());
+        let bad = [
+            DeviceSpec {
+                size_bytes: 0,
+                ..spec()
+            },
+            DeviceSpec {
+                size_bytes: 4097,
+                ..spec()
+            },
+            DeviceSpec {
+                size_bytes: MAX_DEVICE_BYTES + 4096,
+                ..spec()
+            },
+            DeviceSpec {
+                queues: 0,
+                ..spec()
+            },
+            DeviceSpec { depth: 0, ..spec() },
+            DeviceSpec {
+                depth: 4097,
+                ..spec()
+            },
+            DeviceSpec {
+                max_io_bytes: 1000,
+                ..spec()
+            },
+            DeviceSpec {
+                id: Some(u32::MAX),
+                ..spec()
+            },
+        ];
+        for spec in bad {
+            assert!(spec.validate().is_err(), "{spec:?} should be refused");
+        }
+    }
+}

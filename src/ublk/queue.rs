@@ -1,0 +1,188 @@
+//! One queue: its own thread, its own io_uring (no SQPOLL), the mmapped descriptor array,
+//! one locked buffer per tag, FETCH_REQ for every tag, then the COMMIT_AND_FETCH_REQ loop.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use io_uring::{opcode, types, IoUring};
+
+use super::ctrl::opcode_for;
+use super::io::{Op, Request};
+use super::mmap::{DescArray, IoBuffers};
+use super::params::BLOCK_SIZE;
+use super::sys::{self, IoCmd};
+use super::UblkError;
+
+/// What serves the requests: the daemon's store adapter. Called from every queue thread.
+pub trait BlockHandler: Send + Sync {
+    /// Serve one checked request. For `Read` fill `data`, for `Write` take `data` (both exactly
+    /// `request.len` bytes); other ops get an empty slice. `Err` carries a negative errno.
+    fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32>;
+}
+
+/// Where a queue is and what it may receive.
+#[derive(Clone, Copy, Debug)]
+pub struct QueueSetup {
+    pub dev_id: u32,
+    pub q_id: u16,
+    pub depth: u16,
+    pub max_io_bytes: u32,
+    pub dev_bytes: u64,
+    pub ioctl_encode: bool,
+}
+
+/// How long the loop sleeps in the kernel before it looks at the stop flag.
+const STOP_POLL: types::Timespec = types::Timespec::new().sec(1);
+
+/// A queue with every tag fetched, ready for START_DEV.
+pub struct Queue<'a> {
+    setup: QueueSetup,
+    char_dev: &'a File,
+    ring: IoUring,
+    descs: DescArray,
+    buffers: IoBuffers,
+    /// Tags whose command is with the kernel.
+    in_flight: usize,
+}
+
+impl<'a> Queue<'a> {
+    /// Set the queue up on the calling thread (the driver binds a queue to the thread that
+    /// fetched its tags) and submit FETCH_REQ for every tag. When this returns Ok, every
+    /// fetch has entered the kernel, so START_DEV can complete.
+    pub fn fetch_all(setup: QueueSetup, char_dev: &'a File) -> Result<Self, UblkError> {
+        if let Err(error) = sys::set_io_flusher() {
+            tracing::warn!(q = setup.q_id, %error, "PR_SET_IO_FLUSHER failed: swap I/O may deadlock under memory pressure");
+        }
+        let io = |what| move |source| UblkError::Io { what, source };
+        let descs = DescArray::map(char_dev, setup.q_id, setup.depth)
+            .map_err(io("mapping the descriptor array"))?;
+        let buffers = IoBuffers::new(setup.depth, setup.max_io_bytes as usize)
+            .map_err(io("allocating I/O buffers"))?;
+        let ring = IoUring::new(u32::from(setup.depth).next_power_of_two())
+            .map_err(io("creating a queue io_uring"))?;
+        let mut queue = Self {
+            setup,
+            char_dev,
+            ring,
+            descs,
+            buffers,
+            in_flight: 0,
+        };
+        for tag in 0..setup.depth {
+            queue.push_command(sys::UBLK_U_IO_FETCH_REQ, tag, 0)?;
+        }
+        queue.ring.submit().map_err(io("submitting FETCH_REQ"))?;
+        Ok(queue)
+    }
+
+    fn push_command(&mut self, encoded_op: u32, tag: u16, result: i32) -> Result<(), UblkError> {
+        let cmd = IoCmd {
+            q_id: self.setup.q_id,
+            tag,
+            result,
+            addr: self.buffers.addr(tag),
+        };
+        let entry = opcode::UringCmd16::new(
+            types::Fd(self.char_dev.as_raw_fd()),
+            opcode_for(encoded_op, self.setup.ioctl_encode),
+        )
+        .cmd(sys::command_bytes(&cmd))
+        .build()
+        .user_data(u64::from(tag));
+        // SAFETY: the command names tag `tag`'s buffer, which lives in `self.buffers` for as
+        // long as the queue (and so the ring, declared before it and dropped first) exists.
+        unsafe { self.ring.submission().push(&entry) }.map_err(|_| UblkError::Io {
+            what: "queueing an I/O command",
+            source: std::io::ErrorKind::OutOfMemory.into(),
+        })?;
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    /// Serve requests until every tag has been aborted (the device was stopped) or `stop` is
+    /// set and the kernel has gone quiet.
+    pub fn serve(mut self, handler: &dyn BlockHandler, stop: &AtomicBool) -> Result<(), UblkError> {
+        let mut ready: Vec<(u16, i32)> = Vec::with_capacity(self.setup.depth as usize);
+        let args = types::SubmitArgs::new().timespec(&STOP_POLL);
+        while self.in_flight > 0 {
+            match self.ring.submitter().submit_with_args(1, &args) {
+                Ok(_) => {}
+                Err(error) if matches!(error.raw_os_error(), Some(libc::ETIME | libc::EINTR)) => {}
+                Err(source) => {
+                    return Err(UblkError::Io {
+                        what: "waiting for I/O",
+                        source,
+                    })
+                }
+            }
+            ready.extend(
+                self.ring
+                    .completion()
+                    .map(|cqe| (cqe.user_data() as u16, cqe.result())),
+            );
+            if ready.is_empty() && stop.load(Ordering::Acquire) {
+                tracing::debug!(
+                    q = self.setup.q_id,
+                    in_flight = self.in_flight,
+                    "stopping with commands still in the kernel"
+                );
+                break;
+            }
+            for (tag, res) in ready.drain(..) {
+                self.in_flight -= 1;
+                if res == sys::UBLK_IO_RES_ABORT {
+                    continue;
+                }
+                if res != sys::UBLK_IO_RES_OK || tag >= self.setup.depth {
+                    tracing::error!(
+                        q = self.setup.q_id,
+                        tag,
+                        res,
+                        "I/O command failed; tag retired"
+                    );
+                    continue;
+                }
+                let result = self.serve_tag(tag, handler);
+                self.push_command(sys::UBLK_U_IO_COMMIT_AND_FETCH_REQ, tag, result)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Serve the request in tag `tag`; returns what to commit (bytes done or -errno).
+    fn serve_tag(&mut self, tag: u16, handler: &dyn BlockHandler) -> i32 {
+        let desc = self.descs.get(tag);
+        let request = match Request::decode(
+            &desc,
+            self.setup.dev_bytes,
+            BLOCK_SIZE,
+            u64::from(self.setup.max_io_bytes),
+        ) {
+            Ok(request) => request,
+            Err(error) => {
+                tracing::warn!(q = self.setup.q_id, tag, ?desc, %error, "request refused");
+                return error.errno();
+            }
+        };
+        let data_len = match request.op {
+            Op::Read | Op::Write => request.len as usize,
+            _ => 0,
+        };
+        let data = &mut self.buffers.tag_mut(tag)[..data_len];
+        match catch_unwind(AssertUnwindSafe(|| handler.handle(&request, data))) {
+            Ok(Ok(())) => data_len as i32,
+            Ok(Err(errno)) => errno,
+            Err(_) => {
+                tracing::error!(
+                    q = self.setup.q_id,
+                    tag,
+                    ?request,
+                    "handler panicked; request failed with EIO"
+                );
+                -libc::EIO
+            }
+        }
+    }
+}
