@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Every test of the project, as the README's "pass the tests" command:
+#   unit, integration and property tests (cargo test), the committed PTX assembled for every
+#   target GPU (scripts/check-ptx.sh), the systemd units verified (scripts/check-units.sh),
+#   and the end-to-end test of the daemon in a VM (scripts/vm-test.sh).
+# Installs what it needs (apt, pip) on a fresh Debian/Ubuntu machine; run as root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "cargo test"
+cargo test --all-targets
+
+step "PTX kernels (ptxas for sm_75, sm_80, sm_90)"
+bash scripts/check-ptx.sh
+
+step "systemd units (systemd-analyze verify)"
+bash scripts/check-units.sh
+
+step "end-to-end in a VM (scripts/vm-test.sh)"
+bash scripts/vm-test.sh
