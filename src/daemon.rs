@@ -275,6 +275,8 @@ fn sd_notify(state: &str) {
 
 /// Serve the device in this process until SIGTERM/SIGINT or until the device is stopped.
 fn run_foreground(settings: DeviceSettings) -> Result<(), DaemonError> {
+    // Fail before anything else on what needs no set-up: no driver, no permission.
+    drop(crate::ublk::Control::open()?);
     let detached_log = std::env::var_os(DETACHED_ENV).map(PathBuf::from);
     if detached_log.is_some() {
         // Leave the terminal's session so its hangup and job control never reach us.

@@ -1,0 +1,61 @@
+//! The real binary's error paths on a host without a ublk device: one or two lines on
+//! stderr, a non-zero exit, no panic and no backtrace.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn trueno_ublk(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_trueno-ublk"))
+        .args(args)
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .expect("the binary runs")
+}
+
+fn assert_clean_failure(output: &Output, expect: &str) {
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "should fail: {stderr}");
+    assert!(
+        stderr.contains(expect),
+        "stderr should say {expect:?}: {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "no panic: {stderr}");
+    assert!(!stderr.contains("backtrace"), "no backtrace: {stderr}");
+    assert!(
+        stderr.trim().lines().count() <= 2,
+        "one or two lines: {stderr}"
+    );
+}
+
+#[test]
+fn create_without_the_driver_names_the_module() {
+    if Path::new("/dev/ublk-control").exists() {
+        eprintln!("skipped: this host has /dev/ublk-control");
+        return;
+    }
+    let output = trueno_ublk(&["create", "--size", "1G"]);
+    assert_clean_failure(&output, "modprobe ublk_drv");
+    let output = trueno_ublk(&["create", "--size", "1G", "--foreground"]);
+    assert_clean_failure(&output, "modprobe ublk_drv");
+    let output = trueno_ublk(&["list"]);
+    assert_clean_failure(&output, "modprobe ublk_drv");
+}
+
+#[test]
+fn bad_sizes_are_refused_before_anything_else() {
+    for size in ["0", "lots", "-1G", "12X"].map(|s| format!("--size={s}")) {
+        let output = trueno_ublk(&["create", &size]);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success());
+        assert!(stderr.contains("bad size"), "{size}: {stderr}");
+        assert!(!stderr.contains("panicked"));
+    }
+    let output = trueno_ublk(&["create", "--size", "1024T"]);
+    assert_clean_failure(&output, "RAM");
+}
+
+#[test]
+fn create_needs_a_size() {
+    let output = trueno_ublk(&["create"]);
+    assert_clean_failure(&output, "--size");
+}
