@@ -3,7 +3,7 @@
 //! detached and returns once the device is live.
 
 use std::ffi::OsString;
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
 use std::path::{Path, PathBuf};
@@ -256,20 +256,30 @@ fn set_mode(path: &Path, mode: u32) -> Result<(), DaemonError> {
     ))
 }
 
-/// Send a state line to the service manager (or to `create`) if `NOTIFY_SOCKET` is set.
-fn sd_notify(state: &str) {
-    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
-        return;
-    };
-    let path = path.to_string_lossy().into_owned();
-    let address = match path.strip_prefix('@') {
-        Some(name) => SocketAddr::from_abstract_name(name.as_bytes()),
-        None => SocketAddr::from_pathname(&path),
-    };
-    let sent = address
-        .and_then(|address| UnixDatagram::unbound()?.send_to_addr(state.as_bytes(), &address));
-    if let Err(error) = sent {
-        tracing::warn!(%error, socket = path, "sd_notify failed");
+/// Readiness and status for the service manager, or for the `create` that started us
+/// (`NOTIFY_SOCKET`, the sd_notify protocol).
+struct Notifier {
+    socket: Option<String>,
+}
+
+impl Notifier {
+    fn from_env() -> Self {
+        Self {
+            socket: std::env::var_os("NOTIFY_SOCKET").map(|s| s.to_string_lossy().into_owned()),
+        }
+    }
+
+    fn send(&self, state: &str) {
+        let Some(path) = &self.socket else { return };
+        let address = match path.strip_prefix('@') {
+            Some(name) => SocketAddr::from_abstract_name(name.as_bytes()),
+            None => SocketAddr::from_pathname(path),
+        };
+        let sent = address
+            .and_then(|address| UnixDatagram::unbound()?.send_to_addr(state.as_bytes(), &address));
+        if let Err(error) = sent {
+            tracing::warn!(%error, socket = path, "sd_notify failed");
+        }
     }
 }
 
@@ -283,10 +293,11 @@ fn run_foreground(settings: DeviceSettings) -> Result<(), DaemonError> {
         let _ = nix::unistd::setsid();
     }
     init_logging();
-    let result = serve(settings, detached_log.as_deref());
+    let mut notifier = Notifier::from_env();
+    let result = serve(settings, detached_log.as_deref(), &mut notifier);
     if let Err(error) = &result {
         tracing::error!(%error, "trueno-ublk daemon failed");
-        sd_notify(&format!("STATUS={error}\nERRNO={}", libc::EIO));
+        notifier.send(&format!("STATUS={error}\nERRNO={}", libc::EIO));
     }
     result
 }
@@ -300,7 +311,11 @@ fn init_logging() {
         .try_init();
 }
 
-fn serve(settings: DeviceSettings, detached_log: Option<&Path>) -> Result<(), DaemonError> {
+fn serve(
+    settings: DeviceSettings,
+    detached_log: Option<&Path>,
+    notifier: &mut Notifier,
+) -> Result<(), DaemonError> {
     // Lock every page we have and will have: the daemon serves swap, so its own memory must
     // never need swap to be read back.
     if let Err(error) = mlockall(MlockAllFlags::MCL_CURRENT | MlockAllFlags::MCL_FUTURE) {
@@ -382,7 +397,7 @@ fn serve(settings: DeviceSettings, detached_log: Option<&Path>) -> Result<(), Da
             }
         }
     }
-    sd_notify("STOPPING=1");
+    notifier.send("STOPPING=1");
     let stopped = device.shutdown();
     signal_handle.close();
     let _ = signal_thread.join();
