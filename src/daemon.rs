@@ -308,6 +308,7 @@ fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
 }
 
@@ -363,10 +364,14 @@ fn serve(
         println!("{path}");
         let _ = std::io::stdout().flush();
     }
-    sd_notify(&format!(
+    notifier.send(&format!(
         "READY=1\nSTATUS={path}\nMAINPID={}",
         std::process::id()
     ));
+    if detached_log.is_some() {
+        // `create` has printed the path and exited: nobody listens any more.
+        notifier.socket = None;
+    }
 
     let (signal_tx, signal_rx) = crossbeam_channel::bounded(4);
     let signal_handle = signals.handle();
