@@ -184,4 +184,31 @@ mod tests {
             .unwrap()
             .is_swap());
     }
+
+    proptest::proptest! {
+        /// Whatever the kernel (or a corrupted descriptor) says, an accepted request lies
+        /// inside the device, is block aligned, and a data request fits the tag buffer.
+        #[test]
+        fn accepted_requests_are_always_in_bounds(
+            op_flags: u32, nr_sectors: u32, start_sector: u64,
+            dev_pages in 1u64..(1 << 28), max_io_pages in 1u64..512,
+        ) {
+            let dev = dev_pages * 4096;
+            let max_io = max_io_pages * 4096;
+            let input = IoDesc { op_flags, nr_sectors, start_sector, addr: 0 };
+            match Request::decode(&input, dev, 4096, max_io) {
+                Ok(request) if request.op == Op::Flush => proptest::prop_assert_eq!(request.len, 0),
+                Ok(request) => {
+                    proptest::prop_assert!(request.offset + request.len <= dev);
+                    proptest::prop_assert!(request.len > 0);
+                    proptest::prop_assert_eq!(request.offset % 4096, 0);
+                    proptest::prop_assert_eq!(request.len % 4096, 0);
+                    if matches!(request.op, Op::Read | Op::Write) {
+                        proptest::prop_assert!(request.len <= max_io);
+                    }
+                }
+                Err(error) => proptest::prop_assert!(error.errno() < 0),
+            }
+        }
+    }
 }
