@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::cli::{human_size, StatArgs};
+use crate::config::DeviceSettings;
 use crate::store::StoreStats;
 
 /// Where the daemons put their sockets.
@@ -48,6 +49,27 @@ pub struct DeviceReport {
 }
 
 impl DeviceReport {
+    /// The report of this process serving device `id` with `settings`.
+    pub fn new(
+        id: u32,
+        settings: &DeviceSettings,
+        gpu: impl Into<String>,
+        store: StoreStats,
+    ) -> Self {
+        Self {
+            id,
+            device: format!("/dev/ublkb{id}"),
+            pid: std::process::id(),
+            disksize: settings.size_bytes,
+            queues: settings.queues,
+            depth: settings.depth,
+            algorithm: settings.store.algorithm_name(),
+            backend: settings.store.backend_name().to_string(),
+            gpu: gpu.into(),
+            store,
+        }
+    }
+
     /// All memory the device's pages cost: page data plus metadata (zramctl's TOTAL).
     pub fn total_bytes(&self) -> u64 {
         self.store
@@ -380,7 +402,8 @@ pub fn render(probes: &[Probe], format: StatFormat) -> String {
                 size(s.compr_bytes),
                 report.algorithm.clone(),
                 report.queues.to_string(),
-                (s.zero_pages + s.same_pages).to_string(),
+                // zram's same_pages: every same-filled page, zero pages included.
+                s.same_pages.to_string(),
                 size(report.total_bytes()),
                 size(s.mem_limit),
                 size(s.mem_used),

@@ -46,7 +46,7 @@ fn report(id: u32, orig_bytes: u64) -> DeviceReport {
             metadata_bytes: if orig_bytes == 0 { 0 } else { 4096 * 3 },
             mem_limit: 1 << 30,
             zero_pages: 10,
-            same_pages: 5,
+            same_pages: 15,
             pages_simd: 11,
             pages_simd_parallel: 22,
             pages_gpu: 33,
@@ -293,4 +293,40 @@ fn binary_without_devices_says_so_and_exits_zero() {
         .unwrap();
     assert_eq!(output.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&output.stderr).contains("ublkb4"));
+}
+
+#[test]
+fn report_from_device_settings() {
+    use clap::Parser;
+    use trueno_ublk::cli::{Cli, Command as CliCommand};
+    use trueno_ublk::config::{resolve_with, ConfigFile};
+    let cli = Cli::try_parse_from([
+        "trueno-ublk",
+        "create",
+        "--size",
+        "2G",
+        "--queues",
+        "3",
+        "--depth",
+        "32",
+        "--algorithm",
+        "zstd",
+        "--zstd-level",
+        "4",
+        "--backend",
+        "simd",
+    ])
+    .unwrap();
+    let CliCommand::Create(args) = cli.command else {
+        panic!("not create")
+    };
+    let settings = resolve_with(&args, &ConfigFile::default(), 8 << 30).unwrap();
+    let report = DeviceReport::new(6, &settings, "none", StoreStats::default());
+    assert_eq!(report.device, "/dev/ublkb6");
+    assert_eq!(report.pid, std::process::id());
+    assert_eq!(report.disksize, 2 << 30);
+    assert_eq!((report.queues, report.depth), (3, 32));
+    assert_eq!(report.algorithm, "zstd:4");
+    assert_eq!(report.backend, "simd");
+    assert_eq!(report.gpu, "none");
 }
