@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Check every systemd unit in systemd/ with `systemd-analyze verify`; any warning fails.
+# Check every systemd unit in systemd/ with `systemd-analyze verify`, and a boot transaction
+# with swap on device 0 enabled (no ordering cycle); any warning fails.
 # Installs systemd through apt-get when systemd-analyze is missing (CI containers).
 #
 # verify also checks that each command exists. The units name the installed binary
@@ -50,4 +51,19 @@ for unit in "${units[@]}"; do
         failed=1
     fi
 done
+
+# A boot with swap on device 0 enabled: the units must join swap.target (which sysinit.target
+# waits for) without an ordering cycle. verify reports cycles in the start transaction.
+cat >"$work/boot-check.target" <<'UNIT'
+[Unit]
+Description=A boot with trueno-ublk-swap@0.service enabled
+Wants=multi-user.target swap.target trueno-ublk-swap@0.service
+UNIT
+if output=$(cd "$work" && systemd-analyze verify --man=no "$work/boot-check.target" 2>&1) && [ -z "$output" ]; then
+    echo "check-units: boot with trueno-ublk-swap@0.service enabled OK"
+else
+    echo "check-units: boot with trueno-ublk-swap@0.service enabled FAILED" >&2
+    printf '%s\n' "$output" >&2
+    failed=1
+fi
 exit "$failed"
