@@ -26,6 +26,9 @@ pub enum Command {
     Stat(StatArgs),
     /// Benchmark the page store on a corpus of pages (and kernel zram with --compare-zram).
     Bench(crate::bench::BenchArgs),
+    /// Enable /dev/ublkbN as swap with discard and the configured priority (used by
+    /// trueno-ublk-swap@.service after mkswap).
+    Swapon(crate::config::SwaponArgs),
 }
 
 /// Compression algorithm on the command line.
@@ -196,6 +199,7 @@ pub fn main() -> i32 {
         Command::Delete(args) => crate::devices::delete(&args).map_err(Into::into),
         Command::Stat(args) => crate::stats::stat(&args).map_err(Into::into),
         Command::Bench(args) => crate::bench::run(&args).map_err(Into::into),
+        Command::Swapon(args) => crate::config::swapon(&args).map_err(Into::into),
     };
     match result {
         Ok(()) => 0,

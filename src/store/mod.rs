@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::codec::{Algorithm, Backend, BatchCodec, PAGE_SIZE};
@@ -94,7 +94,7 @@ impl StoreError {
 }
 
 /// A point-in-time copy of the store's counters (zram's mm_stat and more).
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct StoreStats {
     pub disk_size: u64,
     /// Bytes of pages written and held (same-filled pages included), like zram's orig_data_size.

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Install trueno-ublk: the release binary, the systemd units, the example config (as
+# /etc/trueno-ublk.conf unless that exists) and a modules-load.d entry for ublk_drv.
+#
+#   sudo scripts/install.sh                  install under /usr/local (builds if needed)
+#   sudo scripts/install.sh --uninstall      stop the units and remove what was installed
+#   DESTDIR=/tmp/stage scripts/install.sh    stage into a directory (packaging, tests)
+#
+# Options: --prefix DIR (default /usr/local), --unitdir DIR (default /etc/systemd/system),
+# --binary FILE (install this binary instead of building target/release/trueno-ublk).
+# The config and modules-load.d entry always go under /etc, where the units look.
+set -euo pipefail
+
+usage() {
+    sed -n '2,11s/^# \{0,1\}//p' "$0"
+    exit "${1:-0}"
+}
+
+prefix=/usr/local
+unitdir=/etc/systemd/system
+binary=""
+uninstall=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --prefix) prefix=${2:?--prefix needs a directory}; shift 2 ;;
+        --prefix=*) prefix=${1#*=}; shift ;;
+        --unitdir) unitdir=${2:?--unitdir needs a directory}; shift 2 ;;
+        --unitdir=*) unitdir=${1#*=}; shift ;;
+        --binary) binary=${2:?--binary needs a file}; shift 2 ;;
+        --binary=*) binary=${1#*=}; shift ;;
+        --uninstall) uninstall=1; shift ;;
+        -h|--help) usage 0 ;;
+        *) echo "install.sh: unknown option '$1'" >&2; usage 2 >&2 ;;
+    esac
+done
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+destdir=${DESTDIR:-}
+bindir="$prefix/bin"
+docdir="$prefix/share/doc/trueno-ublk"
+config=/etc/trueno-ublk.conf
+modules_load=/etc/modules-load.d/trueno-ublk.conf
+units=(trueno-ublk@.service trueno-ublk-swap@.service)
+example="$repo/systemd/trueno-ublk.conf.example"
+
+# systemctl only for a real install on a host that runs systemd.
+with_systemd() {
+    [ -z "$destdir" ] && [ -d /run/systemd/system ] && command -v systemctl >/dev/null 2>&1
+}
+
+if [ "$uninstall" -eq 1 ]; then
+    if with_systemd; then
+        # Swap first, then the daemons (which delete their devices).
+        for pattern in 'trueno-ublk-swap@*.service' 'trueno-ublk@*.service'; do
+            mapfile -t active < <(systemctl list-units --plain --no-legend --state=active "$pattern" | awk '{print $1}')
+            if [ "${#active[@]}" -gt 0 ]; then
+                echo "stopping ${active[*]}"
+                systemctl stop "${active[@]}"
+            fi
+        done
+        systemctl disable "${units[@]}" >/dev/null 2>&1 || true
+    fi
+    # Enablement symlinks (systemctl disable removes them too; DESTDIR installs have no systemctl).
+    if [ -d "$destdir/etc/systemd/system" ]; then
+        find "$destdir/etc/systemd/system" -path '*.wants/trueno-ublk*@*.service' -type l -print -delete
+    fi
+    for file in "$bindir/trueno-ublk" "$unitdir/${units[0]}" "$unitdir/${units[1]}" "$modules_load" \
+        "$docdir/trueno-ublk.conf.example" "$docdir/README.md"; do
+        if [ -e "$destdir$file" ]; then
+            rm -f "$destdir$file"
+            echo "removed $destdir$file"
+        fi
+    done
+    rmdir "$destdir$docdir" 2>/dev/null || true
+    if [ -e "$destdir$config" ]; then
+        if cmp -s "$destdir$config" "$example"; then
+            rm -f "$destdir$config"
+            echo "removed $destdir$config"
+        else
+            echo "kept $destdir$config (changed from the example; remove it yourself)"
+        fi
+    fi
+    if with_systemd; then
+        systemctl daemon-reload
+    fi
+    exit 0
+fi
+
+if [ -z "$binary" ]; then
+    binary="$repo/target/release/trueno-ublk"
+    if command -v cargo >/dev/null 2>&1; then
+        (cd "$repo" && cargo build --release --locked --bin trueno-ublk)
+    elif [ ! -x "$binary" ]; then
+        echo "install.sh: no $binary and no cargo to build it; run 'cargo build --release' first" >&2
+        exit 1
+    fi
+fi
+if [ ! -x "$binary" ]; then
+    echo "install.sh: $binary is not an executable" >&2
+    exit 1
+fi
+
+install -d "$destdir$bindir" "$destdir$unitdir" "$destdir/etc/modules-load.d" "$destdir$docdir"
+install -m 0755 "$binary" "$destdir$bindir/trueno-ublk"
+echo "installed $destdir$bindir/trueno-ublk"
+for unit in "${units[@]}"; do
+    # The units name /usr/local/bin/trueno-ublk; point them at this prefix.
+    sed "s#/usr/local/bin/trueno-ublk#$bindir/trueno-ublk#g" "$repo/systemd/$unit" >"$destdir$unitdir/$unit.tmp"
+    chmod 0644 "$destdir$unitdir/$unit.tmp"
+    mv "$destdir$unitdir/$unit.tmp" "$destdir$unitdir/$unit"
+    echo "installed $destdir$unitdir/$unit"
+done
+echo ublk_drv >"$destdir$modules_load"
+chmod 0644 "$destdir$modules_load"
+echo "installed $destdir$modules_load"
+install -m 0644 "$example" "$destdir$docdir/trueno-ublk.conf.example"
+install -m 0644 "$repo/README.md" "$destdir$docdir/README.md"
+if [ -e "$destdir$config" ]; then
+    echo "kept $destdir$config (exists; the example is in $destdir$docdir)"
+else
+    install -m 0644 "$example" "$destdir$config"
+    echo "installed $destdir$config"
+fi
+
+if with_systemd; then
+    systemctl daemon-reload
+fi
+if [ -z "$destdir" ]; then
+    cat <<MSG
+
+Next: load the driver now (it loads at every boot from $modules_load) and enable swap on
+/dev/ublkb0 at boot, configured by $config:
+    modprobe ublk_drv
+    systemctl enable --now trueno-ublk-swap@0.service
+MSG
+fi

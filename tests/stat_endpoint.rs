@@ -1,0 +1,332 @@
+//! The statistics endpoint end to end in a temporary directory: a server per device answers
+//! with its live report, `stat` reads and prints them, stale and broken sockets are reported.
+
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use trueno_ublk::cli::StatArgs;
+use trueno_ublk::stats::{
+    collect, render, serve_in, socket_path, stat_in, DeviceReport, Probe, StatError, StatFormat,
+    COLUMNS,
+};
+use trueno_ublk::store::StoreStats;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tu-stat-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn report(id: u32, orig_bytes: u64) -> DeviceReport {
+    DeviceReport {
+        id,
+        device: format!("/dev/ublkb{id}"),
+        pid: 4242,
+        disksize: 8 << 30,
+        queues: 2,
+        depth: 64,
+        algorithm: "lz4".into(),
+        backend: "auto".into(),
+        gpu: "unavailable: no libcuda".into(),
+        store: StoreStats {
+            disk_size: 8 << 30,
+            orig_bytes,
+            compr_bytes: orig_bytes / 4,
+            // An empty device holds no memory.
+            mem_used: if orig_bytes == 0 {
+                0
+            } else {
+                orig_bytes / 4 + 4096
+            },
+            metadata_bytes: if orig_bytes == 0 { 0 } else { 4096 * 3 },
+            mem_limit: 1 << 30,
+            zero_pages: 10,
+            same_pages: 15,
+            pages_simd: 11,
+            pages_simd_parallel: 22,
+            pages_gpu: 33,
+            batch_flushes: 44,
+            failed_reads: 1,
+            failed_writes: 2,
+            ..StoreStats::default()
+        },
+    }
+}
+
+fn args(id: Option<u32>, json: bool, raw: bool) -> StatArgs {
+    StatArgs { id, json, raw }
+}
+
+fn stat_text(dir: &Path, args: &StatArgs) -> Result<String, StatError> {
+    let mut out = Vec::new();
+    stat_in(dir, args, &mut out)?;
+    Ok(String::from_utf8(out).unwrap())
+}
+
+#[test]
+fn server_answers_live_reports_and_cleans_up() {
+    let dir = temp_dir("live");
+    let written = Arc::new(AtomicU64::new(4096));
+    let counter = Arc::clone(&written);
+    let server = serve_in(&dir, 0, move || report(0, counter.load(Ordering::Relaxed))).unwrap();
+    let path = socket_path(&dir, 0);
+    assert_eq!(server.path(), path);
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&dir), 0o700);
+    assert_eq!(mode(&path), 0o600);
+
+    let probes = collect(&dir, None).unwrap();
+    let [Probe::Live(first)] = probes.as_slice() else {
+        panic!("{probes:?}")
+    };
+    assert_eq!(first.id, 0);
+    assert_eq!(first.store.orig_bytes, 4096);
+    assert_eq!(first.store.pages_gpu, 33);
+    assert_eq!(first.gpu, "unavailable: no libcuda");
+
+    // Each connection gets the state of that moment.
+    written.store(3 << 30, Ordering::Relaxed);
+    let probes = collect(&dir, Some(0)).unwrap();
+    let [Probe::Live(second)] = probes.as_slice() else {
+        panic!("{probes:?}")
+    };
+    assert_eq!(second.store.orig_bytes, 3 << 30);
+
+    drop(server);
+    assert!(!path.exists(), "socket left behind");
+    assert!(collect(&dir, None).unwrap().is_empty());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn table_json_and_raw_output() {
+    let dir = temp_dir("render");
+    let _zero = serve_in(&dir, 0, || report(0, 3 << 30)).unwrap();
+    let _seven = serve_in(&dir, 7, || report(7, 0)).unwrap();
+
+    let table = stat_text(&dir, &args(None, false, false)).unwrap();
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 3, "{table}");
+    let header: Vec<&str> = lines[0].split_whitespace().collect();
+    assert_eq!(header, COLUMNS);
+    let row: Vec<&str> = lines[1].split_whitespace().collect();
+    // NAME DISKSIZE DATA COMPR ALGORITHM STREAMS ZERO-PAGES TOTAL MEM-LIMIT MEM-USED COMP-RATIO
+    assert_eq!(
+        &row[..11],
+        [
+            "/dev/ublkb0",
+            "8G",
+            "3G",
+            "768M",
+            "lz4",
+            "2",
+            "15",
+            "768M",
+            "1G",
+            "768M",
+            "4.00"
+        ]
+    );
+    // PAGES-SIMD PAGES-PARALLEL PAGES-GPU FLUSHES READ-ERRS WRITE-ERRS GPU...
+    assert_eq!(&row[11..17], ["11", "22", "33", "44", "1", "2"]);
+    assert!(lines[1].ends_with("unavailable: no libcuda"));
+    assert!(lines[2].starts_with("/dev/ublkb7"), "sorted by id: {table}");
+    // Nothing stored: no ratio.
+    assert_eq!(lines[2].split_whitespace().nth(10), Some("-"));
+    // Every row lines up under the header.
+    let zero_pages_end = lines[0].find("ZERO-PAGES").unwrap() + "ZERO-PAGES".len();
+    assert_eq!(&lines[1][zero_pages_end - 2..zero_pages_end], "15");
+
+    let raw = stat_text(&dir, &args(Some(0), false, true)).unwrap();
+    let row: Vec<&str> = raw.lines().nth(1).unwrap().split_whitespace().collect();
+    assert_eq!(row[1], (8u64 << 30).to_string());
+    assert_eq!(row[2], (3u64 << 30).to_string());
+    assert_eq!(raw.lines().count(), 2);
+
+    let json = stat_text(&dir, &args(None, true, false)).unwrap();
+    let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let devices = value["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 2);
+    assert_eq!(devices[0]["id"], 0);
+    assert_eq!(devices[0]["device"], "/dev/ublkb0");
+    assert_eq!(devices[0]["store"]["orig_bytes"], 3u64 << 30);
+    let total = (3u64 << 30) / 4 + 4096 * 4;
+    assert_eq!(devices[0]["total"], total);
+    assert_eq!(devices[0]["comp_ratio"], (3u64 << 30) as f64 / total as f64);
+    assert_eq!(devices[1]["comp_ratio"], serde_json::Value::Null);
+    assert!(value["unreachable"].as_array().unwrap().is_empty());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn no_devices_is_said_and_not_an_error() {
+    let dir = temp_dir("none");
+    // No directory at all (no daemon ever ran).
+    let text = stat_text(&dir, &args(None, false, false)).unwrap();
+    assert_eq!(text, "no running trueno-ublk devices\n");
+    let json = stat_text(&dir, &args(None, true, false)).unwrap();
+    let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert!(value["devices"].as_array().unwrap().is_empty());
+    // An empty directory, and files that are not device sockets.
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("notes.txt"), "x").unwrap();
+    std::fs::write(dir.join("ublkbX.sock"), "x").unwrap();
+    let text = stat_text(&dir, &args(None, false, false)).unwrap();
+    assert_eq!(text, "no running trueno-ublk devices\n");
+    // Asking for one device that does not run is an error that names it.
+    let error = stat_text(&dir, &args(Some(3), false, false)).unwrap_err();
+    assert!(matches!(error, StatError::NoSuchDevice { id: 3, .. }));
+    assert!(error.to_string().contains("ublkb3"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn stale_socket_is_reported_then_replaced() {
+    let dir = temp_dir("stale");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = socket_path(&dir, 2);
+    // A daemon that died: its socket file stays, nobody listens.
+    drop(UnixListener::bind(&path).unwrap());
+    assert!(path.exists());
+    let _live = serve_in(&dir, 1, || report(1, 4096)).unwrap();
+
+    let probes = collect(&dir, None).unwrap();
+    assert!(matches!(probes[0], Probe::Live(ref r) if r.id == 1));
+    assert!(matches!(probes[1], Probe::Unreachable { id: 2, .. }));
+    let text = render(&probes, StatFormat::Table);
+    assert!(text.lines().nth(1).unwrap().starts_with("/dev/ublkb1"));
+    let last = text.lines().last().unwrap();
+    assert!(
+        last.starts_with("ublkb2: stale socket") && last.contains("ublkb2.sock"),
+        "{text}"
+    );
+    let json = render(&probes, StatFormat::Json);
+    let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(value["unreachable"][0]["id"], 2);
+    // Only the stale one: still not an error.
+    let text = stat_text(&dir, &args(Some(2), false, false)).unwrap();
+    assert!(text.starts_with("no running trueno-ublk devices\nublkb2: stale socket"));
+
+    // A new daemon for id 2 removes the stale socket and serves.
+    let _new = serve_in(&dir, 2, || report(2, 8192)).unwrap();
+    let probes = collect(&dir, Some(2)).unwrap();
+    assert!(matches!(probes[..], [Probe::Live(ref r)] if r.store.orig_bytes == 8192));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_live_socket_is_not_taken_over() {
+    let dir = temp_dir("taken");
+    let first = serve_in(&dir, 0, || report(0, 4096)).unwrap();
+    let error = serve_in(&dir, 0, || report(0, 0))
+        .err()
+        .expect("second server refused");
+    assert_eq!(error.kind(), std::io::ErrorKind::AddrInUse);
+    assert!(error.to_string().contains("ublkb0.sock"));
+    // The refused server did not disturb the first one.
+    let probes = collect(&dir, None).unwrap();
+    assert!(matches!(probes[..], [Probe::Live(ref r)] if r.store.orig_bytes == 4096));
+    // A path that is not a socket is not removed either.
+    std::fs::write(socket_path(&dir, 5), "data").unwrap();
+    let error = serve_in(&dir, 5, || report(5, 0)).err().unwrap();
+    assert!(error.to_string().contains("not a socket"), "{error}");
+    assert_eq!(std::fs::read(socket_path(&dir, 5)).unwrap(), b"data");
+    drop(first);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn garbage_and_wrong_answers_are_reported() {
+    let dir = temp_dir("garbage");
+    std::fs::create_dir_all(&dir).unwrap();
+    let garbage = UnixListener::bind(socket_path(&dir, 0)).unwrap();
+    let wrong = UnixListener::bind(socket_path(&dir, 1)).unwrap();
+    let server = std::thread::spawn(move || {
+        let (mut stream, _) = garbage.accept().unwrap();
+        stream.write_all(b"this is not json\n").unwrap();
+        drop(stream);
+        let (mut stream, _) = wrong.accept().unwrap();
+        let mut line = serde_json::to_vec(&report(9, 0)).unwrap();
+        line.push(b'\n');
+        stream.write_all(&line).unwrap();
+    });
+    let probes = collect(&dir, None).unwrap();
+    server.join().unwrap();
+    let reasons: Vec<&str> = probes
+        .iter()
+        .map(|probe| match probe {
+            Probe::Unreachable { reason, .. } => reason.as_str(),
+            Probe::Live(report) => panic!("accepted {report:?}"),
+        })
+        .collect();
+    assert!(reasons[0].contains("unreadable answer"), "{reasons:?}");
+    assert!(reasons[1].contains("ublkb9"), "{reasons:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn binary_without_devices_says_so_and_exits_zero() {
+    if Path::new(trueno_ublk::stats::SOCKET_DIR).exists() {
+        eprintln!(
+            "skipped: {} exists on this host",
+            trueno_ublk::stats::SOCKET_DIR
+        );
+        return;
+    }
+    let output = Command::new(env!("CARGO_BIN_EXE_trueno-ublk"))
+        .arg("stat")
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(0));
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        "no running trueno-ublk devices\n"
+    );
+    let output = Command::new(env!("CARGO_BIN_EXE_trueno-ublk"))
+        .args(["stat", "--id", "4"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("ublkb4"));
+}
+
+#[test]
+fn report_from_device_settings() {
+    use clap::Parser;
+    use trueno_ublk::cli::{Cli, Command as CliCommand};
+    use trueno_ublk::config::{resolve_with, ConfigFile};
+    let cli = Cli::try_parse_from([
+        "trueno-ublk",
+        "create",
+        "--size",
+        "2G",
+        "--queues",
+        "3",
+        "--depth",
+        "32",
+        "--algorithm",
+        "zstd",
+        "--zstd-level",
+        "4",
+        "--backend",
+        "simd",
+    ])
+    .unwrap();
+    let CliCommand::Create(args) = cli.command else {
+        panic!("not create")
+    };
+    let settings = resolve_with(&args, &ConfigFile::default(), 8 << 30).unwrap();
+    let report = DeviceReport::new(6, &settings, "none", StoreStats::default());
+    assert_eq!(report.device, "/dev/ublkb6");
+    assert_eq!(report.pid, std::process::id());
+    assert_eq!(report.disksize, 2 << 30);
+    assert_eq!((report.queues, report.depth), (3, 32));
+    assert_eq!(report.algorithm, "zstd:4");
+    assert_eq!(report.backend, "simd");
+    assert_eq!(report.gpu, "none");
+}
