@@ -18,7 +18,6 @@
 
 use std::io;
 use std::path::{Path, PathBuf};
-use std::process::Command as Process;
 use std::time::Duration;
 
 use clap::Args;
@@ -79,8 +78,6 @@ pub enum ConfigError {
     NeedsId { path: PathBuf },
     #[error("cannot read the RAM size from /proc/meminfo ({0}); give --size explicitly")]
     Meminfo(String),
-    #[error("cannot run swapon ({0}); install util-linux or busybox")]
-    SwaponSpawn(io::Error),
     #[error("'{command}' failed with {status}")]
     SwaponFailed { command: String, status: String },
 }
@@ -754,15 +751,14 @@ pub fn swapon(args: &SwaponArgs) -> Result<(), ConfigError> {
         println!("{}", command.join(" "));
         return Ok(());
     }
-    let status = Process::new(&command[0])
-        .args(&command[1..])
-        .status()
-        .map_err(ConfigError::SwaponSpawn)?;
-    if !status.success() {
-        return Err(ConfigError::SwaponFailed {
-            command: command.join(" "),
-            status: status.to_string(),
-        });
-    }
-    Ok(())
+    // swapon(2) directly: busybox's swapon (in minimal systems) has no priority option.
+    let path = format!("/dev/ublkb{}", args.id);
+    let c_path = std::ffi::CString::new(path.clone()).map_err(|_| ConfigError::SwaponFailed {
+        command: command.join(" "),
+        status: "bad path".into(),
+    })?;
+    crate::ublk::sys::swapon(&c_path, priority).map_err(|error| ConfigError::SwaponFailed {
+        command: command.join(" "),
+        status: error.to_string(),
+    })
 }

@@ -16,14 +16,15 @@ use nix::sys::mman::{mlockall, MlockAllFlags};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use thiserror::Error;
 
-use crate::cli::{AlgorithmArg, BackendArg, CreateArgs, StoreArgs};
-use crate::codec::{Algorithm, Backend};
-use crate::store::{BatchedPageStore, StoreConfig, StoreError};
+use crate::cli::CreateArgs;
+use crate::config::{self, DeviceSettings};
+use crate::stats::{self, DeviceReport};
+use crate::store::{BatchedPageStore, StoreError};
 use crate::ublk::device::block_path;
 use crate::ublk::{BlockHandler, Device, DeviceSpec, Op, Request, UblkError};
 
 /// Where daemons keep their logs and endpoints (root only).
-pub const RUN_DIR: &str = "/run/trueno-ublk";
+pub const RUN_DIR: &str = stats::SOCKET_DIR;
 /// Environment variable telling a started daemon that it was detached by `create`.
 const DETACHED_ENV: &str = "TRUENO_UBLK_DETACHED_LOG";
 /// How long `create` waits for a detached daemon to report the device live. START_DEV
@@ -32,8 +33,6 @@ const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Bytes of buffer per tag: the largest READ or WRITE the kernel sends us.
 pub const DEFAULT_MAX_IO_BYTES: u32 = 256 << 10;
-pub const DEFAULT_QUEUES: u16 = 1;
-pub const DEFAULT_DEPTH: u16 = 64;
 /// Stack of rayon workers: they compress pages, and with `mlockall` every byte is locked.
 const WORKER_STACK_BYTES: usize = 1 << 20;
 
@@ -59,72 +58,14 @@ fn io_error(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DaemonErr
     move |source| DaemonError::Io { what, source }
 }
 
-/// The settings of one device, after the command line (and config file) are resolved.
-#[derive(Clone, Debug)]
-pub struct DeviceSettings {
-    pub spec: DeviceSpec,
-    pub store: StoreConfig,
-}
-
-/// Turn `create`'s arguments into device settings.
-pub fn resolve_settings(args: &CreateArgs) -> Result<DeviceSettings, DaemonError> {
-    let size_bytes = args
-        .size
-        .ok_or_else(|| DaemonError::Settings("missing --size (e.g. --size 8G)".into()))?;
-    check_size_against_ram(size_bytes)?;
-    let spec = DeviceSpec {
-        id: args.id,
-        size_bytes,
-        queues: args.queues.unwrap_or(DEFAULT_QUEUES),
-        depth: args.depth.unwrap_or(DEFAULT_DEPTH),
-        max_io_bytes: DEFAULT_MAX_IO_BYTES,
-    };
-    spec.validate()?;
-    let store = store_config(size_bytes, &args.store)?;
-    Ok(DeviceSettings { spec, store })
-}
-
-/// The store settings for a device of `size_bytes` from the store options (defaults where
-/// an option is absent). Shared by `create` and `bench`.
-pub fn store_config(size_bytes: u64, args: &StoreArgs) -> Result<StoreConfig, DaemonError> {
-    let mut config = StoreConfig::new(size_bytes);
-    let zstd_level = args.zstd_level.unwrap_or(1);
-    config.algorithm = match args.algorithm.unwrap_or(AlgorithmArg::Lz4) {
-        AlgorithmArg::Lz4 => Algorithm::Lz4,
-        AlgorithmArg::Zstd => Algorithm::Zstd { level: zstd_level },
-        AlgorithmArg::Adaptive => Algorithm::Adaptive,
-    };
-    config.forced_backend = match args.backend.unwrap_or(BackendArg::Auto) {
-        BackendArg::Auto => None,
-        BackendArg::Simd => Some(Backend::Simd),
-        BackendArg::SimdParallel => Some(Backend::SimdParallel),
-        BackendArg::Gpu => Some(Backend::Gpu),
-    };
-    config.batched = !args.no_batched;
-    if let Some(threshold) = args.batch_threshold {
-        if threshold == 0 {
-            return Err(DaemonError::Settings(
-                "--batch-threshold must be at least 1".into(),
-            ));
-        }
-        config.batch_threshold = threshold;
-    }
-    if let Some(ms) = args.flush_timeout_ms {
-        config.flush_timeout = Duration::from_millis(ms.max(1));
-    }
-    config.mem_limit = args.mem_limit;
-    Ok(config)
-}
-
-/// The page table costs 16 bytes per 4 KiB page up front; refuse a size whose table would
-/// take more than an eighth of RAM (that is, more than 32 times RAM), which no compressed
+/// Refuse a size whose page table (16 bytes per 4 KiB page, allocated up front) would take
+/// more than an eighth of RAM, that is a device more than 32 times RAM, which no compressed
 /// RAM device could fill anyway.
 fn check_size_against_ram(size_bytes: u64) -> Result<(), DaemonError> {
-    let Some(ram) = total_ram_bytes() else {
+    let Ok(ram) = config::ram_bytes() else {
         return Ok(());
     };
-    let max = ram.saturating_mul(32);
-    if size_bytes > max {
+    if size_bytes > ram.saturating_mul(32) {
         return Err(DaemonError::Settings(format!(
             "size {} is more than 32 times this machine's RAM ({}); a compressed RAM device \
              cannot hold that much",
@@ -135,17 +76,22 @@ fn check_size_against_ram(size_bytes: u64) -> Result<(), DaemonError> {
     Ok(())
 }
 
-/// MemTotal from /proc/meminfo.
-pub fn total_ram_bytes() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+/// The ublk side of the settings.
+fn device_spec(settings: &DeviceSettings) -> DeviceSpec {
+    DeviceSpec {
+        id: settings.id,
+        size_bytes: settings.size_bytes,
+        queues: settings.queues,
+        depth: settings.depth,
+        max_io_bytes: DEFAULT_MAX_IO_BYTES,
+    }
 }
 
 /// `trueno-ublk create`.
 pub fn create(args: CreateArgs) -> Result<(), DaemonError> {
-    let settings = resolve_settings(&args)?;
+    let settings = config::resolve(&args).map_err(|e| DaemonError::Settings(e.to_string()))?;
+    check_size_against_ram(settings.size_bytes)?;
+    device_spec(&settings).validate()?;
     if args.foreground {
         run_foreground(settings)
     } else {
@@ -158,7 +104,7 @@ pub fn create(args: CreateArgs) -> Result<(), DaemonError> {
 fn start_detached(settings: &DeviceSettings) -> Result<(), DaemonError> {
     // Fail fast, in the user's terminal, on what we can check here.
     drop(crate::ublk::Control::open()?);
-    if let Some(id) = settings.spec.id {
+    if let Some(id) = settings.id {
         if Path::new(&format!("/sys/class/ublk-char/ublkc{id}")).exists() {
             return Err(UblkError::IdInUse(id).into());
         }
@@ -332,7 +278,7 @@ fn serve(
     // Signals first, so a SIGTERM during start-up is not lost.
     let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])
         .map_err(io_error("installing signal handlers"))?;
-    let store = BatchedPageStore::new(settings.store.clone(), None)?;
+    let store = BatchedPageStore::new(settings.store_config(), None)?;
     let flusher = store
         .start_flusher(|| {
             if let Err(error) = crate::ublk::sys::set_io_flusher() {
@@ -346,7 +292,7 @@ fn serve(
     });
 
     let started = Instant::now();
-    let device = Device::create(settings.spec, handler)?;
+    let device = Device::create(device_spec(&settings), handler)?;
     let id = device.id();
     let path = block_path(id);
     if let Some(log) = detached_log {
@@ -354,12 +300,20 @@ fn serve(
     }
     tracing::info!(
         device = path,
-        size = settings.spec.size_bytes,
+        size = settings.size_bytes,
         queues = device.info().nr_hw_queues,
         depth = device.info().queue_depth,
         ms = started.elapsed().as_millis() as u64,
         "device live"
     );
+    // Only root can read the endpoint; `stat` still works for the device if it fails.
+    let report_store = store.clone();
+    let report_settings = settings.clone();
+    let _stats_endpoint = stats::serve(id, move || {
+        DeviceReport::new(id, &report_settings, "none", report_store.stats())
+    })
+    .map_err(|error| tracing::warn!(%error, "stats endpoint unavailable: `trueno-ublk stat` will not see this device"))
+    .ok();
     if detached_log.is_none() {
         println!("{path}");
         let _ = std::io::stdout().flush();

@@ -55,7 +55,7 @@ fn bad_sizes_are_refused_before_anything_else() {
 }
 
 #[test]
-fn create_needs_a_size() {
-    let output = trueno_ublk(&["create"]);
-    assert_clean_failure(&output, "--size");
+fn a_config_file_needs_a_device_id() {
+    let output = trueno_ublk(&["create", "--config", "/nonexistent.conf"]);
+    assert_clean_failure(&output, "--id");
 }

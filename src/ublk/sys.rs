@@ -281,6 +281,26 @@ pub fn is_io_flusher() -> std::io::Result<bool> {
     }
 }
 
+// swapon(2) flags, from `include/linux/swap.h`.
+const SWAP_FLAG_PREFER: libc::c_int = 0x8000;
+const SWAP_FLAG_PRIO_MASK: libc::c_int = 0x7fff;
+const SWAP_FLAG_DISCARD: libc::c_int = 0x10000;
+
+/// Enable `path` as swap with `priority` and discard (a ublk device gets no swap-slot-free
+/// notification, so discard is how freed slots give their memory back). The system call
+/// itself, because busybox's swapon has no priority option.
+pub fn swapon(path: &std::ffi::CStr, priority: u16) -> std::io::Result<()> {
+    let flags =
+        SWAP_FLAG_PREFER | (libc::c_int::from(priority) & SWAP_FLAG_PRIO_MASK) | SWAP_FLAG_DISCARD;
+    // SAFETY: `path` is NUL-terminated and outlives the call; the kernel only reads it.
+    let rc = unsafe { libc::swapon(path.as_ptr(), flags) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
