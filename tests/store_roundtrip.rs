@@ -177,7 +177,7 @@ fn mem_limit_gives_enospc_and_discard_recovers() {
         assert_eq!(err.errno(), -libc::ENOSPC);
         // Random pages are stored raw: the limit admits at most 64 of them.
         assert!(
-            written <= 64 && written >= 48,
+            (48..=64).contains(&written),
             "batched={batched}: {written} pages admitted"
         );
         // Same-filled pages need no memory and still succeed.
