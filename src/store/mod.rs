@@ -234,7 +234,6 @@ struct Control {
 /// The page store.
 pub struct BatchedPageStore {
     config: StoreConfig,
-    pages: u64,
     table: PageTable,
     alloc: ZsAllocator,
     gpu: Option<Arc<dyn BatchCodec>>,
@@ -347,7 +346,6 @@ impl BatchedPageStore {
         Ok(Arc::new(Self {
             simd: CpuCodec::single(config.algorithm),
             parallel: CpuCodec::parallel(config.algorithm),
-            pages,
             table: PageTable::new(table_pages),
             alloc: ZsAllocator::new(),
             gpu,
@@ -839,11 +837,6 @@ impl BatchedPageStore {
 
     pub fn size_bytes(&self) -> u64 {
         self.config.size_bytes
-    }
-
-    /// Number of pages of the device.
-    pub fn pages(&self) -> u64 {
-        self.pages
     }
 
     /// Test hook: overwrite a stored page's compressed bytes with `byte`.
