@@ -406,28 +406,24 @@ impl BatchedPageStore {
         let mut ctl = self.control.lock();
         while !ctl.stop {
             let batch = &self.batches[self.current.load(Ordering::Acquire)];
-            let due = batch.is_full()
-                || match batch.first_write_ns() {
-                    Some(first) => {
-                        let deadline = first.saturating_add(timeout_ns);
-                        let now = self.now_ns();
-                        if now < deadline {
-                            let wait = Duration::from_nanos(deadline - now);
-                            self.flusher_wake.wait_for(&mut ctl, wait);
-                            continue;
-                        }
-                        true
-                    }
-                    None => {
-                        self.flusher_wake.wait(&mut ctl);
-                        continue;
-                    }
+            if !batch.is_full() {
+                // Not full: wait for the first page's writer to note its time (it wakes us),
+                // then until that page is `flush_timeout` old, or for the batch to fill.
+                let Some(first) = batch.first_write_ns() else {
+                    self.flusher_wake.wait(&mut ctl);
+                    continue;
                 };
-            if due {
-                drop(ctl);
-                self.flush_open_batch();
-                ctl = self.control.lock();
+                let deadline = first.saturating_add(timeout_ns);
+                let now = self.now_ns();
+                if now < deadline {
+                    let wait = Duration::from_nanos(deadline - now);
+                    self.flusher_wake.wait_for(&mut ctl, wait);
+                    continue;
+                }
             }
+            drop(ctl);
+            self.flush_open_batch();
+            ctl = self.control.lock();
         }
         drop(ctl);
         self.flush_open_batch();
