@@ -7,6 +7,11 @@
 //! `batch_threshold` pages or its oldest page is `flush_timeout` old, and swaps each entry from
 //! its slot to the stored object, unless a newer write or discard changed the entry meanwhile.
 //!
+//! Batch compression, installing and reads of 1 MiB or more run on rayon's global pool: a
+//! daemon that needs those threads to be I/O flushers builds the global pool with a start
+//! handler, and must not call `write` from inside that pool (a writer waiting for a free batch
+//! would hold a worker the flush needs).
+//!
 //! Locks, always taken in this order: the flush mutex (one flush at a time), a page-table
 //! entry's lock bit, an allocator class, its chunk directory, one chunk. A pending slot's lock
 //! is taken alone by writers and under an entry lock by readers and the flusher.
