@@ -13,8 +13,11 @@
 //! would hold a worker the flush needs).
 //!
 //! Locks, always taken in this order: the flush mutex (one flush at a time), a page-table
-//! entry's lock bit, an allocator class, its chunk directory, one chunk. A pending slot's lock
-//! is taken alone by writers and under an entry lock by readers and the flusher.
+//! entry's lock bit, an allocator class, its chunk directory, one chunk. Pending slots stand
+//! apart: only the writer that reserved a slot in the open batch write-locks it (holding
+//! nothing else), while readers (under an entry lock) and the flusher (around its entry locks)
+//! only read-lock slots, and the flusher only those of the sealed batch, so they never wait
+//! on each other.
 
 mod alloc;
 mod pending;
