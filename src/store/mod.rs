@@ -35,7 +35,8 @@ use thiserror::Error;
 pub use crate::codec::BackendThresholds;
 use crate::codec::{
     classify, compress_page, decompress_page, fill_page, select_backend, Algorithm, Backend,
-    BatchCodec, CompressedBatch, CpuCodec, Encoding, Page, PageClass, PAGE_SIZE,
+    BatchCodec, CompressedBatch, CpuCodec, Encoding, Page, PageClass, MAX_COMPRESSED_LEN,
+    PAGE_SIZE,
 };
 use alloc::ZsAllocator;
 use pending::{PendingBatch, PendingSlot, Reserve};
@@ -614,13 +615,13 @@ impl BatchedPageStore {
         // Installing is an allocation and a copy per page: spread it like the compression.
         if backend == Backend::Simd {
             for (slot, s) in slots.iter().enumerate() {
-                self.install(b, slot, s.index, &out);
+                self.install(b, slot, s, &out);
             }
         } else {
             slots
                 .par_iter()
                 .enumerate()
-                .for_each(|(slot, s)| self.install(b, slot, s.index, &out));
+                .for_each(|(slot, s)| self.install(b, slot, s, &out));
         }
     }
 
@@ -670,10 +671,18 @@ impl BatchedPageStore {
         cpu
     }
 
-    /// Store slot `slot` of batch `batch` (page `index`) and point the entry at it, if the entry
+    /// Store slot `slot` of batch `batch` and point its page's entry at it, if the entry
     /// still points at the slot; a newer write or a discard wins otherwise.
-    fn install(&self, batch: usize, slot: usize, index: u64, out: &CompressedBatch) {
-        let (encoding, bytes) = out.page(slot);
+    fn install(&self, batch: usize, slot: usize, pending: &PendingSlot, out: &CompressedBatch) {
+        let index = pending.index;
+        let (encoding, bytes) = match out.page(slot) {
+            // The huge-page rule holds whichever backend compressed (the GPU codec may not
+            // apply it): such a page costs less, and reads faster, as itself.
+            (Encoding::Lz4 | Encoding::Zstd, bytes) if bytes.len() > MAX_COMPRESSED_LEN => {
+                (Encoding::Raw, &pending.page[..])
+            }
+            page => page,
+        };
         let handle = self.alloc.store(bytes);
         let installed = {
             let mut entry = self.table.lock(index as usize);
