@@ -76,6 +76,27 @@ fn check_size_against_ram(size_bytes: u64) -> Result<(), DaemonError> {
     Ok(())
 }
 
+/// `mlockall(MCL_CURRENT | MCL_FUTURE | MCL_ONFAULT)`: lock every page the daemon has and
+/// every page it faults in later. On fault, not up front: with plain `MCL_FUTURE` every new
+/// mapping is populated on the spot, the page arena's whole address space included, and a
+/// heap extension under memory pressure would wait in reclaim (which swaps out through this
+/// very daemon) while holding the mmap lock that the queue threads may need.
+fn lock_memory() {
+    const MCL_ONFAULT: libc::c_int = 4;
+    let flags = libc::MCL_CURRENT | libc::MCL_FUTURE | MCL_ONFAULT;
+    if let Err(error) = mlockall(MlockAllFlags::from_bits_retain(flags)) {
+        tracing::warn!(%error, "mlockall failed: the daemon's memory may be swapped out, which can deadlock swap on this device");
+    }
+}
+
+/// Chunk memory the store keeps ready so that storing swapped-out pages never waits on
+/// reclaim: a sixteenth of RAM, between 8 and 128 MiB, and no more than the memory limit.
+fn reserve_bytes(ram_bytes: u64, mem_limit: Option<u64>) -> u64 {
+    (ram_bytes / 16)
+        .clamp(8 << 20, 128 << 20)
+        .min(mem_limit.unwrap_or(u64::MAX))
+}
+
 /// The ublk side of the settings.
 fn device_spec(settings: &DeviceSettings) -> DeviceSpec {
     DeviceSpec {
@@ -265,11 +286,11 @@ fn serve(
     detached_log: Option<&Path>,
     notifier: &mut Notifier,
 ) -> Result<(), DaemonError> {
-    // Lock every page we have and will have: the daemon serves swap, so its own memory must
-    // never need swap to be read back.
-    if let Err(error) = mlockall(MlockAllFlags::MCL_CURRENT | MlockAllFlags::MCL_FUTURE) {
-        tracing::warn!(%error, "mlockall failed: the daemon's memory may be swapped out, which can deadlock swap on this device");
-    }
+    // The daemon serves swap, so none of its own memory may ever need swap to come back:
+    // lock what is mapped now and every page faulted in later. What the I/O path uses is
+    // written, and so faulted in and locked, when it is set up (page table, pending batches,
+    // tag buffers, chunk reserve), before the device is live.
+    lock_memory();
     let _ = rayon::ThreadPoolBuilder::new()
         .stack_size(WORKER_STACK_BYTES)
         .start_handler(|_| {
@@ -280,7 +301,10 @@ fn serve(
     // Signals first, so a SIGTERM during start-up is not lost.
     let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])
         .map_err(io_error("installing signal handlers"))?;
-    let store = BatchedPageStore::new(settings.store_config(), None)?;
+    let mut store_config = settings.store_config();
+    store_config.reserve_bytes =
+        reserve_bytes(config::ram_bytes().unwrap_or(0), store_config.mem_limit);
+    let store = BatchedPageStore::new(store_config, None)?;
     let flusher = store
         .start_flusher(|| {
             if let Err(error) = crate::ublk::sys::set_io_flusher() {

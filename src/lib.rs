@@ -11,6 +11,7 @@ pub mod config;
 pub mod daemon;
 pub mod devices;
 pub mod gpu;
+pub mod mem;
 pub mod stats;
 pub mod store;
 pub mod ublk;

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::{Mutex, RwLock};
 
+use super::reserve::ChunkReserve;
 use crate::codec::PAGE_SIZE;
 
 /// Object sizes are multiples of this.
@@ -70,7 +71,7 @@ struct ClassState {
 }
 
 /// One chunk's bytes, shared by readers, exclusive to the writer copying an object in.
-type Chunk = RwLock<Box<[u8]>>;
+type Chunk = RwLock<crate::mem::ArenaChunk>;
 
 struct SizeClass {
     obj_size: usize,
@@ -89,6 +90,8 @@ pub(super) struct ZsAllocator {
     class_of: Box<[u8]>,
     /// Bytes of all live chunks (zram's mem_used_total).
     chunk_bytes: AtomicU64,
+    /// Where chunks come from and go back to.
+    pub(super) reserve: ChunkReserve,
 }
 
 /// Pages per chunk for objects of `obj_size` bytes: the fewest pages with the least tail waste.
@@ -103,7 +106,9 @@ fn chunk_pages(obj_size: usize) -> usize {
 }
 
 impl ZsAllocator {
-    pub(super) fn new() -> Self {
+    /// An allocator for up to `max_bytes` of chunks that keeps about `reserve_bytes` of them
+    /// ready (see `reserve`).
+    pub(super) fn new(reserve_bytes: u64, max_bytes: usize) -> std::io::Result<Self> {
         let mut classes: Vec<SizeClass> = Vec::new();
         let mut class_of = vec![0u8; GRANULES];
         // From the largest size down, so that a merged class takes its largest member's size.
@@ -126,11 +131,16 @@ impl ZsAllocator {
             // At most GRANULES (256) classes: the index fits a u8.
             class_of[granule] = (classes.len() - 1) as u8;
         }
-        Self {
+        let mut classes_per_size = [0u64; MAX_CHUNK_PAGES];
+        for class in &classes {
+            classes_per_size[class.chunk_bytes / PAGE_SIZE - 1] += 1;
+        }
+        Ok(Self {
             classes: classes.into_boxed_slice(),
             class_of: class_of.into_boxed_slice(),
             chunk_bytes: AtomicU64::new(0),
-        }
+            reserve: ChunkReserve::new(reserve_bytes, max_bytes, &classes_per_size)?,
+        })
     }
 
     /// Bytes of memory in chunks.
@@ -210,7 +220,7 @@ impl ZsAllocator {
         for i in 0..class.objs_per_chunk {
             free[i / 64] |= 1 << (i % 64);
         }
-        let data = RwLock::new(vec![0u8; class.chunk_bytes].into_boxed_slice());
+        let data = RwLock::new(self.reserve.take(class.chunk_bytes / PAGE_SIZE));
         let mut dir = class.chunks.write();
         let id = match st.free_ids.pop() {
             Some(id) => {
@@ -261,7 +271,10 @@ impl ZsAllocator {
                 remove_partial(partial, usage, pos);
             }
             usage[handle.chunk()] = None;
-            class.chunks.write()[handle.chunk()] = None;
+            let chunk = class.chunks.write()[handle.chunk()].take();
+            if let Some(chunk) = chunk {
+                self.reserve.give_back(chunk.into_inner());
+            }
             free_ids.push(handle.chunk() as u32);
             self.chunk_bytes
                 .fetch_sub(class.chunk_bytes as u64, Ordering::Relaxed);
@@ -335,7 +348,7 @@ mod tests {
 
     #[test]
     fn merged_classes_pack_like_their_members() {
-        let a = ZsAllocator::new();
+        let a = ZsAllocator::new(0, 64 << 20).unwrap();
         assert!(
             a.classes.len() < GRANULES / 2,
             "{} classes",
@@ -360,7 +373,7 @@ mod tests {
 
     #[test]
     fn store_read_free_and_chunk_release() {
-        let a = ZsAllocator::new();
+        let a = ZsAllocator::new(0, 64 << 20).unwrap();
         let mut handles = Vec::new();
         for i in 0..1000usize {
             let len = 1 + (i * 37) % PAGE_SIZE;
@@ -388,7 +401,7 @@ mod tests {
 
     #[test]
     fn freed_slots_are_reused() {
-        let a = ZsAllocator::new();
+        let a = ZsAllocator::new(0, 64 << 20).unwrap();
         let hs: Vec<_> = (0..100).map(|_| a.store(&[1u8; 1000])).collect();
         let used = a.chunk_bytes();
         for h in &hs[..50] {

@@ -21,6 +21,7 @@
 
 mod alloc;
 mod pending;
+mod reserve;
 mod table;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -67,6 +68,10 @@ pub struct StoreConfig {
     pub thresholds: BackendThresholds,
     /// Force one backend for every batch (`bench --backend`); `None` selects by batch size.
     pub forced_backend: Option<Backend>,
+    /// Bytes of chunk memory kept faulted in and ready, refilled by a thread of its own, so
+    /// that storing pages never waits on reclaim (see `reserve`). 0 for none (tests, bench);
+    /// the daemon always keeps one.
+    pub reserve_bytes: u64,
 }
 
 impl StoreConfig {
@@ -81,6 +86,7 @@ impl StoreConfig {
             mem_limit: None,
             thresholds: BackendThresholds::default(),
             forced_backend: None,
+            reserve_bytes: 0,
         }
     }
 }
@@ -96,6 +102,8 @@ pub enum StoreError {
         "memory limit of {limit} bytes reached (raise --mem-limit or free pages with discard)"
     )]
     NoSpace { limit: u64 },
+    #[error("no memory for compressed pages right now (the reserve is being refilled)")]
+    NoMemory,
     #[error("stored page {page} failed to decompress: {source}")]
     Corrupt {
         page: u64,
@@ -112,6 +120,7 @@ impl StoreError {
             StoreError::OutOfRange { .. } | StoreError::Corrupt { .. } => -libc::EIO,
             StoreError::Misaligned { .. } | StoreError::Config(_) => -libc::EINVAL,
             StoreError::NoSpace { .. } => -libc::ENOSPC,
+            StoreError::NoMemory => -libc::ENOMEM,
         }
     }
 }
@@ -158,6 +167,12 @@ pub struct StoreStats {
     pub failed_writes: u64,
     pub discarded_pages: u64,
     pub mem_limit_hits: u64,
+    /// Bytes of chunk memory held ready in the reserve (not in `mem_used`).
+    #[serde(default)]
+    pub reserve_bytes: u64,
+    /// Chunks allocated on the I/O path because the reserve was empty.
+    #[serde(default)]
+    pub reserve_misses: u64,
 }
 
 /// Live counters behind `StoreStats`.
@@ -268,6 +283,7 @@ pub struct BatchedPageStore {
 pub struct FlusherHandle {
     store: Arc<BatchedPageStore>,
     thread: Option<std::thread::JoinHandle<()>>,
+    refill_thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Drop for FlusherHandle {
@@ -276,6 +292,11 @@ impl Drop for FlusherHandle {
         if let Some(t) = self.thread.take() {
             if t.join().is_err() {
                 tracing::error!("the flusher thread panicked");
+            }
+        }
+        if let Some(t) = self.refill_thread.take() {
+            if t.join().is_err() {
+                tracing::error!("the reserve refill thread panicked");
             }
         }
     }
@@ -352,11 +373,21 @@ impl BatchedPageStore {
             .map(|_| PendingBatch::new(batch_pages))
             .collect();
         batches[0].open();
+        // Address space only: stored pages never take more than the device's pages plus
+        // partly used chunks, and churn between chunk sizes leaves room to spare.
+        let arena_bytes = config
+            .size_bytes
+            .saturating_mul(16)
+            .saturating_add(1 << 30)
+            .min(1 << 45);
+        let alloc = ZsAllocator::new(config.reserve_bytes, arena_bytes as usize)
+            .map_err(|e| StoreError::Config(format!("cannot reserve page memory: {e}")))?;
+        alloc.reserve.refill();
         Ok(Arc::new(Self {
             simd: CpuCodec::single(config.algorithm),
             parallel: CpuCodec::parallel(config.algorithm),
             table: PageTable::new(table_pages),
-            alloc: ZsAllocator::new(),
+            alloc,
             gpu,
             batches,
             current: AtomicUsize::new(0),
@@ -366,7 +397,12 @@ impl BatchedPageStore {
             }),
             flusher_wake: Condvar::new(),
             writers_wake: Condvar::new(),
-            flush: Mutex::new(CompressedBatch::default()),
+            // Sized (and so faulted in) now: the first flush may come under memory pressure.
+            flush: Mutex::new({
+                let mut out = CompressedBatch::default();
+                out.reset(batch_pages);
+                out
+            }),
             reserved_bytes: AtomicU64::new(0),
             shut_down: AtomicBool::new(false),
             epoch: Instant::now(),
@@ -398,10 +434,29 @@ impl BatchedPageStore {
                 thread_init();
                 store.flusher_loop();
             });
+        // The refill thread is deliberately not given `thread_init`: it must be free to wait in
+        // reclaim (and so to swap out) while the flusher carries on from the reserve.
+        let refill_thread = if self.alloc.reserve.enabled() {
+            let store = Arc::clone(self);
+            let spawned = std::thread::Builder::new()
+                .name("trueno-reserve".into())
+                .stack_size(256 << 10)
+                .spawn(move || store.alloc.reserve.run_refill());
+            match spawned {
+                Ok(thread) => Some(thread),
+                Err(e) => {
+                    self.control.lock().flusher_running = false;
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
         match spawned {
             Ok(thread) => Ok(FlusherHandle {
                 store: Arc::clone(self),
                 thread: Some(thread),
+                refill_thread,
             }),
             Err(e) => {
                 self.control.lock().flusher_running = false;
@@ -492,7 +547,10 @@ impl BatchedPageStore {
         }
         self.admit()?;
         if self.config.batched {
-            self.write_pending(index, page);
+            if let Err(error) = self.write_pending(index, page) {
+                sub(&self.reserved_bytes, PAGE_SIZE as u64);
+                return Err(error);
+            }
         } else {
             let mut out = [0u8; PAGE_SIZE];
             let (encoding, len) = compress_page(self.config.algorithm, page, &mut out);
@@ -529,8 +587,8 @@ impl BatchedPageStore {
     }
 
     /// Copy a page into the open batch and point its entry at the slot.
-    fn write_pending(&self, index: u64, page: &Page) {
-        let (batch_idx, slot) = self.reserve_slot();
+    fn write_pending(&self, index: u64, page: &Page) -> Result<(), StoreError> {
+        let (batch_idx, slot) = self.reserve_slot()?;
         let batch = &self.batches[batch_idx];
         {
             let mut s = batch.slots[slot].write();
@@ -552,14 +610,22 @@ impl BatchedPageStore {
         if slot == 0 || slot + 1 == batch.slots.len() {
             self.wake_flusher();
         }
+        Ok(())
     }
 
-    fn reserve_slot(&self) -> (usize, usize) {
+    /// A free pending slot. When every batch is full and the flusher is waiting for memory,
+    /// fail with `NoMemory` rather than wait: a swap-out that fails is retried by the kernel
+    /// later, one that waits here can hold up the very reclaim that would give us memory.
+    fn reserve_slot(&self) -> Result<(usize, usize), StoreError> {
         loop {
             let b = self.current.load(Ordering::Acquire);
             match self.batches[b].reserve() {
-                Reserve::Slot(s) => return (b, s),
+                Reserve::Slot(s) => return Ok((b, s)),
                 Reserve::Closed => std::thread::yield_now(),
+                Reserve::Full if self.alloc.reserve.starved() => {
+                    add(&self.counters.mem_limit_hits, 1);
+                    return Err(StoreError::NoMemory);
+                }
                 Reserve::Full => {
                     let mut ctl = self.control.lock();
                     if !ctl.flusher_running {
@@ -567,7 +633,9 @@ impl BatchedPageStore {
                         self.flush_open_batch();
                     } else if self.current.load(Ordering::Acquire) == b && self.batches[b].is_full()
                     {
-                        self.writers_wake.wait(&mut ctl);
+                        // Bounded, so a flusher that starts starving is noticed.
+                        self.writers_wake
+                            .wait_for(&mut ctl, Duration::from_millis(5));
                     }
                 }
             }
@@ -809,6 +877,7 @@ impl BatchedPageStore {
             self.flusher_wake.notify_all();
         }
         self.flush_open_batch();
+        self.alloc.reserve.stop();
     }
 
     pub fn stats(&self) -> StoreStats {
@@ -845,6 +914,8 @@ impl BatchedPageStore {
             failed_writes: get(&c.failed_writes),
             discarded_pages: get(&c.discarded_pages),
             mem_limit_hits: get(&c.mem_limit_hits),
+            reserve_bytes: self.alloc.reserve.held_bytes(),
+            reserve_misses: self.alloc.reserve.misses(),
         }
     }
 

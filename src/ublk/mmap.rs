@@ -6,7 +6,7 @@ use std::num::NonZeroUsize;
 use std::os::fd::AsFd;
 use std::ptr::NonNull;
 
-use nix::sys::mman::{mmap, mmap_anonymous, munmap, MapFlags, ProtFlags};
+use nix::sys::mman::{madvise, mmap, mmap_anonymous, munmap, MapFlags, MmapAdvise, ProtFlags};
 
 use super::sys::{IoDesc, UBLKSRV_CMD_BUF_OFFSET, UBLK_MAX_QUEUE_DEPTH};
 
@@ -97,6 +97,11 @@ impl IoBuffers {
                 MapFlags::MAP_PRIVATE | MapFlags::MAP_POPULATE,
             )
         }?;
+        // Fault every page in now. MAP_POPULATE alone is not enough: under
+        // mlockall(MCL_ONFAULT) it populates nothing, and the kernel would then fault the
+        // pages in while copying a swap-out's data, on the I/O path, when memory is shortest.
+        // SAFETY: the range is exactly the mapping just made; populating changes no contents.
+        unsafe { madvise(base, length.get(), MmapAdvise::MADV_POPULATE_WRITE) }?;
         Ok(Self {
             base: base.cast(),
             tag_size,

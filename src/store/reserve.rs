@@ -1,0 +1,316 @@
+//! Where chunks come from: the page arena (`crate::mem`), with a reserve of committed chunks
+//! kept ready so that storing a page never waits for the kernel to find a free page.
+//!
+//! Why: the daemon serves swap. When memory runs short the kernel frees memory by swapping
+//! pages out *through this store*. If storing them needed fresh pages from the kernel, the
+//! flusher would wait in reclaim for a swap-out that waits for the flusher: a deadlock the
+//! kernel does not break, because an I/O flusher's allocations (PR_SET_IO_FLUSHER) retry
+//! instead of invoking the OOM killer. So chunks come from this reserve, and a refill thread,
+//! which is *not* an I/O flusher and may wait in reclaim while the I/O path carries on, tops it
+//! back up. Freed chunks return to the reserve while it is below its target, and give their
+//! pages back to the system (a hole punched in the arena) beyond it.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::codec::PAGE_SIZE;
+use crate::mem::{Arena, ArenaChunk};
+
+/// How often the refill thread looks even when nobody woke it.
+const REFILL_PERIOD: Duration = Duration::from_millis(50);
+/// Chunks are committed this many bytes at a time (one fallocate call).
+const COMMIT_GROUP_BYTES: usize = 256 << 10;
+
+#[derive(Default)]
+struct Pool {
+    /// Committed chunks, ready.
+    ready: Vec<ArenaChunk>,
+    /// Chunks whose pages were given back; committed again before use.
+    cold: Vec<ArenaChunk>,
+}
+
+pub(super) struct ChunkReserve {
+    arena: Arc<Arena>,
+    /// Chunks by size: `pools[k]` holds chunks of `k + 1` pages.
+    pools: Box<[Mutex<Pool>]>,
+    /// Chunks of each size taken since the start (plus the number of size classes using that
+    /// size, as a prior): each pool's share of the target follows it.
+    demand: Box<[AtomicU64]>,
+    held_bytes: AtomicU64,
+    target_bytes: u64,
+    /// Chunks that had to be committed on the I/O path because the reserve was empty.
+    misses: AtomicU64,
+    wake: Condvar,
+    wake_lock: Mutex<()>,
+    /// Set while a taker waits for the refill thread; writers then fail fast instead of
+    /// queueing behind it (see `BatchedPageStore::reserve_slot`).
+    starved: AtomicBool,
+    /// Signalled by the refill thread after each pass.
+    refilled: Condvar,
+    stop: AtomicBool,
+}
+
+impl ChunkReserve {
+    /// A reserve of about `target_bytes` in an arena of `arena_bytes` of address space;
+    /// `classes_per_size[k]` is how many size classes use chunks of `k + 1` pages. A zero
+    /// target keeps nothing ready beyond one commit group.
+    pub(super) fn new(
+        target_bytes: u64,
+        arena_bytes: usize,
+        classes_per_size: &[u64],
+    ) -> std::io::Result<Self> {
+        Ok(Self {
+            arena: Arena::new(arena_bytes)?,
+            pools: classes_per_size
+                .iter()
+                .map(|_| Mutex::new(Pool::default()))
+                .collect(),
+            demand: classes_per_size
+                .iter()
+                .map(|&n| AtomicU64::new(n))
+                .collect(),
+            held_bytes: AtomicU64::new(0),
+            target_bytes,
+            misses: AtomicU64::new(0),
+            wake: Condvar::new(),
+            wake_lock: Mutex::new(()),
+            starved: AtomicBool::new(false),
+            refilled: Condvar::new(),
+            stop: AtomicBool::new(false),
+        })
+    }
+
+    pub(super) fn enabled(&self) -> bool {
+        self.target_bytes > 0
+    }
+
+    /// Bytes held ready now.
+    pub(super) fn held_bytes(&self) -> u64 {
+        self.held_bytes.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn misses(&self) -> u64 {
+        self.misses.load(Ordering::Relaxed)
+    }
+
+    /// A chunk of `pages` pages: from the reserve, or committed now if the reserve has none.
+    pub(super) fn take(&self, pages: usize) -> ArenaChunk {
+        let k = pages - 1;
+        self.demand[k].fetch_add(1, Ordering::Relaxed);
+        let ready = self.pools[k].lock().ready.pop();
+        if let Some(chunk) = ready {
+            let held = self
+                .held_bytes
+                .fetch_sub(chunk.len() as u64, Ordering::Relaxed);
+            if held < self.target_bytes * 3 / 4 {
+                self.wake_refill();
+            }
+            return chunk;
+        }
+        if self.enabled() {
+            // The I/O path must not commit memory itself: under memory pressure that waits in
+            // reclaim for a swap-out through this very store. Wait for the refill thread,
+            // which may wait in reclaim, while writers fail fast (see `starved`).
+            let misses = self.misses.fetch_add(1, Ordering::Relaxed);
+            if misses.is_power_of_two() {
+                tracing::warn!(
+                    misses = misses + 1,
+                    "chunk reserve empty: waiting for the refill thread"
+                );
+            }
+            self.starved.store(true, Ordering::Release);
+            loop {
+                let ready = self.pools[k].lock().ready.pop();
+                if let Some(chunk) = ready {
+                    self.held_bytes
+                        .fetch_sub(chunk.len() as u64, Ordering::Relaxed);
+                    self.starved.store(false, Ordering::Release);
+                    return chunk;
+                }
+                if self.stop.load(Ordering::Acquire) {
+                    break;
+                }
+                let mut guard = self.wake_lock.lock();
+                self.wake.notify_one();
+                self.refilled.wait_for(&mut guard, REFILL_PERIOD);
+            }
+            self.starved.store(false, Ordering::Release);
+        }
+        self.commit_more(k);
+        let ready = self.pools[k].lock().ready.pop();
+        match ready {
+            Some(chunk) => {
+                self.held_bytes
+                    .fetch_sub(chunk.len() as u64, Ordering::Relaxed);
+                chunk
+            }
+            None => {
+                tracing::error!(pages, "page arena exhausted: chunk taken from the heap");
+                ArenaChunk::on_heap(&self.arena, pages * PAGE_SIZE)
+            }
+        }
+    }
+
+    /// Whether a taker is waiting for the refill thread right now.
+    pub(super) fn starved(&self) -> bool {
+        self.starved.load(Ordering::Acquire)
+    }
+
+    /// Take back a chunk that is no longer used: kept ready while the reserve is below its
+    /// target, its pages given back to the system otherwise.
+    pub(super) fn give_back(&self, chunk: ArenaChunk) {
+        let len = chunk.len() as u64;
+        let k = chunk.len() / PAGE_SIZE - 1;
+        if self.held_bytes.load(Ordering::Relaxed) + len <= self.target_bytes {
+            self.held_bytes.fetch_add(len, Ordering::Relaxed);
+            self.pools[k].lock().ready.push(chunk);
+            return;
+        }
+        if let Err(error) = chunk.decommit() {
+            tracing::warn!(%error, "giving a chunk's memory back failed");
+        }
+        self.pools[k].lock().cold.push(chunk);
+    }
+
+    /// Make at least one more chunk of `k + 1` pages ready: a cold one committed again, or a
+    /// group carved from the arena.
+    fn commit_more(&self, k: usize) {
+        let chunk_bytes = (k + 1) * PAGE_SIZE;
+        let cold = self.pools[k].lock().cold.pop();
+        let fresh = match cold {
+            Some(chunk) => chunk.recommit().map(|()| vec![chunk]),
+            None => {
+                let count = (COMMIT_GROUP_BYTES / chunk_bytes).max(1);
+                match self.arena.carve(chunk_bytes, count) {
+                    Ok(Some(chunks)) => Ok(chunks),
+                    Ok(None) => return,
+                    Err(error) => Err(error),
+                }
+            }
+        };
+        match fresh {
+            Ok(chunks) => {
+                self.held_bytes
+                    .fetch_add((chunks.len() * chunk_bytes) as u64, Ordering::Relaxed);
+                self.pools[k].lock().ready.extend(chunks);
+            }
+            Err(error) => tracing::warn!(%error, "committing chunk memory failed"),
+        }
+    }
+
+    /// Commit chunks until every pool holds its share of the target (by demand).
+    pub(super) fn refill(&self) {
+        let demand: Vec<u64> = self
+            .demand
+            .iter()
+            .map(|d| d.load(Ordering::Relaxed))
+            .collect();
+        let total: u64 = demand.iter().sum::<u64>().max(1);
+        for (k, pool) in self.pools.iter().enumerate() {
+            let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
+            // Every pool gets at least one commit group's worth, so no size ever starves.
+            let share = (self.target_bytes * demand[k] / total).max(COMMIT_GROUP_BYTES as u64);
+            while !self.stop.load(Ordering::Relaxed) {
+                let held = pool.lock().ready.len() as u64 * chunk_bytes;
+                if held + chunk_bytes > share {
+                    break;
+                }
+                let before = self.held_bytes();
+                self.commit_more(k);
+                if self.held_bytes() == before {
+                    break; // nothing could be committed
+                }
+            }
+        }
+    }
+
+    fn wake_refill(&self) {
+        let _guard = self.wake_lock.lock();
+        self.wake.notify_one();
+    }
+
+    /// The refill thread's loop, until `stop`.
+    pub(super) fn run_refill(&self) {
+        while !self.stop.load(Ordering::Acquire) {
+            self.refill();
+            let mut guard = self.wake_lock.lock();
+            self.refilled.notify_all();
+            if !self.stop.load(Ordering::Acquire) {
+                self.wake.wait_for(&mut guard, REFILL_PERIOD);
+            }
+        }
+    }
+
+    pub(super) fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        let _guard = self.wake_lock.lock();
+        self.wake.notify_all();
+        self.refilled.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ARENA: usize = 64 << 20;
+
+    #[test]
+    fn refill_follows_demand_and_take_drains_the_pool() {
+        let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, ARENA, &[1, 1]).unwrap();
+        reserve.refill();
+        assert!(reserve.held_bytes() > 0 && reserve.held_bytes() <= 512 * PAGE_SIZE as u64);
+        for _ in 0..20 {
+            assert_eq!(reserve.take(2).len(), 2 * PAGE_SIZE);
+        }
+        assert_eq!(reserve.misses(), 0, "the first chunks came from the pool");
+        let reserve = Arc::new(reserve);
+        let refill = {
+            let reserve = Arc::clone(&reserve);
+            std::thread::spawn(move || reserve.run_refill())
+        };
+        for _ in 0..300 {
+            reserve.take(2);
+        }
+        assert!(
+            reserve.misses() > 0,
+            "an empty pool waits for the refill thread and counts it"
+        );
+        reserve.stop();
+        refill.join().unwrap();
+        reserve.refill();
+        // Demand is now almost all for 2-page chunks: they get most of the target.
+        let two_page = reserve.pools[1].lock().ready.len() * 2;
+        assert!(
+            two_page > 400,
+            "demand steers the refill: {two_page} pages of 2-page chunks"
+        );
+    }
+
+    #[test]
+    fn without_a_target_chunks_still_come_and_go_back_to_the_system() {
+        let reserve = ChunkReserve::new(0, ARENA, &[1; 8]).unwrap();
+        let chunk = reserve.take(3);
+        assert_eq!(chunk.len(), 3 * PAGE_SIZE);
+        assert_eq!(reserve.misses(), 0);
+        reserve.give_back(chunk);
+        assert_eq!(reserve.pools[2].lock().cold.len(), 1);
+        let again = reserve.take(3);
+        assert!(again.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn given_back_chunks_are_kept_up_to_the_target() {
+        let reserve = ChunkReserve::new(4 * PAGE_SIZE as u64, ARENA, &[1]).unwrap();
+        let chunks: Vec<ArenaChunk> = (0..10).map(|_| reserve.take(1)).collect();
+        let held_before = reserve.held_bytes();
+        for chunk in chunks {
+            reserve.give_back(chunk);
+        }
+        assert!(reserve.held_bytes() <= (4 * PAGE_SIZE) as u64 + held_before);
+        assert!(!reserve.pools[0].lock().cold.is_empty());
+    }
+}
