@@ -201,14 +201,18 @@ if [ "$MODE" = full ]; then
     if [ -d "$ROOT/systemd" ]; then
         cp "$ROOT"/systemd/*.service "$STAGE/etc/systemd/system/" 2>/dev/null || true
         # The units name the binary by absolute path: put it wherever they look.
-        grep -ho '/[^ ="]*/trueno-ublk\b' "$ROOT"/systemd/*.service 2>/dev/null | sort -u |
+        { grep -h '^Exec[A-Za-z]*=' "$ROOT"/systemd/*.service || true; } |
+            sed 's/^[^=]*=[-@:+!]*//' | awk '$1 ~ /^\/.*\/trueno-ublk$/ {print $1}' | sort -u |
             while read -r p; do
                 [ "$p" = /usr/bin/trueno-ublk ] && continue
                 mkdir -p "$STAGE$(dirname "$p")"
                 ln -sf /usr/bin/trueno-ublk "$STAGE$p"
             done
-        conf=$(find "$ROOT/systemd" "$ROOT/examples" -maxdepth 1 -name 'trueno-ublk*.conf*' 2>/dev/null | sort | head -n1)
-        [ -n "$conf" ] && cp "$conf" "$STAGE/etc/trueno-ublk.conf"
+        # The example config, installed as /etc/trueno-ublk.conf as scripts/install.sh does.
+        conf=$(find "$ROOT/systemd" -maxdepth 1 -name 'trueno-ublk*.conf*' | sort | head -n1)
+        if [ -n "$conf" ]; then
+            cp "$conf" "$STAGE/etc/trueno-ublk.conf"
+        fi
     fi
 fi
 FILL_MIB=$((RAM_MIB * 3 / 2 + 8))

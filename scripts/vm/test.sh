@@ -53,7 +53,16 @@ section() {
     echo
     echo "=== $* (t=$(uptime_s) s)"
 }
+daemon_logs() {
+    local f
+    for f in /run/trueno-ublk/*.log; do
+        [ -e "$f" ] || continue
+        echo "--- $f (last 40 lines)"
+        tail -n 40 "$f"
+    done
+}
 finish() {
+    [ "$FAILS" -eq 0 ] || daemon_logs
     section "verdict"
     echo "$CHECKS checks, $FAILS failed"
     if [ "$FAILS" -eq 0 ] && [ "$CHECKS" -gt 0 ]; then
