@@ -20,6 +20,13 @@
  *       longer than TIMEOUT_S, and "exit CODE" when CMD ends. Runs until CMD ends
  *       (start it in the background); exits 0 if CMD was ready and exited 0.
  *
+ *   vmtool monitor INTERVAL_S DEADLINE_S
+ *       The VM's watchdog, started by init before the test: locked in memory, real-time
+ *       priority and with every file opened up front, so it still runs when the test
+ *       is stuck in reclaim. Every INTERVAL_S prints free memory, free swap and the
+ *       swap counters; at DEADLINE_S dumps blocked tasks, all tasks and memory to the
+ *       console (sysrq w, t, m), prints a FAIL verdict and powers the VM off.
+ *
  * The mixed pattern: page p (4 KiB) of a run with seed s is
  *   - all zero when p % 50 == 0 (2%: same-filled pages never reach a codec),
  *   - random words when p % 50 == 1 (2%: incompressible),
@@ -38,6 +45,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/reboot.h>
+#include <sched.h>
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -318,6 +328,73 @@ static int cmd_notify_run(int argc, char **argv)
 	}
 }
 
+/* The value of KEY in a "key value" or "Key:   value kB" text. */
+static long long field_of(const char *text, const char *key)
+{
+	size_t n = strlen(key);
+	for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
+		if (strncmp(p, key, n) == 0 && (p[n] == ' ' || p[n] == ':'))
+			return strtoll(p + n + 1 + strspn(p + n + 1, " :\t"), NULL, 10);
+	}
+	return -1;
+}
+
+static int cmd_monitor(int argc, char **argv)
+{
+	if (argc != 2) {
+		fprintf(stderr, "usage: vmtool monitor INTERVAL_S DEADLINE_S\n");
+		return 2;
+	}
+	unsigned interval = (unsigned)parse_u64(argv[0], "interval");
+	double deadline = (double)parse_u64(argv[1], "deadline");
+	int meminfo = open("/proc/meminfo", O_RDONLY);
+	int vmstat = open("/proc/vmstat", O_RDONLY);
+	int sysrq = open("/proc/sysrq-trigger", O_WRONLY);
+	int printk = open("/proc/sys/kernel/printk", O_WRONLY);
+	if (meminfo < 0 || vmstat < 0) {
+		perror("vmtool monitor: /proc");
+		return 1;
+	}
+	if (mlockall(MCL_CURRENT | MCL_FUTURE))
+		perror("vmtool monitor: mlockall");
+	struct sched_param sp = { .sched_priority = 50 };
+	if (sched_setscheduler(0, SCHED_FIFO, &sp))
+		perror("vmtool monitor: SCHED_FIFO");
+	static char mem[8192], vm[16384];
+	double t0 = now_s();
+	for (;;) {
+		sleep(interval);
+		ssize_t n = pread(meminfo, mem, sizeof(mem) - 1, 0);
+		mem[n > 0 ? n : 0] = 0;
+		n = pread(vmstat, vm, sizeof(vm) - 1, 0);
+		vm[n > 0 ? n : 0] = 0;
+		double t = now_s() - t0;
+		printf("monitor: t=%.0f s MemFree=%lld kB MemAvailable=%lld kB SwapFree=%lld kB "
+		       "pswpout=%lld pswpin=%lld\n",
+		       t, field_of(mem, "MemFree"), field_of(mem, "MemAvailable"),
+		       field_of(mem, "SwapFree"), field_of(vm, "pswpout"), field_of(vm, "pswpin"));
+		fflush(stdout);
+		if (t >= deadline) {
+			printf("FAIL: watchdog: the test was still running after %.0f s; blocked tasks "
+			       "and memory are in the VM console (sysrq w, t, m)\n", t);
+			printf("VMTEST RESULT: FAIL\n");
+			fflush(stdout);
+			/* The dumps are KERN_INFO: let them through to the console. */
+			if (printk >= 0)
+				(void)!write(printk, "8", 1);
+			if (sysrq >= 0) {
+				(void)!write(sysrq, "w", 1);
+				(void)!write(sysrq, "t", 1);
+				(void)!write(sysrq, "m", 1);
+			}
+			sleep(2);
+			sync();
+			reboot(RB_POWER_OFF);
+			return 1;
+		}
+	}
+}
+
 int main(int argc, char **argv)
 {
 	if (argc >= 2 && strcmp(argv[1], "now") == 0) {
@@ -328,9 +405,11 @@ int main(int argc, char **argv)
 		return cmd_gen(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "pressure") == 0)
 		return cmd_pressure(argc - 2, argv + 2);
+	if (argc >= 2 && strcmp(argv[1], "monitor") == 0)
+		return cmd_monitor(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "notify-run") == 0)
 		return cmd_notify_run(argc - 2, argv + 2);
 	fprintf(stderr, "usage: vmtool now | gen BYTES SEED | pressure MIB SEED [HOLDFILE] | "
-			"notify-run TIMEOUT_S STATEFILE CMD [ARGS...]\n");
+			"notify-run TIMEOUT_S STATEFILE CMD [ARGS...] | monitor INTERVAL_S DEADLINE_S\n");
 	return 2;
 }
