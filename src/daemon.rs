@@ -164,7 +164,9 @@ fn start_detached(settings: &DeviceSettings) -> Result<(), DaemonError> {
             Err(error)
                 if matches!(
                     error.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
                 ) => {}
             Err(error) => return Err(io_error("reading the notify socket")(error)),
         }
