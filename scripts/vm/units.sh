@@ -84,12 +84,12 @@ unit_exec() { # LINE
         esac
     done
     # The executable is the first word; the rest keeps its quoting for sh.
-    line=$(echo "$line" | sed 's/^[ \t]*//')
-    exe=$(unit_resolve "${line%%[ \t]*}")
+    line=$(echo "$line" | tr '\t' ' ' | sed 's/^ *//')
+    exe=$(unit_resolve "${line%% *}")
     rest=""
-    case "$line" in *[\ \t]*) rest=${line#*[ \t]} ;; esac
+    case "$line" in *" "*) rest=${line#* } ;; esac
     if [ "$at" -eq 1 ]; then
-        rest=$(echo "$rest" | sed 's/^[ \t]*[^ \t]*//')
+        rest=$(echo "$rest" | sed 's/^ *[^ ]*//')
     fi
     echo "+ $exe $rest"
     sh -c "exec $exe $rest"
@@ -197,7 +197,7 @@ units_phase() {
     if [ "$started" -eq 1 ]; then
         # The configured device is smaller than the 1 GiB one (size = ram / 2 by default):
         # fill less than RAM + swap, but more than RAM.
-        pressure_run units $((RAM_MIB * 7 / 8)) units_inspect
+        pressure_run units $((RAM_MIB * 7 / 8)) units_inspect quick
         data=$(awk -v d=ublkb$I 'NR > 1 && $1 ~ d "$" { print $3 }' /tmp/stat.raw)
         check "trueno-ublk stat reported non-zero DATA under pressure ($data bytes)" [ "${data:-0}" -gt 0 ]
     fi
