@@ -20,13 +20,13 @@
  *       start, "ready SECONDS" when CMD sends READY=1, "timeout" if that takes
  *       longer than TIMEOUT_S, and "exit CODE" when CMD ends. Runs until CMD ends
  *       (start it in the background); exits 0 if CMD was ready and exited 0.
- *
  *   vmtool monitor INTERVAL_S DEADLINE_S
- *       The VM's watchdog, started by init before the test: locked in memory, real-time
+ *       The VM's watchdog, started first by test.sh: locked in memory, real-time
  *       priority and with every file opened up front, so it still runs when the test
- *       is stuck in reclaim. Every INTERVAL_S prints free memory, free swap and the
- *       swap counters; at DEADLINE_S dumps blocked tasks, all tasks and memory to the
- *       console (sysrq w, t, m), prints a FAIL verdict and powers the VM off.
+ *       is stuck in reclaim. Every INTERVAL_S prints free memory, free swap, the
+ *       swap counters and the resident size of each trueno-ublk process; at
+ *       DEADLINE_S dumps blocked tasks, all tasks and memory to the console
+ *       (sysrq w, t, m), prints a FAIL verdict and powers the VM off.
  *
  * The mixed pattern: page p (4 KiB) of a run with seed s is
  *   - all zero when p % 50 == 0 (2%: same-filled pages never reach a codec),
@@ -45,6 +45,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/mman.h>
 #include <sys/reboot.h>
 #include <sched.h>
@@ -343,6 +344,35 @@ static long long field_of(const char *text, const char *key)
 	return -1;
 }
 
+/* Appends " trueno-ublk[PID]=RSS kB" for each daemon process to out. */
+static void daemons_rss(char *out, size_t cap)
+{
+	DIR *proc = opendir("/proc");
+	if (!proc)
+		return;
+	struct dirent *e;
+	size_t used = strlen(out);
+	while ((e = readdir(proc)) && used + 64 < cap) {
+		if (e->d_name[0] < '1' || e->d_name[0] > '9')
+			continue;
+		char path[300], buf[2048];
+		snprintf(path, sizeof(path), "/proc/%s/status", e->d_name);
+		int fd = open(path, O_RDONLY);
+		if (fd < 0)
+			continue;
+		ssize_t n = read(fd, buf, sizeof(buf) - 1);
+		close(fd);
+		if (n <= 0)
+			continue;
+		buf[n] = 0;
+		if (strncmp(buf, "Name:\ttrueno-ublk\n", 18) != 0)
+			continue;
+		used += (size_t)snprintf(out + used, cap - used, " trueno-ublk[%s]=%lld kB", e->d_name,
+					 field_of(buf, "VmRSS"));
+	}
+	closedir(proc);
+}
+
 static int cmd_monitor(int argc, char **argv)
 {
 	if (argc != 2) {
@@ -373,10 +403,14 @@ static int cmd_monitor(int argc, char **argv)
 		n = pread(vmstat, vm, sizeof(vm) - 1, 0);
 		vm[n > 0 ? n : 0] = 0;
 		double t = now_s() - t0;
+		static char daemons[512];
+		daemons[0] = 0;
+		daemons_rss(daemons, sizeof(daemons));
 		printf("monitor: t=%.0f s MemFree=%lld kB MemAvailable=%lld kB SwapFree=%lld kB "
-		       "pswpout=%lld pswpin=%lld\n",
+		       "pswpout=%lld pswpin=%lld%s\n",
 		       t, field_of(mem, "MemFree"), field_of(mem, "MemAvailable"),
-		       field_of(mem, "SwapFree"), field_of(vm, "pswpout"), field_of(vm, "pswpin"));
+		       field_of(mem, "SwapFree"), field_of(vm, "pswpout"), field_of(vm, "pswpin"),
+		       daemons);
 		fflush(stdout);
 		if (t >= deadline) {
 			printf("FAIL: watchdog: the test was still running after %.0f s; blocked tasks "
