@@ -9,8 +9,10 @@
 # package, busybox-static) are cached under .vm/; missing tools are installed with apt-get.
 # Exits 0 only if every check in the VM passed. Environment knobs (defaults in brackets):
 #   VM_RAM_MIB [256]  VM_CPUS [2]  VM_TIMEOUT_S [540]  VM_KERNEL_META [linux-image-6.12-cloud-amd64]
+#   VM_STALL_S [90]   fail when no page was swapped in or out for this long during a swap run
 #   TRUENO_UBLK_BIN   use this binary instead of building target/release/trueno-ublk
 #   VM_TEST_SKIP      debugging: steps to leave out ("zram ublk-swap units"); the run then fails
+#   VM_CREATE_ARGS    debugging: more options for the 1 GiB device's `create` (store options)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -223,7 +225,9 @@ RAM_MIB=$RAM_MIB
 FILL_MIB=$FILL_MIB
 WATCHDOG_S=$((TIMEOUT_S - 30))
 PRESSURE_TIMEOUT_S=300
+STALL_S=${VM_STALL_S:-90}
 SKIP="${VM_TEST_SKIP:-}"
+CREATE_ARGS="${VM_CREATE_ARGS:-}"
 EOF
 (cd "$STAGE" && find . | cpio -o -H newc --quiet) | gzip -1 >"$VM_DIR/initrd.cpio.gz"
 log "initramfs $(du -h "$VM_DIR/initrd.cpio.gz" | cut -f1), kernel $(basename "$KDIR"), mode $MODE"

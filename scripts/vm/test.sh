@@ -24,7 +24,8 @@
 #  10. dmesg has no ublk errors, hung tasks, BUG, Oops, warnings or OOM kills.
 # MODE=kernel-only: steps 1, 2 and 10, plus the pattern checks of step 4 on zram.
 # A monitor prints free memory and swap counters every 20 s and, if the test is still running
-# at WATCHDOG_S, dumps the blocked tasks to the console and fails the run.
+# at WATCHDOG_S or swap stops moving for STALL_S during a pressure run, dumps the blocked tasks
+# to the console and fails the run.
 
 . /test/env
 . /test/units.sh
@@ -103,10 +104,11 @@ wait_until() {
 }
 not() { ! "$@"; }
 in_swaps() { grep -q "^$1 " /proc/swaps; }
-# Hang guard and progress: free memory and swap counters every 20 s; at the deadline blocked
-# tasks and memory go to the console and the VM powers off with a FAIL verdict.
+# Hang guard and progress: free memory and swap counters every 20 s; at the deadline, or when
+# swap has not moved for STALL_S during a pressure run (/run/pressure-on), blocked tasks and
+# memory go to the console and the VM powers off with a FAIL verdict.
 echo 1 >/proc/sys/kernel/sysrq
-$VT monitor 20 "$WATCHDOG_S" &
+$VT monitor 20 "$WATCHDOG_S" "$STALL_S" /run/pressure-on &
 
 # --- pattern I/O ---------------------------------------------------------------------------
 # pat_write TAG DEV BS OFFSET LEN: a fresh random pattern, O_DIRECT, remembered under TAG.
@@ -225,6 +227,7 @@ pressure_run() {
     in0=$(vmstat_of pswpin)
     t0=$(now)
     rm -f /tmp/hold
+    touch /run/pressure-on
     VMTOOL_QUICK=$quick timeout "$PRESSURE_TIMEOUT_S" $VT pressure "$mib" "$(date +%s)" /tmp/hold >/tmp/pressure.out 2>&1 &
     pid=$!
     : >/tmp/pressure.out
@@ -240,6 +243,7 @@ pressure_run() {
     fi
     wait "$pid"
     rc=$?
+    rm -f /run/pressure-on
     out1=$(vmstat_of pswpout)
     in1=$(vmstat_of pswpin)
     usleep 200000
@@ -318,13 +322,14 @@ fi
 
 if [ "$MODE" = full ]; then
     # --- 3. create ---------------------------------------------------------------------------
-    section "create a 1 GiB device"
+    section "create a 1 GiB device: trueno-ublk create --size 1G $CREATE_ARGS"
     rm -f /tmp/create.rc
     t0=$(now)
     # Through a pipe, as `DEV=$(trueno-ublk create ...)` would read it: the command is done
     # when the daemon left in the background no longer holds the pipe.
     (
-        trueno-ublk create --size 1G 2>/tmp/create.err
+        # shellcheck disable=SC2086
+        trueno-ublk create --size 1G $CREATE_ARGS 2>/tmp/create.err
         echo $? >/tmp/create.rc
     ) | cat >/tmp/create.out &
     pipe=$!

@@ -20,13 +20,14 @@
  *       start, "ready SECONDS" when CMD sends READY=1, "timeout" if that takes
  *       longer than TIMEOUT_S, and "exit CODE" when CMD ends. Runs until CMD ends
  *       (start it in the background); exits 0 if CMD was ready and exited 0.
- *   vmtool monitor INTERVAL_S DEADLINE_S
+ *   vmtool monitor INTERVAL_S DEADLINE_S STALL_S FLAGFILE
  *       The VM's watchdog, started first by test.sh: locked in memory, real-time
  *       priority and with every file opened up front, so it still runs when the test
  *       is stuck in reclaim. Every INTERVAL_S prints free memory, free swap, the
- *       swap counters and the resident size of each trueno-ublk process; at
- *       DEADLINE_S dumps blocked tasks, all tasks and memory to the console
- *       (sysrq w, t, m), prints a FAIL verdict and powers the VM off.
+ *       swap counters and the resident size of each trueno-ublk process. At
+ *       DEADLINE_S, or when FLAGFILE exists (a pressure run is on) and no page was
+ *       swapped in or out for STALL_S, it dumps blocked tasks, all tasks and memory
+ *       to the console (sysrq w, t, m), prints a FAIL verdict and powers the VM off.
  *
  * The mixed pattern: page p (4 KiB) of a run with seed s is
  *   - all zero when p % 50 == 0 (2%: same-filled pages never reach a codec),
@@ -375,12 +376,16 @@ static void daemons_rss(char *out, size_t cap)
 
 static int cmd_monitor(int argc, char **argv)
 {
-	if (argc != 2) {
-		fprintf(stderr, "usage: vmtool monitor INTERVAL_S DEADLINE_S\n");
+	if (argc != 4) {
+		fprintf(stderr, "usage: vmtool monitor INTERVAL_S DEADLINE_S STALL_S FLAGFILE\n");
 		return 2;
 	}
 	unsigned interval = (unsigned)parse_u64(argv[0], "interval");
 	double deadline = (double)parse_u64(argv[1], "deadline");
+	double stall_limit = (double)parse_u64(argv[2], "stall");
+	const char *flagfile = argv[3];
+	long long last_swaps = -1;
+	double last_change = 0;
 	int meminfo = open("/proc/meminfo", O_RDONLY);
 	int vmstat = open("/proc/vmstat", O_RDONLY);
 	int sysrq = open("/proc/sysrq-trigger", O_WRONLY);
@@ -412,9 +417,20 @@ static int cmd_monitor(int argc, char **argv)
 		       field_of(mem, "SwapFree"), field_of(vm, "pswpout"), field_of(vm, "pswpin"),
 		       daemons);
 		fflush(stdout);
-		if (t >= deadline) {
-			printf("FAIL: watchdog: the test was still running after %.0f s; blocked tasks "
-			       "and memory are in the VM console (sysrq w, t, m)\n", t);
+		long long swaps = field_of(vm, "pswpout") + field_of(vm, "pswpin");
+		if (swaps != last_swaps || access(flagfile, F_OK) != 0) {
+			last_swaps = swaps;
+			last_change = t;
+		}
+		int stalled = t - last_change >= stall_limit;
+		if (stalled)
+			printf("FAIL: watchdog: swap stalled: no page swapped in or out for %.0f s "
+			       "during a pressure run\n", t - last_change);
+		if (stalled || t >= deadline) {
+			if (!stalled)
+				printf("FAIL: watchdog: the test was still running after %.0f s\n", t);
+			printf("FAIL: watchdog: blocked tasks, all tasks and memory are in the VM "
+			       "console (sysrq w, t, m)\n");
 			printf("VMTEST RESULT: FAIL\n");
 			fflush(stdout);
 			/* The dumps are KERN_INFO: let them through to the console. */
@@ -448,6 +464,7 @@ int main(int argc, char **argv)
 	if (argc >= 2 && strcmp(argv[1], "notify-run") == 0)
 		return cmd_notify_run(argc - 2, argv + 2);
 	fprintf(stderr, "usage: vmtool now | gen BYTES SEED | pressure MIB SEED [HOLDFILE] | "
-			"notify-run TIMEOUT_S STATEFILE CMD [ARGS...] | monitor INTERVAL_S DEADLINE_S\n");
+			"notify-run TIMEOUT_S STATEFILE CMD [ARGS...] | "
+			"monitor INTERVAL_S DEADLINE_S STALL_S FLAGFILE\n");
 	return 2;
 }
