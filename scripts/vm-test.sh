@@ -45,6 +45,7 @@ die() {
 }
 
 START_S=$SECONDS
+export PATH="$PATH:/usr/sbin:/sbin" # util-linux's swap tools, also for a non-root caller
 SUDO=()
 if [ "$(id -u)" -ne 0 ]; then
     command -v sudo >/dev/null || die "not root and no sudo: run as root to let apt-get install what is missing"
@@ -104,7 +105,7 @@ else
 fi
 fetch_deb() { # package
     log "downloading $1"
-    (cd "$CACHE" && apt-get download -q "$1" 2>&1 | grep -v 'unsandboxed' || true)
+    (cd "$CACHE" && { apt-get download -q "$1" 2>&1 | grep -v 'unsandboxed' || true; })
 }
 if [ -z "$KERNEL_DEB" ]; then
     fetch_deb "$KERNEL_PKG"

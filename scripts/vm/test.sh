@@ -1,4 +1,5 @@
 #!/bin/sh
+# shellcheck shell=dash disable=SC1091,SC2317 # sourced files are in the VM; functions run through check
 # The end-to-end test, run by /init inside the VM (busybox sh; util-linux's swapon, swapoff,
 # mkswap, blkdiscard and blockdev in /usr/sbin). Output goes to the host through ttyS1.
 # Lines starting with "ok:" or "FAIL:" are checks, "FIGURE name=value" are measurements, and
@@ -133,9 +134,9 @@ pat_read() {
 # zeros DEV OFFSET LEN: the range reads back as zeros.
 zeros() {
     local got want
-    got=$(dd if="$1" bs=$MIB skip=$(($2 / MIB)) count=$(($3 / MIB)) iflag=direct status=none |
+    got=$(dd if="$1" bs="$MIB" skip=$(($2 / MIB)) count=$(($3 / MIB)) iflag=direct status=none |
         sha256sum | cut -d' ' -f1)
-    want=$(dd if=/dev/zero bs=$MIB count=$(($3 / MIB)) status=none | sha256sum | cut -d' ' -f1)
+    want=$(dd if=/dev/zero bs="$MIB" count=$(($3 / MIB)) status=none | sha256sum | cut -d' ' -f1)
     [ "$got" = "$want" ]
 }
 pattern_checks() { # DEV SIZE_BYTES
@@ -146,6 +147,7 @@ pattern_checks() { # DEV SIZE_BYTES
     # middle ones straddle the midpoint so they cross whatever boundaries the store has.
     for spec in "4k 4096 0 $((mid - 8192))" "64k 65536 $((8 * MIB)) $((mid + 16 * MIB - 65536))" \
         "1M $MIB $((16 * MIB)) $((mid + 32 * MIB))"; do
+        # shellcheck disable=SC2086 # word splitting wanted
         set -- $spec
         check "O_DIRECT write bs=$1 at the start ($3)" pat_write "start-$1" "$dev" "$2" "$3" $((4 * MIB))
         check "O_DIRECT write bs=$1 in the middle ($4)" pat_write "mid-$1" "$dev" "$2" "$4" $((4 * MIB))
@@ -156,11 +158,12 @@ pattern_checks() { # DEV SIZE_BYTES
     done
     # The last MiB, by each block size in turn.
     for spec in "4k 4096" "64k 65536" "1M $MIB"; do
+        # shellcheck disable=SC2086 # word splitting wanted
         set -- $spec
         check "O_DIRECT write bs=$1 of the last MiB" pat_write "last-$1" "$dev" "$2" "$last" $MIB
         check "read back bs=$1 of the last MiB matches" pat_read "last-$1"
     done
-    n=$(dd if="$dev" bs=$MIB skip=$((size / MIB)) count=1 iflag=direct status=none | wc -c)
+    n=$(dd if="$dev" bs="$MIB" skip=$((size / MIB)) count=1 iflag=direct status=none | wc -c)
     check "a read at the end of the device returns nothing (got $n bytes)" [ "$n" -eq 0 ]
 }
 recheck_patterns() { # what: every start/middle pattern still reads back
@@ -190,22 +193,22 @@ discard_checks() { # DEV OFFSET
 # median), then a checksum of what reads back. The pattern lives in RAM only meanwhile.
 median3() { printf '%s\n' "$@" | sort -n | sed -n 2p; }
 dd_speed() {
-    local name=$1 dev=$2 len count seek w r i t0 got wm rm_
+    local name=$1 dev=$2 len count seek w r t0 got wm rm_
     $VT gen $((32 * MIB)) 11 >/tmp/mixed || fail "vmtool gen"
     len=$(wc -c </tmp/mixed)
     count=$((len / MIB))
     seek=$((128 * MIB / MIB))
     w=""
     r=""
-    for i in 1 2 3; do
+    for _ in 1 2 3; do
         t0=$(now)
-        dd if=/tmp/mixed of="$dev" bs=$MIB seek=$seek oflag=direct conv=notrunc status=none || fail "$name: dd write"
+        dd if=/tmp/mixed of="$dev" bs="$MIB" seek=$seek oflag=direct conv=notrunc status=none || fail "$name: dd write"
         w="$w $(since "$t0")"
         t0=$(now)
-        dd if="$dev" of=/dev/null bs=$MIB skip=$seek count=$count iflag=direct status=none || fail "$name: dd read"
+        dd if="$dev" of=/dev/null bs="$MIB" skip=$seek count=$count iflag=direct status=none || fail "$name: dd read"
         r="$r $(since "$t0")"
     done
-    got=$(dd if="$dev" bs=$MIB skip=$seek count=$count iflag=direct status=none | sha256sum | cut -d' ' -f1)
+    got=$(dd if="$dev" bs="$MIB" skip=$seek count=$count iflag=direct status=none | sha256sum | cut -d' ' -f1)
     check "$name: the $count MiB dd pattern reads back intact" [ "$got" = "$(sha256sum </tmp/mixed | cut -d' ' -f1)" ]
     # shellcheck disable=SC2086
     wm=$(mbps "$len" "$(median3 $w)")

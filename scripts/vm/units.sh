@@ -1,3 +1,4 @@
+# shellcheck shell=dash
 # The systemd units' start and stop sequence, run without systemd, from the unit files
 # themselves (so the test cannot drift from them). Sourced by test.sh (busybox sh).
 #
@@ -163,6 +164,7 @@ units_phase() {
     unit_lines "$D" ExecStart $I >/tmp/unit-lines
     check "trueno-ublk@.service has one ExecStart" [ "$(wc -l </tmp/unit-lines)" -eq 1 ]
     start=$(sed 's/^[-@:+!]*//' /tmp/unit-lines)
+    # shellcheck disable=SC2086 # word splitting wanted
     set -- $start
     exe=$(unit_resolve "$1")
     shift
