@@ -1,0 +1,288 @@
+#!/usr/bin/env bash
+# End-to-end test of trueno-ublk in a qemu VM running Debian 12's 6.12 kernel (which ships
+# ublk_drv and zram as modules). The host needs no ublk driver and no KVM (TCG emulation).
+#
+#   scripts/vm-test.sh                 build, boot the VM, run everything (scripts/vm/test.sh)
+#   scripts/vm-test.sh --kernel-only   only the VM plumbing: ublk_drv loads, zram dd and swap runs
+#
+# What the VM test does is described at the top of scripts/vm/test.sh. Downloads (the kernel
+# package, busybox-static) are cached under .vm/; missing tools are installed with apt-get.
+# Exits 0 only if every check in the VM passed. Environment knobs (defaults in brackets):
+#   VM_RAM_MIB [256]  VM_CPUS [2]  VM_TIMEOUT_S [540]  VM_KERNEL_META [linux-image-6.12-cloud-amd64]
+#   VM_STALL_S [90]   fail when no page was swapped in or out for this long during a swap run
+#   TRUENO_UBLK_BIN   use this binary instead of building target/release/trueno-ublk
+#   VM_TEST_SKIP      debugging: steps to leave out ("zram ublk-swap units"); the run then fails
+#   VM_CREATE_ARGS    debugging: more options for the 1 GiB device's `create` (store options)
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VM_DIR="$ROOT/.vm"
+CACHE="$VM_DIR/cache"
+RAM_MIB=${VM_RAM_MIB:-256}
+CPUS=${VM_CPUS:-2}
+TIMEOUT_S=${VM_TIMEOUT_S:-540}
+KERNEL_META=${VM_KERNEL_META:-linux-image-6.12-cloud-amd64}
+MODE=full
+
+for arg in "$@"; do
+    case "$arg" in
+    --kernel-only) MODE=kernel-only ;;
+    -h | --help)
+        sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+        exit 0
+        ;;
+    *)
+        echo "vm-test: unknown argument '$arg' (see --help)" >&2
+        exit 2
+        ;;
+    esac
+done
+
+log() { printf '[vm-test %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+die() {
+    printf 'vm-test: %s\n' "$*" >&2
+    exit 1
+}
+
+START_S=$SECONDS
+export PATH="$PATH:/usr/sbin:/sbin" # util-linux's swap tools, also for a non-root caller
+SUDO=()
+if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || die "not root and no sudo: run as root to let apt-get install what is missing"
+    SUDO=(sudo -n)
+fi
+
+APT_UPDATED=0
+apt_update_once() {
+    if [ "$APT_UPDATED" -eq 0 ]; then
+        log "apt-get update"
+        "${SUDO[@]}" apt-get update -qq || die "apt-get update failed"
+        APT_UPDATED=1
+    fi
+}
+
+# --- 1. Host tools ------------------------------------------------------------------------
+missing=()
+need() { command -v "$1" >/dev/null 2>&1 || missing+=("$2"); }
+need qemu-system-x86_64 qemu-system-x86
+need cpio cpio
+need gzip gzip
+need xz xz-utils
+need gcc gcc
+need objcopy binutils
+need dpkg-deb dpkg
+need swapon util-linux
+need blkdiscard util-linux
+need mkswap util-linux
+[ -e /usr/lib/x86_64-linux-gnu/libc.a ] || missing+=(libc6-dev)
+if [ "${#missing[@]}" -gt 0 ]; then
+    # shellcheck disable=SC2207
+    missing=($(printf '%s\n' "${missing[@]}" | sort -u))
+    apt_update_once
+    log "apt-get install ${missing[*]}"
+    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        "${missing[@]}" >/dev/null || die "apt-get install ${missing[*]} failed"
+fi
+command -v cargo >/dev/null || [ -n "${TRUENO_UBLK_BIN:-}" ] ||
+    die "cargo not found: install Rust (https://rustup.rs) to build trueno-ublk"
+
+# --- 2. Kernel and busybox, cached in .vm/cache --------------------------------------------
+mkdir -p "$CACHE"
+resolve_kernel_pkg() {
+    apt-cache depends "$KERNEL_META" 2>/dev/null | awk '$1 == "Depends:" && $2 ~ /^linux-image-/ {print $2; exit}'
+}
+KERNEL_PKG=$(resolve_kernel_pkg || true)
+if [ -z "$KERNEL_PKG" ]; then
+    apt_update_once
+    KERNEL_PKG=$(resolve_kernel_pkg || true)
+fi
+if [ -z "$KERNEL_PKG" ]; then
+    # No apt metadata for it (no bookworm-security/updates in sources?): use a cached package.
+    KERNEL_DEB=$(find "$CACHE" -maxdepth 1 -name 'linux-image-6.12*.deb' | sort | tail -n1)
+    [ -n "$KERNEL_DEB" ] || die "apt knows no '$KERNEL_META': enable Debian 12's bookworm-security or bookworm-updates suite"
+else
+    KERNEL_DEB=$(find "$CACHE" -maxdepth 1 -name "${KERNEL_PKG}_*.deb" | sort | tail -n1)
+fi
+fetch_deb() { # package
+    log "downloading $1"
+    (cd "$CACHE" && { apt-get download -q "$1" 2>&1 | grep -v 'unsandboxed' || true; })
+}
+if [ -z "$KERNEL_DEB" ]; then
+    fetch_deb "$KERNEL_PKG"
+    KERNEL_DEB=$(find "$CACHE" -maxdepth 1 -name "${KERNEL_PKG}_*.deb" | sort | tail -n1)
+    if [ -z "$KERNEL_DEB" ]; then
+        apt_update_once
+        fetch_deb "$KERNEL_PKG"
+        KERNEL_DEB=$(find "$CACHE" -maxdepth 1 -name "${KERNEL_PKG}_*.deb" | sort | tail -n1)
+    fi
+    [ -n "$KERNEL_DEB" ] || die "could not download $KERNEL_PKG"
+fi
+BUSYBOX_DEB=$(find "$CACHE" -maxdepth 1 -name 'busybox-static_*.deb' | sort | tail -n1)
+if [ -z "$BUSYBOX_DEB" ]; then
+    fetch_deb busybox-static
+    BUSYBOX_DEB=$(find "$CACHE" -maxdepth 1 -name 'busybox-static_*.deb' | sort | tail -n1)
+    if [ -z "$BUSYBOX_DEB" ]; then
+        apt_update_once
+        fetch_deb busybox-static
+        BUSYBOX_DEB=$(find "$CACHE" -maxdepth 1 -name 'busybox-static_*.deb' | sort | tail -n1)
+    fi
+    [ -n "$BUSYBOX_DEB" ] || die "could not download busybox-static"
+fi
+
+KDIR="$VM_DIR/kernel/$(basename "$KERNEL_DEB" .deb)"
+if [ ! -e "$KDIR/done" ]; then
+    log "extracting $(basename "$KERNEL_DEB")"
+    rm -rf "$KDIR" "$VM_DIR/kx"
+    mkdir -p "$KDIR" "$VM_DIR/kx"
+    dpkg-deb -x "$KERNEL_DEB" "$VM_DIR/kx"
+    cp "$VM_DIR"/kx/boot/vmlinuz-* "$KDIR/vmlinuz"
+    for m in drivers/block/ublk_drv mm/zsmalloc lib/lz4/lz4_compress lib/lz4/lz4hc_compress \
+        drivers/block/zram/zram; do
+        src=$(find "$VM_DIR"/kx/lib/modules/*/kernel -path "*/$m.ko*" | head -n1)
+        [ -n "$src" ] || die "$(basename "$KERNEL_DEB") has no $m.ko"
+        case "$src" in
+        *.xz) xz -dc "$src" >"$KDIR/$(basename "$m").ko" ;;
+        *.zst) zstd -dcq "$src" >"$KDIR/$(basename "$m").ko" ;;
+        *) cp "$src" "$KDIR/$(basename "$m").ko" ;;
+        esac
+    done
+    rm -rf "$VM_DIR/kx"
+    touch "$KDIR/done"
+fi
+BUSYBOX="$VM_DIR/busybox"
+if [ ! -x "$BUSYBOX" ] || [ "$BUSYBOX_DEB" -nt "$BUSYBOX" ]; then
+    rm -rf "$VM_DIR/bbx"
+    dpkg-deb -x "$BUSYBOX_DEB" "$VM_DIR/bbx"
+    cp "$VM_DIR/bbx/bin/busybox" "$BUSYBOX"
+    rm -rf "$VM_DIR/bbx"
+fi
+
+# --- 3. Build ------------------------------------------------------------------------------
+if [ "$MODE" = full ]; then
+    if [ -n "${TRUENO_UBLK_BIN:-}" ]; then
+        BIN=$TRUENO_UBLK_BIN
+    else
+        log "cargo build --release"
+        (cd "$ROOT" && cargo build --release --quiet --bin trueno-ublk) || die "cargo build --release failed"
+        BIN="$ROOT/target/release/trueno-ublk"
+    fi
+    [ -x "$BIN" ] || die "no binary at $BIN"
+fi
+gcc -O2 -static -Wall -Wextra -Werror -o "$VM_DIR/vmtool" "$ROOT/scripts/vm/vmtool.c" ||
+    die "building scripts/vm/vmtool.c failed"
+
+# --- 4. Initramfs --------------------------------------------------------------------------
+STAGE="$VM_DIR/initramfs"
+rm -rf "$STAGE"
+# Merged /usr as on Debian 12; busybox's applet links are made at boot where no real tool is.
+mkdir -p "$STAGE"/{usr/bin,usr/sbin,usr/local/bin,lib/modules,etc/systemd/system,test,proc,sys,dev,tmp,run}
+ln -s usr/bin "$STAGE/bin"
+ln -s usr/sbin "$STAGE/sbin"
+cp "$BUSYBOX" "$STAGE/usr/bin/busybox"
+cp "$ROOT/scripts/vm/init" "$STAGE/init"
+cp "$ROOT/scripts/vm/test.sh" "$ROOT/scripts/vm/units.sh" "$STAGE/test/"
+cp "$VM_DIR/vmtool" "$STAGE/test/vmtool"
+cp "$KDIR"/*.ko "$STAGE/lib/modules/"
+chmod +x "$STAGE/init" "$STAGE/test/test.sh"
+
+copy_libs() { # binary: its shared libraries, at the same paths as on the host
+    ldd "$1" 2>/dev/null | awk '/=> \// {print $3} /^\t\/[^ ]+ \(/ {print $1}' | while read -r lib; do
+        mkdir -p "$STAGE$(dirname "$lib")"
+        [ -e "$STAGE$lib" ] || cp -L "$lib" "$STAGE$lib"
+    done
+}
+# util-linux's swap and discard tools, as on a systemd host (busybox swapon has no -p).
+for tool in swapon swapoff mkswap blkdiscard blockdev; do
+    path=$(command -v "$tool") || die "$tool not found"
+    cp -L "$path" "$STAGE/usr/sbin/$tool"
+    copy_libs "$path"
+done
+
+if [ "$MODE" = full ]; then
+    # Debug info stripped: the initramfs lives in the VM's unswappable RAM.
+    objcopy --strip-debug "$BIN" "$STAGE/usr/bin/trueno-ublk"
+    copy_libs "$BIN"
+    if [ -d "$ROOT/systemd" ]; then
+        cp "$ROOT"/systemd/*.service "$STAGE/etc/systemd/system/" 2>/dev/null || true
+        # The units name the binary by absolute path: put it wherever they look.
+        { grep -h '^Exec[A-Za-z]*=' "$ROOT"/systemd/*.service || true; } |
+            sed 's/^[^=]*=[-@:+!]*//' | awk '$1 ~ /^\/.*\/trueno-ublk$/ {print $1}' | sort -u |
+            while read -r p; do
+                [ "$p" = /usr/bin/trueno-ublk ] && continue
+                mkdir -p "$STAGE$(dirname "$p")"
+                ln -sf /usr/bin/trueno-ublk "$STAGE$p"
+            done
+        # The example config, installed as /etc/trueno-ublk.conf as scripts/install.sh does.
+        conf=$(find "$ROOT/systemd" -maxdepth 1 -name 'trueno-ublk*.conf*' | sort | head -n1)
+        if [ -n "$conf" ]; then
+            cp "$conf" "$STAGE/etc/trueno-ublk.conf"
+        fi
+    fi
+fi
+FILL_MIB=$((RAM_MIB * 3 / 2 + 8))
+cat >"$STAGE/test/env" <<EOF
+MODE=$MODE
+RAM_MIB=$RAM_MIB
+FILL_MIB=$FILL_MIB
+WATCHDOG_S=$((TIMEOUT_S - 30))
+PRESSURE_TIMEOUT_S=300
+STALL_S=${VM_STALL_S:-90}
+SKIP="${VM_TEST_SKIP:-}"
+CREATE_ARGS="${VM_CREATE_ARGS:-}"
+EOF
+(cd "$STAGE" && find . | cpio -o -H newc --quiet) | gzip -1 >"$VM_DIR/initrd.cpio.gz"
+log "initramfs $(du -h "$VM_DIR/initrd.cpio.gz" | cut -f1), kernel $(basename "$KDIR"), mode $MODE"
+
+# --- 5. Boot -------------------------------------------------------------------------------
+CONSOLE="$VM_DIR/console.log"
+RESULT="$VM_DIR/result.log"
+: >"$CONSOLE"
+: >"$RESULT"
+log "booting: ${RAM_MIB} MiB RAM, $CPUS vCPUs, TCG (limit ${TIMEOUT_S} s)"
+VM_START=$SECONDS
+timeout --kill-after=10 "$TIMEOUT_S" qemu-system-x86_64 \
+    -nodefaults -no-user-config -accel tcg,thread=multi -cpu max -smp "$CPUS" -m "${RAM_MIB}M" \
+    -kernel "$KDIR/vmlinuz" -initrd "$VM_DIR/initrd.cpio.gz" \
+    -append "console=ttyS0 rdinit=/init rootfstype=ramfs panic=-1 loglevel=4" \
+    -nic none -display none -no-reboot \
+    -chardev file,id=console,path="$CONSOLE" -serial chardev:console \
+    -chardev file,id=result,path="$RESULT" -serial chardev:result \
+    </dev/null >"$VM_DIR/qemu.log" 2>&1 &
+QEMU_PID=$!
+# Show the in-VM log as it comes (tail ends by itself once qemu has exited).
+tail -n +1 -s 0.5 --pid "$QEMU_PID" -F "$RESULT" 2>/dev/null | sed -u 's/\r$//' &
+TAIL_PID=$!
+QEMU_RC=0
+wait "$QEMU_PID" || QEMU_RC=$?
+wait "$TAIL_PID" 2>/dev/null || true
+VM_S=$((SECONDS - VM_START))
+
+# --- 6. Verdict ----------------------------------------------------------------------------
+echo
+echo "================ trueno-ublk VM test: figures ================"
+tr -d '\r' <"$RESULT" | sed -n 's/^FIGURE //p' | while IFS='=' read -r key value; do
+    printf '  %-34s %s\n' "$key" "$value"
+done
+# The figure that means something under emulation: trueno-ublk relative to zram in the same VM.
+tr -d '\r' <"$RESULT" | sed -n 's/^FIGURE //p' | awk -F= '
+    { v[$1] = $2 }
+    END {
+        n = split("dd_write_MBps dd_read_MBps swap_seconds", k, " ")
+        for (i = 1; i <= n; i++)
+            if (v["ublk_" k[i]] > 0 && v["zram_" k[i]] > 0)
+                printf "  %-34s %.2f\n", "ublk/zram " k[i], v["ublk_" k[i]] / v["zram_" k[i]]
+    }'
+echo "  vm wall time                       ${VM_S} s (qemu exit $QEMU_RC)"
+echo "  whole script                       $((SECONDS - START_S)) s"
+fails=$(tr -d '\r' <"$RESULT" | grep -c '^FAIL' || true)
+if tr -d '\r' <"$RESULT" | grep -q '^VMTEST RESULT: PASS$' && [ "$fails" -eq 0 ]; then
+    echo "================ PASS ================"
+    exit 0
+fi
+echo "================ FAIL ================"
+tr -d '\r' <"$RESULT" | grep '^FAIL' || true
+[ "$QEMU_RC" -eq 124 ] && echo "the VM did not finish within ${TIMEOUT_S} s (VM_TIMEOUT_S)"
+[ -s "$VM_DIR/qemu.log" ] && { echo "--- qemu ---"; tail -n 20 "$VM_DIR/qemu.log"; }
+echo "--- VM console (last 60 lines of $CONSOLE) ---"
+tr -d '\r' <"$CONSOLE" | tail -n 60
+exit 1

@@ -1,0 +1,460 @@
+#!/bin/sh
+# shellcheck shell=dash disable=SC1091,SC2317 # sourced files are in the VM; functions run through check
+# The end-to-end test, run by /init inside the VM (busybox sh; util-linux's swapon, swapoff,
+# mkswap, blkdiscard and blockdev in /usr/sbin). Output goes to the host through ttyS1.
+# Lines starting with "ok:" or "FAIL:" are checks, "FIGURE name=value" are measurements, and
+# the last line is "VMTEST RESULT: PASS" or "VMTEST RESULT: FAIL".
+#
+# MODE=full (scripts/vm-test.sh), in this order:
+#   1. ublk_drv loads and /dev/ublk-control appears; zram loads.
+#   2. Kernel zram (lz4) in the same VM, for comparison: O_DIRECT 1 MiB dd write/read speed
+#      and the swap run of step 8.
+#   3. `trueno-ublk create --size 1G` returns once /dev/ublkb0 is live (timed), prints its path,
+#      leaves the daemon running (memory locked) and does not hold the caller's stdout; `list`
+#      shows it.
+#   4. Distinct random patterns written with O_DIRECT at bs 4k, 64k and 1M at the start, the
+#      middle and the last MiB, read back and compared by sha256.
+#   5. O_DIRECT 1 MiB write and read speed of /dev/ublkb0 (a mixed, compressible pattern).
+#   6. blkdiscard and blkdiscard -z of a range read back as zeros; the data around it stays.
+#   7. A second device is created, used and deleted while I/O runs on the first.
+#   8. mkswap + swapon -d; `delete --id 0` refused while it is swap; a program fills 1.5x the
+#      RAM with a mixed pattern and verifies every word at least twice; pswpout and pswpin grew;
+#      `trueno-ublk stat` while the data is swapped out; swapoff; `delete --id 0`.
+#   9. The systemd units' start and stop commands, taken from the unit files (units.sh), with
+#      the configured swap priority in /proc/swaps and non-zero DATA in `stat` under pressure.
+#  10. dmesg has no ublk errors, hung tasks, BUG, Oops, warnings or OOM kills.
+# MODE=kernel-only: steps 1, 2 and 10, plus the pattern checks of step 4 on zram.
+# A monitor prints free memory and swap counters every 20 s and, if the test is still running
+# at WATCHDOG_S or swap stops moving for STALL_S during a pressure run, dumps the blocked tasks
+# to the console and fails the run.
+
+. /test/env
+. /test/units.sh
+VT=/test/vmtool
+UL=/usr/sbin # util-linux tools (busybox's would win for bare names in this shell)
+MIB=1048576
+FAILS=0
+CHECKS=0
+
+ok() {
+    CHECKS=$((CHECKS + 1))
+    echo "ok: $*"
+}
+fail() {
+    CHECKS=$((CHECKS + 1))
+    FAILS=$((FAILS + 1))
+    echo "FAIL: $*"
+}
+check() { # description command...
+    local desc=$1
+    shift
+    if "$@"; then ok "$desc"; else fail "$desc"; fi
+}
+figure() { echo "FIGURE $1=$2"; }
+now() { $VT now; }
+since() { awk -v a="$(now)" -v b="$1" 'BEGIN { printf "%.3f", a - b }'; }
+mbps() { awk -v b="$1" -v s="$2" 'BEGIN { if (s <= 0) s = 1e-6; printf "%.1f", b / 1e6 / s }'; }
+vmstat_of() { awk -v k="$1" '$1 == k { print $2 }' /proc/vmstat; }
+uptime_s() { cut -d' ' -f1 /proc/uptime; }
+section() {
+    echo
+    echo "=== $* (t=$(uptime_s) s)"
+}
+daemon_logs() {
+    local f
+    for f in /run/trueno-ublk/*.log; do
+        [ -e "$f" ] || continue
+        echo "--- $f (last 40 lines)"
+        tail -n 40 "$f"
+    done
+}
+finish() {
+    [ "$FAILS" -eq 0 ] || daemon_logs
+    section "verdict"
+    echo "$CHECKS checks, $FAILS failed"
+    if [ "$FAILS" -eq 0 ] && [ "$CHECKS" -gt 0 ]; then
+        echo "VMTEST RESULT: PASS"
+    else
+        echo "VMTEST RESULT: FAIL"
+    fi
+    exit 0
+}
+abort() {
+    fail "$* (cannot go on)"
+    dmesg | tail -n 40
+    finish
+}
+# alive PID: the process exists and is not a zombie (orphans are reparented to /init,
+# which does not reap them).
+alive() {
+    local state
+    [ -r "/proc/$1/stat" ] || return 1
+    state=$(sed 's/^.*) \(.\).*/\1/' "/proc/$1/stat" 2>/dev/null)
+    [ -n "$state" ] && [ "$state" != Z ]
+}
+# wait_until SECONDS command...: polls every 0.1 s.
+wait_until() {
+    local limit=$1 t0
+    shift
+    t0=$(now)
+    while ! "$@"; do
+        awk -v e="$(since "$t0")" -v l="$limit" 'BEGIN { exit !(e > l) }' && return 1
+        usleep 100000
+    done
+    return 0
+}
+not() { ! "$@"; }
+in_swaps() { grep -q "^$1 " /proc/swaps; }
+# Hang guard and progress: free memory and swap counters every 20 s; at the deadline, or when
+# swap has not moved for STALL_S during a pressure run (/run/pressure-on), blocked tasks and
+# memory go to the console and the VM powers off with a FAIL verdict.
+echo 1 >/proc/sys/kernel/sysrq
+$VT monitor 20 "$WATCHDOG_S" "$STALL_S" /run/pressure-on &
+
+# --- pattern I/O ---------------------------------------------------------------------------
+# pat_write TAG DEV BS OFFSET LEN: a fresh random pattern, O_DIRECT, remembered under TAG.
+pat_write() {
+    local tag=$1 dev=$2 bs=$3 off=$4 len=$5 rc
+    head -c "$len" /dev/urandom >"/tmp/pat-$tag.data"
+    sha256sum <"/tmp/pat-$tag.data" | cut -d' ' -f1 >"/tmp/pat-$tag.sum"
+    echo "$dev $bs $off $len" >"/tmp/pat-$tag.loc"
+    dd if="/tmp/pat-$tag.data" of="$dev" bs="$bs" seek=$((off / bs)) oflag=direct conv=notrunc status=none
+    rc=$?
+    rm -f "/tmp/pat-$tag.data"
+    return $rc
+}
+# pat_read TAG: the pattern reads back (O_DIRECT, same block size) with the same sha256.
+pat_read() {
+    local dev bs off len got
+    read -r dev bs off len <"/tmp/pat-$1.loc"
+    got=$(dd if="$dev" bs="$bs" skip=$((off / bs)) count=$((len / bs)) iflag=direct status=none |
+        sha256sum | cut -d' ' -f1)
+    [ "$got" = "$(cat "/tmp/pat-$1.sum")" ]
+}
+# zeros DEV OFFSET LEN: the range reads back as zeros.
+zeros() {
+    local got want
+    got=$(dd if="$1" bs="$MIB" skip=$(($2 / MIB)) count=$(($3 / MIB)) iflag=direct status=none |
+        sha256sum | cut -d' ' -f1)
+    want=$(dd if=/dev/zero bs="$MIB" count=$(($3 / MIB)) status=none | sha256sum | cut -d' ' -f1)
+    [ "$got" = "$want" ]
+}
+pattern_checks() { # DEV SIZE_BYTES
+    local dev=$1 size=$2 mid last spec bs n
+    mid=$((size / 2))
+    last=$((size - MIB))
+    # Start and middle regions of each block size, all written before any is read back; the
+    # middle ones straddle the midpoint so they cross whatever boundaries the store has.
+    for spec in "4k 4096 0 $((mid - 8192))" "64k 65536 $((8 * MIB)) $((mid + 16 * MIB - 65536))" \
+        "1M $MIB $((16 * MIB)) $((mid + 32 * MIB))"; do
+        # shellcheck disable=SC2086 # word splitting wanted
+        set -- $spec
+        check "O_DIRECT write bs=$1 at the start ($3)" pat_write "start-$1" "$dev" "$2" "$3" $((4 * MIB))
+        check "O_DIRECT write bs=$1 in the middle ($4)" pat_write "mid-$1" "$dev" "$2" "$4" $((4 * MIB))
+    done
+    for bs in 4k 64k 1M; do
+        check "read back bs=$bs at the start matches" pat_read "start-$bs"
+        check "read back bs=$bs in the middle matches" pat_read "mid-$bs"
+    done
+    # The last MiB, by each block size in turn.
+    for spec in "4k 4096" "64k 65536" "1M $MIB"; do
+        # shellcheck disable=SC2086 # word splitting wanted
+        set -- $spec
+        check "O_DIRECT write bs=$1 of the last MiB" pat_write "last-$1" "$dev" "$2" "$last" $MIB
+        check "read back bs=$1 of the last MiB matches" pat_read "last-$1"
+    done
+    n=$(dd if="$dev" bs="$MIB" skip=$((size / MIB)) count=1 iflag=direct status=none | wc -c)
+    check "a read at the end of the device returns nothing (got $n bytes)" [ "$n" -eq 0 ]
+}
+recheck_patterns() { # what: every start/middle pattern still reads back
+    local all=0 bs
+    for bs in 4k 64k 1M; do
+        pat_read "start-$bs" && pat_read "mid-$bs" || all=1
+    done
+    check "start and middle patterns still intact $1" [ "$all" -eq 0 ]
+}
+discard_checks() { # DEV OFFSET
+    local dev=$1 at=$2
+    check "O_DIRECT write 8 MiB at $at for discard" pat_write disc-lo "$dev" $MIB "$at" $((2 * MIB))
+    pat_write disc-mid "$dev" $MIB $((at + 2 * MIB)) $((4 * MIB))
+    pat_write disc-hi "$dev" $MIB $((at + 6 * MIB)) $((2 * MIB))
+    check "blkdiscard of 4 MiB at $((at + 2 * MIB))" $UL/blkdiscard -o $((at + 2 * MIB)) -l $((4 * MIB)) "$dev"
+    check "the discarded range reads back as zeros" zeros "$dev" $((at + 2 * MIB)) $((4 * MIB))
+    check "the data before the discarded range is intact" pat_read disc-lo
+    check "the data after the discarded range is intact" pat_read disc-hi
+    pat_write disc-z "$dev" $MIB $((at + 8 * MIB)) $((4 * MIB))
+    check "blkdiscard -z (WRITE_ZEROES) of 2 MiB at $((at + 9 * MIB))" $UL/blkdiscard -z -o $((at + 9 * MIB)) -l $((2 * MIB)) "$dev"
+    check "the zeroed range reads back as zeros" zeros "$dev" $((at + 9 * MIB)) $((2 * MIB))
+    check "the data around the zeroed range is intact" pat_read disc-hi
+}
+
+# --- dd speed ------------------------------------------------------------------------------
+# dd_speed NAME DEV: O_DIRECT bs=1M write then read of 32 MiB of the mixed pattern (3 runs,
+# median), then a checksum of what reads back. The pattern lives in RAM only meanwhile.
+median3() { printf '%s\n' "$@" | sort -n | sed -n 2p; }
+dd_speed() {
+    local name=$1 dev=$2 len count seek w r t0 got wm rm_
+    $VT gen $((32 * MIB)) 11 >/tmp/mixed || fail "vmtool gen"
+    len=$(wc -c </tmp/mixed)
+    count=$((len / MIB))
+    seek=$((128 * MIB / MIB))
+    w=""
+    r=""
+    for _ in 1 2 3; do
+        t0=$(now)
+        dd if=/tmp/mixed of="$dev" bs="$MIB" seek=$seek oflag=direct conv=notrunc status=none || fail "$name: dd write"
+        w="$w $(since "$t0")"
+        t0=$(now)
+        dd if="$dev" of=/dev/null bs="$MIB" skip=$seek count=$count iflag=direct status=none || fail "$name: dd read"
+        r="$r $(since "$t0")"
+    done
+    got=$(dd if="$dev" bs="$MIB" skip=$seek count=$count iflag=direct status=none | sha256sum | cut -d' ' -f1)
+    check "$name: the $count MiB dd pattern reads back intact" [ "$got" = "$(sha256sum </tmp/mixed | cut -d' ' -f1)" ]
+    # shellcheck disable=SC2086
+    wm=$(mbps "$len" "$(median3 $w)")
+    # shellcheck disable=SC2086
+    rm_=$(mbps "$len" "$(median3 $r)")
+    rm -f /tmp/mixed
+    echo "$name: O_DIRECT bs=1M $count MiB: write s:$w, read s:$r"
+    figure "${name}_dd_write_MBps" "$wm"
+    figure "${name}_dd_read_MBps" "$rm_"
+}
+
+# --- swap run ------------------------------------------------------------------------------
+# pressure_run NAME MIB INSPECT_CMD [quick]: the pressure program over MIB MiB with swap on;
+# checks and figures. INSPECT_CMD runs while the program still holds its memory (data swapped
+# out). quick: fill and verify once (otherwise every word is verified at least twice).
+pressure_run() {
+    local name=$1 mib=$2 inspect=$3 quick=${4:+1} out0 in0 out1 in1 t0 pid tailpid dur rc bad words filled
+    out0=$(vmstat_of pswpout)
+    in0=$(vmstat_of pswpin)
+    t0=$(now)
+    rm -f /tmp/hold
+    touch /run/pressure-on
+    VMTOOL_QUICK=$quick timeout "$PRESSURE_TIMEOUT_S" $VT pressure "$mib" "$(date +%s)" /tmp/hold >/tmp/pressure.out 2>&1 &
+    pid=$!
+    : >/tmp/pressure.out
+    tail -f /tmp/pressure.out &
+    tailpid=$!
+    wait_until "$PRESSURE_TIMEOUT_S" sh -c "[ -e /tmp/hold ] || ! kill -0 $pid 2>/dev/null"
+    dur=$(since "$t0")
+    if [ -e /tmp/hold ]; then
+        echo "$name: swapped out while the program holds its memory:"
+        grep -E '^(SwapTotal|SwapFree|MemFree|MemAvailable)' /proc/meminfo
+        $inspect
+        rm -f /tmp/hold
+    fi
+    wait "$pid"
+    rc=$?
+    rm -f /run/pressure-on
+    out1=$(vmstat_of pswpout)
+    in1=$(vmstat_of pswpin)
+    usleep 200000
+    kill "$tailpid"
+    wait "$tailpid" 2>/dev/null
+    check "$name: the pressure program over $mib MiB (RAM ${RAM_MIB} MiB) exited 0 (rc $rc)" [ "$rc" -eq 0 ]
+    bad=$(sed -n 's/^PRESSURE_BAD_WORDS=//p' /tmp/pressure.out)
+    words=$(sed -n 's/^PRESSURE_WORDS_CHECKED=//p' /tmp/pressure.out)
+    filled=$((mib * MIB / 8))
+    check "$name: every word matched (${words:-0} checked, ${bad:-?} mismatched)" [ "${bad:-1}" = 0 ]
+    if [ -z "$quick" ]; then
+        check "$name: every word verified at least twice" [ "${words:-0}" -ge $((2 * filled)) ]
+    fi
+    check "$name: pswpout grew ($((out1 - out0)) pages)" [ "$out1" -gt "$out0" ]
+    check "$name: pswpin grew ($((in1 - in0)) pages)" [ "$in1" -gt "$in0" ]
+    figure "${name}_swap_fill_MiB" "$mib"
+    figure "${name}_swap_seconds" "$dur"
+    figure "${name}_swap_pswpout" "$((out1 - out0))"
+    figure "${name}_swap_pswpin" "$((in1 - in0))"
+}
+# swap_run NAME DEV INSPECT_CMD: mkswap, swapon -d, pressure_run, swapoff.
+swap_run() {
+    local name=$1 dev=$2 t0
+    check "$name: mkswap $dev" $UL/mkswap "$dev" >/dev/null
+    check "$name: swapon -d $dev" $UL/swapon -d "$dev"
+    check "$name: /proc/swaps lists $dev" in_swaps "$dev"
+    pressure_run "$name" "$FILL_MIB" "$3"
+    t0=$(now)
+    check "$name: swapoff $dev" $UL/swapoff "$dev"
+    echo "$name: swapoff took $(since "$t0") s"
+    check "$name: /proc/swaps no longer lists $dev" not in_swaps "$dev"
+}
+
+# --- 1. the kernel -------------------------------------------------------------------------
+section "kernel $(uname -r), $(grep MemTotal /proc/meminfo | tr -s ' '), $(nproc) CPUs, mode $MODE"
+echo 60 >/proc/sys/kernel/hung_task_timeout_secs
+insmod /lib/modules/ublk_drv.ko || abort "insmod ublk_drv.ko"
+check "/dev/ublk-control appears" wait_until 5 test -c /dev/ublk-control
+for m in lz4_compress lz4hc_compress zsmalloc zram; do
+    insmod /lib/modules/$m.ko || fail "insmod $m.ko"
+done
+check "/dev/zram0 appears" wait_until 5 test -b /dev/zram0
+# VM_TEST_SKIP (debugging only): a skipped step counts as a failure.
+skipped() {
+    case " $SKIP " in
+    *" $1 "*)
+        fail "step '$1' skipped (VM_TEST_SKIP)"
+        return 0
+        ;;
+    esac
+    return 1
+}
+
+zram_up() {
+    echo 1 >/sys/block/zram0/reset
+    echo lz4 >/sys/block/zram0/comp_algorithm
+    echo 1G >/sys/block/zram0/disksize
+}
+zram_inspect() { echo "zram mm_stat: $(cat /sys/block/zram0/mm_stat)"; }
+ublk_inspect() {
+    trueno-ublk stat
+    trueno-ublk stat --raw >/tmp/stat.raw 2>&1
+}
+units_inspect() { ublk_inspect; }
+
+# --- 2. kernel zram in the same VM (first: its figures do not depend on the daemon) ------
+if ! skipped zram; then
+    section "kernel zram (lz4) in the same VM"
+    zram_up
+    dd_speed zram /dev/zram0
+    zram_inspect
+    zram_up
+    swap_run zram /dev/zram0 zram_inspect
+    echo 1 >/sys/block/zram0/reset
+fi
+
+if [ "$MODE" = full ]; then
+    # --- 3. create ---------------------------------------------------------------------------
+    section "create a 1 GiB device: trueno-ublk create --size 1G $CREATE_ARGS"
+    rm -f /tmp/create.rc
+    t0=$(now)
+    # Through a pipe, as `DEV=$(trueno-ublk create ...)` would read it: the command is done
+    # when the daemon left in the background no longer holds the pipe.
+    (
+        # shellcheck disable=SC2086
+        trueno-ublk create --size 1G $CREATE_ARGS 2>/tmp/create.err
+        echo $? >/tmp/create.rc
+    ) | cat >/tmp/create.out &
+    pipe=$!
+    wait_until 60 test -e /tmp/create.rc || abort "trueno-ublk create --size 1G did not return within 60 s"
+    ready=$(since "$t0")
+    rc=$(cat /tmp/create.rc)
+    echo "create printed: $(cat /tmp/create.out)"
+    [ -s /tmp/create.err ] && echo "create stderr: $(cat /tmp/create.err)"
+    [ "$rc" -eq 0 ] || abort "trueno-ublk create --size 1G exited $rc"
+    ok "trueno-ublk create --size 1G returned 0 after $ready s"
+    if wait_until 5 not alive "$pipe"; then
+        ok "create's output closed once it returned (\$(trueno-ublk create ...) does not hang)"
+    else
+        fail "the background daemon holds create's stdout: \$(trueno-ublk create ...) would hang"
+    fi
+    DEV=$(grep -o '/dev/ublkb[0-9]*' /tmp/create.out | head -n1)
+    check "create printed the device path ($DEV)" [ "$DEV" = /dev/ublkb0 ]
+    DEV=/dev/ublkb0
+    check "$DEV is a block device" test -b $DEV
+    dd if=$DEV of=/dev/null bs=4096 count=1 iflag=direct status=none || abort "first O_DIRECT read of $DEV"
+    figure device_ready_s "$ready"
+    figure device_usable_s "$(since "$t0")"
+    size=$($UL/blockdev --getsize64 $DEV)
+    check "$DEV is 1 GiB ($size bytes)" [ "$size" -eq $((1024 * MIB)) ]
+    check "logical block size 4096" [ "$($UL/blockdev --getss $DEV)" -eq 4096 ]
+    DAEMON=$(pidof trueno-ublk)
+    check "one daemon runs in the background (pid $DAEMON)" [ "$(echo "$DAEMON" | wc -w)" -eq 1 ]
+    grep -E '^(VmRSS|VmLck)' "/proc/$DAEMON/status"
+    check "the daemon's memory is locked (mlockall)" [ "$(awk '/^VmLck/ { print $2 }' "/proc/$DAEMON/status")" -gt 0 ]
+    trueno-ublk list | tee /tmp/list.out
+    check "trueno-ublk list shows $DEV" grep -q ublkb0 /tmp/list.out
+
+    # --- 4-6. data -------------------------------------------------------------------------
+    section "O_DIRECT patterns on $DEV"
+    pattern_checks $DEV $((1024 * MIB))
+    section "O_DIRECT speed of $DEV"
+    dd_speed ublk $DEV
+    section "discard and write-zeroes on $DEV"
+    discard_checks $DEV $((300 * MIB))
+
+    # --- 7. a second device while the first is busy ----------------------------------------
+    section "a second device while $DEV is in use"
+    rm -f /tmp/bg.stop /tmp/bg.result
+    (
+        n=0 bad=0
+        while [ ! -e /tmp/bg.stop ]; do
+            pat_write "bg" $DEV 65536 $((900 * MIB + (n % 16) * MIB)) $MIB && pat_read bg || bad=$((bad + 1))
+            n=$((n + 1))
+        done
+        echo "$n $bad" >/tmp/bg.result
+    ) &
+    bg=$!
+    trueno-ublk create --size 256M >/tmp/create2.out 2>&1
+    rc=$?
+    cat /tmp/create2.out
+    DEV2=$(grep -o '/dev/ublkb[0-9]*' /tmp/create2.out | head -n1)
+    if [ "$rc" -eq 0 ] && [ -n "$DEV2" ] && [ "$DEV2" != $DEV ] && [ -b "$DEV2" ]; then
+        ok "a second device $DEV2 came up while $DEV is in use"
+        ID2=${DEV2#/dev/ublkb}
+        check "$DEV2: O_DIRECT write" pat_write dev2 "$DEV2" $MIB $((100 * MIB)) $((4 * MIB))
+        check "$DEV2: read back matches" pat_read dev2
+        trueno-ublk list | tee /tmp/list.out
+        check "list shows both devices" grep -q "ublkb$ID2" /tmp/list.out
+        check "trueno-ublk delete --id $ID2" trueno-ublk delete --id "$ID2"
+        check "$DEV2 is gone" wait_until 5 not test -e "$DEV2"
+        trueno-ublk list | tee /tmp/list.out
+        check "list no longer shows $DEV2" not grep -q "ublkb$ID2" /tmp/list.out
+        check "list still shows $DEV" grep -q ublkb0 /tmp/list.out
+    else
+        fail "trueno-ublk create --size 256M (second device) exited $rc, printed '$DEV2'"
+    fi
+    touch /tmp/bg.stop
+    wait "$bg"
+    read -r n bad </tmp/bg.result
+    check "I/O on $DEV during that: $n rounds of 1 MiB write+read, $bad bad" [ "$n" -gt 0 -a "$bad" -eq 0 ]
+    recheck_patterns "after the second device came and went"
+
+    # --- 8. swap ---------------------------------------------------------------------------
+    section "swap on $DEV"
+    $UL/mkswap $DEV >/dev/null && $UL/swapon -d $DEV
+    if in_swaps $DEV; then
+        trueno-ublk delete --id 0 >/tmp/del.out 2>&1
+        rc=$?
+        cat /tmp/del.out
+        check "delete --id 0 of an active swap device is refused (exit $rc)" [ "$rc" -ne 0 ]
+        check "... and the device stays" in_swaps $DEV
+        $UL/swapoff $DEV
+    fi
+    if ! skipped ublk-swap; then
+        swap_run ublk $DEV ublk_inspect
+        trueno-ublk stat
+    fi
+    check "trueno-ublk delete --id 0" trueno-ublk delete --id 0
+    check "$DEV is gone" wait_until 10 not test -e $DEV
+    check "the daemon exited" wait_until 10 not alive "$DAEMON"
+    trueno-ublk list >/tmp/list.out 2>&1
+    cat /tmp/list.out
+    check "list shows no device" not grep -q ublkb /tmp/list.out
+    check "trueno-ublk stat with no device exits 0" trueno-ublk stat
+else
+    section "pattern checks on /dev/zram0 (kernel-only dry run)"
+    zram_up
+    pattern_checks /dev/zram0 $((1024 * MIB))
+    discard_checks /dev/zram0 $((300 * MIB))
+fi
+
+# --- 9. systemd units ----------------------------------------------------------------------
+if [ "$MODE" = full ] && ! skipped units; then
+    units_phase
+fi
+
+# --- 10. kernel log ------------------------------------------------------------------------
+section "kernel log"
+dmesg >/tmp/dmesg
+grep -iE 'ublk' /tmp/dmesg | tail -n 20
+bad=$(grep -E -e '[Uu][Bb][Ll][Kk].*([Ee]rror|[Ff]ail|[Tt]imeout|[Aa]bort)' \
+    -e 'hung_task|blocked for more than|BUG:|Oops:|WARNING:|Call Trace|general protection' \
+    -e 'Out of memory|oom-kill|soft lockup' /tmp/dmesg)
+if [ -z "$bad" ]; then
+    ok "dmesg: no ublk errors, hung tasks, BUG, Oops, warnings or OOM kills"
+else
+    fail "dmesg has errors:"
+    echo "$bad" | head -n 40
+fi
+finish

@@ -1,0 +1,470 @@
+/*
+ * vmtool: the helper program of scripts/vm-test.sh, run inside the test VM.
+ * Built statically by the host script (gcc -O2 -static), so it needs nothing
+ * from the initramfs.
+ *
+ *   vmtool now
+ *       Monotonic clock in seconds with nanoseconds (busybox date has no %N).
+ *   vmtool gen BYTES SEED
+ *       Writes BYTES (a multiple of 4096) of the mixed page pattern to stdout.
+ *   vmtool pressure MIB SEED [HOLDFILE]
+ *       Fills MIB MiB of anonymous memory with the mixed pattern, verifies every
+ *       word twice, rewrites every third page with a second pattern and verifies
+ *       every word once more. Prints counts; exits 1 on any mismatch. With
+ *       VMTOOL_QUICK=1 in the environment: fill and one verify pass only. With
+ *       HOLDFILE, creates it when done and keeps the memory until it is removed
+ *       (so the swap device can be inspected while it holds the data).
+ *   vmtool notify-run TIMEOUT_S STATEFILE CMD [ARGS...]
+ *       Runs CMD the way systemd runs a Type=notify service: NOTIFY_SOCKET points
+ *       to a datagram socket this program reads. Appends to STATEFILE "pid N" at
+ *       start, "ready SECONDS" when CMD sends READY=1, "timeout" if that takes
+ *       longer than TIMEOUT_S, and "exit CODE" when CMD ends. Runs until CMD ends
+ *       (start it in the background); exits 0 if CMD was ready and exited 0.
+ *   vmtool monitor INTERVAL_S DEADLINE_S STALL_S FLAGFILE
+ *       The VM's watchdog, started first by test.sh: locked in memory, real-time
+ *       priority and with every file opened up front, so it still runs when the test
+ *       is stuck in reclaim. Every INTERVAL_S prints free memory, free swap, the
+ *       swap counters and the resident size of each trueno-ublk process. At
+ *       DEADLINE_S, or when FLAGFILE exists (a pressure run is on) and no page was
+ *       swapped in or out for STALL_S, it dumps blocked tasks, all tasks and memory
+ *       to the console (sysrq w, t, m), prints a FAIL verdict and powers the VM off.
+ *
+ * The mixed pattern: page p (4 KiB) of a run with seed s is
+ *   - all zero when p % 50 == 0 (2%: same-filled pages never reach a codec),
+ *   - random words when p % 50 == 1 (2%: incompressible),
+ *   - otherwise blocks of 8 words whose first 2 words are random and whose last 6
+ *     repeat the previous block's last 6: LZ4 compresses it about 3x.
+ * Every word is a function of (seed, page, word index), so any page can be
+ * re-derived and compared word by word.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <dirent.h>
+#include <sys/mman.h>
+#include <sys/reboot.h>
+#include <sched.h>
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define PAGE_BYTES 4096
+#define PAGE_WORDS (PAGE_BYTES / 8)
+
+static double now_s(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static uint64_t splitmix64(uint64_t *state)
+{
+	uint64_t z = (*state += 0x9E3779B97F4A7C15ULL);
+	z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+	z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+	return z ^ (z >> 31);
+}
+
+enum page_kind { PAGE_ZERO, PAGE_RANDOM, PAGE_MIXED };
+
+static enum page_kind kind_of(uint64_t page)
+{
+	switch (page % 50) {
+	case 0:
+		return PAGE_ZERO;
+	case 1:
+		return PAGE_RANDOM;
+	default:
+		return PAGE_MIXED;
+	}
+}
+
+static void make_page(uint64_t *out, uint64_t seed, uint64_t page)
+{
+	uint64_t state = seed * 0xD1B54A32D192ED03ULL ^ page;
+	switch (kind_of(page)) {
+	case PAGE_ZERO:
+		memset(out, 0, PAGE_BYTES);
+		return;
+	case PAGE_RANDOM:
+		for (int i = 0; i < PAGE_WORDS; i++)
+			out[i] = splitmix64(&state);
+		return;
+	case PAGE_MIXED:
+		for (int i = 0; i < PAGE_WORDS; i++) {
+			if (i % 8 < 2 || i < 8)
+				out[i] = splitmix64(&state);
+			else
+				out[i] = out[i - 8];
+		}
+		return;
+	}
+}
+
+static unsigned long long parse_u64(const char *s, const char *what)
+{
+	char *end;
+	errno = 0;
+	unsigned long long v = strtoull(s, &end, 0);
+	if (errno || *end || end == s) {
+		fprintf(stderr, "vmtool: bad %s: %s\n", what, s);
+		exit(2);
+	}
+	return v;
+}
+
+static int cmd_gen(int argc, char **argv)
+{
+	if (argc != 2) {
+		fprintf(stderr, "usage: vmtool gen BYTES SEED\n");
+		return 2;
+	}
+	uint64_t bytes = parse_u64(argv[0], "byte count");
+	uint64_t seed = parse_u64(argv[1], "seed");
+	if (bytes % PAGE_BYTES) {
+		fprintf(stderr, "vmtool: BYTES must be a multiple of 4096\n");
+		return 2;
+	}
+	uint64_t buf[PAGE_WORDS * 16];
+	uint64_t pages = bytes / PAGE_BYTES;
+	for (uint64_t p = 0; p < pages;) {
+		uint64_t n = 0;
+		for (; n < 16 && p < pages; n++, p++)
+			make_page(buf + n * PAGE_WORDS, seed, p);
+		if (fwrite(buf, PAGE_BYTES, n, stdout) != n) {
+			perror("vmtool gen: write");
+			return 1;
+		}
+	}
+	return fflush(stdout) ? 1 : 0;
+}
+
+struct verify_counts {
+	uint64_t words;
+	uint64_t bad_words;
+	uint64_t bad_pages;
+};
+
+/* Page p holds seed_for(p): seed_a, or seed_b for every third page once rewritten. */
+static uint64_t seed_for(uint64_t page, uint64_t seed_a, uint64_t seed_b, int rewritten)
+{
+	return rewritten && page % 3 == 0 ? seed_b : seed_a;
+}
+
+static void verify_pass(const char *name, uint64_t *mem, uint64_t pages, uint64_t seed_a,
+			uint64_t seed_b, int rewritten, struct verify_counts *total)
+{
+	uint64_t expect[PAGE_WORDS];
+	struct verify_counts c = { 0, 0, 0 };
+	double t0 = now_s();
+	for (uint64_t p = 0; p < pages; p++) {
+		uint64_t *got = mem + p * PAGE_WORDS;
+		make_page(expect, seed_for(p, seed_a, seed_b, rewritten), p);
+		c.words += PAGE_WORDS;
+		if (memcmp(got, expect, PAGE_BYTES) == 0)
+			continue;
+		c.bad_pages++;
+		for (int i = 0; i < PAGE_WORDS; i++) {
+			if (got[i] == expect[i])
+				continue;
+			if (c.bad_words < 8)
+				printf("MISMATCH %s page %llu word %d: expected %016llx got %016llx\n",
+				       name, (unsigned long long)p, i,
+				       (unsigned long long)expect[i], (unsigned long long)got[i]);
+			c.bad_words++;
+		}
+	}
+	printf("pressure: %s: %llu words checked, %llu mismatched words in %llu pages, %.1f s\n",
+	       name, (unsigned long long)c.words, (unsigned long long)c.bad_words,
+	       (unsigned long long)c.bad_pages, now_s() - t0);
+	fflush(stdout);
+	total->words += c.words;
+	total->bad_words += c.bad_words;
+	total->bad_pages += c.bad_pages;
+}
+
+static int cmd_pressure(int argc, char **argv)
+{
+	if (argc != 2 && argc != 3) {
+		fprintf(stderr, "usage: vmtool pressure MIB SEED [HOLDFILE]\n");
+		return 2;
+	}
+	uint64_t mib = parse_u64(argv[0], "MiB");
+	uint64_t seed_a = parse_u64(argv[1], "seed");
+	uint64_t seed_b = seed_a ^ 0x5DEECE66DULL;
+	uint64_t pages = mib * 256;
+	size_t bytes = (size_t)pages * PAGE_BYTES;
+	uint64_t *mem = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (mem == MAP_FAILED) {
+		perror("vmtool pressure: mmap");
+		return 1;
+	}
+	/* Keep transparent huge pages out: the test is about 4 KiB swap traffic. */
+	madvise(mem, bytes, MADV_NOHUGEPAGE);
+	printf("pressure: %llu MiB (%llu pages): 2%% zero, 2%% random, 96%% mixed\n",
+	       (unsigned long long)mib, (unsigned long long)pages);
+	fflush(stdout);
+	double t0 = now_s();
+	for (uint64_t p = 0; p < pages; p++)
+		make_page(mem + p * PAGE_WORDS, seed_a, p);
+	printf("pressure: fill: %llu words written, %.1f s\n",
+	       (unsigned long long)pages * PAGE_WORDS, now_s() - t0);
+	fflush(stdout);
+
+	struct verify_counts total = { 0, 0, 0 };
+	const char *quick = getenv("VMTOOL_QUICK");
+	verify_pass("verify-1", mem, pages, seed_a, seed_b, 0, &total);
+	if (!quick || strcmp(quick, "1") != 0) {
+		verify_pass("verify-2", mem, pages, seed_a, seed_b, 0, &total);
+		double t1 = now_s();
+		for (uint64_t p = 0; p < pages; p += 3)
+			make_page(mem + p * PAGE_WORDS, seed_b, p);
+		printf("pressure: rewrite: every third page with a second pattern, %.1f s\n",
+		       now_s() - t1);
+		fflush(stdout);
+		verify_pass("verify-3", mem, pages, seed_a, seed_b, 1, &total);
+	}
+
+	printf("pressure: total %llu words checked (%.2fx the %llu words filled), "
+	       "%llu mismatched words in %llu pages, %.1f s\n",
+	       (unsigned long long)total.words, (double)total.words / (double)(pages * PAGE_WORDS),
+	       (unsigned long long)pages * PAGE_WORDS, (unsigned long long)total.bad_words,
+	       (unsigned long long)total.bad_pages, now_s() - t0);
+	printf("PRESSURE_WORDS_CHECKED=%llu\nPRESSURE_BAD_WORDS=%llu\n",
+	       (unsigned long long)total.words, (unsigned long long)total.bad_words);
+	fflush(stdout);
+	if (argc == 3) {
+		FILE *hold = fopen(argv[2], "w");
+		if (!hold || fclose(hold)) {
+			perror("vmtool pressure: holdfile");
+			return 1;
+		}
+		while (access(argv[2], F_OK) == 0)
+			usleep(100000);
+	}
+	munmap(mem, bytes);
+	return total.bad_words == 0 ? 0 : 1;
+}
+
+static void state_line(const char *path, const char *fmt, ...)
+{
+	FILE *f = fopen(path, "a");
+	if (!f)
+		return;
+	va_list ap;
+	va_start(ap, fmt);
+	vfprintf(f, fmt, ap);
+	va_end(ap);
+	fclose(f);
+}
+
+static int cmd_notify_run(int argc, char **argv)
+{
+	if (argc < 3) {
+		fprintf(stderr, "usage: vmtool notify-run TIMEOUT_S STATEFILE CMD [ARGS...]\n");
+		return 2;
+	}
+	double timeout = (double)parse_u64(argv[0], "timeout");
+	const char *statefile = argv[1];
+	struct sockaddr_un addr = { .sun_family = AF_UNIX };
+	snprintf(addr.sun_path, sizeof(addr.sun_path), "/run/vmtool-notify-%d.sock", (int)getpid());
+	unlink(addr.sun_path);
+	int sock = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	if (sock < 0 || bind(sock, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
+		perror("vmtool notify-run: socket");
+		return 1;
+	}
+	unlink(statefile);
+	double t0 = now_s();
+	pid_t child = fork();
+	if (child < 0) {
+		perror("vmtool notify-run: fork");
+		return 1;
+	}
+	if (child == 0) {
+		setenv("NOTIFY_SOCKET", addr.sun_path, 1);
+		execvp(argv[2], argv + 2);
+		perror("vmtool notify-run: exec");
+		_exit(127);
+	}
+	state_line(statefile, "pid %d\n", (int)child);
+	int ready = 0;
+	for (;;) {
+		int status;
+		if (waitpid(child, &status, WNOHANG) == child) {
+			int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+			printf("notify-run: %s exited with %d%s\n", argv[2], code,
+			       ready ? "" : " before READY=1");
+			state_line(statefile, "exit %d\n", code);
+			unlink(addr.sun_path);
+			return ready && code == 0 ? 0 : 1;
+		}
+		if (!ready && now_s() - t0 > timeout) {
+			printf("notify-run: no READY=1 from %s within %.0f s\n", argv[2], timeout);
+			state_line(statefile, "timeout\n");
+			timeout = 1e12; /* report once; the caller decides what to do */
+		}
+		struct pollfd pfd = { .fd = sock, .events = POLLIN };
+		if (poll(&pfd, 1, 100) <= 0)
+			continue;
+		char msg[4096];
+		ssize_t n = recv(sock, msg, sizeof(msg) - 1, 0);
+		if (n <= 0)
+			continue;
+		msg[n] = 0;
+		printf("notify-run: received \"%s\"\n", msg);
+		fflush(stdout);
+		/* The message is newline-separated assignments; READY=1 may be any line. */
+		for (char *line = strtok(msg, "\n"); line; line = strtok(NULL, "\n")) {
+			if (!ready && strcmp(line, "READY=1") == 0) {
+				ready = 1;
+				state_line(statefile, "ready %.3f\n", now_s() - t0);
+			}
+		}
+	}
+}
+
+/* The value of KEY in a "key value" or "Key:   value kB" text. */
+static long long field_of(const char *text, const char *key)
+{
+	size_t n = strlen(key);
+	for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
+		if (strncmp(p, key, n) == 0 && (p[n] == ' ' || p[n] == ':'))
+			return strtoll(p + n + 1 + strspn(p + n + 1, " :\t"), NULL, 10);
+	}
+	return -1;
+}
+
+/* Appends " trueno-ublk[PID]=RSS kB" for each daemon process to out. */
+static void daemons_rss(char *out, size_t cap)
+{
+	DIR *proc = opendir("/proc");
+	if (!proc)
+		return;
+	struct dirent *e;
+	size_t used = strlen(out);
+	while ((e = readdir(proc)) && used + 64 < cap) {
+		if (e->d_name[0] < '1' || e->d_name[0] > '9')
+			continue;
+		char path[300], buf[2048];
+		snprintf(path, sizeof(path), "/proc/%s/status", e->d_name);
+		int fd = open(path, O_RDONLY);
+		if (fd < 0)
+			continue;
+		ssize_t n = read(fd, buf, sizeof(buf) - 1);
+		close(fd);
+		if (n <= 0)
+			continue;
+		buf[n] = 0;
+		if (strncmp(buf, "Name:\ttrueno-ublk\n", 18) != 0)
+			continue;
+		used += (size_t)snprintf(out + used, cap - used, " trueno-ublk[%s]=%lld kB", e->d_name,
+					 field_of(buf, "VmRSS"));
+	}
+	closedir(proc);
+}
+
+static int cmd_monitor(int argc, char **argv)
+{
+	if (argc != 4) {
+		fprintf(stderr, "usage: vmtool monitor INTERVAL_S DEADLINE_S STALL_S FLAGFILE\n");
+		return 2;
+	}
+	unsigned interval = (unsigned)parse_u64(argv[0], "interval");
+	double deadline = (double)parse_u64(argv[1], "deadline");
+	double stall_limit = (double)parse_u64(argv[2], "stall");
+	const char *flagfile = argv[3];
+	long long last_swaps = -1;
+	double last_change = 0;
+	int meminfo = open("/proc/meminfo", O_RDONLY);
+	int vmstat = open("/proc/vmstat", O_RDONLY);
+	int sysrq = open("/proc/sysrq-trigger", O_WRONLY);
+	int printk = open("/proc/sys/kernel/printk", O_WRONLY);
+	if (meminfo < 0 || vmstat < 0) {
+		perror("vmtool monitor: /proc");
+		return 1;
+	}
+	if (mlockall(MCL_CURRENT | MCL_FUTURE))
+		perror("vmtool monitor: mlockall");
+	struct sched_param sp = { .sched_priority = 50 };
+	if (sched_setscheduler(0, SCHED_FIFO, &sp))
+		perror("vmtool monitor: SCHED_FIFO");
+	static char mem[8192], vm[16384];
+	double t0 = now_s();
+	for (;;) {
+		sleep(interval);
+		ssize_t n = pread(meminfo, mem, sizeof(mem) - 1, 0);
+		mem[n > 0 ? n : 0] = 0;
+		n = pread(vmstat, vm, sizeof(vm) - 1, 0);
+		vm[n > 0 ? n : 0] = 0;
+		double t = now_s() - t0;
+		static char daemons[512];
+		daemons[0] = 0;
+		daemons_rss(daemons, sizeof(daemons));
+		printf("monitor: t=%.0f s MemFree=%lld kB MemAvailable=%lld kB SwapFree=%lld kB "
+		       "pswpout=%lld pswpin=%lld%s\n",
+		       t, field_of(mem, "MemFree"), field_of(mem, "MemAvailable"),
+		       field_of(mem, "SwapFree"), field_of(vm, "pswpout"), field_of(vm, "pswpin"),
+		       daemons);
+		fflush(stdout);
+		long long swaps = field_of(vm, "pswpout") + field_of(vm, "pswpin");
+		if (swaps != last_swaps || access(flagfile, F_OK) != 0) {
+			last_swaps = swaps;
+			last_change = t;
+		}
+		int stalled = t - last_change >= stall_limit;
+		if (stalled)
+			printf("FAIL: watchdog: swap stalled: no page swapped in or out for %.0f s "
+			       "during a pressure run\n", t - last_change);
+		if (stalled || t >= deadline) {
+			if (!stalled)
+				printf("FAIL: watchdog: the test was still running after %.0f s\n", t);
+			printf("FAIL: watchdog: blocked tasks, all tasks and memory are in the VM "
+			       "console (sysrq w, t, m)\n");
+			printf("VMTEST RESULT: FAIL\n");
+			fflush(stdout);
+			/* The dumps are KERN_INFO: let them through to the console. */
+			if (printk >= 0)
+				(void)!write(printk, "8", 1);
+			if (sysrq >= 0) {
+				(void)!write(sysrq, "w", 1);
+				(void)!write(sysrq, "t", 1);
+				(void)!write(sysrq, "m", 1);
+			}
+			sleep(2);
+			sync();
+			reboot(RB_POWER_OFF);
+			return 1;
+		}
+	}
+}
+
+int main(int argc, char **argv)
+{
+	if (argc >= 2 && strcmp(argv[1], "now") == 0) {
+		printf("%.6f\n", now_s());
+		return 0;
+	}
+	if (argc >= 2 && strcmp(argv[1], "gen") == 0)
+		return cmd_gen(argc - 2, argv + 2);
+	if (argc >= 2 && strcmp(argv[1], "pressure") == 0)
+		return cmd_pressure(argc - 2, argv + 2);
+	if (argc >= 2 && strcmp(argv[1], "monitor") == 0)
+		return cmd_monitor(argc - 2, argv + 2);
+	if (argc >= 2 && strcmp(argv[1], "notify-run") == 0)
+		return cmd_notify_run(argc - 2, argv + 2);
+	fprintf(stderr, "usage: vmtool now | gen BYTES SEED | pressure MIB SEED [HOLDFILE] | "
+			"notify-run TIMEOUT_S STATEFILE CMD [ARGS...] | "
+			"monitor INTERVAL_S DEADLINE_S STALL_S FLAGFILE\n");
+	return 2;
+}
