@@ -1,0 +1,641 @@
+//! `trueno-ublk bench`: the page store's write and read paths on a corpus of pages, the codec
+//! alone on the same pages, latency percentiles, and kernel zram on the same pages with
+//! `--compare-zram`. Every page read back is checked byte for byte; a mismatch fails the run.
+
+pub mod corpus;
+pub mod report;
+pub mod zram;
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use parking_lot::Mutex;
+use rayon::prelude::*;
+use thiserror::Error;
+
+use crate::cli::{parse_size, AlgorithmArg, BackendArg, StoreArgs};
+use crate::codec::{Algorithm, Backend, BatchCodec, CodecError, PAGE_SIZE};
+use crate::store::{BatchedPageStore, StoreConfig, StoreError};
+use corpus::{AlignedBuf, Corpus, SplitMix64};
+use report::{BenchReport, LatencyReport, OverwriteReport, Percentiles, VersusZram};
+
+/// Size of the built-in mix when neither `--size` nor `--input` says otherwise.
+const DEFAULT_MIX_BYTES: u64 = 256 << 20;
+/// Pages per batch in the batch-latency figures (the spec's G.113/G.114).
+const LATENCY_BATCH_PAGES: usize = 1000;
+/// Requests a worker takes at a time from the shared queue of work.
+const REQUESTS_PER_GRAB: usize = 64;
+
+#[derive(Clone, Debug, Args)]
+pub struct BenchArgs {
+    /// Corpus file of 4 KiB pages (scripts/make-corpus.sh) [default: a built-in realistic mix]
+    #[arg(long)]
+    pub input: Option<PathBuf>,
+    /// Bytes of pages: the size of the built-in mix [default: 256M], or the first SIZE bytes of
+    /// --input [default: all of it]
+    #[arg(long, value_parser = parse_size)]
+    pub size: Option<u64>,
+    /// Writer and reader threads, like the daemon's queue threads [default: number of cores]
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: Option<u16>,
+    /// Bytes per write and read request to the store (4K = one page, as swap mostly does)
+    #[arg(long, value_parser = parse_size, default_value = "4K")]
+    pub request_size: u64,
+    /// Overwrite the whole corpus this many times in random order, then report the memory
+    /// ratio again (0 skips it)
+    #[arg(long, default_value_t = 3)]
+    pub overwrites: u32,
+    /// Samples of each single-page latency; the 1000-page batch figures take a tenth as many
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub latency_samples: u32,
+    /// Seed of the built-in mix and of the random orders
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Print one JSON object instead of the text report
+    #[arg(long)]
+    pub json: bool,
+    /// Also run kernel zram (lz4) on the same pages: needs root and /sys/block/zram0, and
+    /// resets zram0 before and after
+    #[arg(long)]
+    pub compare_zram: bool,
+    /// Parallel O_DIRECT streams for zram (1 = one dd)
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub zram_streams: u16,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+#[derive(Debug, Error)]
+pub enum BenchError {
+    #[error("cannot read corpus {path}: {source}")]
+    Corpus {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "corpus {path}: {len} bytes is not a whole, non-zero number of 4 KiB pages \
+         (make one with scripts/make-corpus.sh, or pass --size)"
+    )]
+    NotWholePages { path: PathBuf, len: u64 },
+    #[error("store {phase} failed: {source}")]
+    Store {
+        phase: &'static str,
+        source: StoreError,
+    },
+    #[error("cannot start the store's flusher thread: {0}")]
+    Flusher(std::io::Error),
+    #[error(
+        "{phase}: {pages} page(s) read back differ from what was written (first: page {first_page})"
+    )]
+    Mismatch {
+        phase: &'static str,
+        first_page: usize,
+        pages: usize,
+    },
+    #[error("codec alone: {0}")]
+    Codec(CodecError),
+    #[error("--backend gpu: no usable GPU ({0}); use --backend auto, simd or simd-parallel")]
+    NoGpu(String),
+    #[error("--compare-zram: {0}")]
+    ZramUnavailable(String),
+    #[error("zram: {what} failed: {source}")]
+    Zram {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("a bench worker thread panicked")]
+    WorkerPanicked,
+    #[error("cannot print the JSON report: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// A progress bar on stderr that appears only once a run has lasted a second, and never with
+/// `--json` or when stderr is not a terminal.
+pub struct Progress {
+    bar: ProgressBar,
+}
+
+impl Progress {
+    pub fn hidden() -> Self {
+        Self {
+            bar: ProgressBar::hidden(),
+        }
+    }
+
+    fn on_stderr_after_a_second() -> Self {
+        let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::hidden());
+        bar.set_style(
+            ProgressStyle::with_template("{msg:<22} [{bar:40}] {percent:>3}% {elapsed}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        let weak = bar.downgrade();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(1));
+            if let Some(bar) = weak.upgrade() {
+                if !bar.is_finished() {
+                    bar.set_draw_target(ProgressDrawTarget::stderr());
+                }
+            }
+        });
+        Self { bar }
+    }
+
+    /// Start a phase of `total` units (bytes or operations).
+    pub fn phase(&self, name: &'static str, total: u64) {
+        self.bar.set_message(name);
+        self.bar.set_length(total);
+        self.bar.set_position(0);
+    }
+
+    pub fn advance(&self, units: u64) {
+        self.bar.inc(units);
+    }
+
+    fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+/// Bytes per second in GB/s (10^9 bytes).
+pub fn gbps(bytes: usize, elapsed: Duration) -> f64 {
+    bytes as f64 / elapsed.as_secs_f64().max(1e-9) / 1e9
+}
+
+fn ratio(numerator: u64, denominator: u64) -> f64 {
+    if denominator == 0 {
+        0.0
+    } else {
+        numerator as f64 / denominator as f64
+    }
+}
+
+/// Check every page of `got` against `expected(page index)`.
+pub fn verify<'a>(
+    phase: &'static str,
+    got: &[u8],
+    expected: impl Fn(usize) -> &'a [u8] + Sync,
+) -> Result<(), BenchError> {
+    let bad: Vec<usize> = got
+        .par_chunks(PAGE_SIZE)
+        .enumerate()
+        .filter(|(index, page)| *page != expected(*index))
+        .map(|(index, _)| index)
+        .collect();
+    match bad.first() {
+        None => Ok(()),
+        Some(&first_page) => Err(BenchError::Mismatch {
+            phase,
+            first_page,
+            pages: bad.len(),
+        }),
+    }
+}
+
+/// The store configuration the options ask for, on a device the size of the corpus.
+fn store_config(args: &StoreArgs, size_bytes: u64) -> StoreConfig {
+    let mut config = StoreConfig::new(size_bytes);
+    config.algorithm = match args.algorithm.unwrap_or(AlgorithmArg::Lz4) {
+        AlgorithmArg::Lz4 => Algorithm::Lz4,
+        AlgorithmArg::Zstd => Algorithm::Zstd {
+            level: args.zstd_level.unwrap_or(1),
+        },
+        AlgorithmArg::Adaptive => Algorithm::Adaptive,
+    };
+    config.batched = !args.no_batched;
+    if let Some(threshold) = args.batch_threshold {
+        config.batch_threshold = threshold;
+    }
+    if let Some(ms) = args.flush_timeout_ms {
+        config.flush_timeout = Duration::from_millis(ms);
+    }
+    config.mem_limit = args.mem_limit;
+    config.forced_backend = match args.backend.unwrap_or(BackendArg::Auto) {
+        BackendArg::Auto => None,
+        BackendArg::Simd => Some(Backend::Simd),
+        BackendArg::SimdParallel => Some(Backend::SimdParallel),
+        BackendArg::Gpu => Some(Backend::Gpu),
+    };
+    config
+}
+
+/// The GPU batch codec when `--backend gpu` asks for it.
+fn gpu_codec(config: &StoreConfig) -> Result<Option<Arc<dyn BatchCodec>>, BenchError> {
+    if config.forced_backend != Some(Backend::Gpu) {
+        return Ok(None);
+    }
+    match crate::gpu::probe() {
+        crate::gpu::GpuProbe::Available { name } => Err(BenchError::NoGpu(format!(
+            "{name} found, but the bench cannot drive the GPU codec yet"
+        ))),
+        crate::gpu::GpuProbe::Unavailable { reason } => Err(BenchError::NoGpu(reason)),
+    }
+}
+
+/// Run `count` write requests on `threads` threads; request `i` is `request(i)`, an
+/// `(offset, data)` pair. Stops at the first error.
+fn write_requests<'a>(
+    store: &BatchedPageStore,
+    threads: usize,
+    count: usize,
+    progress: &Progress,
+    phase: &'static str,
+    request: impl Fn(usize) -> (u64, &'a [u8]) + Sync,
+) -> Result<(), BenchError> {
+    let next = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
+    let first_error = Mutex::new(None);
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let first = next.fetch_add(REQUESTS_PER_GRAB, Ordering::Relaxed);
+                    if first >= count {
+                        break;
+                    }
+                    let mut bytes = 0;
+                    for index in first..(first + REQUESTS_PER_GRAB).min(count) {
+                        let (offset, data) = request(index);
+                        if let Err(error) = store.write(offset, data) {
+                            first_error.lock().get_or_insert(error);
+                            stop.store(true, Ordering::Relaxed);
+                            return;
+                        }
+                        bytes += data.len();
+                    }
+                    progress.advance(bytes as u64);
+                }
+            });
+        }
+    });
+    match first_error.into_inner() {
+        Some(source) => Err(BenchError::Store { phase, source }),
+        None => Ok(()),
+    }
+}
+
+/// Read the whole device into `out` with `threads` threads in requests of `request_bytes`.
+fn read_all(
+    store: &BatchedPageStore,
+    threads: usize,
+    request_bytes: usize,
+    out: &mut [u8],
+    progress: &Progress,
+    phase: &'static str,
+) -> Result<(), BenchError> {
+    let grab_bytes = request_bytes * REQUESTS_PER_GRAB;
+    let work = Mutex::new(out.chunks_mut(grab_bytes).enumerate());
+    let stop = AtomicBool::new(false);
+    let first_error = Mutex::new(None);
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let Some((grab, chunk)) = work.lock().next() else {
+                        break;
+                    };
+                    let base = (grab * grab_bytes) as u64;
+                    for (index, request) in chunk.chunks_mut(request_bytes).enumerate() {
+                        let offset = base + (index * request_bytes) as u64;
+                        if let Err(error) = store.read(offset, request) {
+                            first_error.lock().get_or_insert(error);
+                            stop.store(true, Ordering::Relaxed);
+                            return;
+                        }
+                    }
+                    progress.advance(chunk.len() as u64);
+                }
+            });
+        }
+    });
+    match first_error.into_inner() {
+        Some(source) => Err(BenchError::Store { phase, source }),
+        None => Ok(()),
+    }
+}
+
+fn flush(store: &BatchedPageStore, phase: &'static str) -> Result<(), BenchError> {
+    store
+        .flush_pending()
+        .map_err(|source| BenchError::Store { phase, source })
+}
+
+/// Single-page and 1000-page latencies on a store holding `content[p]` at page `p`, with the
+/// flusher running. Writes put back the same content, so the store's contents do not change.
+fn measure_latency(
+    store: &BatchedPageStore,
+    corpus: &Corpus,
+    content: &[u32],
+    samples: usize,
+    rng: &mut SplitMix64,
+    progress: &Progress,
+) -> Result<LatencyReport, BenchError> {
+    let pages = content.len();
+    let expected = |position: usize| corpus.page(content[position] as usize);
+    let offset = |position: usize| (position * PAGE_SIZE) as u64;
+    let store_error = |phase| move |source| BenchError::Store { phase, source };
+
+    progress.phase("latency: write", samples as u64);
+    let mut times = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        let position = rng.below(pages as u64) as usize;
+        let data = expected(position);
+        let start = Instant::now();
+        store
+            .write(offset(position), data)
+            .map_err(store_error("latency write"))?;
+        times.push(start.elapsed());
+        progress.advance(1);
+    }
+    let write_page = Percentiles::from_samples(std::mem::take(&mut times));
+    flush(store, "latency flush")?;
+
+    progress.phase("latency: read", samples as u64);
+    let mut page = vec![0u8; PAGE_SIZE];
+    for _ in 0..samples {
+        let position = rng.below(pages as u64) as usize;
+        let start = Instant::now();
+        store
+            .read(offset(position), &mut page)
+            .map_err(store_error("latency read"))?;
+        times.push(start.elapsed());
+        verify("latency read", &page, |_| expected(position))?;
+        progress.advance(1);
+    }
+    let read_page = Percentiles::from_samples(std::mem::take(&mut times));
+
+    let batch_pages = LATENCY_BATCH_PAGES.min(pages);
+    let batch_samples = (samples / 10).max(1);
+    progress.phase("latency: batch flush", batch_samples as u64);
+    for _ in 0..batch_samples {
+        let first = rng.below((pages - batch_pages + 1) as u64) as usize;
+        let last = first + batch_pages - 1;
+        for position in first..last {
+            store
+                .write(offset(position), expected(position))
+                .map_err(store_error("latency batch write"))?;
+        }
+        // The write of the last page fills the batch; the flush may start on the flusher
+        // thread before it returns, so the clock starts before it.
+        let start = Instant::now();
+        store
+            .write(offset(last), expected(last))
+            .map_err(store_error("latency batch write"))?;
+        flush(store, "latency batch flush")?;
+        times.push(start.elapsed());
+        progress.advance(1);
+    }
+    let batch_flush = Percentiles::from_samples(std::mem::take(&mut times));
+
+    progress.phase("latency: batch read", batch_samples as u64);
+    let mut batch = vec![0u8; batch_pages * PAGE_SIZE];
+    for _ in 0..batch_samples {
+        let first = rng.below((pages - batch_pages + 1) as u64) as usize;
+        let start = Instant::now();
+        store
+            .read(offset(first), &mut batch)
+            .map_err(store_error("latency batch read"))?;
+        times.push(start.elapsed());
+        verify("latency batch read", &batch, |index| {
+            expected(first + index)
+        })?;
+        progress.advance(1);
+    }
+    let batch_read = Percentiles::from_samples(times);
+
+    Ok(LatencyReport {
+        write_page,
+        read_page,
+        batch_pages,
+        batch_flush,
+        batch_read,
+    })
+}
+
+/// Everything a run needs besides the corpus, resolved from the arguments.
+struct Plan {
+    config: StoreConfig,
+    threads: usize,
+    request_bytes: usize,
+}
+
+fn plan(args: &BenchArgs, corpus: &Corpus) -> Plan {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let bytes = (corpus.page_count() * PAGE_SIZE) as u64;
+    // A request never spans beyond the corpus, and the corpus is whole requests.
+    let mut request_pages = (args.request_size as usize / PAGE_SIZE).clamp(1, corpus.page_count());
+    while corpus.page_count() % request_pages != 0 {
+        request_pages -= 1;
+    }
+    Plan {
+        config: store_config(&args.store, bytes),
+        threads: args.threads.map_or(cores, usize::from),
+        request_bytes: request_pages * PAGE_SIZE,
+    }
+}
+
+/// Load or generate the corpus the arguments name.
+pub fn load_corpus(args: &BenchArgs) -> Result<Corpus, BenchError> {
+    match &args.input {
+        Some(path) => Corpus::load(path, args.size),
+        None => {
+            let bytes = args.size.unwrap_or(DEFAULT_MIX_BYTES);
+            Ok(Corpus::generated(bytes as usize / PAGE_SIZE, args.seed))
+        }
+    }
+}
+
+/// Run the bench on `corpus` and return what it measured.
+pub fn measure(
+    args: &BenchArgs,
+    corpus: &Corpus,
+    progress: &Progress,
+) -> Result<BenchReport, BenchError> {
+    let Plan {
+        config,
+        threads,
+        request_bytes,
+    } = plan(args, corpus);
+    let pages = corpus.page_count();
+    let bytes = corpus.bytes().len();
+    let request_pages = request_bytes / PAGE_SIZE;
+    let mut rng = SplitMix64::new(args.seed);
+    let gpu = gpu_codec(&config)?;
+    let algorithm = format!("{:?}", config.algorithm);
+    let backend = config
+        .forced_backend
+        .map_or_else(|| "auto".to_string(), |b| format!("{b:?}"));
+    let (batched, batch_threshold) = (config.batched, config.batch_threshold);
+    let flush_timeout_ms = config.flush_timeout.as_millis() as u64;
+
+    let store = BatchedPageStore::new(config, gpu).map_err(|source| BenchError::Store {
+        phase: "setup",
+        source,
+    })?;
+    let flusher = store.start_flusher(|| ()).map_err(BenchError::Flusher)?;
+
+    // Write every page (as the daemon's queue threads do), then flush what is pending.
+    progress.phase("store write", bytes as u64);
+    let start = Instant::now();
+    write_requests(
+        &store,
+        threads,
+        pages / request_pages,
+        progress,
+        "write",
+        |request| {
+            let at = request * request_bytes;
+            (at as u64, &corpus.bytes()[at..at + request_bytes])
+        },
+    )?;
+    flush(&store, "flush")?;
+    let write_time = start.elapsed();
+    let stats = store.stats();
+
+    // Read every page back and check it.
+    let mut scratch = AlignedBuf::zeroed(bytes);
+    progress.phase("store read", bytes as u64);
+    let start = Instant::now();
+    read_all(
+        &store,
+        threads,
+        request_bytes,
+        scratch.as_mut_slice(),
+        progress,
+        "read",
+    )?;
+    let read_time = start.elapsed();
+    verify("store read-back", scratch.as_slice(), |page| {
+        corpus.page(page)
+    })?;
+    let write_gbps = gbps(bytes, write_time);
+    let read_gbps = gbps(bytes, read_time);
+    let mem_ratio = ratio(stats.orig_bytes, stats.mem_used);
+
+    // Overwrite everything in random order, each pass placing the corpus pages in a new
+    // shuffled arrangement so compressed sizes change under every slot.
+    let mut content: Vec<u32> = (0..pages as u32).collect();
+    let overwrite = if args.overwrites > 0 {
+        let mut order: Vec<u32> = (0..pages as u32).collect();
+        let mut write_time = Duration::ZERO;
+        for pass in 0..args.overwrites {
+            rng.shuffle(&mut order);
+            rng.shuffle(&mut content);
+            progress.phase(
+                ["overwrite 1", "overwrite 2", "overwrite 3+"][pass.min(2) as usize],
+                bytes as u64,
+            );
+            let start = Instant::now();
+            write_requests(&store, threads, pages, progress, "overwrite", |index| {
+                let position = order[index] as usize;
+                (
+                    (position * PAGE_SIZE) as u64,
+                    corpus.page(content[position] as usize),
+                )
+            })?;
+            flush(&store, "overwrite flush")?;
+            write_time += start.elapsed();
+        }
+        let after = store.stats();
+        progress.phase("overwrite read-back", bytes as u64);
+        read_all(
+            &store,
+            threads,
+            request_bytes,
+            scratch.as_mut_slice(),
+            progress,
+            "read after overwrite",
+        )?;
+        verify("read-back after overwrites", scratch.as_slice(), |page| {
+            corpus.page(content[page] as usize)
+        })?;
+        let after_ratio = ratio(after.orig_bytes, after.mem_used);
+        Some(OverwriteReport {
+            passes: args.overwrites,
+            write_gbps: gbps(bytes * args.overwrites as usize, write_time),
+            mem_ratio: after_ratio,
+            mem_ratio_change_pct: (after_ratio / mem_ratio - 1.0) * 100.0,
+            stats: after,
+        })
+    } else {
+        None
+    };
+
+    let latency = measure_latency(
+        &store,
+        corpus,
+        &content,
+        args.latency_samples as usize,
+        &mut rng,
+        progress,
+    )?;
+    store.shutdown();
+    drop(flusher);
+    drop(store);
+
+    let zram = if args.compare_zram {
+        Some(zram::compare(
+            corpus,
+            &mut scratch,
+            usize::from(args.zram_streams),
+            progress,
+        )?)
+    } else {
+        None
+    };
+    let vs_zram = zram.as_ref().map(|z| VersusZram {
+        write: write_gbps / z.write_gbps,
+        read: read_gbps / z.read_gbps,
+        ratio: ratio(stats.orig_bytes, stats.compr_bytes) / z.ratio,
+        mem_ratio: mem_ratio / z.mem_ratio,
+    });
+
+    Ok(BenchReport {
+        corpus: corpus.source.to_string(),
+        pages,
+        bytes: bytes as u64,
+        algorithm,
+        backend,
+        batched,
+        batch_threshold,
+        flush_timeout_ms,
+        threads,
+        request_bytes,
+        write_gbps,
+        read_gbps,
+        ratio: ratio(stats.orig_bytes, stats.compr_bytes),
+        mem_ratio,
+        metadata_bytes_per_page: stats.metadata_bytes as f64 / pages as f64,
+        stats,
+        overwrite,
+        codec: None,
+        latency,
+        zram,
+        vs_zram,
+        verified: true,
+    })
+}
+
+/// `trueno-ublk bench`: measure and print.
+pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
+    let progress = if args.json || !std::io::stderr().is_terminal() {
+        Progress::hidden()
+    } else {
+        Progress::on_stderr_after_a_second()
+    };
+    let corpus = load_corpus(args)?;
+    let report = measure(args, &corpus, &progress);
+    progress.finish();
+    let report = report?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.to_text());
+    }
+    Ok(())
+}
