@@ -147,24 +147,3 @@ fn a_missing_corpus_fails_with_a_message() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("cannot read corpus"), "{stderr}");
 }
-
-/// Touches the machine's real zram0 (resets it twice): run by hand as root with
-/// `cargo test --test bench_run -- --ignored`.
-#[test]
-#[ignore = "resets /sys/block/zram0; needs root"]
-fn zram_comparison_runs_on_the_same_pages() {
-    let report = run(&[
-        "--size",
-        "16M",
-        "--latency-samples",
-        "10",
-        "--overwrites",
-        "0",
-        "--compare-zram",
-    ]);
-    let zram = report.zram.as_ref().unwrap();
-    assert_eq!(zram.orig_data_size, 16 << 20);
-    assert!(zram.write_gbps > 0.0 && zram.read_gbps > 0.0 && zram.mem_ratio > 1.0);
-    let versus = report.vs_zram.as_ref().unwrap();
-    assert!((versus.write - report.write_gbps / zram.write_gbps).abs() < 1e-9);
-}
