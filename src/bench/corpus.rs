@@ -258,16 +258,16 @@ fn fill_text(rng: &mut SplitMix64, page: &mut [u8]) {
                 word(),
                 word()
             ),
-            1 => write!(
+            1 => writeln!(
                 text,
-                "{{\"id\": {serial}, \"name\": \"{} {}\", \"kind\": \"{}\", \"active\": true}},\n",
+                "{{\"id\": {serial}, \"name\": \"{} {}\", \"kind\": \"{}\", \"active\": true}},",
                 word(),
                 word(),
                 word()
             ),
-            _ => write!(
+            _ => writeln!(
                 text,
-                "2026-11-22T11:{:02}:{:02} INFO {}: {} {} request {serial} done\n",
+                "2026-11-22T11:{:02}:{:02} INFO {}: {} {} request {serial} done",
                 serial / 60 % 60,
                 serial % 60,
                 word(),
