@@ -1,10 +1,20 @@
 //! Page codecs: classification (zero / same-filled), LZ4, zstd and raw pages, and batch
 //! compression on one core or many. Knows nothing of the page table or the kernel.
 //!
-//! SKELETON: the types below are the contract the store, the GPU backend and the daemon
-//! build against. Implementations are filled in by the codec/store work.
+//! LZ4 is liblz4 (the C library, through the `lz4` crate): on real memory pages it compresses
+//! and decompresses faster than lz4_flex (see `benches/codec.rs`, group `lz4_library`) at the
+//! same ratio, since both emit the standard LZ4 block format.
+
+mod batch;
+mod page;
 
 use thiserror::Error;
+
+pub use batch::CpuCodec;
+pub use page::{
+    classify, compress_page, decompress_page, fill_page, sampled_entropy_bits, ADAPTIVE_ZSTD_LEVEL,
+    MAX_COMPRESSED_LEN,
+};
 
 /// Size of one page of the device, in bytes.
 pub const PAGE_SIZE: usize = 4096;
@@ -24,6 +34,18 @@ pub enum Encoding {
     Raw = 2,
 }
 
+impl Encoding {
+    /// The encoding stored as `bits` by `Encoding as u8`, if any.
+    pub fn from_bits(bits: u8) -> Option<Self> {
+        match bits {
+            0 => Some(Encoding::Lz4),
+            1 => Some(Encoding::Zstd),
+            2 => Some(Encoding::Raw),
+            _ => None,
+        }
+    }
+}
+
 /// The compression algorithm asked for on the command line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Algorithm {
@@ -31,7 +53,7 @@ pub enum Algorithm {
     Zstd {
         level: i32,
     },
-    /// Chosen per page.
+    /// Chosen per page: LZ4, or zstd where it saves enough memory (see `compress_page`).
     Adaptive,
 }
 
@@ -64,6 +86,8 @@ pub enum CodecError {
     WrongLength(usize),
     #[error("GPU batch failed: {0}")]
     Gpu(String),
+    #[error("could not create a {0} codec context (out of memory?)")]
+    NoContext(String),
 }
 
 /// A compressed batch: page `i` is `data[i * PAGE_SIZE..][..lens[i]]`, encoded as
@@ -73,6 +97,49 @@ pub struct CompressedBatch {
     pub data: Vec<u8>,
     pub lens: Vec<u16>,
     pub encodings: Vec<Encoding>,
+}
+
+impl CompressedBatch {
+    /// Number of pages in the batch.
+    pub fn len(&self) -> usize {
+        self.lens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lens.is_empty()
+    }
+
+    /// Page `i`: its encoding and its compressed bytes.
+    pub fn page(&self, i: usize) -> (Encoding, &[u8]) {
+        let len = usize::from(self.lens[i]);
+        (self.encodings[i], &self.data[i * PAGE_SIZE..][..len])
+    }
+
+    /// Clear and size the batch for `pages` pages (slots of `PAGE_SIZE`).
+    pub fn reset(&mut self, pages: usize) {
+        self.data.clear();
+        self.data.resize(pages * PAGE_SIZE, 0);
+        self.lens.clear();
+        self.lens.resize(pages, 0);
+        self.encodings.clear();
+        self.encodings.resize(pages, Encoding::Raw);
+    }
+
+    /// Whether every page's length fits its slot and agrees with its encoding; a store must
+    /// not install a batch from a codec it does not control without this check.
+    pub fn is_well_formed(&self, pages: usize) -> bool {
+        self.lens.len() == pages
+            && self.encodings.len() == pages
+            && self.data.len() >= pages * PAGE_SIZE
+            && self
+                .lens
+                .iter()
+                .zip(&self.encodings)
+                .all(|(&len, &enc)| match enc {
+                    Encoding::Raw => usize::from(len) == PAGE_SIZE,
+                    Encoding::Lz4 | Encoding::Zstd => len > 0 && usize::from(len) <= PAGE_SIZE,
+                })
+    }
 }
 
 /// A batch compressor/decompressor. Every implementation decodes every other one's output.
@@ -87,4 +154,78 @@ pub trait BatchCodec: Send + Sync {
         out: &mut [Page],
         status: &mut [Result<(), CodecError>],
     );
+}
+
+/// Batch sizes at which the store switches backend (see `select_backend`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BackendThresholds {
+    /// Batches of at least this many pages use all cores.
+    pub parallel_min_pages: usize,
+    /// Batches of at least this many pages use the GPU when one is present.
+    pub gpu_min_pages: usize,
+}
+
+impl Default for BackendThresholds {
+    fn default() -> Self {
+        Self {
+            parallel_min_pages: 100,
+            gpu_min_pages: 1000,
+        }
+    }
+}
+
+/// The backend for a batch of `batch_len` pages: small batches stay on one core (spreading
+/// them costs more than it saves), medium ones use all cores, large ones the GPU if present.
+pub fn select_backend(
+    batch_len: usize,
+    gpu_available: bool,
+    thresholds: &BackendThresholds,
+) -> Backend {
+    if gpu_available && batch_len >= thresholds.gpu_min_pages {
+        Backend::Gpu
+    } else if batch_len >= thresholds.parallel_min_pages {
+        Backend::SimdParallel
+    } else {
+        Backend::Simd
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_follows_batch_size() {
+        let t = BackendThresholds::default();
+        assert_eq!(select_backend(1, true, &t), Backend::Simd);
+        assert_eq!(select_backend(99, true, &t), Backend::Simd);
+        assert_eq!(select_backend(100, true, &t), Backend::SimdParallel);
+        assert_eq!(select_backend(999, true, &t), Backend::SimdParallel);
+        assert_eq!(select_backend(1000, true, &t), Backend::Gpu);
+        assert_eq!(select_backend(1000, false, &t), Backend::SimdParallel);
+        assert_eq!(select_backend(50_000, false, &t), Backend::SimdParallel);
+        let custom = BackendThresholds {
+            parallel_min_pages: 10,
+            gpu_min_pages: 20,
+        };
+        assert_eq!(select_backend(9, true, &custom), Backend::Simd);
+        assert_eq!(select_backend(10, true, &custom), Backend::SimdParallel);
+        assert_eq!(select_backend(20, true, &custom), Backend::Gpu);
+    }
+
+    #[test]
+    fn batch_well_formedness() {
+        let mut b = CompressedBatch::default();
+        b.reset(2);
+        assert!(
+            !b.is_well_formed(2),
+            "zero-length raw pages are not well formed"
+        );
+        b.lens = vec![PAGE_SIZE as u16, 10];
+        b.encodings = vec![Encoding::Raw, Encoding::Lz4];
+        assert!(b.is_well_formed(2));
+        assert!(!b.is_well_formed(3));
+        b.lens[1] = PAGE_SIZE as u16 + 1;
+        assert!(!b.is_well_formed(2));
+    }
 }

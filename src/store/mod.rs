@@ -1,33 +1,39 @@
 //! The page store: page table (index → entry), compressed-page memory, the pending batch,
 //! the flusher, stats, memory limit and discard. Knows nothing of the kernel or io_uring.
 //!
-//! SKELETON: the public API below is the contract the daemon and `bench` build against.
+//! Write path: classify the page; a same-filled page goes straight into its table entry.
+//! Anything else is copied into a slot of the open pending batch and the entry points at that
+//! slot, so reads of pending pages are O(1). The flusher compresses a batch when it reaches
+//! `batch_threshold` pages or its oldest page is `flush_timeout` old, and swaps each entry from
+//! its slot to the stored object, unless a newer write or discard changed the entry meanwhile.
+//!
+//! Locks, always taken in this order: the flush mutex (one flush at a time), a page-table
+//! entry's lock bit, an allocator class, its chunk directory, one chunk. A pending slot's lock
+//! is taken alone by writers and under an entry lock by readers and the flusher.
 
+mod alloc;
+mod pending;
+mod table;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use parking_lot::{Condvar, Mutex, RwLockReadGuard};
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::codec::{Algorithm, Backend, BatchCodec, PAGE_SIZE};
+pub use crate::codec::BackendThresholds;
+use crate::codec::{
+    classify, compress_page, decompress_page, fill_page, select_backend, Algorithm, Backend,
+    BatchCodec, CompressedBatch, CpuCodec, Encoding, Page, PageClass, PAGE_SIZE,
+};
+use alloc::ZsAllocator;
+use pending::{PendingBatch, PendingSlot, Reserve};
+use table::{PageState, PageTable};
 
-/// Batch sizes at which the store switches backend (see `codec::select_backend`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BackendThresholds {
-    /// Batches of at least this many pages use all cores.
-    pub parallel_min_pages: usize,
-    /// Batches of at least this many pages use the GPU when one is present.
-    pub gpu_min_pages: usize,
-}
-
-impl Default for BackendThresholds {
-    fn default() -> Self {
-        Self {
-            parallel_min_pages: 100,
-            gpu_min_pages: 1000,
-        }
-    }
-}
+/// Pending batches: one fills while the flusher compresses the other.
+const PENDING_BATCHES: usize = 2;
 
 /// Everything the store needs to know, from the command line or the config file.
 #[derive(Clone, Debug)]
@@ -71,7 +77,9 @@ pub enum StoreError {
     OutOfRange { offset: u64, len: u64, size: u64 },
     #[error("request at byte {offset} of length {len} is not 4 KiB aligned")]
     Misaligned { offset: u64, len: u64 },
-    #[error("memory limit of {limit} bytes reached")]
+    #[error(
+        "memory limit of {limit} bytes reached (raise --mem-limit or free pages with discard)"
+    )]
     NoSpace { limit: u64 },
     #[error("stored page {page} failed to decompress: {source}")]
     Corrupt {
@@ -93,29 +101,43 @@ impl StoreError {
     }
 }
 
-/// A point-in-time copy of the store's counters (zram's mm_stat and more).
+/// A point-in-time copy of the store's counters (zram's mm_stat and more). Gauges describe the
+/// pages held now; counters (`pages_simd` .. `mem_limit_hits`) count since the store started.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct StoreStats {
     pub disk_size: u64,
     /// Bytes of pages written and held (same-filled pages included), like zram's orig_data_size.
     pub orig_bytes: u64,
-    /// Bytes of compressed data held, like zram's compr_data_size.
+    /// Bytes of compressed data held, like zram's compr_data_size (raw pages count 4 KiB).
     pub compr_bytes: u64,
-    /// Bytes of memory holding page data (allocator chunks, pending batch), like mem_used_total.
+    /// Bytes of memory holding page data (allocator chunks, pending pages), like mem_used_total.
     pub mem_used: u64,
     /// Bytes of metadata (page table and allocator bookkeeping).
     pub metadata_bytes: u64,
+    /// Bytes of the preallocated pending-batch buffers (fixed; not in `mem_used`).
+    pub batch_buffer_bytes: u64,
+    /// 0 when there is no limit.
     pub mem_limit: u64,
+    /// Pages held compressed or raw in the allocator.
     pub pages_stored: u64,
+    /// Zero pages held (a subset of `same_pages`).
     pub zero_pages: u64,
+    /// Same-filled pages held, zero pages included (zram's same_pages).
     pub same_pages: u64,
+    /// Pages held raw because they did not compress (zram's huge_pages).
     pub huge_pages: u64,
+    /// Pages written but not yet compressed.
     pub pending_pages: u64,
+    /// Pages held encoded with LZ4.
+    pub pages_lz4: u64,
+    /// Pages held encoded with zstd.
+    pub pages_zstd: u64,
+    /// Pages compressed by each backend.
     pub pages_simd: u64,
     pub pages_simd_parallel: u64,
     pub pages_gpu: u64,
-    pub pages_lz4: u64,
-    pub pages_zstd: u64,
+    /// GPU batches that failed and were compressed again on the CPU.
+    pub gpu_fallback_batches: u64,
     pub batch_flushes: u64,
     pub failed_reads: u64,
     pub failed_writes: u64,
@@ -123,15 +145,136 @@ pub struct StoreStats {
     pub mem_limit_hits: u64,
 }
 
-/// The page store.
-pub struct BatchedPageStore {
-    _config: StoreConfig,
-    _gpu: Option<Arc<dyn BatchCodec>>,
+/// Live counters behind `StoreStats`.
+#[derive(Default)]
+struct Counters {
+    pages_held: AtomicU64,
+    compr_bytes: AtomicU64,
+    pages_stored: AtomicU64,
+    zero_pages: AtomicU64,
+    same_pages: AtomicU64,
+    huge_pages: AtomicU64,
+    pending_pages: AtomicU64,
+    pages_lz4: AtomicU64,
+    pages_zstd: AtomicU64,
+    pages_simd: AtomicU64,
+    pages_simd_parallel: AtomicU64,
+    pages_gpu: AtomicU64,
+    gpu_fallback_batches: AtomicU64,
+    batch_flushes: AtomicU64,
+    failed_reads: AtomicU64,
+    failed_writes: AtomicU64,
+    discarded_pages: AtomicU64,
+    mem_limit_hits: AtomicU64,
 }
 
-/// Joins the flusher thread when dropped after `BatchedPageStore::shutdown`.
+fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+fn sub(c: &AtomicU64, n: u64) {
+    c.fetch_sub(n, Ordering::Relaxed);
+}
+
+impl Counters {
+    /// Move the gauges from page state `old` to `new`.
+    fn transition(&self, old: PageState, new: PageState) {
+        self.gauge(old, sub);
+        self.gauge(new, add);
+        match (old, new) {
+            (PageState::Empty, PageState::Empty) => {}
+            (PageState::Empty, _) => add(&self.pages_held, 1),
+            (_, PageState::Empty) => sub(&self.pages_held, 1),
+            _ => {}
+        }
+    }
+
+    fn gauge(&self, state: PageState, op: fn(&AtomicU64, u64)) {
+        match state {
+            PageState::Same(w) => {
+                op(&self.same_pages, 1);
+                if w == 0 {
+                    op(&self.zero_pages, 1);
+                }
+            }
+            PageState::Stored { len, encoding, .. } => {
+                op(&self.pages_stored, 1);
+                op(&self.compr_bytes, u64::from(len));
+                match encoding {
+                    Encoding::Lz4 => op(&self.pages_lz4, 1),
+                    Encoding::Zstd => op(&self.pages_zstd, 1),
+                    Encoding::Raw => op(&self.huge_pages, 1),
+                }
+            }
+            PageState::Empty | PageState::Pending { .. } => {}
+        }
+    }
+
+    fn backend(&self, backend: Backend) -> &AtomicU64 {
+        match backend {
+            Backend::Simd => &self.pages_simd,
+            Backend::SimdParallel => &self.pages_simd_parallel,
+            Backend::Gpu => &self.pages_gpu,
+        }
+    }
+}
+
+/// Flusher wake-ups and the writers waiting for a free batch.
+struct Control {
+    stop: bool,
+    flusher_running: bool,
+}
+
+/// The page store.
+pub struct BatchedPageStore {
+    config: StoreConfig,
+    pages: u64,
+    table: PageTable,
+    alloc: ZsAllocator,
+    gpu: Option<Arc<dyn BatchCodec>>,
+    simd: CpuCodec,
+    parallel: CpuCodec,
+    batches: Box<[PendingBatch]>,
+    /// Index of the open batch.
+    current: AtomicUsize,
+    control: Mutex<Control>,
+    flusher_wake: Condvar,
+    writers_wake: Condvar,
+    /// Held for a whole flush; holds the reused output buffer.
+    flush: Mutex<CompressedBatch>,
+    /// Bytes promised to written pages not yet compressed: each may need a whole page.
+    reserved_bytes: AtomicU64,
+    shut_down: AtomicBool,
+    epoch: Instant,
+    counters: Counters,
+}
+
+/// Joins the flusher thread when dropped after `BatchedPageStore::shutdown` (dropping it
+/// first shuts the store down).
 pub struct FlusherHandle {
-    _thread: Option<std::thread::JoinHandle<()>>,
+    store: Arc<BatchedPageStore>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for FlusherHandle {
+    fn drop(&mut self) {
+        self.store.shutdown();
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                tracing::error!("the flusher thread panicked");
+            }
+        }
+    }
+}
+
+/// Marks the flusher stopped even if it unwinds, so writers flush for themselves.
+struct FlusherRunning<'a>(&'a BatchedPageStore);
+
+impl Drop for FlusherRunning<'_> {
+    fn drop(&mut self) {
+        self.0.control.lock().flusher_running = false;
+        self.0.writers_wake.notify_all();
+    }
 }
 
 impl BatchedPageStore {
@@ -140,43 +283,559 @@ impl BatchedPageStore {
         config: StoreConfig,
         gpu: Option<Arc<dyn BatchCodec>>,
     ) -> Result<Arc<Self>, StoreError> {
-        let _ = PAGE_SIZE;
+        if config.size_bytes == 0 || config.size_bytes % PAGE_SIZE as u64 != 0 {
+            return Err(StoreError::Config(format!(
+                "device size {} is not a positive multiple of {PAGE_SIZE} bytes",
+                config.size_bytes
+            )));
+        }
+        let pages = config.size_bytes / PAGE_SIZE as u64;
+        let table_pages = usize::try_from(pages)
+            .ok()
+            .filter(|&p| u32::try_from(p).is_ok())
+            .ok_or_else(|| {
+                StoreError::Config(format!(
+                    "device size {} bytes is too large (at most 16 TiB)",
+                    config.size_bytes
+                ))
+            })?;
+        if config.batched && !(1..=1 << 20).contains(&config.batch_threshold) {
+            return Err(StoreError::Config(format!(
+                "batch threshold {} must be between 1 and {} pages",
+                config.batch_threshold,
+                1 << 20
+            )));
+        }
+        if let Algorithm::Zstd { level } = config.algorithm {
+            let range = zstd::compression_level_range();
+            if !range.contains(&level) {
+                return Err(StoreError::Config(format!(
+                    "zstd level {level} is outside {}..={}",
+                    range.start(),
+                    range.end()
+                )));
+            }
+        }
+        if config.forced_backend == Some(Backend::Gpu) {
+            if gpu.is_none() {
+                return Err(StoreError::Config(
+                    "backend gpu was asked for but no GPU is available; use simd or simd-parallel"
+                        .into(),
+                ));
+            }
+            if config.algorithm != Algorithm::Lz4 {
+                return Err(StoreError::Config(
+                    "the GPU backend compresses LZ4 only; use --algorithm lz4".into(),
+                ));
+            }
+        }
+        let batch_pages = if config.batched {
+            config.batch_threshold
+        } else {
+            0
+        };
+        let batches: Box<[PendingBatch]> = (0..PENDING_BATCHES)
+            .map(|_| PendingBatch::new(batch_pages))
+            .collect();
+        batches[0].open();
         Ok(Arc::new(Self {
-            _config: config,
-            _gpu: gpu,
+            simd: CpuCodec::single(config.algorithm),
+            parallel: CpuCodec::parallel(config.algorithm),
+            pages,
+            table: PageTable::new(table_pages),
+            alloc: ZsAllocator::new(),
+            gpu,
+            batches,
+            current: AtomicUsize::new(0),
+            control: Mutex::new(Control {
+                stop: false,
+                flusher_running: false,
+            }),
+            flusher_wake: Condvar::new(),
+            writers_wake: Condvar::new(),
+            flush: Mutex::new(CompressedBatch::default()),
+            reserved_bytes: AtomicU64::new(0),
+            shut_down: AtomicBool::new(false),
+            epoch: Instant::now(),
+            counters: Counters::default(),
+            config,
         }))
     }
+
     /// Start the flusher thread; `thread_init` runs first on it (the daemon sets PR_SET_IO_FLUSHER).
     pub fn start_flusher(
         self: &Arc<Self>,
-        _thread_init: impl FnOnce() + Send + 'static,
+        thread_init: impl FnOnce() + Send + 'static,
     ) -> std::io::Result<FlusherHandle> {
-        todo!()
+        {
+            let mut ctl = self.control.lock();
+            if ctl.flusher_running || ctl.stop {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    "the flusher is already running or the store is shut down",
+                ));
+            }
+            ctl.flusher_running = true;
+        }
+        let store = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name("trueno-flusher".into())
+            .spawn(move || {
+                let _running = FlusherRunning(&store);
+                thread_init();
+                store.flusher_loop();
+            });
+        match spawned {
+            Ok(thread) => Ok(FlusherHandle {
+                store: Arc::clone(self),
+                thread: Some(thread),
+            }),
+            Err(e) => {
+                self.control.lock().flusher_running = false;
+                Err(e)
+            }
+        }
     }
+
+    fn flusher_loop(&self) {
+        let timeout_ns = u64::try_from(self.config.flush_timeout.as_nanos()).unwrap_or(u64::MAX);
+        let mut ctl = self.control.lock();
+        while !ctl.stop {
+            let batch = &self.batches[self.current.load(Ordering::Acquire)];
+            let due = batch.is_full()
+                || match batch.first_write_ns() {
+                    Some(first) => {
+                        let deadline = first.saturating_add(timeout_ns);
+                        let now = self.now_ns();
+                        if now < deadline {
+                            let wait = Duration::from_nanos(deadline - now);
+                            self.flusher_wake.wait_for(&mut ctl, wait);
+                            continue;
+                        }
+                        true
+                    }
+                    None => {
+                        self.flusher_wake.wait(&mut ctl);
+                        continue;
+                    }
+                };
+            if due {
+                drop(ctl);
+                self.flush_open_batch();
+                ctl = self.control.lock();
+            }
+        }
+        drop(ctl);
+        self.flush_open_batch();
+    }
+
+    fn now_ns(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn wake_flusher(&self) {
+        let _ctl = self.control.lock();
+        self.flusher_wake.notify_one();
+    }
+
+    /// Check that `[offset, offset + len)` is whole pages inside the device; returns the first
+    /// page index.
+    fn check_range(&self, offset: u64, len: u64) -> Result<u64, StoreError> {
+        let page = PAGE_SIZE as u64;
+        if offset % page != 0 || len % page != 0 {
+            return Err(StoreError::Misaligned { offset, len });
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= self.config.size_bytes => Ok(offset / page),
+            _ => Err(StoreError::OutOfRange {
+                offset,
+                len,
+                size: self.config.size_bytes,
+            }),
+        }
+    }
+
     /// Write whole pages at byte `offset`.
-    pub fn write(&self, _offset: u64, _data: &[u8]) -> Result<(), StoreError> {
-        todo!()
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), StoreError> {
+        let result = self
+            .check_range(offset, data.len() as u64)
+            .and_then(|first| {
+                data.chunks_exact(PAGE_SIZE)
+                    .zip(first..)
+                    .try_for_each(|(bytes, index)| match <&Page>::try_from(bytes) {
+                        Ok(page) => self.write_page(index, page),
+                        Err(_) => Err(StoreError::Misaligned {
+                            offset,
+                            len: data.len() as u64,
+                        }),
+                    })
+            });
+        if result.is_err() {
+            add(&self.counters.failed_writes, 1);
+        }
+        result
     }
+
+    fn write_page(&self, index: u64, page: &Page) -> Result<(), StoreError> {
+        if let PageClass::SameFilled(word) = classify(page) {
+            self.set_state(index, PageState::Same(word));
+            return Ok(());
+        }
+        self.admit()?;
+        if self.config.batched {
+            self.write_pending(index, page);
+        } else {
+            let mut out = [0u8; PAGE_SIZE];
+            let (encoding, len) = compress_page(self.config.algorithm, page, &mut out);
+            add(&self.counters.pages_simd, 1);
+            let handle = self.alloc.store(&out[..len]);
+            self.set_state(
+                index,
+                PageState::Stored {
+                    handle,
+                    len: len as u16,
+                    encoding,
+                },
+            );
+            sub(&self.reserved_bytes, PAGE_SIZE as u64);
+        }
+        Ok(())
+    }
+
+    /// Reserve a page's worth of the memory limit for a page about to be compressed.
+    fn admit(&self) -> Result<(), StoreError> {
+        let Some(limit) = self.config.mem_limit else {
+            add(&self.reserved_bytes, PAGE_SIZE as u64);
+            return Ok(());
+        };
+        let before = self
+            .reserved_bytes
+            .fetch_add(PAGE_SIZE as u64, Ordering::Relaxed);
+        if self.alloc.chunk_bytes() + before + PAGE_SIZE as u64 > limit {
+            sub(&self.reserved_bytes, PAGE_SIZE as u64);
+            add(&self.counters.mem_limit_hits, 1);
+            return Err(StoreError::NoSpace { limit });
+        }
+        Ok(())
+    }
+
+    /// Copy a page into the open batch and point its entry at the slot.
+    fn write_pending(&self, index: u64, page: &Page) {
+        let (batch_idx, slot) = self.reserve_slot();
+        let batch = &self.batches[batch_idx];
+        {
+            let mut s = batch.slots[slot].write();
+            s.page.copy_from_slice(page);
+            s.index = index;
+        }
+        add(&self.counters.pending_pages, 1);
+        self.set_state(
+            index,
+            PageState::Pending {
+                batch: batch_idx as u32,
+                slot: slot as u32,
+            },
+        );
+        if slot == 0 {
+            batch.note_first_write(self.now_ns());
+        }
+        batch.commit();
+        if slot == 0 || slot + 1 == batch.slots.len() {
+            self.wake_flusher();
+        }
+    }
+
+    fn reserve_slot(&self) -> (usize, usize) {
+        loop {
+            let b = self.current.load(Ordering::Acquire);
+            match self.batches[b].reserve() {
+                Reserve::Slot(s) => return (b, s),
+                Reserve::Closed => std::thread::yield_now(),
+                Reserve::Full => {
+                    let mut ctl = self.control.lock();
+                    if !ctl.flusher_running {
+                        drop(ctl);
+                        self.flush_open_batch();
+                    } else if self.current.load(Ordering::Acquire) == b && self.batches[b].is_full()
+                    {
+                        self.writers_wake.wait(&mut ctl);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Set a page's state; frees what it held before.
+    fn set_state(&self, index: u64, state: PageState) {
+        let old = {
+            let mut entry = self.table.lock(index as usize);
+            let old = entry.replace(state);
+            self.counters.transition(old, state);
+            old
+        };
+        if let PageState::Stored { handle, .. } = old {
+            self.alloc.free(handle);
+        }
+    }
+
+    /// Seal the open batch (if it holds anything), open the other one, and compress and
+    /// install the sealed one. One flush at a time.
+    fn flush_open_batch(&self) {
+        let mut out = self.flush.lock();
+        let b = self.current.load(Ordering::Acquire);
+        if self.batches[b].reserved() == 0 {
+            return;
+        }
+        // Under the flush mutex every batch but the open one is flushed and free.
+        let next = (b + 1) % PENDING_BATCHES;
+        self.batches[next].open();
+        self.current.store(next, Ordering::Release);
+        {
+            let _ctl = self.control.lock();
+            self.writers_wake.notify_all();
+        }
+        let n = self.batches[b].seal();
+        let slots: Vec<RwLockReadGuard<'_, PendingSlot>> = self.batches[b].slots[..n]
+            .iter()
+            .map(|s| s.read())
+            .collect();
+        let pages: Vec<&Page> = slots.iter().map(|s| &s.page).collect();
+        let backend = self.compress(&pages, &mut out);
+        add(self.counters.backend(backend), n as u64);
+        add(&self.counters.batch_flushes, 1);
+        for (slot, s) in slots.iter().enumerate() {
+            self.install(b, slot, s.index, &out);
+        }
+    }
+
+    /// Compress with the configured or selected backend; a GPU failure, or GPU output that
+    /// does not hold together, sends the batch to the CPU. Returns the backend that did it.
+    fn compress(&self, pages: &[&Page], out: &mut CompressedBatch) -> Backend {
+        let gpu = self
+            .gpu
+            .as_ref()
+            .filter(|_| self.config.algorithm == Algorithm::Lz4);
+        let backend = self
+            .config
+            .forced_backend
+            .unwrap_or_else(|| select_backend(pages.len(), gpu.is_some(), &self.config.thresholds));
+        let cpu = match (backend, gpu) {
+            (Backend::Gpu, Some(gpu)) => match gpu.compress_batch(pages, out) {
+                Ok(()) if out.is_well_formed(pages.len()) => return Backend::Gpu,
+                Ok(()) => {
+                    tracing::warn!(
+                        pages = pages.len(),
+                        "GPU batch output malformed; compressing on the CPU"
+                    );
+                    add(&self.counters.gpu_fallback_batches, 1);
+                    Backend::SimdParallel
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        pages = pages.len(),
+                        "GPU batch failed ({e}); compressing on the CPU"
+                    );
+                    add(&self.counters.gpu_fallback_batches, 1);
+                    Backend::SimdParallel
+                }
+            },
+            (Backend::Simd, _) => Backend::Simd,
+            _ => Backend::SimdParallel,
+        };
+        let codec = if cpu == Backend::Simd {
+            &self.simd
+        } else {
+            &self.parallel
+        };
+        // CPU codecs do not fail: pages that do not compress are stored raw.
+        if let Err(e) = codec.compress_batch(pages, out) {
+            tracing::error!("CPU batch compression failed: {e}");
+        }
+        cpu
+    }
+
+    /// Store slot `slot` of batch `batch` (page `index`) and point the entry at it, if the entry
+    /// still points at the slot; a newer write or a discard wins otherwise.
+    fn install(&self, batch: usize, slot: usize, index: u64, out: &CompressedBatch) {
+        let (encoding, bytes) = out.page(slot);
+        let handle = self.alloc.store(bytes);
+        let installed = {
+            let mut entry = self.table.lock(index as usize);
+            let expected = PageState::Pending {
+                batch: batch as u32,
+                slot: slot as u32,
+            };
+            if entry.state() == expected {
+                let new = PageState::Stored {
+                    handle,
+                    len: bytes.len() as u16,
+                    encoding,
+                };
+                entry.replace(new);
+                self.counters.transition(expected, new);
+                true
+            } else {
+                false
+            }
+        };
+        if !installed {
+            self.alloc.free(handle);
+        }
+        sub(&self.counters.pending_pages, 1);
+        sub(&self.reserved_bytes, PAGE_SIZE as u64);
+    }
+
     /// Read whole pages at byte `offset` (never-written pages read as zeros).
-    pub fn read(&self, _offset: u64, _buf: &mut [u8]) -> Result<(), StoreError> {
-        todo!()
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
+        let len = buf.len() as u64;
+        let result = self.check_range(offset, len).and_then(|first| {
+            buf.chunks_exact_mut(PAGE_SIZE)
+                .zip(first..)
+                .try_for_each(|(bytes, index)| match <&mut Page>::try_from(bytes) {
+                    Ok(page) => self.read_page(index, page),
+                    Err(_) => Err(StoreError::Misaligned { offset, len }),
+                })
+        });
+        if result.is_err() {
+            add(&self.counters.failed_reads, 1);
+        }
+        result
     }
+
+    fn read_page(&self, index: u64, out: &mut Page) -> Result<(), StoreError> {
+        let entry = self.table.lock(index as usize);
+        match entry.state() {
+            PageState::Empty => out.fill(0),
+            PageState::Same(word) => fill_page(out, word),
+            PageState::Pending { batch, slot } => {
+                let s = self.batches[batch as usize].slots[slot as usize].read();
+                out.copy_from_slice(&s.page);
+            }
+            PageState::Stored {
+                handle,
+                len,
+                encoding,
+            } => {
+                let result = self
+                    .alloc
+                    .with_object(handle, usize::from(len), |bytes| {
+                        decompress_page(encoding, bytes, out)
+                    })
+                    .unwrap_or(Err(crate::codec::CodecError::Corrupt));
+                if let Err(source) = result {
+                    tracing::error!(page = index, %source, ?encoding, len, "stored page failed to decompress");
+                    return Err(StoreError::Corrupt {
+                        page: index,
+                        source,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// DISCARD and WRITE_ZEROES: the range reads as zeros and its memory is freed.
-    pub fn discard(&self, _offset: u64, _len: u64) -> Result<(), StoreError> {
-        todo!()
+    pub fn discard(&self, offset: u64, len: u64) -> Result<(), StoreError> {
+        let first = self.check_range(offset, len).inspect_err(|_| {
+            add(&self.counters.failed_writes, 1);
+        })?;
+        for index in first..first + len / PAGE_SIZE as u64 {
+            let old = {
+                let mut entry = self.table.lock(index as usize);
+                if entry.state() == PageState::Empty {
+                    continue;
+                }
+                let old = entry.replace(PageState::Empty);
+                self.counters.transition(old, PageState::Empty);
+                old
+            };
+            add(&self.counters.discarded_pages, 1);
+            if let PageState::Stored { handle, .. } = old {
+                self.alloc.free(handle);
+            }
+        }
+        Ok(())
     }
+
     /// Compress whatever is pending now (shutdown, tests, bench).
     pub fn flush_pending(&self) -> Result<(), StoreError> {
-        todo!()
+        if self.config.batched {
+            self.flush_open_batch();
+        }
+        Ok(())
     }
+
     /// Stop the flusher (after flushing what is pending).
     pub fn shutdown(&self) {
-        todo!()
+        if self.shut_down.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        {
+            let mut ctl = self.control.lock();
+            ctl.stop = true;
+            self.flusher_wake.notify_all();
+        }
+        self.flush_open_batch();
     }
+
     pub fn stats(&self) -> StoreStats {
-        todo!()
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let pending = get(&c.pending_pages);
+        StoreStats {
+            disk_size: self.config.size_bytes,
+            orig_bytes: get(&c.pages_held) * PAGE_SIZE as u64,
+            compr_bytes: get(&c.compr_bytes),
+            mem_used: self.alloc.chunk_bytes() + pending * PAGE_SIZE as u64,
+            metadata_bytes: self.table.bytes() + self.alloc.metadata_bytes(),
+            batch_buffer_bytes: self
+                .batches
+                .iter()
+                .map(|b| {
+                    (b.slots.len() * std::mem::size_of::<parking_lot::RwLock<PendingSlot>>()) as u64
+                })
+                .sum(),
+            mem_limit: self.config.mem_limit.unwrap_or(0),
+            pages_stored: get(&c.pages_stored),
+            zero_pages: get(&c.zero_pages),
+            same_pages: get(&c.same_pages),
+            huge_pages: get(&c.huge_pages),
+            pending_pages: pending,
+            pages_lz4: get(&c.pages_lz4),
+            pages_zstd: get(&c.pages_zstd),
+            pages_simd: get(&c.pages_simd),
+            pages_simd_parallel: get(&c.pages_simd_parallel),
+            pages_gpu: get(&c.pages_gpu),
+            gpu_fallback_batches: get(&c.gpu_fallback_batches),
+            batch_flushes: get(&c.batch_flushes),
+            failed_reads: get(&c.failed_reads),
+            failed_writes: get(&c.failed_writes),
+            discarded_pages: get(&c.discarded_pages),
+            mem_limit_hits: get(&c.mem_limit_hits),
+        }
     }
+
     pub fn size_bytes(&self) -> u64 {
-        self._config.size_bytes
+        self.config.size_bytes
+    }
+
+    /// Number of pages of the device.
+    pub fn pages(&self) -> u64 {
+        self.pages
+    }
+
+    /// Test hook: overwrite a stored page's compressed bytes with `byte`.
+    #[cfg(test)]
+    fn corrupt_stored_page(&self, index: u64, byte: u8) -> bool {
+        let entry = self.table.lock(index as usize);
+        if let PageState::Stored { handle, .. } = entry.state() {
+            self.alloc.with_object_mut(handle, |b| b.fill(byte));
+            true
+        } else {
+            false
+        }
     }
 }
+
+#[cfg(test)]
+mod tests;

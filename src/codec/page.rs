@@ -1,0 +1,310 @@
+//! One page at a time: classification, compression with a chosen algorithm, decompression.
+
+use std::cell::RefCell;
+
+use super::{Algorithm, CodecError, Encoding, Page, PageClass, PAGE_SIZE};
+
+/// Pages whose compressed form is longer than this are stored raw (zram's "huge" pages): the
+/// allocator cannot pack bigger objects densely enough to save memory, and a raw page reads
+/// back with a plain copy.
+pub const MAX_COMPRESSED_LEN: usize = 3072;
+
+/// zstd level used by `Algorithm::Adaptive` (level 1 is zstd's fastest ordinary level).
+pub const ADAPTIVE_ZSTD_LEVEL: i32 = 1;
+
+/// Adaptive keeps LZ4's result when it is at most this long: below it, what zstd could still
+/// save is a few hundred bytes at most, not worth zstd's slower compression and reads.
+const ADAPTIVE_LZ4_KEEP_LEN: usize = 1024;
+
+/// Adaptive takes zstd only when it is at least this fraction (in 1/8) shorter than LZ4.
+const ADAPTIVE_MIN_GAIN_EIGHTHS: usize = 1;
+
+/// Adaptive skips zstd for pages LZ4 could not compress whose sampled byte entropy is above
+/// this (bits per byte): random or already-compressed data, where zstd fails as well.
+const ADAPTIVE_MAX_ENTROPY_BITS: f32 = 7.0;
+
+/// Bytes between samples of `sampled_entropy_bits`.
+const ENTROPY_SAMPLE_STRIDE: usize = 4;
+
+fn word_at(bytes: &[u8]) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&bytes[..8]);
+    u64::from_ne_bytes(w)
+}
+
+/// Zero and same-filled pages (one repeated 8-byte word) versus everything else. Compares
+/// 64 bytes per step with an early exit, so a data page is usually rejected in its first line.
+pub fn classify(page: &Page) -> PageClass {
+    let first = word_at(page);
+    for line in page.chunks_exact(64) {
+        let diff = line
+            .chunks_exact(8)
+            .fold(0u64, |acc, w| acc | (word_at(w) ^ first));
+        if diff != 0 {
+            return PageClass::Data;
+        }
+    }
+    PageClass::SameFilled(first)
+}
+
+/// Fill `out` with the repeated word of a same-filled page.
+pub fn fill_page(out: &mut [u8], word: u64) {
+    let bytes = word.to_ne_bytes();
+    for w in out.chunks_exact_mut(8) {
+        w.copy_from_slice(&bytes);
+    }
+}
+
+/// Shannon entropy in bits per byte of every `ENTROPY_SAMPLE_STRIDE`-th byte of the page.
+/// 1024 samples: cheap, and a good enough separation of random bytes (about 7.8) from
+/// compressible data (text about 4.5, pointers and small integers lower).
+pub fn sampled_entropy_bits(page: &Page) -> f32 {
+    let mut counts = [0u16; 256];
+    for &b in page.iter().step_by(ENTROPY_SAMPLE_STRIDE) {
+        counts[usize::from(b)] += 1;
+    }
+    let n = (PAGE_SIZE / ENTROPY_SAMPLE_STRIDE) as f32;
+    let sum: f32 = counts
+        .iter()
+        .filter(|&&c| c > 0)
+        .map(|&c| {
+            let c = f32::from(c);
+            c * c.log2()
+        })
+        .sum();
+    n.log2() - sum / n
+}
+
+fn lz4_compress(page: &Page, out: &mut [u8]) -> Option<usize> {
+    // liblz4 stops and fails once the output would pass `out.len()`, so pages that do not
+    // compress below the huge threshold cost no more than one pass.
+    lz4::block::compress_to_buffer(page, None, false, out).ok()
+}
+
+thread_local! {
+    static ZSTD_COMPRESSOR: RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> =
+        const { RefCell::new(None) };
+    static ZSTD_DECOMPRESSOR: RefCell<Option<zstd::bulk::Decompressor<'static>>> =
+        const { RefCell::new(None) };
+}
+
+fn new_zstd_compressor(level: i32) -> std::io::Result<zstd::bulk::Compressor<'static>> {
+    use zstd::zstd_safe::CParameter;
+    let mut c = zstd::bulk::Compressor::new(level)?;
+    // Every page decodes to PAGE_SIZE and is never a stand-alone file: drop frame fields.
+    c.set_parameter(CParameter::ContentSizeFlag(false))?;
+    c.set_parameter(CParameter::ChecksumFlag(false))?;
+    c.set_parameter(CParameter::DictIdFlag(false))?;
+    Ok(c)
+}
+
+/// zstd into `out`; `None` when it does not fit (or no context could be made, in which case
+/// the caller stores the page another way).
+fn zstd_compress(level: i32, page: &Page, out: &mut [u8]) -> Option<usize> {
+    ZSTD_COMPRESSOR.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        if !matches!(slot.as_ref(), Some((l, _)) if *l == level) {
+            match new_zstd_compressor(level) {
+                Ok(c) => *slot = Some((level, c)),
+                Err(e) => {
+                    tracing::warn!("zstd compressor unavailable ({e}); page stored without zstd");
+                    return None;
+                }
+            }
+        }
+        let (_, c) = slot.as_mut()?;
+        c.compress_to_buffer(&page[..], out).ok()
+    })
+}
+
+fn store_raw(page: &Page, out: &mut Page) -> (Encoding, usize) {
+    out.copy_from_slice(page);
+    (Encoding::Raw, PAGE_SIZE)
+}
+
+/// Compress one page into `out` with `algorithm`; returns the encoding and the length used.
+/// Never fails: a page that does not compress below `MAX_COMPRESSED_LEN` is stored raw.
+pub fn compress_page(algorithm: Algorithm, page: &Page, out: &mut Page) -> (Encoding, usize) {
+    match algorithm {
+        Algorithm::Lz4 => match lz4_compress(page, &mut out[..MAX_COMPRESSED_LEN]) {
+            Some(n) => (Encoding::Lz4, n),
+            None => store_raw(page, out),
+        },
+        Algorithm::Zstd { level } => {
+            match zstd_compress(level, page, &mut out[..MAX_COMPRESSED_LEN]) {
+                Some(n) => (Encoding::Zstd, n),
+                None => store_raw(page, out),
+            }
+        }
+        Algorithm::Adaptive => compress_adaptive(page, out),
+    }
+}
+
+/// LZ4 first (fast, and good enough for most pages); zstd only for pages LZ4 left long, where
+/// zstd's entropy coding saves the most bytes, and only if it saves at least 1/8.
+fn compress_adaptive(page: &Page, out: &mut Page) -> (Encoding, usize) {
+    let lz4_len = lz4_compress(page, &mut out[..MAX_COMPRESSED_LEN]);
+    if let Some(n) = lz4_len {
+        if n <= ADAPTIVE_LZ4_KEEP_LEN {
+            return (Encoding::Lz4, n);
+        }
+    } else if sampled_entropy_bits(page) > ADAPTIVE_MAX_ENTROPY_BITS {
+        return store_raw(page, out);
+    }
+    let target = lz4_len.map_or(MAX_COMPRESSED_LEN, |n| {
+        n - n * ADAPTIVE_MIN_GAIN_EIGHTHS / 8
+    });
+    let mut zstd_out = [0u8; PAGE_SIZE];
+    match (
+        zstd_compress(ADAPTIVE_ZSTD_LEVEL, page, &mut zstd_out[..target]),
+        lz4_len,
+    ) {
+        (Some(z), _) => {
+            out[..z].copy_from_slice(&zstd_out[..z]);
+            (Encoding::Zstd, z)
+        }
+        (None, Some(n)) => (Encoding::Lz4, n),
+        (None, None) => store_raw(page, out),
+    }
+}
+
+/// Decode one page. Any input — truncated, corrupt, or of the wrong encoding — gives an error
+/// or a full page, never a panic or a short page.
+pub fn decompress_page(encoding: Encoding, src: &[u8], out: &mut Page) -> Result<(), CodecError> {
+    let n = match encoding {
+        Encoding::Lz4 => lz4::block::decompress_to_buffer(src, Some(PAGE_SIZE as i32), out)
+            .map_err(|_| CodecError::Corrupt)?,
+        Encoding::Zstd => ZSTD_DECOMPRESSOR.with(|cell| {
+            let mut slot = cell.borrow_mut();
+            if slot.is_none() {
+                *slot = Some(
+                    zstd::bulk::Decompressor::new()
+                        .map_err(|e| CodecError::NoContext(e.to_string()))?,
+                );
+            }
+            match slot.as_mut() {
+                Some(d) => d
+                    .decompress_to_buffer(src, &mut out[..])
+                    .map_err(|_| CodecError::Corrupt),
+                None => Err(CodecError::NoContext("zstd".into())),
+            }
+        })?,
+        Encoding::Raw => {
+            if src.len() == PAGE_SIZE {
+                out.copy_from_slice(src);
+            }
+            src.len()
+        }
+    };
+    if n == PAGE_SIZE {
+        Ok(())
+    } else {
+        Err(CodecError::WrongLength(n))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text_page() -> Box<Page> {
+        let words = [
+            "alpha ", "beta ", "gamma ", "delta ", "swap ", "page ", "zram ",
+        ];
+        let mut p = Box::new([0u8; PAGE_SIZE]);
+        let mut i = 0;
+        let mut x = 7u32;
+        while i < PAGE_SIZE {
+            x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+            let w = words[(x >> 16) as usize % words.len()].as_bytes();
+            let n = w.len().min(PAGE_SIZE - i);
+            p[i..i + n].copy_from_slice(&w[..n]);
+            i += n;
+        }
+        p
+    }
+
+    fn random_page(seed: u64) -> Box<Page> {
+        let mut p = Box::new([0u8; PAGE_SIZE]);
+        let mut x = seed | 1;
+        for b in p.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *b = (x >> 24) as u8;
+        }
+        p
+    }
+
+    #[test]
+    fn classify_zero_same_and_data() {
+        let mut p = [0u8; PAGE_SIZE];
+        assert_eq!(classify(&p), PageClass::SameFilled(0));
+        fill_page(&mut p, 0xdead_beef_0123_4567);
+        assert_eq!(classify(&p), PageClass::SameFilled(0xdead_beef_0123_4567));
+        p[PAGE_SIZE - 1] ^= 1;
+        assert_eq!(classify(&p), PageClass::Data);
+        let mut q = [0u8; PAGE_SIZE];
+        q[3] = 1;
+        assert_eq!(classify(&q), PageClass::Data);
+    }
+
+    #[test]
+    fn entropy_separates_random_from_text() {
+        assert!(sampled_entropy_bits(&random_page(3)) > 7.5);
+        assert!(sampled_entropy_bits(&text_page()) < 5.0);
+        assert!(sampled_entropy_bits(&[0u8; PAGE_SIZE]) < 0.01);
+    }
+
+    #[test]
+    fn every_algorithm_round_trips() {
+        let pages = [text_page(), random_page(9), Box::new([1u8; PAGE_SIZE])];
+        for alg in [
+            Algorithm::Lz4,
+            Algorithm::Zstd { level: 3 },
+            Algorithm::Zstd { level: -5 },
+            Algorithm::Adaptive,
+        ] {
+            for page in &pages {
+                let mut out = [0u8; PAGE_SIZE];
+                let (enc, n) = compress_page(alg, page, &mut out);
+                assert!(n == PAGE_SIZE || n <= MAX_COMPRESSED_LEN);
+                let mut back = [0u8; PAGE_SIZE];
+                decompress_page(enc, &out[..n], &mut back).unwrap();
+                assert_eq!(&back[..], &page[..], "{alg:?} {enc:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn random_page_is_raw_and_text_is_not() {
+        let mut out = [0u8; PAGE_SIZE];
+        assert_eq!(
+            compress_page(Algorithm::Lz4, &random_page(5), &mut out),
+            (Encoding::Raw, PAGE_SIZE)
+        );
+        assert_eq!(
+            compress_page(Algorithm::Adaptive, &random_page(5), &mut out).0,
+            Encoding::Raw
+        );
+        let (enc, n) = compress_page(Algorithm::Lz4, &text_page(), &mut out);
+        assert_eq!(enc, Encoding::Lz4);
+        assert!(n < PAGE_SIZE / 2);
+    }
+
+    #[test]
+    fn wrong_lengths_are_errors() {
+        let mut out = [0u8; PAGE_SIZE];
+        assert_eq!(
+            decompress_page(Encoding::Raw, &[0u8; 100], &mut out),
+            Err(CodecError::WrongLength(100))
+        );
+        let short = lz4::block::compress(&[7u8; 100], None, false).unwrap();
+        assert_eq!(
+            decompress_page(Encoding::Lz4, &short, &mut out),
+            Err(CodecError::WrongLength(100))
+        );
+        assert!(decompress_page(Encoding::Lz4, &[], &mut out).is_err());
+        assert!(decompress_page(Encoding::Zstd, &[], &mut out).is_err());
+    }
+}

@@ -1,0 +1,76 @@
+//! Unit tests that need the store's insides: corruption of stored bytes, allocator overhead.
+
+use super::*;
+
+/// Compressible, but not same-filled: a short random phrase repeated with variations.
+fn text(seed: u64) -> Box<Page> {
+    let mut p = Box::new([0u8; PAGE_SIZE]);
+    let mut x = seed | 1;
+    let mut next = || {
+        x = x
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (x >> 56) as u8
+    };
+    let phrase: Vec<u8> = (0..61).map(|_| b'a' + next() % 26).collect();
+    for (i, b) in p.iter_mut().enumerate() {
+        *b = if i % 97 == 0 {
+            next()
+        } else {
+            phrase[i % phrase.len()]
+        };
+    }
+    p
+}
+
+fn store(config: StoreConfig) -> Arc<BatchedPageStore> {
+    BatchedPageStore::new(config, None).unwrap()
+}
+
+#[test]
+fn corrupt_stored_page_fails_only_its_read() {
+    for algorithm in [Algorithm::Lz4, Algorithm::Zstd { level: 3 }] {
+        let mut c = StoreConfig::new(64 * PAGE_SIZE as u64);
+        c.algorithm = algorithm;
+        let s = store(c);
+        for i in 0..8u64 {
+            s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+        }
+        s.flush_pending().unwrap();
+        assert!(s.corrupt_stored_page(3, 0xff));
+        let mut buf = vec![0u8; PAGE_SIZE];
+        let err = s.read(3 * PAGE_SIZE as u64, &mut buf).unwrap_err();
+        assert!(matches!(err, StoreError::Corrupt { page: 3, .. }), "{err}");
+        assert_eq!(err.errno(), -libc::EIO);
+        assert_eq!(s.stats().failed_reads, 1);
+        for i in (0..8u64).filter(|&i| i != 3) {
+            s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+            assert_eq!(&buf[..], &text(i)[..]);
+        }
+        // Overwriting the corrupt page heals it.
+        s.write(3 * PAGE_SIZE as u64, &text(33)[..]).unwrap();
+        s.read(3 * PAGE_SIZE as u64, &mut buf).unwrap();
+        assert_eq!(&buf[..], &text(33)[..]);
+    }
+}
+
+#[test]
+fn pending_page_overwritten_during_flush_keeps_newest() {
+    // Entries that changed after their slot was written are not installed.
+    let s = store(StoreConfig::new(16 * PAGE_SIZE as u64));
+    s.write(0, &text(1)[..]).unwrap();
+    s.write(0, &text(2)[..]).unwrap();
+    s.write(PAGE_SIZE as u64, &text(3)[..]).unwrap();
+    s.discard(PAGE_SIZE as u64, PAGE_SIZE as u64).unwrap();
+    s.flush_pending().unwrap();
+    let st = s.stats();
+    assert_eq!(
+        (st.pages_stored, st.pending_pages, st.discarded_pages),
+        (1, 0, 1)
+    );
+    let mut buf = vec![0u8; 2 * PAGE_SIZE];
+    s.read(0, &mut buf).unwrap();
+    assert_eq!(&buf[..PAGE_SIZE], &text(2)[..]);
+    assert!(buf[PAGE_SIZE..].iter().all(|&b| b == 0));
+    assert_eq!(s.reserved_bytes.load(Ordering::Relaxed), 0);
+}
