@@ -60,6 +60,12 @@ fn batched_run_round_trips_every_page_and_reports_figures() {
         assert!(p.p50_us > 0.0 && p.p50_us <= p.p99_us && p.p99_us <= p.p999_us);
     }
     assert!(report.zram.is_none() && report.vs_zram.is_none());
+    let codec = &report.codec;
+    assert_eq!(codec.backend, "SimdParallel");
+    assert!(codec.compress_gbps > 0.0 && codec.decompress_gbps > 0.0);
+    // Same pages, same codec: the ratios differ only by the same-filled pages the store
+    // keeps without compressed data.
+    assert!(codec.ratio > 1.5 && codec.ratio <= report.ratio * 1.01);
 }
 
 #[test]

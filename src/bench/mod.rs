@@ -19,10 +19,13 @@ use rayon::prelude::*;
 use thiserror::Error;
 
 use crate::cli::{parse_size, AlgorithmArg, BackendArg, StoreArgs};
-use crate::codec::{Algorithm, Backend, BatchCodec, CodecError, PAGE_SIZE};
+use crate::codec::{
+    select_backend, Algorithm, Backend, BatchCodec, CodecError, CompressedBatch, CpuCodec,
+    Encoding, Page, PAGE_SIZE,
+};
 use crate::store::{BatchedPageStore, StoreConfig, StoreError};
 use corpus::{AlignedBuf, Corpus, SplitMix64};
-use report::{BenchReport, LatencyReport, OverwriteReport, Percentiles, VersusZram};
+use report::{BenchReport, CodecReport, LatencyReport, OverwriteReport, Percentiles, VersusZram};
 
 /// Size of the built-in mix when neither `--size` nor `--input` says otherwise.
 const DEFAULT_MIX_BYTES: u64 = 256 << 20;
@@ -417,6 +420,87 @@ fn measure_latency(
     })
 }
 
+/// What the codec alone did with the corpus.
+struct CodecRun {
+    backend: Backend,
+    batch_pages: usize,
+    compress_time: Duration,
+    decompress_time: Duration,
+    compressed_bytes: usize,
+}
+
+/// The codec alone on every page of the corpus (none classified away), in batches of the
+/// store's threshold with the backend the store picks for such a batch, on the same cores.
+/// Every page is decompressed again and checked.
+fn measure_codec(
+    config: &StoreConfig,
+    gpu: Option<&Arc<dyn BatchCodec>>,
+    corpus: &Corpus,
+    progress: &Progress,
+) -> Result<CodecRun, BenchError> {
+    let batch_pages = config.batch_threshold.clamp(1, corpus.page_count());
+    let backend = config
+        .forced_backend
+        .unwrap_or_else(|| select_backend(batch_pages, gpu.is_some(), &config.thresholds));
+    let single = CpuCodec::single(config.algorithm);
+    let parallel = CpuCodec::parallel(config.algorithm);
+    let codec: &dyn BatchCodec = match (backend, gpu) {
+        (Backend::Gpu, Some(gpu)) => gpu.as_ref(),
+        (Backend::Simd, _) => &single,
+        _ => &parallel,
+    };
+    let pages: Vec<&Page> = corpus
+        .bytes()
+        .chunks_exact(PAGE_SIZE)
+        .filter_map(|page| page.try_into().ok())
+        .collect();
+
+    progress.phase("codec compress", pages.len() as u64);
+    let mut batches: Vec<CompressedBatch> = Vec::with_capacity(pages.len().div_ceil(batch_pages));
+    let start = Instant::now();
+    for chunk in pages.chunks(batch_pages) {
+        let mut out = CompressedBatch::default();
+        codec
+            .compress_batch(chunk, &mut out)
+            .map_err(BenchError::Codec)?;
+        batches.push(out);
+        progress.advance(chunk.len() as u64);
+    }
+    let compress_time = start.elapsed();
+    let compressed_bytes = batches
+        .iter()
+        .flat_map(|batch| batch.lens.iter())
+        .map(|&len| usize::from(len))
+        .sum();
+
+    progress.phase("codec decompress", pages.len() as u64);
+    let mut out = vec![[0u8; PAGE_SIZE]; batch_pages];
+    let mut status = vec![Ok(()); batch_pages];
+    let mut decompress_time = Duration::ZERO;
+    for (number, batch) in batches.iter().enumerate() {
+        let n = batch.len();
+        let inputs: Vec<(Encoding, &[u8])> = (0..n).map(|i| batch.page(i)).collect();
+        let start = Instant::now();
+        codec.decompress_batch(&inputs, &mut out[..n], &mut status[..n]);
+        decompress_time += start.elapsed();
+        if let Some(error) = status[..n].iter().find_map(|s| s.clone().err()) {
+            return Err(BenchError::Codec(error));
+        }
+        let first = number * batch_pages;
+        verify("codec round trip", out[..n].as_flattened(), |i| {
+            corpus.page(first + i)
+        })?;
+        progress.advance(n as u64);
+    }
+    Ok(CodecRun {
+        backend,
+        batch_pages,
+        compress_time,
+        decompress_time,
+        compressed_bytes,
+    })
+}
+
 /// Everything a run needs besides the corpus, resolved from the arguments.
 struct Plan {
     config: StoreConfig,
@@ -473,10 +557,11 @@ pub fn measure(
     let (batched, batch_threshold) = (config.batched, config.batch_threshold);
     let flush_timeout_ms = config.flush_timeout.as_millis() as u64;
 
-    let store = BatchedPageStore::new(config, gpu).map_err(|source| BenchError::Store {
-        phase: "setup",
-        source,
-    })?;
+    let store =
+        BatchedPageStore::new(config.clone(), gpu.clone()).map_err(|source| BenchError::Store {
+            phase: "setup",
+            source,
+        })?;
     let flusher = store.start_flusher(|| ()).map_err(BenchError::Flusher)?;
 
     // Write every page (as the daemon's queue threads do), then flush what is pending.
@@ -578,6 +663,17 @@ pub fn measure(
     drop(flusher);
     drop(store);
 
+    let codec_run = measure_codec(&config, gpu.as_ref(), corpus, progress)?;
+    let codec = CodecReport {
+        backend: format!("{:?}", codec_run.backend),
+        batch_pages: codec_run.batch_pages,
+        compress_gbps: gbps(bytes, codec_run.compress_time),
+        decompress_gbps: gbps(bytes, codec_run.decompress_time),
+        ratio: ratio(bytes as u64, codec_run.compressed_bytes as u64),
+        store_write_share: write_gbps / gbps(bytes, codec_run.compress_time),
+        store_read_share: read_gbps / gbps(bytes, codec_run.decompress_time),
+    };
+
     let zram = if args.compare_zram {
         Some(zram::compare(
             corpus,
@@ -610,10 +706,14 @@ pub fn measure(
         read_gbps,
         ratio: ratio(stats.orig_bytes, stats.compr_bytes),
         mem_ratio,
+        mem_ratio_all_in: ratio(
+            stats.orig_bytes,
+            stats.mem_used + stats.metadata_bytes + stats.batch_buffer_bytes,
+        ),
         metadata_bytes_per_page: stats.metadata_bytes as f64 / pages as f64,
         stats,
         overwrite,
-        codec: None,
+        codec,
         latency,
         zram,
         vs_zram,

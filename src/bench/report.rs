@@ -110,12 +110,14 @@ pub struct BenchReport {
     pub ratio: f64,
     /// orig bytes / memory holding pages.
     pub mem_ratio: f64,
+    /// orig bytes / (memory holding pages + metadata + pending-batch buffers).
+    pub mem_ratio_all_in: f64,
     /// Metadata bytes (page table, allocator bookkeeping) per page of the device.
     pub metadata_bytes_per_page: f64,
     /// The store's counters right after the first write and flush.
     pub stats: StoreStats,
     pub overwrite: Option<OverwriteReport>,
-    pub codec: Option<CodecReport>,
+    pub codec: CodecReport,
     pub latency: LatencyReport,
     pub zram: Option<ZramReport>,
     pub vs_zram: Option<VersusZram>,
@@ -166,14 +168,19 @@ impl BenchReport {
         );
         let _ = writeln!(
             out,
-            "  ratio {:>7.3} (orig/compressed)   memory ratio {:.3} (orig/memory used)   metadata {:.1} B/page",
-            self.ratio, self.mem_ratio, self.metadata_bytes_per_page
+            "  ratio {:>7.3} (orig/compressed)   memory ratio {:.3} (orig/memory used, as zram's mem_used_total)",
+            self.ratio, self.mem_ratio
         );
         let _ = writeln!(
             out,
-            "  pages: zero {}, same-filled {}, huge {}, lz4 {}, zstd {}; by backend: simd {}, simd-parallel {}, gpu {}; {} batch flushes",
-            s.zero_pages,
+            "  with page table and batch buffers: memory ratio {:.3}, metadata {:.1} B/page",
+            self.mem_ratio_all_in, self.metadata_bytes_per_page
+        );
+        let _ = writeln!(
+            out,
+            "  pages: same-filled {} (zero {}), huge {}, lz4 {}, zstd {}; by backend: simd {}, simd-parallel {}, gpu {}; {} batch flushes",
             s.same_pages,
+            s.zero_pages,
             s.huge_pages,
             s.pages_lz4,
             s.pages_zstd,
@@ -189,19 +196,18 @@ impl BenchReport {
                 o.passes, o.write_gbps, o.mem_ratio, o.mem_ratio_change_pct
             );
         }
-        if let Some(c) = &self.codec {
-            let _ = writeln!(
-                out,
-                "codec alone ({}, batches of {}, same pages and cores): compress {:.3} GB/s, decompress {:.3} GB/s, ratio {:.3}",
-                c.backend, c.batch_pages, c.compress_gbps, c.decompress_gbps, c.ratio
-            );
-            let _ = writeln!(
-                out,
-                "  store write path = {:.0}% of codec compress, read path = {:.0}% of codec decompress",
-                c.store_write_share * 100.0,
-                c.store_read_share * 100.0
-            );
-        }
+        let c = &self.codec;
+        let _ = writeln!(
+            out,
+            "codec alone ({}, batches of {}, same pages and cores): compress {:.3} GB/s, decompress {:.3} GB/s, ratio {:.3}",
+            c.backend, c.batch_pages, c.compress_gbps, c.decompress_gbps, c.ratio
+        );
+        let _ = writeln!(
+            out,
+            "  store write path = {:.0}% of codec compress, read path = {:.0}% of codec decompress",
+            c.store_write_share * 100.0,
+            c.store_read_share * 100.0
+        );
         let l = &self.latency;
         let _ = writeln!(
             out,
