@@ -34,6 +34,13 @@ impl AlignedBuf {
         }
     }
 
+    /// Fill with a filler byte before a timed read into the buffer: a page a read skipped
+    /// cannot then pass verification by holding stale data, and the kernel's first-touch page
+    /// faults happen here instead of inside the timing.
+    pub fn poison(&mut self) {
+        self.as_mut_slice().fill(0xA5);
+    }
+
     pub fn as_slice(&self) -> &[u8] {
         &self.storage[self.start..self.start + self.len]
     }

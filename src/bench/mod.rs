@@ -584,6 +584,7 @@ pub fn measure(
 
     // Read every page back and check it.
     let mut scratch = AlignedBuf::zeroed(bytes);
+    scratch.poison();
     progress.phase("store read", bytes as u64);
     let start = Instant::now();
     read_all(
@@ -627,6 +628,7 @@ pub fn measure(
             write_time += start.elapsed();
         }
         let after = store.stats();
+        scratch.poison();
         progress.phase("overwrite read-back", bytes as u64);
         read_all(
             &store,

@@ -216,9 +216,8 @@ pub fn compare(
         ))
     })?;
 
-    // Poison the buffer so a short or skipped read cannot pass as a match.
+    scratch.poison();
     let out = scratch.as_mut_slice();
-    out.fill(0xA5);
     progress.phase("zram read", data.len() as u64);
     let mut parts = Vec::new();
     let mut rest = out;
