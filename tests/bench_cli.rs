@@ -32,6 +32,8 @@ fn bench_parses_its_flags_and_the_store_options() {
         "500",
         "--seed",
         "9",
+        "--repeat",
+        "3",
         "--json",
         "--compare-zram",
         "--zram-streams",
@@ -55,6 +57,7 @@ fn bench_parses_its_flags_and_the_store_options() {
     assert_eq!(args.overwrites, 0);
     assert_eq!(args.latency_samples, 500);
     assert_eq!(args.seed, 9);
+    assert_eq!(args.repeat, 3);
     assert!(args.json && args.compare_zram);
     assert_eq!(args.zram_streams, 2);
     assert_eq!(args.store.algorithm, Some(AlgorithmArg::Adaptive));
@@ -73,6 +76,7 @@ fn bench_defaults_are_the_documented_ones() {
     assert_eq!(args.request_size, PAGE_SIZE as u64);
     assert_eq!(args.overwrites, 3);
     assert_eq!(args.latency_samples, 10_000);
+    assert_eq!(args.repeat, 1);
     assert!(!args.json && !args.compare_zram && !args.store.no_batched);
     assert_eq!(args.store.algorithm, None);
 }
@@ -85,6 +89,7 @@ fn bench_rejects_bad_values() {
         &["--size", "lots"],
         &["--latency-samples", "0"],
         &["--zram-streams", "0"],
+        &["--repeat", "0"],
         &["--algorithm", "lzo"],
         &["--backend", "fpga"],
     ] {

@@ -82,8 +82,16 @@ fn per_page_zstd_run_with_multi_page_requests_round_trips() {
         "20",
         "--overwrites",
         "1",
+        "--repeat",
+        "2",
     ]);
     assert!(report.verified);
+    assert_eq!(report.repeat, 2);
+    assert_eq!(report.write_gbps_runs.len(), 2);
+    assert_eq!(
+        report.read_gbps,
+        report.read_gbps_runs[0].max(report.read_gbps_runs[1])
+    );
     assert_eq!(report.request_bytes, 64 << 10);
     assert!(!report.batched);
     assert!(report.stats.pages_zstd > 0);

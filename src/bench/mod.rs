@@ -23,7 +23,7 @@ use crate::codec::{
     select_backend, Algorithm, Backend, BatchCodec, CodecError, CompressedBatch, CpuCodec,
     Encoding, Page, PAGE_SIZE,
 };
-use crate::store::{BatchedPageStore, StoreConfig, StoreError};
+use crate::store::{BatchedPageStore, FlusherHandle, StoreConfig, StoreError, StoreStats};
 use corpus::{AlignedBuf, Corpus, SplitMix64};
 use report::{BenchReport, CodecReport, LatencyReport, OverwriteReport, Percentiles, VersusZram};
 
@@ -56,6 +56,10 @@ pub struct BenchArgs {
     /// Samples of each single-page latency; the 1000-page batch figures take a tenth as many
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..))]
     pub latency_samples: u32,
+    /// Run the store's write and read, the codec alone and zram this many times each and
+    /// report the best run (other work on a shared machine only ever slows a run down)
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub repeat: u16,
     /// Seed of the built-in mix and of the random orders
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -504,11 +508,12 @@ fn measure_codec(
 /// Everything a run needs besides the corpus, resolved from the arguments.
 struct Plan {
     config: StoreConfig,
+    gpu: Option<Arc<dyn BatchCodec>>,
     threads: usize,
     request_bytes: usize,
 }
 
-fn plan(args: &BenchArgs, corpus: &Corpus) -> Plan {
+fn plan(args: &BenchArgs, corpus: &Corpus) -> Result<Plan, BenchError> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let bytes = (corpus.page_count() * PAGE_SIZE) as u64;
     // A request never spans beyond the corpus, and the corpus is whole requests.
@@ -516,11 +521,13 @@ fn plan(args: &BenchArgs, corpus: &Corpus) -> Plan {
     while corpus.page_count() % request_pages != 0 {
         request_pages -= 1;
     }
-    Plan {
-        config: store_config(&args.store, bytes),
+    let config = store_config(&args.store, bytes);
+    Ok(Plan {
+        gpu: gpu_codec(&config)?,
+        config,
         threads: args.threads.map_or(cores, usize::from),
         request_bytes: request_pages * PAGE_SIZE,
-    }
+    })
 }
 
 /// Load or generate the corpus the arguments name.
@@ -534,43 +541,41 @@ pub fn load_corpus(args: &BenchArgs) -> Result<Corpus, BenchError> {
     }
 }
 
-/// Run the bench on `corpus` and return what it measured.
-pub fn measure(
-    args: &BenchArgs,
-    corpus: &Corpus,
-    progress: &Progress,
-) -> Result<BenchReport, BenchError> {
-    let Plan {
-        config,
-        threads,
-        request_bytes,
-    } = plan(args, corpus);
-    let pages = corpus.page_count();
-    let bytes = corpus.bytes().len();
-    let request_pages = request_bytes / PAGE_SIZE;
-    let mut rng = SplitMix64::new(args.seed);
-    let gpu = gpu_codec(&config)?;
-    let algorithm = format!("{:?}", config.algorithm);
-    let backend = config
-        .forced_backend
-        .map_or_else(|| "auto".to_string(), |b| format!("{b:?}"));
-    let (batched, batch_threshold) = (config.batched, config.batch_threshold);
-    let flush_timeout_ms = config.flush_timeout.as_millis() as u64;
+/// A fresh store holding the corpus, with its flusher running.
+struct StorePass {
+    store: Arc<BatchedPageStore>,
+    /// Stops and joins the flusher when dropped.
+    _flusher: FlusherHandle,
+    write_time: Duration,
+    read_time: Duration,
+    /// Right after the write and flush.
+    stats: StoreStats,
+}
 
-    let store =
-        BatchedPageStore::new(config.clone(), gpu.clone()).map_err(|source| BenchError::Store {
+/// Write every page into a fresh store as the daemon's queue threads do, flush what is
+/// pending, then read every page back into `scratch` and check it.
+fn store_pass(
+    plan: &Plan,
+    corpus: &Corpus,
+    scratch: &mut AlignedBuf,
+    progress: &Progress,
+) -> Result<StorePass, BenchError> {
+    let bytes = corpus.bytes().len();
+    let request_bytes = plan.request_bytes;
+    let store = BatchedPageStore::new(plan.config.clone(), plan.gpu.clone()).map_err(|source| {
+        BenchError::Store {
             phase: "setup",
             source,
-        })?;
+        }
+    })?;
     let flusher = store.start_flusher(|| ()).map_err(BenchError::Flusher)?;
 
-    // Write every page (as the daemon's queue threads do), then flush what is pending.
     progress.phase("store write", bytes as u64);
     let start = Instant::now();
     write_requests(
         &store,
-        threads,
-        pages / request_pages,
+        plan.threads,
+        bytes / request_bytes,
         progress,
         "write",
         |request| {
@@ -582,14 +587,12 @@ pub fn measure(
     let write_time = start.elapsed();
     let stats = store.stats();
 
-    // Read every page back and check it.
-    let mut scratch = AlignedBuf::zeroed(bytes);
     scratch.poison();
     progress.phase("store read", bytes as u64);
     let start = Instant::now();
     read_all(
         &store,
-        threads,
+        plan.threads,
         request_bytes,
         scratch.as_mut_slice(),
         progress,
@@ -599,52 +602,131 @@ pub fn measure(
     verify("store read-back", scratch.as_slice(), |page| {
         corpus.page(page)
     })?;
-    let write_gbps = gbps(bytes, write_time);
-    let read_gbps = gbps(bytes, read_time);
-    let mem_ratio = ratio(stats.orig_bytes, stats.mem_used);
+    Ok(StorePass {
+        store,
+        _flusher: flusher,
+        write_time,
+        read_time,
+        stats,
+    })
+}
 
-    // Overwrite everything in random order, each pass placing the corpus pages in a new
-    // shuffled arrangement so compressed sizes change under every slot.
-    let mut content: Vec<u32> = (0..pages as u32).collect();
-    let overwrite = if args.overwrites > 0 {
-        let mut order: Vec<u32> = (0..pages as u32).collect();
-        let mut write_time = Duration::ZERO;
-        for pass in 0..args.overwrites {
-            rng.shuffle(&mut order);
-            rng.shuffle(&mut content);
-            progress.phase(
-                ["overwrite 1", "overwrite 2", "overwrite 3+"][pass.min(2) as usize],
-                bytes as u64,
-            );
-            let start = Instant::now();
-            write_requests(&store, threads, pages, progress, "overwrite", |index| {
+/// Overwrite the whole device `passes` times, each pass in a new random order and with the
+/// corpus pages in a new shuffled placement, so compressed sizes change under every slot.
+/// `content[p]` is the corpus page at page `p` before and after. Reads everything back.
+#[allow(clippy::too_many_arguments)]
+fn overwrite_passes(
+    plan: &Plan,
+    store: &BatchedPageStore,
+    corpus: &Corpus,
+    passes: u32,
+    content: &mut [u32],
+    rng: &mut SplitMix64,
+    scratch: &mut AlignedBuf,
+    progress: &Progress,
+) -> Result<(Duration, StoreStats), BenchError> {
+    let bytes = corpus.bytes().len();
+    let mut order: Vec<u32> = (0..content.len() as u32).collect();
+    let mut write_time = Duration::ZERO;
+    for pass in 0..passes {
+        rng.shuffle(&mut order);
+        rng.shuffle(content);
+        let content = &*content;
+        progress.phase(
+            ["overwrite 1", "overwrite 2", "overwrite 3+"][pass.min(2) as usize],
+            bytes as u64,
+        );
+        let start = Instant::now();
+        write_requests(
+            store,
+            plan.threads,
+            content.len(),
+            progress,
+            "overwrite",
+            |index| {
                 let position = order[index] as usize;
                 (
                     (position * PAGE_SIZE) as u64,
                     corpus.page(content[position] as usize),
                 )
-            })?;
-            flush(&store, "overwrite flush")?;
-            write_time += start.elapsed();
-        }
-        let after = store.stats();
-        scratch.poison();
-        progress.phase("overwrite read-back", bytes as u64);
-        read_all(
-            &store,
-            threads,
-            request_bytes,
-            scratch.as_mut_slice(),
-            progress,
-            "read after overwrite",
+            },
         )?;
-        verify("read-back after overwrites", scratch.as_slice(), |page| {
-            corpus.page(content[page] as usize)
-        })?;
+        flush(store, "overwrite flush")?;
+        write_time += start.elapsed();
+    }
+    let stats = store.stats();
+    scratch.poison();
+    progress.phase("overwrite read-back", bytes as u64);
+    read_all(
+        store,
+        plan.threads,
+        plan.request_bytes,
+        scratch.as_mut_slice(),
+        progress,
+        "read after overwrite",
+    )?;
+    verify("read-back after overwrites", scratch.as_slice(), |page| {
+        corpus.page(content[page] as usize)
+    })?;
+    Ok((write_time, stats))
+}
+
+fn best(values: &[f64]) -> f64 {
+    values.iter().copied().fold(0.0, f64::max)
+}
+
+/// Run the bench on `corpus` and return what it measured. With `--repeat N` the store's
+/// write and read, the codec alone and zram each run N times and the best run counts, which
+/// filters out other work on a shared machine; the overwrite and latency figures run once.
+pub fn measure(
+    args: &BenchArgs,
+    corpus: &Corpus,
+    progress: &Progress,
+) -> Result<BenchReport, BenchError> {
+    let plan = plan(args, corpus)?;
+    let repeat = usize::from(args.repeat).max(1);
+    let pages = corpus.page_count();
+    let bytes = corpus.bytes().len();
+    let mut rng = SplitMix64::new(args.seed);
+    let mut scratch = AlignedBuf::zeroed(bytes);
+
+    let mut write_runs = Vec::with_capacity(repeat);
+    let mut read_runs = Vec::with_capacity(repeat);
+    let mut pass = store_pass(&plan, corpus, &mut scratch, progress)?;
+    write_runs.push(gbps(bytes, pass.write_time));
+    read_runs.push(gbps(bytes, pass.read_time));
+    for _ in 1..repeat {
+        // The previous store (and its memory) goes before the next one is built.
+        drop(pass);
+        pass = store_pass(&plan, corpus, &mut scratch, progress)?;
+        write_runs.push(gbps(bytes, pass.write_time));
+        read_runs.push(gbps(bytes, pass.read_time));
+    }
+    let StorePass {
+        store,
+        _flusher: flusher,
+        stats,
+        ..
+    } = pass;
+    let (write_gbps, read_gbps) = (best(&write_runs), best(&read_runs));
+    let mem_ratio = ratio(stats.orig_bytes, stats.mem_used);
+
+    let mut content: Vec<u32> = (0..pages as u32).collect();
+    let overwrite = if args.overwrites > 0 {
+        let (time, after) = overwrite_passes(
+            &plan,
+            &store,
+            corpus,
+            args.overwrites,
+            &mut content,
+            &mut rng,
+            &mut scratch,
+            progress,
+        )?;
         let after_ratio = ratio(after.orig_bytes, after.mem_used);
         Some(OverwriteReport {
             passes: args.overwrites,
-            write_gbps: gbps(bytes * args.overwrites as usize, write_time),
+            write_gbps: gbps(bytes * args.overwrites as usize, time),
             mem_ratio: after_ratio,
             mem_ratio_change_pct: (after_ratio / mem_ratio - 1.0) * 100.0,
             stats: after,
@@ -661,52 +743,77 @@ pub fn measure(
         &mut rng,
         progress,
     )?;
-    store.shutdown();
     drop(flusher);
     drop(store);
 
-    let codec_run = measure_codec(&config, gpu.as_ref(), corpus, progress)?;
+    let mut compress_runs = Vec::with_capacity(repeat);
+    let mut decompress_runs = Vec::with_capacity(repeat);
+    let mut codec_run = measure_codec(&plan.config, plan.gpu.as_ref(), corpus, progress)?;
+    compress_runs.push(gbps(bytes, codec_run.compress_time));
+    decompress_runs.push(gbps(bytes, codec_run.decompress_time));
+    for _ in 1..repeat {
+        codec_run = measure_codec(&plan.config, plan.gpu.as_ref(), corpus, progress)?;
+        compress_runs.push(gbps(bytes, codec_run.compress_time));
+        decompress_runs.push(gbps(bytes, codec_run.decompress_time));
+    }
     let codec = CodecReport {
         backend: format!("{:?}", codec_run.backend),
         batch_pages: codec_run.batch_pages,
-        compress_gbps: gbps(bytes, codec_run.compress_time),
-        decompress_gbps: gbps(bytes, codec_run.decompress_time),
+        compress_gbps: best(&compress_runs),
+        decompress_gbps: best(&decompress_runs),
         ratio: ratio(bytes as u64, codec_run.compressed_bytes as u64),
-        store_write_share: write_gbps / gbps(bytes, codec_run.compress_time),
-        store_read_share: read_gbps / gbps(bytes, codec_run.decompress_time),
+        store_write_share: write_gbps / best(&compress_runs),
+        store_read_share: read_gbps / best(&decompress_runs),
     };
 
     let zram = if args.compare_zram {
-        Some(zram::compare(
-            corpus,
-            &mut scratch,
-            usize::from(args.zram_streams),
-            progress,
-        )?)
+        let mut runs = Vec::with_capacity(repeat);
+        for _ in 0..repeat {
+            runs.push(zram::compare(
+                corpus,
+                &mut scratch,
+                usize::from(args.zram_streams),
+                progress,
+            )?);
+        }
+        let write = best(&runs.iter().map(|z| z.write_gbps).collect::<Vec<_>>());
+        let read = best(&runs.iter().map(|z| z.read_gbps).collect::<Vec<_>>());
+        runs.pop().map(|last| zram::ZramReport {
+            write_gbps: write,
+            read_gbps: read,
+            ..last
+        })
     } else {
         None
     };
+    let ours_ratio = ratio(stats.orig_bytes, stats.compr_bytes);
     let vs_zram = zram.as_ref().map(|z| VersusZram {
         write: write_gbps / z.write_gbps,
         read: read_gbps / z.read_gbps,
-        ratio: ratio(stats.orig_bytes, stats.compr_bytes) / z.ratio,
+        ratio: ours_ratio / z.ratio,
         mem_ratio: mem_ratio / z.mem_ratio,
     });
 
+    let config = &plan.config;
     Ok(BenchReport {
         corpus: corpus.source.to_string(),
         pages,
         bytes: bytes as u64,
-        algorithm,
-        backend,
-        batched,
-        batch_threshold,
-        flush_timeout_ms,
-        threads,
-        request_bytes,
+        algorithm: format!("{:?}", config.algorithm),
+        backend: config
+            .forced_backend
+            .map_or_else(|| "auto".to_string(), |b| format!("{b:?}")),
+        batched: config.batched,
+        batch_threshold: config.batch_threshold,
+        flush_timeout_ms: config.flush_timeout.as_millis() as u64,
+        threads: plan.threads,
+        request_bytes: plan.request_bytes,
+        repeat,
         write_gbps,
         read_gbps,
-        ratio: ratio(stats.orig_bytes, stats.compr_bytes),
+        write_gbps_runs: write_runs,
+        read_gbps_runs: read_runs,
+        ratio: ours_ratio,
         mem_ratio,
         mem_ratio_all_in: ratio(
             stats.orig_bytes,

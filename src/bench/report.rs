@@ -102,10 +102,14 @@ pub struct BenchReport {
     pub flush_timeout_ms: u64,
     pub threads: usize,
     pub request_bytes: usize,
+    /// Runs of the store's write and read, the codec alone and zram; the best one counts.
+    pub repeat: usize,
     /// Corpus bytes / time from the first write until `flush_pending` returned (GB = 10^9 B).
     pub write_gbps: f64,
     /// Corpus bytes / time to read every page back.
     pub read_gbps: f64,
+    pub write_gbps_runs: Vec<f64>,
+    pub read_gbps_runs: Vec<f64>,
     /// orig / compressed bytes.
     pub ratio: f64,
     /// orig bytes / memory holding pages.
@@ -166,6 +170,21 @@ impl BenchReport {
             "  write {:>7.3} GB/s   read {:>7.3} GB/s   (GB = 10^9 bytes; every byte verified)",
             self.write_gbps, self.read_gbps
         );
+        if self.repeat > 1 {
+            let list = |runs: &[f64]| {
+                runs.iter()
+                    .map(|r| format!("{r:.3}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            let _ = writeln!(
+                out,
+                "  best of {} runs (here and for the codec and zram): write {}; read {}",
+                self.repeat,
+                list(&self.write_gbps_runs),
+                list(&self.read_gbps_runs)
+            );
+        }
         let _ = writeln!(
             out,
             "  ratio {:>7.3} (orig/compressed)   memory ratio {:.3} (orig/memory used, as zram's mem_used_total)",
