@@ -671,6 +671,16 @@ fn overwrite_passes(
     Ok((write_time, stats))
 }
 
+/// The 1, 5 and 15 minute load averages (zeros where /proc/loadavg cannot be read): other
+/// work on the machine while the bench runs is part of what its figures mean.
+fn load_average() -> [f64; 3] {
+    let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let mut fields = text
+        .split_whitespace()
+        .map(|field| field.parse().unwrap_or(0.0));
+    [(); 3].map(|()| fields.next().unwrap_or(0.0))
+}
+
 fn best(values: &[f64]) -> f64 {
     values.iter().copied().fold(0.0, f64::max)
 }
@@ -684,6 +694,7 @@ pub fn measure(
     progress: &Progress,
 ) -> Result<BenchReport, BenchError> {
     let plan = plan(args, corpus)?;
+    let load_average = load_average();
     let repeat = usize::from(args.repeat).max(1);
     let pages = corpus.page_count();
     let bytes = corpus.bytes().len();
@@ -809,6 +820,7 @@ pub fn measure(
         threads: plan.threads,
         request_bytes: plan.request_bytes,
         repeat,
+        load_average,
         write_gbps,
         read_gbps,
         write_gbps_runs: write_runs,

@@ -104,6 +104,8 @@ pub struct BenchReport {
     pub request_bytes: usize,
     /// Runs of the store's write and read, the codec alone and zram; the best one counts.
     pub repeat: usize,
+    /// The machine's 1, 5 and 15 minute load averages when the run started.
+    pub load_average: [f64; 3],
     /// Corpus bytes / time from the first write until `flush_pending` returned (GB = 10^9 B).
     pub write_gbps: f64,
     /// Corpus bytes / time to read every page back.
@@ -144,10 +146,13 @@ impl BenchReport {
         let s = &self.stats;
         let _ = writeln!(
             out,
-            "corpus: {} — {} pages, {:.1} MiB",
+            "corpus: {} — {} pages, {:.1} MiB (load average {:.2} {:.2} {:.2} at the start)",
             self.corpus,
             self.pages,
-            self.bytes as f64 / (1u64 << 20) as f64
+            self.bytes as f64 / (1u64 << 20) as f64,
+            self.load_average[0],
+            self.load_average[1],
+            self.load_average[2]
         );
         let _ = writeln!(
             out,
