@@ -49,6 +49,7 @@ fn batched_run_round_trips_every_page_and_reports_figures() {
     assert_eq!(latency.write_page.samples, 200);
     assert_eq!(latency.read_page.samples, 200);
     assert_eq!(latency.batch_pages, 1000);
+    assert_eq!(latency.flush_pages, 1000);
     assert_eq!(latency.batch_flush.samples, 20);
     assert_eq!(latency.batch_read.samples, 20);
     for p in [
@@ -97,6 +98,7 @@ fn per_page_zstd_run_with_multi_page_requests_round_trips() {
     assert!(report.stats.pages_zstd > 0);
     // Fewer pages than a latency batch: the batch is the whole corpus.
     assert_eq!(report.latency.batch_pages, 512);
+    assert_eq!(report.latency.flush_pages, 512);
 }
 
 #[test]

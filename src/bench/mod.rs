@@ -334,8 +334,10 @@ fn flush(store: &BatchedPageStore, phase: &'static str) -> Result<(), BenchError
 
 /// Single-page and 1000-page latencies on a store holding `content[p]` at page `p`, with the
 /// flusher running. Writes put back the same content, so the store's contents do not change.
+/// A flushed batch is 1000 pages, or the store's threshold if that is smaller (it flushes there).
 fn measure_latency(
     store: &BatchedPageStore,
+    batch_threshold: usize,
     corpus: &Corpus,
     content: &[u32],
     samples: usize,
@@ -377,11 +379,12 @@ fn measure_latency(
     let read_page = Percentiles::from_samples(std::mem::take(&mut times));
 
     let batch_pages = LATENCY_BATCH_PAGES.min(pages);
+    let flush_pages = batch_pages.min(batch_threshold.max(1));
     let batch_samples = (samples / 10).max(1);
     progress.phase("latency: batch flush", batch_samples as u64);
     for _ in 0..batch_samples {
-        let first = rng.below((pages - batch_pages + 1) as u64) as usize;
-        let last = first + batch_pages - 1;
+        let first = rng.below((pages - flush_pages + 1) as u64) as usize;
+        let last = first + flush_pages - 1;
         for position in first..last {
             store
                 .write(offset(position), expected(position))
@@ -418,8 +421,9 @@ fn measure_latency(
     Ok(LatencyReport {
         write_page,
         read_page,
-        batch_pages,
+        flush_pages,
         batch_flush,
+        batch_pages,
         batch_read,
     })
 }
@@ -748,6 +752,7 @@ pub fn measure(
 
     let latency = measure_latency(
         &store,
+        plan.config.batch_threshold,
         corpus,
         &content,
         args.latency_samples as usize,

@@ -45,10 +45,12 @@ pub struct LatencyReport {
     pub write_page: Percentiles,
     /// `read` of one stored page.
     pub read_page: Percentiles,
-    /// Pages per batch in the two batch figures (1000, or the corpus if smaller).
-    pub batch_pages: usize,
+    /// Pages per flushed batch: 1000, or the batch threshold or the corpus if smaller.
+    pub flush_pages: usize,
     /// From the write that fills a batch until `flush_pending` returns with all of it stored.
     pub batch_flush: Percentiles,
+    /// Pages per batch read: 1000, or the corpus if smaller.
+    pub batch_pages: usize,
     /// One `read` of `batch_pages` consecutive stored pages.
     pub batch_read: Percentiles,
 }
@@ -241,7 +243,7 @@ impl BenchReport {
         latency_row(&mut out, "read 1 page", &l.read_page);
         latency_row(
             &mut out,
-            &format!("flush {}-page batch", l.batch_pages),
+            &format!("flush {}-page batch", l.flush_pages),
             &l.batch_flush,
         );
         latency_row(
