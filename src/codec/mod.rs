@@ -53,7 +53,8 @@ pub enum Algorithm {
     Zstd {
         level: i32,
     },
-    /// Chosen per page: LZ4, or zstd where it saves enough memory (see `compress_page`).
+    /// Chosen per page by sampled byte entropy: LZ4 for repetitive pages, zstd level
+    /// `ADAPTIVE_ZSTD_LEVEL` for the rest.
     Adaptive,
 }
 

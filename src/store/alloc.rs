@@ -18,7 +18,7 @@ const GRANULE: usize = 16;
 const CLASSES: usize = PAGE_SIZE / GRANULE;
 /// Largest chunk, in pages. Bigger chunks fit some classes more tightly but empty (and are
 /// freed) less often.
-const MAX_CHUNK_PAGES: usize = 8;
+const MAX_CHUNK_PAGES: usize = 16;
 
 /// Where one object lives: class, chunk and object index packed into a `u64` so that the page
 /// table can hold it in one word.
@@ -310,8 +310,8 @@ mod tests {
             sum += waste;
         }
         let avg = sum / classes as f64;
-        assert!(avg < 0.015, "average tail waste {avg}");
-        assert!(worst < 0.06, "worst tail waste {worst}");
+        assert!(avg < 0.005, "average tail waste {avg}");
+        assert!(worst < 0.03, "worst tail waste {worst}");
     }
 
     #[test]
