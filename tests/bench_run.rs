@@ -88,11 +88,18 @@ fn per_page_zstd_run_with_multi_page_requests_round_trips() {
     ]);
     assert!(report.verified);
     assert_eq!(report.repeat, 2);
-    assert_eq!(report.write_gbps_runs.len(), 2);
+    assert_eq!(report.runs.len(), 2);
     assert_eq!(
         report.read_gbps,
-        report.read_gbps_runs[0].max(report.read_gbps_runs[1])
+        report.runs[0].read_gbps.max(report.runs[1].read_gbps)
     );
+    assert_eq!(
+        report.codec.compress_gbps,
+        report.runs[0]
+            .codec_compress_gbps
+            .max(report.runs[1].codec_compress_gbps)
+    );
+    assert!(report.runs[0].zram_write_gbps.is_none());
     assert_eq!(report.request_bytes, 64 << 10);
     assert!(!report.batched);
     assert!(report.stats.pages_zstd > 0);

@@ -25,7 +25,9 @@ use crate::codec::{
 };
 use crate::store::{BatchedPageStore, FlusherHandle, StoreConfig, StoreError, StoreStats};
 use corpus::{AlignedBuf, Corpus, SplitMix64};
-use report::{BenchReport, CodecReport, LatencyReport, OverwriteReport, Percentiles, VersusZram};
+use report::{
+    BenchReport, CodecReport, LatencyReport, OverwriteReport, Percentiles, RunFigures, VersusZram,
+};
 
 /// Size of the built-in mix when neither `--size` nor `--input` says otherwise.
 const DEFAULT_MIX_BYTES: u64 = 256 << 20;
@@ -56,8 +58,8 @@ pub struct BenchArgs {
     /// Samples of each single-page latency; the 1000-page batch figures take a tenth as many
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..))]
     pub latency_samples: u32,
-    /// Run the store's write and read, the codec alone and zram this many times each and
-    /// report the best run (other work on a shared machine only ever slows a run down)
+    /// Rounds of the store's write and read, the codec alone and zram, back to back; the best
+    /// figure of each counts (other work on a shared machine only ever slows a run down)
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
     pub repeat: u16,
     /// Seed of the built-in mix and of the random orders
@@ -685,13 +687,52 @@ fn load_average() -> [f64; 3] {
     [(); 3].map(|()| fields.next().unwrap_or(0.0))
 }
 
-fn best(values: &[f64]) -> f64 {
-    values.iter().copied().fold(0.0, f64::max)
+/// One round: the store's write and read, the codec alone, and zram, back to back so that all
+/// three meet about the same load from other work on the machine.
+struct Round {
+    pass: StorePass,
+    codec: CodecRun,
+    zram: Option<zram::ZramReport>,
 }
 
-/// Run the bench on `corpus` and return what it measured. With `--repeat N` the store's
-/// write and read, the codec alone and zram each run N times and the best run counts, which
-/// filters out other work on a shared machine; the overwrite and latency figures run once.
+impl Round {
+    fn figures(&self, bytes: usize) -> RunFigures {
+        RunFigures {
+            write_gbps: gbps(bytes, self.pass.write_time),
+            read_gbps: gbps(bytes, self.pass.read_time),
+            codec_compress_gbps: gbps(bytes, self.codec.compress_time),
+            codec_decompress_gbps: gbps(bytes, self.codec.decompress_time),
+            zram_write_gbps: self.zram.as_ref().map(|z| z.write_gbps),
+            zram_read_gbps: self.zram.as_ref().map(|z| z.read_gbps),
+        }
+    }
+}
+
+fn round(
+    plan: &Plan,
+    args: &BenchArgs,
+    corpus: &Corpus,
+    scratch: &mut AlignedBuf,
+    progress: &Progress,
+) -> Result<Round, BenchError> {
+    let pass = store_pass(plan, corpus, scratch, progress)?;
+    let codec = measure_codec(&plan.config, plan.gpu.as_ref(), corpus, progress)?;
+    let zram = if args.compare_zram {
+        Some(zram::compare(
+            corpus,
+            scratch,
+            usize::from(args.zram_streams),
+            progress,
+        )?)
+    } else {
+        None
+    };
+    Ok(Round { pass, codec, zram })
+}
+
+/// Run the bench on `corpus` and return what it measured. With `--repeat N` there are N rounds
+/// and the best figure of each kind counts, which filters out other work on a shared machine;
+/// the overwrite and latency figures are measured once, on the last round's store.
 pub fn measure(
     args: &BenchArgs,
     corpus: &Corpus,
@@ -705,26 +746,45 @@ pub fn measure(
     let mut rng = SplitMix64::new(args.seed);
     let mut scratch = AlignedBuf::zeroed(bytes);
 
-    let mut write_runs = Vec::with_capacity(repeat);
-    let mut read_runs = Vec::with_capacity(repeat);
-    let mut pass = store_pass(&plan, corpus, &mut scratch, progress)?;
-    write_runs.push(gbps(bytes, pass.write_time));
-    read_runs.push(gbps(bytes, pass.read_time));
+    let mut runs = Vec::with_capacity(repeat);
+    let mut last = round(&plan, args, corpus, &mut scratch, progress)?;
+    runs.push(last.figures(bytes));
     for _ in 1..repeat {
         // The previous store (and its memory) goes before the next one is built.
-        drop(pass);
-        pass = store_pass(&plan, corpus, &mut scratch, progress)?;
-        write_runs.push(gbps(bytes, pass.write_time));
-        read_runs.push(gbps(bytes, pass.read_time));
+        drop(last);
+        last = round(&plan, args, corpus, &mut scratch, progress)?;
+        runs.push(last.figures(bytes));
     }
-    let StorePass {
-        store,
-        _flusher: flusher,
-        stats,
-        ..
-    } = pass;
-    let (write_gbps, read_gbps) = (best(&write_runs), best(&read_runs));
+    let Round {
+        pass:
+            StorePass {
+                store,
+                _flusher: flusher,
+                stats,
+                ..
+            },
+        codec: codec_run,
+        zram,
+    } = last;
+    let best_of =
+        |figure: fn(&RunFigures) -> Option<f64>| runs.iter().filter_map(figure).fold(0.0, f64::max);
+    let write_gbps = best_of(|r| Some(r.write_gbps));
+    let read_gbps = best_of(|r| Some(r.read_gbps));
     let mem_ratio = ratio(stats.orig_bytes, stats.mem_used);
+    let codec = CodecReport {
+        backend: format!("{:?}", codec_run.backend),
+        batch_pages: codec_run.batch_pages,
+        compress_gbps: best_of(|r| Some(r.codec_compress_gbps)),
+        decompress_gbps: best_of(|r| Some(r.codec_decompress_gbps)),
+        ratio: ratio(bytes as u64, codec_run.compressed_bytes as u64),
+        store_write_share: write_gbps / best_of(|r| Some(r.codec_compress_gbps)),
+        store_read_share: read_gbps / best_of(|r| Some(r.codec_decompress_gbps)),
+    };
+    let zram = zram.map(|last| zram::ZramReport {
+        write_gbps: best_of(|r| r.zram_write_gbps),
+        read_gbps: best_of(|r| r.zram_read_gbps),
+        ..last
+    });
 
     let mut content: Vec<u32> = (0..pages as u32).collect();
     let overwrite = if args.overwrites > 0 {
@@ -762,46 +822,6 @@ pub fn measure(
     drop(flusher);
     drop(store);
 
-    let mut compress_runs = Vec::with_capacity(repeat);
-    let mut decompress_runs = Vec::with_capacity(repeat);
-    let mut codec_run = measure_codec(&plan.config, plan.gpu.as_ref(), corpus, progress)?;
-    compress_runs.push(gbps(bytes, codec_run.compress_time));
-    decompress_runs.push(gbps(bytes, codec_run.decompress_time));
-    for _ in 1..repeat {
-        codec_run = measure_codec(&plan.config, plan.gpu.as_ref(), corpus, progress)?;
-        compress_runs.push(gbps(bytes, codec_run.compress_time));
-        decompress_runs.push(gbps(bytes, codec_run.decompress_time));
-    }
-    let codec = CodecReport {
-        backend: format!("{:?}", codec_run.backend),
-        batch_pages: codec_run.batch_pages,
-        compress_gbps: best(&compress_runs),
-        decompress_gbps: best(&decompress_runs),
-        ratio: ratio(bytes as u64, codec_run.compressed_bytes as u64),
-        store_write_share: write_gbps / best(&compress_runs),
-        store_read_share: read_gbps / best(&decompress_runs),
-    };
-
-    let zram = if args.compare_zram {
-        let mut runs = Vec::with_capacity(repeat);
-        for _ in 0..repeat {
-            runs.push(zram::compare(
-                corpus,
-                &mut scratch,
-                usize::from(args.zram_streams),
-                progress,
-            )?);
-        }
-        let write = best(&runs.iter().map(|z| z.write_gbps).collect::<Vec<_>>());
-        let read = best(&runs.iter().map(|z| z.read_gbps).collect::<Vec<_>>());
-        runs.pop().map(|last| zram::ZramReport {
-            write_gbps: write,
-            read_gbps: read,
-            ..last
-        })
-    } else {
-        None
-    };
     let ours_ratio = ratio(stats.orig_bytes, stats.compr_bytes);
     let vs_zram = zram.as_ref().map(|z| VersusZram {
         write: write_gbps / z.write_gbps,
@@ -828,8 +848,7 @@ pub fn measure(
         load_average,
         write_gbps,
         read_gbps,
-        write_gbps_runs: write_runs,
-        read_gbps_runs: read_runs,
+        runs,
         ratio: ours_ratio,
         mem_ratio,
         mem_ratio_all_in: ratio(

@@ -82,6 +82,17 @@ pub struct OverwriteReport {
     pub stats: StoreStats,
 }
 
+/// The throughputs of one round (GB/s).
+#[derive(Clone, Debug, Serialize)]
+pub struct RunFigures {
+    pub write_gbps: f64,
+    pub read_gbps: f64,
+    pub codec_compress_gbps: f64,
+    pub codec_decompress_gbps: f64,
+    pub zram_write_gbps: Option<f64>,
+    pub zram_read_gbps: Option<f64>,
+}
+
 /// Ours divided by zram's.
 #[derive(Clone, Debug, Serialize)]
 pub struct VersusZram {
@@ -112,8 +123,8 @@ pub struct BenchReport {
     pub write_gbps: f64,
     /// Corpus bytes / time to read every page back.
     pub read_gbps: f64,
-    pub write_gbps_runs: Vec<f64>,
-    pub read_gbps_runs: Vec<f64>,
+    /// Each round's figures (GB/s); the headline figures are the best of these.
+    pub runs: Vec<RunFigures>,
     /// orig / compressed bytes.
     pub ratio: f64,
     /// orig bytes / memory holding pages.
@@ -178,19 +189,26 @@ impl BenchReport {
             self.write_gbps, self.read_gbps
         );
         if self.repeat > 1 {
-            let list = |runs: &[f64]| {
-                runs.iter()
-                    .map(|r| format!("{r:.3}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            };
             let _ = writeln!(
                 out,
-                "  best of {} runs (here and for the codec and zram): write {}; read {}",
-                self.repeat,
-                list(&self.write_gbps_runs),
-                list(&self.read_gbps_runs)
+                "  best of {} rounds; each round (GB/s): store write, read; codec compress, decompress; zram write, read",
+                self.repeat
             );
+            let optional =
+                |value: Option<f64>| value.map_or("-".to_string(), |v| format!("{v:.3}"));
+            for (number, r) in self.runs.iter().enumerate() {
+                let _ = writeln!(
+                    out,
+                    "    {}: {:.3} {:.3}; {:.3} {:.3}; {} {}",
+                    number + 1,
+                    r.write_gbps,
+                    r.read_gbps,
+                    r.codec_compress_gbps,
+                    r.codec_decompress_gbps,
+                    optional(r.zram_write_gbps),
+                    optional(r.zram_read_gbps)
+                );
+            }
         }
         let _ = writeln!(
             out,
