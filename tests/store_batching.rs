@@ -202,3 +202,17 @@ fn g106_zero_pages_bypass_the_batch() {
     );
     assert_eq!(s.pages_simd + s.pages_simd_parallel, 1000);
 }
+
+#[test]
+fn thread_init_runs_on_the_flusher_thread() {
+    let store = BatchedPageStore::new(config(16, 8, Duration::from_millis(1)), None).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let flusher = store
+        .start_flusher(move || {
+            let _ = tx.send(std::thread::current().name().map(str::to_owned));
+        })
+        .unwrap();
+    let name = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert_eq!(name.as_deref(), Some("trueno-flusher"));
+    drop(flusher);
+}

@@ -30,10 +30,6 @@ impl CpuCodec {
             parallel: true,
         }
     }
-
-    pub fn algorithm(&self) -> Algorithm {
-        self.algorithm
-    }
 }
 
 /// Compress one page into its slot of a batch.

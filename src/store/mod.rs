@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, RwLockReadGuard};
+use rayon::prelude::*;
 use serde::Serialize;
 use thiserror::Error;
 
@@ -34,6 +35,11 @@ use table::{PageState, PageTable};
 
 /// Pending batches: one fills while the flusher compresses the other.
 const PENDING_BATCHES: usize = 2;
+
+/// Reads of at least this many pages (1 MiB) decompress on all cores. Smaller ones, which is
+/// every request the kernel sends a ublk device by default, stay on the caller's thread: the
+/// shared rayon pool may be busy with a flush, and a small read must not wait behind it.
+const PARALLEL_READ_MIN_PAGES: usize = 256;
 
 /// Everything the store needs to know, from the command line or the config file.
 #[derive(Clone, Debug)]
@@ -228,7 +234,6 @@ struct Control {
 /// The page store.
 pub struct BatchedPageStore {
     config: StoreConfig,
-    pages: u64,
     table: PageTable,
     alloc: ZsAllocator,
     gpu: Option<Arc<dyn BatchCodec>>,
@@ -341,7 +346,6 @@ impl BatchedPageStore {
         Ok(Arc::new(Self {
             simd: CpuCodec::single(config.algorithm),
             parallel: CpuCodec::parallel(config.algorithm),
-            pages,
             table: PageTable::new(table_pages),
             alloc: ZsAllocator::new(),
             gpu,
@@ -402,28 +406,24 @@ impl BatchedPageStore {
         let mut ctl = self.control.lock();
         while !ctl.stop {
             let batch = &self.batches[self.current.load(Ordering::Acquire)];
-            let due = batch.is_full()
-                || match batch.first_write_ns() {
-                    Some(first) => {
-                        let deadline = first.saturating_add(timeout_ns);
-                        let now = self.now_ns();
-                        if now < deadline {
-                            let wait = Duration::from_nanos(deadline - now);
-                            self.flusher_wake.wait_for(&mut ctl, wait);
-                            continue;
-                        }
-                        true
-                    }
-                    None => {
-                        self.flusher_wake.wait(&mut ctl);
-                        continue;
-                    }
+            if !batch.is_full() {
+                // Not full: wait for the first page's writer to note its time (it wakes us),
+                // then until that page is `flush_timeout` old, or for the batch to fill.
+                let Some(first) = batch.first_write_ns() else {
+                    self.flusher_wake.wait(&mut ctl);
+                    continue;
                 };
-            if due {
-                drop(ctl);
-                self.flush_open_batch();
-                ctl = self.control.lock();
+                let deadline = first.saturating_add(timeout_ns);
+                let now = self.now_ns();
+                if now < deadline {
+                    let wait = Duration::from_nanos(deadline - now);
+                    self.flusher_wake.wait_for(&mut ctl, wait);
+                    continue;
+                }
             }
+            drop(ctl);
+            self.flush_open_batch();
+            ctl = self.control.lock();
         }
         drop(ctl);
         self.flush_open_batch();
@@ -603,8 +603,16 @@ impl BatchedPageStore {
         let backend = self.compress(&pages, &mut out);
         add(self.counters.backend(backend), n as u64);
         add(&self.counters.batch_flushes, 1);
-        for (slot, s) in slots.iter().enumerate() {
-            self.install(b, slot, s.index, &out);
+        // Installing is an allocation and a copy per page: spread it like the compression.
+        if backend == Backend::Simd {
+            for (slot, s) in slots.iter().enumerate() {
+                self.install(b, slot, s.index, &out);
+            }
+        } else {
+            slots
+                .par_iter()
+                .enumerate()
+                .for_each(|(slot, s)| self.install(b, slot, s.index, &out));
         }
     }
 
@@ -688,13 +696,21 @@ impl BatchedPageStore {
     /// Read whole pages at byte `offset` (never-written pages read as zeros).
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
         let len = buf.len() as u64;
+        let read_one =
+            |(i, bytes): (usize, &mut [u8]), first: u64| match <&mut Page>::try_from(bytes) {
+                Ok(page) => self.read_page(first + i as u64, page),
+                Err(_) => Err(StoreError::Misaligned { offset, len }),
+            };
         let result = self.check_range(offset, len).and_then(|first| {
-            buf.chunks_exact_mut(PAGE_SIZE)
-                .zip(first..)
-                .try_for_each(|(bytes, index)| match <&mut Page>::try_from(bytes) {
-                    Ok(page) => self.read_page(index, page),
-                    Err(_) => Err(StoreError::Misaligned { offset, len }),
-                })
+            if buf.len() >= PARALLEL_READ_MIN_PAGES * PAGE_SIZE {
+                buf.par_chunks_exact_mut(PAGE_SIZE)
+                    .enumerate()
+                    .try_for_each(|item| read_one(item, first))
+            } else {
+                buf.chunks_exact_mut(PAGE_SIZE)
+                    .enumerate()
+                    .try_for_each(|item| read_one(item, first))
+            }
         });
         if result.is_err() {
             add(&self.counters.failed_reads, 1);
@@ -817,11 +833,6 @@ impl BatchedPageStore {
 
     pub fn size_bytes(&self) -> u64 {
         self.config.size_bytes
-    }
-
-    /// Number of pages of the device.
-    pub fn pages(&self) -> u64 {
-        self.pages
     }
 
     /// Test hook: overwrite a stored page's compressed bytes with `byte`.
