@@ -6,7 +6,7 @@ mod store_common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use store_common::{mixed_page, text_page, wait_until, zero_page, FakeGpu};
+use store_common::{mixed_page, partly_random_page, text_page, wait_until, zero_page, FakeGpu};
 use trueno_ublk::codec::{BatchCodec, PAGE_SIZE};
 use trueno_ublk::store::{BatchedPageStore, StoreConfig};
 
@@ -215,4 +215,30 @@ fn thread_init_runs_on_the_flusher_thread() {
     let name = rx.recv_timeout(Duration::from_secs(30)).unwrap();
     assert_eq!(name.as_deref(), Some("trueno-flusher"));
     drop(flusher);
+}
+
+#[test]
+fn huge_pages_are_stored_raw_whichever_backend_compressed() {
+    let gpu = Arc::new(FakeGpu::without_huge_rule());
+    let store = BatchedPageStore::new(
+        config(2048, 2000, Duration::from_secs(3600)),
+        Some(gpu as Arc<dyn BatchCodec>),
+    )
+    .unwrap();
+    // LZ4 leaves these at about 3700 bytes: above the huge threshold, below a page.
+    for i in 0..1000u64 {
+        store
+            .write(i * PAGE, &partly_random_page(i, 3700)[..])
+            .unwrap();
+    }
+    store.flush_pending().unwrap();
+    let s = store.stats();
+    assert_eq!(s.pages_gpu, 1000);
+    assert_eq!((s.huge_pages, s.pages_lz4), (1000, 0));
+    assert_eq!(s.compr_bytes, 1000 * PAGE);
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for i in 0..1000u64 {
+        store.read(i * PAGE, &mut buf).unwrap();
+        assert_eq!(&buf[..], &partly_random_page(i, 3700)[..], "page {i}");
+    }
 }

@@ -222,3 +222,49 @@ fn shutdown_flushes_and_store_keeps_working() {
         assert_eq!(&buf[..], &text_page(100 + i)[..]);
     }
 }
+
+#[test]
+fn memory_stays_put_when_everything_is_overwritten_in_random_order() {
+    const PAGES: u64 = 6000;
+    let mut c = StoreConfig::new(PAGES * PAGE);
+    c.batch_threshold = 500;
+    let store = BatchedPageStore::new(c, None).unwrap();
+    let content = |seed: u64| match seed % 10 {
+        0 => text_page(seed),
+        1 => random_page(seed),
+        _ => store_common::mixed_page(seed),
+    };
+    for i in 0..PAGES {
+        store.write(i * PAGE, &content(i)[..]).unwrap();
+    }
+    store.flush_pending().unwrap();
+    let first = store.stats().mem_used;
+    // Three rounds: every page gets another page's content, pages visited in random order.
+    let mut rng = store_common::Rng(12345);
+    let mut holds: Vec<u64> = (0..PAGES).collect();
+    for _ in 0..3 {
+        let mut order: Vec<u64> = (0..PAGES).collect();
+        let mut sources: Vec<u64> = (0..PAGES).collect();
+        for v in [&mut order, &mut sources] {
+            for i in (1..v.len()).rev() {
+                v.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+            }
+        }
+        for &i in &order {
+            let src = sources[i as usize];
+            holds[i as usize] = src;
+            store.write(i * PAGE, &content(src)[..]).unwrap();
+        }
+        store.flush_pending().unwrap();
+        let now = store.stats().mem_used;
+        assert!(
+            now <= first + first / 20,
+            "memory grew from {first} to {now} bytes after overwrites"
+        );
+    }
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for i in 0..PAGES {
+        store.read(i * PAGE, &mut buf).unwrap();
+        assert!(buf[..] == content(holds[i as usize])[..], "page {i}");
+    }
+}

@@ -7,9 +7,17 @@
 //! `batch_threshold` pages or its oldest page is `flush_timeout` old, and swaps each entry from
 //! its slot to the stored object, unless a newer write or discard changed the entry meanwhile.
 //!
+//! Batch compression, installing and reads of 1 MiB or more run on rayon's global pool: a
+//! daemon that needs those threads to be I/O flushers builds the global pool with a start
+//! handler, and must not call `write` from inside that pool (a writer waiting for a free batch
+//! would hold a worker the flush needs).
+//!
 //! Locks, always taken in this order: the flush mutex (one flush at a time), a page-table
-//! entry's lock bit, an allocator class, its chunk directory, one chunk. A pending slot's lock
-//! is taken alone by writers and under an entry lock by readers and the flusher.
+//! entry's lock bit, an allocator class, its chunk directory, one chunk. Pending slots stand
+//! apart: only the writer that reserved a slot in the open batch write-locks it (holding
+//! nothing else), while readers (under an entry lock) and the flusher (around its entry locks)
+//! only read-lock slots, and the flusher only those of the sealed batch, so they never wait
+//! on each other.
 
 mod alloc;
 mod pending;
@@ -27,7 +35,8 @@ use thiserror::Error;
 pub use crate::codec::BackendThresholds;
 use crate::codec::{
     classify, compress_page, decompress_page, fill_page, select_backend, Algorithm, Backend,
-    BatchCodec, CompressedBatch, CpuCodec, Encoding, Page, PageClass, PAGE_SIZE,
+    BatchCodec, CompressedBatch, CpuCodec, Encoding, Page, PageClass, MAX_COMPRESSED_LEN,
+    PAGE_SIZE,
 };
 use alloc::ZsAllocator;
 use pending::{PendingBatch, PendingSlot, Reserve};
@@ -606,13 +615,13 @@ impl BatchedPageStore {
         // Installing is an allocation and a copy per page: spread it like the compression.
         if backend == Backend::Simd {
             for (slot, s) in slots.iter().enumerate() {
-                self.install(b, slot, s.index, &out);
+                self.install(b, slot, s, &out);
             }
         } else {
             slots
                 .par_iter()
                 .enumerate()
-                .for_each(|(slot, s)| self.install(b, slot, s.index, &out));
+                .for_each(|(slot, s)| self.install(b, slot, s, &out));
         }
     }
 
@@ -662,10 +671,18 @@ impl BatchedPageStore {
         cpu
     }
 
-    /// Store slot `slot` of batch `batch` (page `index`) and point the entry at it, if the entry
+    /// Store slot `slot` of batch `batch` and point its page's entry at it, if the entry
     /// still points at the slot; a newer write or a discard wins otherwise.
-    fn install(&self, batch: usize, slot: usize, index: u64, out: &CompressedBatch) {
-        let (encoding, bytes) = out.page(slot);
+    fn install(&self, batch: usize, slot: usize, pending: &PendingSlot, out: &CompressedBatch) {
+        let index = pending.index;
+        let (encoding, bytes) = match out.page(slot) {
+            // The huge-page rule holds whichever backend compressed (the GPU codec may not
+            // apply it): such a page costs less, and reads faster, as itself.
+            (Encoding::Lz4 | Encoding::Zstd, bytes) if bytes.len() > MAX_COMPRESSED_LEN => {
+                (Encoding::Raw, &pending.page[..])
+            }
+            page => page,
+        };
         let handle = self.alloc.store(bytes);
         let installed = {
             let mut entry = self.table.lock(index as usize);

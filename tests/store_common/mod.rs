@@ -91,6 +91,13 @@ pub fn mixed_page(seed: u64) -> Box<Page> {
     p
 }
 
+/// Random bytes for the first `random` bytes, zeros after: compresses to about `random`.
+pub fn partly_random_page(seed: u64, random: usize) -> Box<Page> {
+    let mut p = random_page(seed);
+    p[random..].fill(0);
+    p
+}
+
 /// A page of kind `kind % 5`: zero, same-filled, text, random, mixed.
 pub fn page_of_kind(kind: u64, seed: u64) -> Box<Page> {
     match kind % 5 {
@@ -107,6 +114,8 @@ pub fn page_of_kind(kind: u64, seed: u64) -> Box<Page> {
 pub struct FakeGpu {
     pub fail: bool,
     pub malformed: bool,
+    /// Keep LZ4 output up to a whole page, as a codec without the huge-page rule would.
+    pub no_huge_rule: bool,
     pub batches: AtomicUsize,
     inner: CpuCodec,
 }
@@ -116,6 +125,7 @@ impl FakeGpu {
         Self {
             fail: false,
             malformed: false,
+            no_huge_rule: false,
             batches: AtomicUsize::new(0),
             inner: CpuCodec::single(Algorithm::Lz4),
         }
@@ -123,6 +133,12 @@ impl FakeGpu {
     pub fn failing() -> Self {
         Self {
             fail: true,
+            ..Self::working()
+        }
+    }
+    pub fn without_huge_rule() -> Self {
+        Self {
+            no_huge_rule: true,
             ..Self::working()
         }
     }
@@ -142,6 +158,20 @@ impl BatchCodec for FakeGpu {
         }
         if self.malformed {
             out.reset(pages.len());
+            return Ok(());
+        }
+        if self.no_huge_rule {
+            out.reset(pages.len());
+            for (i, page) in pages.iter().enumerate() {
+                let slot = &mut out.data[i * PAGE_SIZE..][..PAGE_SIZE];
+                match lz4::block::compress_to_buffer(&page[..], None, false, slot) {
+                    Ok(n) => (out.lens[i], out.encodings[i]) = (n as u16, Encoding::Lz4),
+                    Err(_) => {
+                        slot.copy_from_slice(&page[..]);
+                        (out.lens[i], out.encodings[i]) = (PAGE_SIZE as u16, Encoding::Raw);
+                    }
+                }
+            }
             return Ok(());
         }
         self.inner.compress_batch(pages, out)
