@@ -25,7 +25,8 @@
 // Decompress statuses.
 #define STATUS_OK 0u
 #define STATUS_CORRUPT 1u
-#define STATUS_WRONG_LENGTH 2u
+// A page that decodes to `n` bytes instead of 4096 reports STATUS_WRONG_LENGTH | n.
+#define STATUS_WRONG_LENGTH 0x80000000u
 
 __device__ __forceinline__ unsigned int read32(const unsigned char *p, unsigned int pos) {
     return (unsigned int)p[pos] | ((unsigned int)p[pos + 1] << 8) |
@@ -182,7 +183,8 @@ extern "C" __global__ void __launch_bounds__(128) lz4_compress_pages(
 }
 
 // inputs: the compressed pages packed back to back, page i at in_offsets[i] with in_lens[i]
-// bytes (at most 4096); out: n_pages pages of 4096 bytes; status[i]: STATUS_*.
+// bytes (at most 4096); out: n_pages pages of 4096 bytes (written only where the page decoded);
+// status[i]: STATUS_*.
 extern "C" __global__ void __launch_bounds__(128) lz4_decompress_pages(
     const unsigned char *__restrict__ inputs, const unsigned int *__restrict__ in_offsets,
     const unsigned int *__restrict__ in_lens, uint4 *__restrict__ out,
@@ -251,7 +253,7 @@ extern "C" __global__ void __launch_bounds__(128) lz4_decompress_pages(
         __syncwarp();
         op += mlen;
     }
-    if (result == STATUS_OK && op != PAGE_SIZE) result = STATUS_WRONG_LENGTH;
+    if (result == STATUS_OK && op != PAGE_SIZE) result = STATUS_WRONG_LENGTH | op;
 
     uint4 *dst = out + (size_t)page_index * (PAGE_SIZE / 16u);
     if (result == STATUS_OK)

@@ -1,0 +1,369 @@
+//! The batch pipeline: a batch is cut into chunks of `chunk_pages`; chunk `k` goes to slot
+//! `k % slots`, each slot with its own stream and pinned buffers, so that while the host packs
+//! chunk `k + 2`, the GPU copies chunk `k + 1` in and runs the kernel on chunk `k`, and copies
+//! chunk `k - 1` out. The host waits for a slot only when it needs it again.
+//!
+//! The driver calls live behind `DeviceSlot` (`cuda.rs` on a GPU); the tests run the same
+//! pipeline on slots that execute the kernels' CPU model, with faults injected at each point.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use super::model::{LEN_RAW, STATUS_CORRUPT, STATUS_OK, STATUS_WRONG_LENGTH};
+use super::{BatchTimes, FaultPoint, Faults, GpuError};
+use crate::codec::{CodecError, CompressedBatch, Encoding, Page, PAGE_SIZE};
+
+/// What a slot runs on its chunk.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Job {
+    /// `pages` pages in `input`; page `i`'s LZ4 goes to output slot `i` and its length (or
+    /// `LEN_RAW`) to word `i`.
+    Compress { pages: usize, max_out: u32 },
+    /// `pages` compressed pages packed in `input[..bytes]`, page `i` at `index[i]` with
+    /// `index[chunk_pages + i]` bytes; page `i` goes to output slot `i`, its status to word `i`.
+    Decompress { pages: usize, bytes: usize },
+}
+
+/// One pipeline slot: pinned host buffers, device buffers and a stream.
+pub(super) trait DeviceSlot: Send {
+    /// Host staging buffer for the chunk's input, `chunk_pages * PAGE_SIZE` bytes.
+    fn input(&mut self) -> Result<&mut [u8], GpuError>;
+    /// Host staging buffer for decompress offsets and lengths, `2 * chunk_pages` words.
+    fn index(&mut self) -> Result<&mut [u32], GpuError>;
+    /// Enqueues copy in, kernel and copy out; does not wait.
+    fn submit(&mut self, job: Job) -> Result<(), GpuError>;
+    /// Waits for the submitted job and returns its GPU event times.
+    fn wait(&mut self) -> Result<BatchTimes, GpuError>;
+    /// The finished job's output slots and per-page words.
+    fn output(&mut self) -> Result<(&[u8], &[u32]), GpuError>;
+}
+
+/// Makes slots on one device.
+pub(super) trait SlotFactory: Send {
+    fn new_slot(
+        &self,
+        chunk_pages: usize,
+        faults: Arc<Faults>,
+    ) -> Result<Box<dyn DeviceSlot>, GpuError>;
+    /// Free and total device memory.
+    fn memory_info(&self) -> Option<(usize, usize)>;
+}
+
+pub(super) struct Pipeline {
+    factory: Box<dyn SlotFactory>,
+    /// Allocated at the first batch; dropped after a failed batch so the next one starts clean.
+    slots: Vec<Box<dyn DeviceSlot>>,
+    slot_count: usize,
+    chunk_pages: usize,
+    faults: Arc<Faults>,
+}
+
+impl Pipeline {
+    pub(super) fn new(
+        factory: Box<dyn SlotFactory>,
+        slot_count: usize,
+        chunk_pages: usize,
+        faults: Arc<Faults>,
+    ) -> Self {
+        Self {
+            factory,
+            slots: Vec::new(),
+            slot_count,
+            chunk_pages,
+            faults,
+        }
+    }
+
+    pub(super) fn memory_info(&self) -> Option<(usize, usize)> {
+        self.factory.memory_info()
+    }
+
+    /// Compresses `pages` into `out`: LZ4 where the kernel's output fits in `max_out` bytes,
+    /// `Raw` otherwise.
+    pub(super) fn compress(
+        &mut self,
+        pages: &[&Page],
+        max_out: u32,
+        out: &mut CompressedBatch,
+    ) -> Result<BatchTimes, GpuError> {
+        let n = pages.len();
+        out.data.clear();
+        out.data.resize(n * PAGE_SIZE, 0);
+        out.lens.clear();
+        out.lens.resize(n, 0);
+        out.encodings.clear();
+        out.encodings.resize(n, Encoding::Raw);
+        let chunk_pages = self.chunk_pages;
+        let fill = |slot: &mut dyn DeviceSlot, first: usize, count: usize| {
+            let input = slot.input()?;
+            for (dst, page) in input
+                .chunks_exact_mut(PAGE_SIZE)
+                .zip(&pages[first..first + count])
+            {
+                dst.copy_from_slice(&page[..]);
+            }
+            Ok(Job::Compress {
+                pages: count,
+                max_out,
+            })
+        };
+        let harvest = |slot: &mut dyn DeviceSlot, first: usize, count: usize| {
+            let (data, lens) = slot.output()?;
+            for i in 0..count {
+                let page = first + i;
+                let dst = &mut out.data[page * PAGE_SIZE..][..PAGE_SIZE];
+                match lens[i] {
+                    LEN_RAW => {
+                        dst.copy_from_slice(&pages[page][..]);
+                        out.lens[page] = PAGE_SIZE as u16;
+                        out.encodings[page] = Encoding::Raw;
+                    }
+                    len if len <= max_out => {
+                        let len = len as usize;
+                        dst[..len].copy_from_slice(&data[i * PAGE_SIZE..][..len]);
+                        out.lens[page] = len as u16;
+                        out.encodings[page] = Encoding::Lz4;
+                    }
+                    len => {
+                        return Err(GpuError::BadOutput(format!(
+                            "compressed length {len} above the limit {max_out}"
+                        )))
+                    }
+                }
+            }
+            Ok(())
+        };
+        let result = self.run(n.div_ceil(chunk_pages), n, fill, harvest);
+        self.reset_after(result)
+    }
+
+    /// Decompresses the LZ4 pages `indices` of `inputs` (each at most `PAGE_SIZE` bytes) into
+    /// `out`, with a status per page.
+    pub(super) fn decompress(
+        &mut self,
+        inputs: &[(Encoding, &[u8])],
+        indices: &[usize],
+        out: &mut [Page],
+        status: &mut [Result<(), CodecError>],
+    ) -> Result<BatchTimes, GpuError> {
+        let chunk_pages = self.chunk_pages;
+        let fill = |slot: &mut dyn DeviceSlot, first: usize, count: usize| {
+            let chunk = &indices[first..first + count];
+            let mut offset = 0usize;
+            {
+                let index = slot.index()?;
+                for (i, &page) in chunk.iter().enumerate() {
+                    let len = inputs[page].1.len();
+                    index[i] = offset as u32;
+                    index[chunk_pages + i] = len as u32;
+                    offset += len;
+                }
+            }
+            let input = slot.input()?;
+            let mut offset = 0usize;
+            for &page in chunk {
+                let bytes = inputs[page].1;
+                input[offset..offset + bytes.len()].copy_from_slice(bytes);
+                offset += bytes.len();
+            }
+            Ok(Job::Decompress {
+                pages: count,
+                bytes: offset,
+            })
+        };
+        let harvest = |slot: &mut dyn DeviceSlot, first: usize, count: usize| {
+            let (data, words) = slot.output()?;
+            for (i, &page) in indices[first..first + count].iter().enumerate() {
+                status[page] = match words[i] {
+                    STATUS_OK => {
+                        out[page].copy_from_slice(&data[i * PAGE_SIZE..][..PAGE_SIZE]);
+                        Ok(())
+                    }
+                    STATUS_CORRUPT => Err(CodecError::Corrupt),
+                    w if w & STATUS_WRONG_LENGTH != 0 && (w & !STATUS_WRONG_LENGTH) < 4096 => {
+                        Err(CodecError::WrongLength((w & !STATUS_WRONG_LENGTH) as usize))
+                    }
+                    w => return Err(GpuError::BadOutput(format!("decompress status {w:#x}"))),
+                };
+            }
+            Ok(())
+        };
+        let result = self.run(
+            indices.len().div_ceil(chunk_pages),
+            indices.len(),
+            fill,
+            harvest,
+        );
+        self.reset_after(result)
+    }
+
+    /// After a failed batch: let the slots' pending work finish, then drop them (buffers,
+    /// streams) so the next batch starts from freshly allocated ones.
+    fn reset_after(
+        &mut self,
+        result: Result<BatchTimes, GpuError>,
+    ) -> Result<BatchTimes, GpuError> {
+        if result.is_err() {
+            for slot in &mut self.slots {
+                // The batch already failed; errors while draining change nothing.
+                let _ = slot.wait();
+            }
+            self.slots.clear();
+        }
+        result
+    }
+
+    /// Runs `chunks` chunks over the slots: `fill` packs chunk pages `[first, first + count)`
+    /// into a slot and says what to run, `harvest` unpacks a finished slot.
+    fn run<F, H>(
+        &mut self,
+        chunks: usize,
+        total: usize,
+        mut fill: F,
+        mut harvest: H,
+    ) -> Result<BatchTimes, GpuError>
+    where
+        F: FnMut(&mut dyn DeviceSlot, usize, usize) -> Result<Job, GpuError>,
+        H: FnMut(&mut dyn DeviceSlot, usize, usize) -> Result<(), GpuError>,
+    {
+        while self.slots.len() < self.slot_count {
+            self.faults.check(FaultPoint::Alloc)?;
+            let slot = self
+                .factory
+                .new_slot(self.chunk_pages, self.faults.clone())?;
+            self.slots.push(slot);
+        }
+        let mut times = BatchTimes::default();
+        // (slot, first page, pages) of submitted chunks, oldest first.
+        let mut in_flight: VecDeque<(usize, usize, usize)> = VecDeque::new();
+        for chunk in 0..chunks {
+            let s = chunk % self.slot_count;
+            if in_flight.len() == self.slot_count {
+                if let Some((done, first, count)) = in_flight.pop_front() {
+                    let slot = &mut *self.slots[done];
+                    times.add(slot.wait()?);
+                    harvest(slot, first, count)?;
+                }
+            }
+            let first = chunk * self.chunk_pages;
+            let count = self.chunk_pages.min(total - first);
+            let slot = &mut *self.slots[s];
+            let job = fill(slot, first, count)?;
+            slot.submit(job)?;
+            in_flight.push_back((s, first, count));
+        }
+        while let Some((done, first, count)) = in_flight.pop_front() {
+            let slot = &mut *self.slots[done];
+            times.add(slot.wait()?);
+            harvest(slot, first, count)?;
+        }
+        Ok(times)
+    }
+}
+
+impl BatchTimes {
+    fn add(&mut self, other: BatchTimes) {
+        self.kernel_ns += other.kernel_ns;
+        self.transfer_ns += other.transfer_ns;
+    }
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    //! Slots that run the kernels' CPU model: the pipeline and the codec's fallback logic are
+    //! tested on every machine, with faults injected where the CUDA slot calls the driver.
+
+    use super::*;
+    use crate::gpu::model;
+
+    pub(crate) struct ModelFactory;
+
+    struct ModelSlot {
+        chunk_pages: usize,
+        faults: Arc<Faults>,
+        input: Vec<u8>,
+        index: Vec<u32>,
+        output: Vec<u8>,
+        words: Vec<u32>,
+        job: Option<Job>,
+    }
+
+    impl SlotFactory for ModelFactory {
+        fn new_slot(
+            &self,
+            chunk_pages: usize,
+            faults: Arc<Faults>,
+        ) -> Result<Box<dyn DeviceSlot>, GpuError> {
+            Ok(Box::new(ModelSlot {
+                chunk_pages,
+                faults,
+                input: vec![0; chunk_pages * PAGE_SIZE],
+                index: vec![0; 2 * chunk_pages],
+                output: vec![0; chunk_pages * PAGE_SIZE],
+                words: vec![0; chunk_pages],
+                job: None,
+            }))
+        }
+
+        fn memory_info(&self) -> Option<(usize, usize)> {
+            None
+        }
+    }
+
+    impl DeviceSlot for ModelSlot {
+        fn input(&mut self) -> Result<&mut [u8], GpuError> {
+            Ok(&mut self.input)
+        }
+
+        fn index(&mut self) -> Result<&mut [u32], GpuError> {
+            Ok(&mut self.index)
+        }
+
+        fn submit(&mut self, job: Job) -> Result<(), GpuError> {
+            self.faults.check(FaultPoint::CopyIn)?;
+            self.faults.check(FaultPoint::Launch)?;
+            self.job = Some(job);
+            self.faults.check(FaultPoint::CopyOut)
+        }
+
+        fn wait(&mut self) -> Result<BatchTimes, GpuError> {
+            self.faults.check(FaultPoint::Sync)?;
+            let Some(job) = self.job.take() else {
+                return Ok(BatchTimes::default());
+            };
+            // The "kernel": one model warp per page.
+            match job {
+                Job::Compress { pages, max_out } => {
+                    for i in 0..pages {
+                        let page: &Page = self.input[i * PAGE_SIZE..][..PAGE_SIZE]
+                            .try_into()
+                            .expect("page-sized slice");
+                        let out: &mut [u8; PAGE_SIZE] = (&mut self.output[i * PAGE_SIZE..]
+                            [..PAGE_SIZE])
+                            .try_into()
+                            .expect("page-sized slice");
+                        self.words[i] = model::compress_page(page, max_out as usize, out)
+                            .map_or(LEN_RAW, |len| len as u32);
+                    }
+                }
+                Job::Decompress { pages, bytes } => {
+                    assert!(bytes <= self.input.len());
+                    for i in 0..pages {
+                        let offset = self.index[i] as usize;
+                        let len = self.index[self.chunk_pages + i] as usize;
+                        let out: &mut Page = (&mut self.output[i * PAGE_SIZE..][..PAGE_SIZE])
+                            .try_into()
+                            .expect("page-sized slice");
+                        self.words[i] =
+                            model::decompress_page(&self.input[offset..offset + len], out);
+                    }
+                }
+            }
+            Ok(BatchTimes::default())
+        }
+
+        fn output(&mut self) -> Result<(&[u8], &[u32]), GpuError> {
+            Ok((&self.output, &self.words))
+        }
+    }
+}
