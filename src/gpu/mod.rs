@@ -15,7 +15,7 @@ mod cuda;
 pub mod model;
 mod pipeline;
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -97,24 +97,30 @@ pub enum FaultPoint {
 
 const FAULT_POINTS: usize = 5;
 
-/// Armed faults: the next `n` passes through a point fail with `GpuError::Injected`.
+/// Armed faults: at each point, the next `skip` passes succeed, then `fail` passes fail with
+/// `GpuError::Injected`.
 #[derive(Debug, Default)]
 pub struct Faults {
-    armed: [AtomicU32; FAULT_POINTS],
+    armed: Mutex<[(u32, u32); FAULT_POINTS]>,
 }
 
 impl Faults {
-    fn arm(&self, point: FaultPoint, times: u32) {
-        self.armed[point as usize].store(times, Ordering::SeqCst);
+    fn arm(&self, point: FaultPoint, skip: u32, fail: u32) {
+        self.armed.lock()[point as usize] = (skip, fail);
     }
 
     /// Called by the slots just before the driver call at `point`.
     fn check(&self, point: FaultPoint) -> Result<(), GpuError> {
-        let armed = &self.armed[point as usize];
-        let took = armed.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
-        match took {
-            Ok(_) => Err(GpuError::Injected(point)),
-            Err(_) => Ok(()),
+        let mut armed = self.armed.lock();
+        let (skip, fail) = &mut armed[point as usize];
+        if *skip > 0 {
+            *skip -= 1;
+            Ok(())
+        } else if *fail > 0 {
+            *fail -= 1;
+            Err(GpuError::Injected(point))
+        } else {
+            Ok(())
         }
     }
 }
@@ -199,6 +205,13 @@ impl GpuCodec {
         Ok(Self::with_factory(config, cpu, Box::new(device)))
     }
 
+    /// The same codec with the kernels' CPU model (`model.rs`) in place of the GPU: the whole
+    /// pipeline, fault handling and CPU fallback run on any machine. For tests, and for checking
+    /// the GPU path's output where there is no GPU; it is not fast.
+    pub fn on_cpu_model(config: GpuConfig, cpu: Arc<dyn BatchCodec>) -> Self {
+        Self::with_factory(config, cpu, Box::new(pipeline::ModelDevice))
+    }
+
     fn with_factory(
         config: GpuConfig,
         cpu: Arc<dyn BatchCodec>,
@@ -240,9 +253,10 @@ impl GpuCodec {
         self.pipeline.lock().memory_info()
     }
 
-    /// Test hook: the next `times` passes through `point` fail as if the driver had failed.
-    pub fn inject_fault(&self, point: FaultPoint, times: u32) {
-        self.faults.arm(point, times);
+    /// Test hook: after `skip` more passes through `point`, the next `fail` passes fail as if
+    /// the driver call there had failed (`FaultPoint::Alloc`: out of memory).
+    pub fn inject_fault(&self, point: FaultPoint, skip: u32, fail: u32) {
+        self.faults.arm(point, skip, fail);
     }
 
     fn record_success(&self, pages: usize, compress: bool, times: BatchTimes, start: Instant) {

@@ -4,12 +4,13 @@
 //! chunk `k - 1` out. The host waits for a slot only when it needs it again.
 //!
 //! The driver calls live behind `DeviceSlot` (`cuda.rs` on a GPU); the tests run the same
-//! pipeline on slots that execute the kernels' CPU model, with faults injected at each point.
+//! pipeline on `ModelDevice` slots that execute the kernels' CPU model, with faults injected
+//! at the same points.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use super::model::{LEN_RAW, STATUS_CORRUPT, STATUS_OK, STATUS_WRONG_LENGTH};
+use super::model::{self, LEN_RAW, STATUS_CORRUPT, STATUS_OK, STATUS_WRONG_LENGTH};
 use super::{BatchTimes, FaultPoint, Faults, GpuError};
 use crate::codec::{CodecError, CompressedBatch, Encoding, Page, PAGE_SIZE};
 
@@ -268,102 +269,90 @@ impl BatchTimes {
     }
 }
 
-#[cfg(test)]
-pub(super) mod tests {
-    //! Slots that run the kernels' CPU model: the pipeline and the codec's fallback logic are
-    //! tested on every machine, with faults injected where the CUDA slot calls the driver.
+/// Slots that run the kernels' CPU model (`model.rs`) in place of a device, with the same fault
+/// points as the CUDA slots: `GpuCodec::on_cpu_model` runs the whole pipeline and fallback logic
+/// on machines without a GPU (the tests do).
+pub(super) struct ModelDevice;
 
-    use super::*;
-    use crate::gpu::model;
+struct ModelSlot {
+    chunk_pages: usize,
+    faults: Arc<Faults>,
+    input: Vec<Page>,
+    index: Vec<u32>,
+    output: Vec<Page>,
+    words: Vec<u32>,
+    job: Option<Job>,
+}
 
-    pub(crate) struct ModelFactory;
-
-    struct ModelSlot {
+impl SlotFactory for ModelDevice {
+    fn new_slot(
+        &self,
         chunk_pages: usize,
         faults: Arc<Faults>,
-        input: Vec<u8>,
-        index: Vec<u32>,
-        output: Vec<u8>,
-        words: Vec<u32>,
-        job: Option<Job>,
+    ) -> Result<Box<dyn DeviceSlot>, GpuError> {
+        Ok(Box::new(ModelSlot {
+            chunk_pages,
+            faults,
+            input: vec![[0; PAGE_SIZE]; chunk_pages],
+            index: vec![0; 2 * chunk_pages],
+            output: vec![[0; PAGE_SIZE]; chunk_pages],
+            words: vec![0; chunk_pages],
+            job: None,
+        }))
     }
 
-    impl SlotFactory for ModelFactory {
-        fn new_slot(
-            &self,
-            chunk_pages: usize,
-            faults: Arc<Faults>,
-        ) -> Result<Box<dyn DeviceSlot>, GpuError> {
-            Ok(Box::new(ModelSlot {
-                chunk_pages,
-                faults,
-                input: vec![0; chunk_pages * PAGE_SIZE],
-                index: vec![0; 2 * chunk_pages],
-                output: vec![0; chunk_pages * PAGE_SIZE],
-                words: vec![0; chunk_pages],
-                job: None,
-            }))
-        }
+    fn memory_info(&self) -> Option<(usize, usize)> {
+        None
+    }
+}
 
-        fn memory_info(&self) -> Option<(usize, usize)> {
-            None
-        }
+impl DeviceSlot for ModelSlot {
+    fn input(&mut self) -> Result<&mut [u8], GpuError> {
+        Ok(self.input.as_flattened_mut())
     }
 
-    impl DeviceSlot for ModelSlot {
-        fn input(&mut self) -> Result<&mut [u8], GpuError> {
-            Ok(&mut self.input)
-        }
+    fn index(&mut self) -> Result<&mut [u32], GpuError> {
+        Ok(&mut self.index)
+    }
 
-        fn index(&mut self) -> Result<&mut [u32], GpuError> {
-            Ok(&mut self.index)
-        }
+    fn submit(&mut self, job: Job) -> Result<(), GpuError> {
+        self.faults.check(FaultPoint::CopyIn)?;
+        self.faults.check(FaultPoint::Launch)?;
+        self.job = Some(job);
+        self.faults.check(FaultPoint::CopyOut)
+    }
 
-        fn submit(&mut self, job: Job) -> Result<(), GpuError> {
-            self.faults.check(FaultPoint::CopyIn)?;
-            self.faults.check(FaultPoint::Launch)?;
-            self.job = Some(job);
-            self.faults.check(FaultPoint::CopyOut)
-        }
-
-        fn wait(&mut self) -> Result<BatchTimes, GpuError> {
-            self.faults.check(FaultPoint::Sync)?;
-            let Some(job) = self.job.take() else {
-                return Ok(BatchTimes::default());
-            };
-            // The "kernel": one model warp per page.
-            match job {
-                Job::Compress { pages, max_out } => {
-                    for i in 0..pages {
-                        let page: &Page = self.input[i * PAGE_SIZE..][..PAGE_SIZE]
-                            .try_into()
-                            .expect("page-sized slice");
-                        let out: &mut [u8; PAGE_SIZE] = (&mut self.output[i * PAGE_SIZE..]
-                            [..PAGE_SIZE])
-                            .try_into()
-                            .expect("page-sized slice");
-                        self.words[i] = model::compress_page(page, max_out as usize, out)
-                            .map_or(LEN_RAW, |len| len as u32);
-                    }
-                }
-                Job::Decompress { pages, bytes } => {
-                    assert!(bytes <= self.input.len());
-                    for i in 0..pages {
-                        let offset = self.index[i] as usize;
-                        let len = self.index[self.chunk_pages + i] as usize;
-                        let out: &mut Page = (&mut self.output[i * PAGE_SIZE..][..PAGE_SIZE])
-                            .try_into()
-                            .expect("page-sized slice");
-                        self.words[i] =
-                            model::decompress_page(&self.input[offset..offset + len], out);
-                    }
+    fn wait(&mut self) -> Result<BatchTimes, GpuError> {
+        self.faults.check(FaultPoint::Sync)?;
+        let Some(job) = self.job.take() else {
+            return Ok(BatchTimes::default());
+        };
+        // The "kernel": one model warp per page.
+        match job {
+            Job::Compress { pages, max_out } => {
+                let jobs = self.input[..pages].iter().zip(&mut self.output);
+                for ((page, out), word) in jobs.zip(&mut self.words) {
+                    *word = model::compress_page(page, max_out as usize, out)
+                        .map_or(LEN_RAW, |len| len as u32);
                 }
             }
-            Ok(BatchTimes::default())
+            Job::Decompress { pages, bytes } => {
+                let input = &self.input.as_flattened()[..bytes];
+                let (offsets, lens) = self.index.split_at(self.chunk_pages);
+                let jobs = offsets.iter().zip(lens).zip(&mut self.output);
+                for (((&offset, &len), out), word) in jobs.zip(&mut self.words).take(pages) {
+                    let (offset, len) = (offset as usize, len as usize);
+                    let bytes = input.get(offset..offset + len).ok_or_else(|| {
+                        GpuError::BadOutput(format!("page at {offset}+{len} beyond the input"))
+                    })?;
+                    *word = model::decompress_page(bytes, out);
+                }
+            }
         }
+        Ok(BatchTimes::default())
+    }
 
-        fn output(&mut self) -> Result<(&[u8], &[u32]), GpuError> {
-            Ok((&self.output, &self.words))
-        }
+    fn output(&mut self) -> Result<(&[u8], &[u32]), GpuError> {
+        Ok((self.output.as_flattened(), &self.words))
     }
 }
