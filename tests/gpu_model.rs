@@ -66,8 +66,8 @@ fn edge_pages() -> Vec<Page> {
 
 #[test]
 fn model_output_decodes_with_the_reference_decoders() {
-    let mut pages = mixed_pages(1500, 1);
-    pages.extend(process_memory_pages(1500));
+    let mut pages = mixed_pages(800, 1);
+    pages.extend(process_memory_pages(800));
     pages.extend(edge_pages());
     let mut compressed = 0;
     for page in &pages {
@@ -84,8 +84,8 @@ fn model_output_decodes_with_the_reference_decoders() {
 
 #[test]
 fn model_decodes_cpu_lz4() {
-    let mut pages = mixed_pages(1000, 2);
-    pages.extend(process_memory_pages(500));
+    let mut pages = mixed_pages(500, 2);
+    pages.extend(process_memory_pages(300));
     pages.extend(edge_pages());
     for page in &pages {
         for block in [liblz4(page), lz4_flex::block::compress(&page[..])] {

@@ -64,11 +64,24 @@ fn write_ext(out: &mut [u8], mut op: usize, len: usize) -> usize {
 
 /// `__match_any_sync`: for each lane, the mask of lanes holding the same key.
 fn match_any(keys: &[u32; WARP]) -> [u32; WARP] {
-    std::array::from_fn(|lane| {
-        (0..WARP)
-            .filter(|&other| keys[other] == keys[lane])
-            .fold(0u32, |mask, other| mask | 1 << other)
-    })
+    let mut peers = [0u32; WARP];
+    for lane in 0..WARP {
+        if peers[lane] != 0 {
+            continue; // already in a group found from a lower lane
+        }
+        let mut group = 0u32;
+        for (other, &key) in keys.iter().enumerate().skip(lane) {
+            if key == keys[lane] {
+                group |= 1 << other;
+            }
+        }
+        let mut members = group;
+        while members != 0 {
+            peers[members.trailing_zeros() as usize] = group;
+            members &= members - 1;
+        }
+    }
+    peers
 }
 
 /// `__ballot_sync`: the mask of lanes whose predicate holds.
