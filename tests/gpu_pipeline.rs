@@ -212,3 +212,22 @@ fn an_empty_batch_is_fine() {
     let mut status: Vec<Result<(), CodecError>> = Vec::new();
     codec.decompress_batch(&[], &mut [], &mut status);
 }
+
+#[test]
+fn the_bench_hook_checks_every_page_and_reports_the_ratio() {
+    let codec = model_codec(32);
+    let pages = mixed_pages(300, 10);
+    let report = trueno_ublk::gpu::bench::run(&codec, &CpuReference, &pages, 128).unwrap();
+    assert_eq!(report.pages, 300);
+    assert!(report.ratio > 1.5, "{report:?}");
+    assert!(report.ratio >= 0.95 * report.cpu_ratio, "{report:?}");
+    assert_eq!(report.stats.pages_compressed, 300);
+    assert_eq!(
+        report.stats.pages_decompressed,
+        300 - report.raw_pages as u64
+    );
+    assert_eq!(report.stats.fallback_batches, 0);
+    assert!(serde_json::to_string(&report)
+        .unwrap()
+        .contains("host_to_host_gbps"));
+}

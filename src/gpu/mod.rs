@@ -11,6 +11,7 @@
 //!   either way the failure is counted (`GpuStats::fallback_batches`) and logged.
 //! - `model.rs` is the CPU model of the kernels, used by the tests on every machine.
 
+pub mod bench;
 mod cuda;
 pub mod model;
 mod pipeline;
