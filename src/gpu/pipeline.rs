@@ -10,9 +10,14 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+use rayon::prelude::*;
+
 use super::model::{self, LEN_RAW, STATUS_CORRUPT, STATUS_OK, STATUS_WRONG_LENGTH};
 use super::{BatchTimes, FaultPoint, Faults, GpuError};
 use crate::codec::{CodecError, CompressedBatch, Encoding, Page, PAGE_SIZE};
+
+/// Fewest pages per rayon task when packing and unpacking.
+const PAR_MIN_PAGES: usize = 64;
 
 /// What a slot runs on its chunk.
 #[derive(Clone, Copy, Debug)]
@@ -95,14 +100,15 @@ impl Pipeline {
         out.encodings.clear();
         out.encodings.resize(n, Encoding::Raw);
         let chunk_pages = self.chunk_pages;
+        // Packing and unpacking are plain copies of up to `chunk_pages` pages: spread over the
+        // cores, so that the host side keeps up with the copies and the kernel.
         let fill = |slot: &mut dyn DeviceSlot, first: usize, count: usize| {
-            let input = slot.input()?;
-            for (dst, page) in input
-                .chunks_exact_mut(PAGE_SIZE)
-                .zip(&pages[first..first + count])
-            {
-                dst.copy_from_slice(&page[..]);
-            }
+            let input = &mut slot.input()?[..count * PAGE_SIZE];
+            input
+                .par_chunks_exact_mut(PAGE_SIZE)
+                .zip(pages[first..first + count].par_iter())
+                .with_min_len(PAR_MIN_PAGES)
+                .for_each(|(dst, page)| dst.copy_from_slice(&page[..]));
             Ok(Job::Compress {
                 pages: count,
                 max_out,
@@ -110,29 +116,37 @@ impl Pipeline {
         };
         let harvest = |slot: &mut dyn DeviceSlot, first: usize, count: usize| {
             let (data, lens) = slot.output()?;
-            for i in 0..count {
-                let page = first + i;
-                let dst = &mut out.data[page * PAGE_SIZE..][..PAGE_SIZE];
-                match lens[i] {
-                    LEN_RAW => {
-                        dst.copy_from_slice(&pages[page][..]);
-                        out.lens[page] = PAGE_SIZE as u16;
-                        out.encodings[page] = Encoding::Raw;
+            let slots = out.data[first * PAGE_SIZE..(first + count) * PAGE_SIZE]
+                .par_chunks_exact_mut(PAGE_SIZE)
+                .zip(out.lens[first..first + count].par_iter_mut())
+                .zip(out.encodings[first..first + count].par_iter_mut());
+            let results = data[..count * PAGE_SIZE]
+                .par_chunks_exact(PAGE_SIZE)
+                .zip(lens[..count].par_iter())
+                .zip(pages[first..first + count].par_iter());
+            slots.zip(results).with_min_len(PAR_MIN_PAGES).try_for_each(
+                |(((dst, len_out), encoding), ((src, &len), page))| {
+                    match len {
+                        LEN_RAW => {
+                            dst.copy_from_slice(&page[..]);
+                            *len_out = PAGE_SIZE as u16;
+                            *encoding = Encoding::Raw;
+                        }
+                        len if len <= max_out => {
+                            let len = len as usize;
+                            dst[..len].copy_from_slice(&src[..len]);
+                            *len_out = len as u16;
+                            *encoding = Encoding::Lz4;
+                        }
+                        len => {
+                            return Err(GpuError::BadOutput(format!(
+                                "compressed length {len} above the limit {max_out}"
+                            )))
+                        }
                     }
-                    len if len <= max_out => {
-                        let len = len as usize;
-                        dst[..len].copy_from_slice(&data[i * PAGE_SIZE..][..len]);
-                        out.lens[page] = len as u16;
-                        out.encodings[page] = Encoding::Lz4;
-                    }
-                    len => {
-                        return Err(GpuError::BadOutput(format!(
-                            "compressed length {len} above the limit {max_out}"
-                        )))
-                    }
-                }
-            }
-            Ok(())
+                    Ok(())
+                },
+            )
         };
         let result = self.run(n.div_ceil(chunk_pages), n, fill, harvest);
         self.reset_after(result)
@@ -174,20 +188,35 @@ impl Pipeline {
         };
         let harvest = |slot: &mut dyn DeviceSlot, first: usize, count: usize| {
             let (data, words) = slot.output()?;
-            for (i, &page) in indices[first..first + count].iter().enumerate() {
-                status[page] = match words[i] {
-                    STATUS_OK => {
-                        out[page].copy_from_slice(&data[i * PAGE_SIZE..][..PAGE_SIZE]);
-                        Ok(())
-                    }
-                    STATUS_CORRUPT => Err(CodecError::Corrupt),
-                    w if w & STATUS_WRONG_LENGTH != 0 && (w & !STATUS_WRONG_LENGTH) < 4096 => {
-                        Err(CodecError::WrongLength((w & !STATUS_WRONG_LENGTH) as usize))
-                    }
-                    w => return Err(GpuError::BadOutput(format!("decompress status {w:#x}"))),
-                };
+            let chunk = &indices[first..first + count];
+            let results = data[..count * PAGE_SIZE]
+                .par_chunks_exact(PAGE_SIZE)
+                .zip(words[..count].par_iter());
+            let unpack = |(dst, st): (&mut Page, &mut Result<(), CodecError>), (src, &word)| {
+                *st = page_status(word)?;
+                if st.is_ok() {
+                    dst.copy_from_slice(src);
+                }
+                Ok(())
+            };
+            // Indices are increasing: a chunk of consecutive pages (the usual case, a batch of
+            // LZ4 pages) is unpacked in parallel, scattered ones in order.
+            let (Some(&start), Some(&last)) = (chunk.first(), chunk.last()) else {
+                return Ok(());
+            };
+            if last - start + 1 == count {
+                out[start..=last]
+                    .par_iter_mut()
+                    .zip(status[start..=last].par_iter_mut())
+                    .zip(results)
+                    .with_min_len(PAR_MIN_PAGES)
+                    .try_for_each(|(slot, result)| unpack(slot, result))
+            } else {
+                let results = data.chunks_exact(PAGE_SIZE).zip(&words[..count]);
+                chunk.iter().zip(results).try_for_each(|(&page, result)| {
+                    unpack((&mut out[page], &mut status[page]), result)
+                })
             }
-            Ok(())
         };
         let result = self.run(
             indices.len().div_ceil(chunk_pages),
@@ -259,6 +288,20 @@ impl Pipeline {
             harvest(slot, first, count)?;
         }
         Ok(times)
+    }
+}
+
+/// The decompress kernel's status word as the page's result; `Err` when the word is not one
+/// the kernel can write.
+fn page_status(word: u32) -> Result<Result<(), CodecError>, GpuError> {
+    let length = word & !STATUS_WRONG_LENGTH;
+    match word {
+        STATUS_OK => Ok(Ok(())),
+        STATUS_CORRUPT => Ok(Err(CodecError::Corrupt)),
+        _ if word & STATUS_WRONG_LENGTH != 0 && (length as usize) < PAGE_SIZE => {
+            Ok(Err(CodecError::WrongLength(length as usize)))
+        }
+        _ => Err(GpuError::BadOutput(format!("decompress status {word:#x}"))),
     }
 }
 
