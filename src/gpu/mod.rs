@@ -2,14 +2,33 @@
 //! `kernels/lz4.cu` (committed as `kernels/lz4.ptx`), behind `codec::BatchCodec`.
 //!
 //! - `probe()` never panics: it looks for the driver library before any CUDA call (cudarc
-//!   panics without one) and says why there is no GPU.
+//!   panics without one) and says why there is no GPU. It opens a context and loads the
+//!   kernels, so call it once (at start-up), not per batch.
 //! - `GpuCodec` sets up context, module and streams once; pinned buffers and device buffers are
 //!   allocated at the first batch, in `slots` pipeline slots that overlap host-to-device copy,
 //!   kernel and device-to-host copy across the chunks of a batch (`pipeline.rs`).
 //! - Any CUDA error in a batch makes `compress_batch` return `Err` (the store redoes the batch
 //!   on the CPU) and makes `decompress_batch` decode that batch with the CPU codec it was given;
 //!   either way the failure is counted (`GpuStats::fallback_batches`) and logged.
-//! - `model.rs` is the CPU model of the kernels, used by the tests on every machine.
+//!
+//! The kernels (one warp per page, four per block): compression loads the page into shared
+//! memory, finds for every position the most recent earlier position with the same 4-byte hash
+//! (rounds of 32 positions, a 4096-entry table in shared memory, `__match_any_sync` inside a
+//! round), then parses greedily a window of 32 positions at a time (a ballot finds the first
+//! position whose candidate really matches), extends the match 32 bytes per ballot, and encodes
+//! each sequence (lane 0 writes token, lengths and offset; the warp copies the literals).
+//! Decompression parses the tokens on every lane (broadcast reads) and copies each literal run
+//! and match with the whole warp; every read and write is bounds-checked, and corrupt input is
+//! a per-page status.
+//!
+//! How they are checked: `model.rs` is the same algorithm in Rust, step for step; the tests
+//! check that its output decodes with liblz4 and lz4_flex and compresses as well as liblz4
+//! (`tests/gpu_model.rs`), that the CUDA C source run on the CPU by a small SIMT emulator
+//! (`kernels/emu/`) gives the model's bytes (`tests/gpu_kernel_emu.rs`), that the pipeline and
+//! its fault handling lose no page (`tests/gpu_pipeline.rs`, on `GpuCodec::on_cpu_model`), and
+//! on a GPU (`GPU_TESTS=1`) that the device gives the model's bytes (`tests/gpu_device.rs`).
+//! `scripts/gen-ptx.sh` regenerates the PTX with NVRTC; `scripts/check-ptx.sh` assembles it
+//! with ptxas for sm_75/80/90 and checks it is what the source compiles to.
 
 pub mod bench;
 mod cuda;
@@ -332,6 +351,16 @@ impl BatchCodec for GpuCodec {
         status: &mut [Result<(), CodecError>],
     ) {
         let start = Instant::now();
+        let n = inputs.len().min(out.len()).min(status.len());
+        if n < inputs.len() {
+            tracing::error!(
+                "decompress_batch: {} inputs but {} pages and {} statuses; decoding {n}",
+                inputs.len(),
+                out.len(),
+                status.len()
+            );
+        }
+        let (inputs, out, status) = (&inputs[..n], &mut out[..n], &mut status[..n]);
         let mut on_gpu = Vec::new();
         let mut on_cpu = Vec::new();
         for (i, &(encoding, bytes)) in inputs.iter().enumerate() {

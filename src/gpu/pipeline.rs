@@ -256,6 +256,9 @@ impl Pipeline {
         F: FnMut(&mut dyn DeviceSlot, usize, usize) -> Result<Job, GpuError>,
         H: FnMut(&mut dyn DeviceSlot, usize, usize) -> Result<(), GpuError>,
     {
+        if chunks == 0 {
+            return Ok(BatchTimes::default());
+        }
         while self.slots.len() < self.slot_count {
             self.faults.check(FaultPoint::Alloc)?;
             let slot = self
