@@ -253,7 +253,13 @@ pub fn process_memory_pages(max: usize) -> Vec<Page> {
         let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
             continue;
         };
-        if !perms.starts_with('r') || line.contains("[vvar") || line.contains("[vsyscall]") {
+        // Device mappings (the GPU driver's among them) are not memory to read.
+        let path = fields.nth(3).unwrap_or("");
+        let special = path.starts_with("/dev/")
+            || path.starts_with("anon_inode:")
+            || path.starts_with("[vvar")
+            || path == "[vsyscall]";
+        if !perms.starts_with('r') || special {
             continue;
         }
         let Some((start, end)) = range.split_once('-') else {
