@@ -6,10 +6,11 @@
 mod gpu_support;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use gpu_support::{mixed_pages, CpuReference, HUGE};
 use trueno_ublk::codec::{BatchCodec, CodecError, CompressedBatch, Encoding, Page, PAGE_SIZE};
-use trueno_ublk::gpu::{model, FaultPoint, GpuCodec, GpuConfig};
+use trueno_ublk::gpu::{model, FaultPoint, GpuCodec, GpuConfig, FAILURES_BEFORE_REST};
 
 /// Small chunks so that even small batches run through several chunks and every slot.
 fn model_codec(chunk_pages: usize) -> GpuCodec {
@@ -233,4 +234,31 @@ fn the_bench_hook_checks_every_page_and_reports_the_ratio() {
     assert!(serde_json::to_string(&report)
         .unwrap()
         .contains("host_to_host_gbps"));
+}
+
+#[test]
+fn repeated_failures_rest_the_gpu_then_it_comes_back() {
+    let pages = mixed_pages(20, 11);
+    for (rest, fourth_on_gpu) in [(Duration::from_secs(3600), false), (Duration::ZERO, true)] {
+        let config = GpuConfig {
+            chunk_pages: 8,
+            huge_threshold: HUGE,
+            rest,
+            ..GpuConfig::default()
+        };
+        let codec = GpuCodec::on_cpu_model(config, Arc::new(CpuReference));
+        codec.inject_fault(FaultPoint::Launch, 0, FAILURES_BEFORE_REST);
+        for _ in 0..FAILURES_BEFORE_REST {
+            assert!(!compress_like_the_store(&codec, &pages).1);
+        }
+        // The injected faults are used up: only resting keeps the next batch off the GPU.
+        let (batch, on_gpu) = compress_like_the_store(&codec, &pages);
+        assert_eq!(on_gpu, fourth_on_gpu, "rest {rest:?}");
+        assert_eq!(decompress_all(&codec, &batch), pages);
+        let stats = codec.stats();
+        // While resting, both the compression and the decompression of the 4th batch count.
+        let failed = u64::from(FAILURES_BEFORE_REST) + if fourth_on_gpu { 0 } else { 2 };
+        assert_eq!(stats.fallback_batches, failed, "rest {rest:?}");
+        assert!(stats.last_error.unwrap().contains("injected fault"));
+    }
 }

@@ -37,7 +37,7 @@ mod pipeline;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use serde::Serialize;
@@ -92,6 +92,8 @@ pub enum GpuError {
     Injected(FaultPoint),
     #[error("GPU kernel returned an impossible result: {0}")]
     BadOutput(String),
+    #[error("GPU resting for {seconds} s more after {failures} failed batches in a row")]
+    Resting { seconds: u64, failures: u32 },
 }
 
 impl From<GpuError> for CodecError {
@@ -156,7 +158,13 @@ pub struct GpuConfig {
     pub slots: usize,
     /// Pages whose LZ4 output would be this many bytes or more are stored `Raw`.
     pub huge_threshold: usize,
+    /// After `FAILURES_BEFORE_REST` failed batches in a row, batches skip the GPU (and go to
+    /// the CPU at once) for this long, instead of failing and logging one by one.
+    pub rest: Duration,
 }
+
+/// Failed batches in a row that make the codec rest the GPU for `GpuConfig::rest`.
+pub const FAILURES_BEFORE_REST: u32 = 3;
 
 impl Default for GpuConfig {
     fn default() -> Self {
@@ -165,6 +173,7 @@ impl Default for GpuConfig {
             chunk_pages: 2048,
             slots: 3,
             huge_threshold: PAGE_SIZE * 3 / 4,
+            rest: Duration::from_secs(30),
         }
     }
 }
@@ -199,6 +208,13 @@ struct Counters {
     last_error: Mutex<Option<String>>,
 }
 
+/// Failures in a row, and until when the GPU rests.
+#[derive(Default)]
+struct Health {
+    failures_in_a_row: u32,
+    resting_until: Option<Instant>,
+}
+
 /// GPU event times of one batch, in nanoseconds.
 #[derive(Clone, Copy, Debug, Default)]
 struct BatchTimes {
@@ -214,6 +230,7 @@ pub struct GpuCodec {
     faults: Arc<Faults>,
     cpu: Arc<dyn BatchCodec>,
     counters: Counters,
+    health: Mutex<Health>,
 }
 
 impl GpuCodec {
@@ -250,6 +267,7 @@ impl GpuCodec {
             faults,
             cpu,
             counters: Counters::default(),
+            health: Mutex::new(Health::default()),
         }
     }
 
@@ -279,7 +297,20 @@ impl GpuCodec {
         self.faults.arm(point, skip, fail);
     }
 
+    /// `Err` while the GPU rests after repeated failures.
+    fn check_rested(&self) -> Result<(), GpuError> {
+        let health = self.health.lock();
+        match health.resting_until {
+            Some(until) if until > Instant::now() => Err(GpuError::Resting {
+                seconds: until.saturating_duration_since(Instant::now()).as_secs(),
+                failures: FAILURES_BEFORE_REST,
+            }),
+            _ => Ok(()),
+        }
+    }
+
     fn record_success(&self, pages: usize, compress: bool, times: BatchTimes, start: Instant) {
+        self.health.lock().failures_in_a_row = 0;
         let c = &self.counters;
         c.batches.fetch_add(1, Ordering::Relaxed);
         let pages_counter = if compress {
@@ -295,12 +326,28 @@ impl GpuCodec {
             .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 
+    /// Counts a batch done on the CPU instead; logs and rests the GPU unless it was resting.
     fn record_failure(&self, what: &str, pages: usize, e: &GpuError) {
         self.counters
             .fallback_batches
             .fetch_add(1, Ordering::Relaxed);
+        if matches!(e, GpuError::Resting { .. }) {
+            return;
+        }
         *self.counters.last_error.lock() = Some(e.to_string());
-        tracing::warn!("GPU {what} of {pages} pages failed, done on the CPU instead: {e}");
+        let mut health = self.health.lock();
+        health.failures_in_a_row += 1;
+        if health.failures_in_a_row >= FAILURES_BEFORE_REST {
+            health.failures_in_a_row = 0;
+            health.resting_until = Some(Instant::now() + self.config.rest);
+            tracing::error!(
+                "GPU {what} of {pages} pages failed, {FAILURES_BEFORE_REST} batches in a row; \
+                 using the CPU only for {:?}: {e}",
+                self.config.rest
+            );
+        } else {
+            tracing::warn!("GPU {what} of {pages} pages failed, done on the CPU instead: {e}");
+        }
     }
 
     /// Decodes the pages `indices` of `inputs` with the CPU codec into `out`/`status`.
@@ -331,7 +378,9 @@ impl BatchCodec for GpuCodec {
     fn compress_batch(&self, pages: &[&Page], out: &mut CompressedBatch) -> Result<(), CodecError> {
         let start = Instant::now();
         let max_out = (self.config.huge_threshold.saturating_sub(1)).min(PAGE_SIZE);
-        let result = self.pipeline.lock().compress(pages, max_out as u32, out);
+        let result = self
+            .check_rested()
+            .and_then(|()| self.pipeline.lock().compress(pages, max_out as u32, out));
         match result {
             Ok(times) => {
                 self.record_success(pages.len(), true, times, start);
@@ -376,10 +425,11 @@ impl BatchCodec for GpuCodec {
             }
         }
         if !on_gpu.is_empty() {
-            let result = self
-                .pipeline
-                .lock()
-                .decompress(inputs, &on_gpu, out, status);
+            let result = self.check_rested().and_then(|()| {
+                self.pipeline
+                    .lock()
+                    .decompress(inputs, &on_gpu, out, status)
+            });
             match result {
                 Ok(times) => self.record_success(on_gpu.len(), false, times, start),
                 Err(e) => {
