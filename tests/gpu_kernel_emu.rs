@@ -120,8 +120,8 @@ fn emu_decompress(emu: &Path, blocks: &[Vec<u8>], name: &str) -> (Vec<u32>, Vec<
 }
 
 fn corpus() -> Vec<Page> {
-    let mut pages = mixed_pages(500, 11);
-    pages.extend(process_memory_pages(300));
+    let mut pages = mixed_pages(300, 11);
+    pages.extend(process_memory_pages(200));
     pages.push([0; PAGE_SIZE]);
     pages.push([0x11; PAGE_SIZE]);
     let mut periodic = [0u8; PAGE_SIZE];
