@@ -7,7 +7,7 @@ mod gpu_support;
 
 use std::sync::Arc;
 
-use gpu_support::{mixed_pages, process_memory_pages, CpuReference, Rng, HUGE};
+use gpu_support::{mixed_pages, process_memory_pages, CpuReference, Rng, MAX_LZ4_LEN};
 use trueno_ublk::codec::{BatchCodec, CodecError, CompressedBatch, Encoding, Page, PAGE_SIZE};
 use trueno_ublk::gpu::{model, probe, FaultPoint, GpuCodec, GpuConfig, GpuProbe};
 
@@ -23,7 +23,7 @@ fn gpu() -> Option<GpuCodec> {
         GpuProbe::Unavailable { reason } => panic!("GPU_TESTS=1 but no usable GPU: {reason}"),
     }
     let config = GpuConfig {
-        huge_threshold: HUGE,
+        max_compressed_len: MAX_LZ4_LEN,
         ..GpuConfig::default()
     };
     Some(GpuCodec::new(config, Arc::new(CpuReference)).expect("open the GPU codec"))
@@ -67,7 +67,7 @@ fn assert_matches_model(pages: &[Page], batch: &CompressedBatch, step: usize) {
     let mut expect = [0u8; PAGE_SIZE];
     for i in (0..pages.len()).step_by(step) {
         let slot = &batch.data[i * PAGE_SIZE..][..usize::from(batch.lens[i])];
-        match model::compress_page(&pages[i], HUGE - 1, &mut expect) {
+        match model::compress_page(&pages[i], MAX_LZ4_LEN, &mut expect) {
             Some(len) => {
                 assert_eq!(batch.encodings[i], Encoding::Lz4, "page {i}");
                 assert_eq!(

@@ -8,7 +8,7 @@ mod gpu_support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpu_support::{mixed_pages, CpuReference, HUGE};
+use gpu_support::{mixed_pages, CpuReference, MAX_LZ4_LEN};
 use trueno_ublk::codec::{BatchCodec, CodecError, CompressedBatch, Encoding, Page, PAGE_SIZE};
 use trueno_ublk::gpu::{model, FaultPoint, GpuCodec, GpuConfig, FAILURES_BEFORE_REST};
 
@@ -16,7 +16,7 @@ use trueno_ublk::gpu::{model, FaultPoint, GpuCodec, GpuConfig, FAILURES_BEFORE_R
 fn model_codec(chunk_pages: usize) -> GpuCodec {
     let config = GpuConfig {
         chunk_pages,
-        huge_threshold: HUGE,
+        max_compressed_len: MAX_LZ4_LEN,
         ..GpuConfig::default()
     };
     GpuCodec::on_cpu_model(config, Arc::new(CpuReference))
@@ -46,15 +46,15 @@ fn decompress_all(codec: &dyn BatchCodec, batch: &CompressedBatch) -> Vec<Page> 
     out
 }
 
-/// Every page (every `step`-th) is the model kernel's LZ4 byte for byte, or raw when that
-/// reaches `HUGE`.
+/// Every page (every `step`-th) is the model kernel's LZ4 byte for byte, or raw when that is
+/// longer than `MAX_LZ4_LEN`.
 fn assert_is_model_output(pages: &[Page], batch: &CompressedBatch, step: usize) {
     assert_eq!(batch.lens.len(), pages.len());
     assert_eq!(batch.encodings.len(), pages.len());
     let mut expect = [0u8; PAGE_SIZE];
     for (i, page) in pages.iter().enumerate().step_by(step) {
         let slot = &batch.data[i * PAGE_SIZE..][..usize::from(batch.lens[i])];
-        match model::compress_page(page, HUGE - 1, &mut expect) {
+        match model::compress_page(page, MAX_LZ4_LEN, &mut expect) {
             Some(len) => {
                 assert_eq!(batch.encodings[i], Encoding::Lz4, "page {i}");
                 assert_eq!(slot, &expect[..len], "page {i}");
@@ -242,7 +242,7 @@ fn repeated_failures_rest_the_gpu_then_it_comes_back() {
     for (rest, fourth_on_gpu) in [(Duration::from_secs(3600), false), (Duration::ZERO, true)] {
         let config = GpuConfig {
             chunk_pages: 8,
-            huge_threshold: HUGE,
+            max_compressed_len: MAX_LZ4_LEN,
             rest,
             ..GpuConfig::default()
         };

@@ -156,8 +156,9 @@ pub struct GpuConfig {
     pub chunk_pages: usize,
     /// Pipeline slots (>= 3 so that copy in, kernel and copy out of consecutive chunks overlap).
     pub slots: usize,
-    /// Pages whose LZ4 output would be this many bytes or more are stored `Raw`.
-    pub huge_threshold: usize,
+    /// The longest LZ4 output kept; longer pages are stored `Raw` (zram's "huge" pages; the
+    /// same rule and default as the CPU codec's `codec::MAX_COMPRESSED_LEN`). At most a page.
+    pub max_compressed_len: usize,
     /// After `FAILURES_BEFORE_REST` failed batches in a row, batches skip the GPU (and go to
     /// the CPU at once) for this long, instead of failing and logging one by one.
     pub rest: Duration,
@@ -172,7 +173,7 @@ impl Default for GpuConfig {
             device: 0,
             chunk_pages: 2048,
             slots: 3,
-            huge_threshold: PAGE_SIZE * 3 / 4,
+            max_compressed_len: 3584,
             rest: Duration::from_secs(30),
         }
     }
@@ -222,8 +223,9 @@ struct BatchTimes {
     transfer_ns: u64,
 }
 
-/// The GPU batch codec. LZ4 only: compresses to `Lz4` (or `Raw` for pages at or above the huge
-/// threshold); decompresses `Lz4` on the GPU, `Raw` by copy and hands `Zstd` to the CPU codec.
+/// The GPU batch codec. LZ4 only: compresses to `Lz4` (or `Raw` for pages whose LZ4 is longer
+/// than `max_compressed_len`); decompresses `Lz4` on the GPU, `Raw` by copy, and hands `Zstd`
+/// to the CPU codec.
 pub struct GpuCodec {
     config: GpuConfig,
     pipeline: Mutex<Pipeline>,
@@ -377,7 +379,7 @@ impl GpuCodec {
 impl BatchCodec for GpuCodec {
     fn compress_batch(&self, pages: &[&Page], out: &mut CompressedBatch) -> Result<(), CodecError> {
         let start = Instant::now();
-        let max_out = (self.config.huge_threshold.saturating_sub(1)).min(PAGE_SIZE);
+        let max_out = self.config.max_compressed_len.min(PAGE_SIZE);
         let result = self
             .check_rested()
             .and_then(|()| self.pipeline.lock().compress(pages, max_out as u32, out));

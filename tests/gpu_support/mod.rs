@@ -9,10 +9,10 @@ use std::io::{Read, Seek, SeekFrom};
 
 use trueno_ublk::codec::{BatchCodec, CodecError, CompressedBatch, Encoding, Page, PAGE_SIZE};
 
-/// The huge threshold the tests use: LZ4 output of this many bytes or more is stored raw.
-pub const HUGE: usize = PAGE_SIZE * 3 / 4;
+/// The longest LZ4 output the tests keep; longer pages are stored raw (the codec's default).
+pub const MAX_LZ4_LEN: usize = 3584;
 
-/// The reference: liblz4 (default acceleration) per page, raw at `HUGE`; decodes LZ4 with
+/// The reference: liblz4 (default acceleration) per page, raw above `MAX_LZ4_LEN`; decodes LZ4 with
 /// lz4_flex, zstd with the zstd crate.
 pub struct CpuReference;
 
@@ -30,7 +30,7 @@ impl BatchCodec for CpuReference {
         for (i, page) in pages.iter().enumerate() {
             let lz = liblz4(page);
             let slot = &mut out.data[i * PAGE_SIZE..][..PAGE_SIZE];
-            if lz.len() >= HUGE {
+            if lz.len() > MAX_LZ4_LEN {
                 slot.copy_from_slice(&page[..]);
                 out.lens.push(PAGE_SIZE as u16);
                 out.encodings.push(Encoding::Raw);
@@ -285,10 +285,10 @@ pub fn process_memory_pages(max: usize) -> Vec<Page> {
     pages
 }
 
-/// Stored bytes of a page: its LZ4 length, or a whole page when it is raw (>= `HUGE`).
+/// Stored bytes of a page: its LZ4 length, or a whole page when it is raw (> `MAX_LZ4_LEN`).
 pub fn stored_len(lz4_len: Option<usize>) -> usize {
     match lz4_len {
-        Some(len) if len < HUGE => len,
+        Some(len) if len <= MAX_LZ4_LEN => len,
         _ => PAGE_SIZE,
     }
 }
