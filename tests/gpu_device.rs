@@ -231,8 +231,24 @@ fn bench_hook_on_the_gpu() {
     let Some(codec) = gpu() else { return };
     let pages = corpus(65536, 10);
     let report = trueno_ublk::gpu::bench::run(&codec, &CpuReference, &pages, 16384).unwrap();
-    println!("{}", serde_json::to_string_pretty(&report).unwrap());
+    println!(
+        "pipelined: {}",
+        serde_json::to_string_pretty(&report).unwrap()
+    );
     assert!(report.ratio >= 0.95 * report.cpu_ratio);
+    assert_eq!(report.stats.fallback_batches, 0);
+    // One slot: no overlap, so the kernel times are the kernels' own.
+    let config = GpuConfig {
+        slots: 1,
+        max_compressed_len: MAX_LZ4_LEN,
+        ..GpuConfig::default()
+    };
+    let serial = GpuCodec::new(config, Arc::new(CpuReference)).expect("open the GPU codec");
+    let report = trueno_ublk::gpu::bench::run(&serial, &CpuReference, &pages, 16384).unwrap();
+    println!(
+        "one slot: {}",
+        serde_json::to_string_pretty(&report).unwrap()
+    );
 }
 
 #[test]

@@ -25,7 +25,10 @@ pub struct Throughput {
     /// Wall time of the batches, host buffers to host buffers.
     pub wall_s: f64,
     pub host_to_host_gbps: f64,
-    /// GPU event time in the kernels only.
+    /// GPU event time in the kernels only: the sum over chunks of each chunk's kernel. With
+    /// several pipeline slots, kernels of consecutive chunks may share the GPU, so this can
+    /// exceed the kernels' wall time (`kernel_gbps` is then a lower bound); a codec built with
+    /// `GpuConfig { slots: 1, .. }` gives the kernel-only figure exactly.
     pub kernel_s: f64,
     pub kernel_gbps: f64,
     /// GPU event time of the copies in and out.
