@@ -262,3 +262,17 @@ fn repeated_failures_rest_the_gpu_then_it_comes_back() {
         assert!(stats.last_error.unwrap().contains("injected fault"));
     }
 }
+
+#[test]
+fn a_batch_is_spread_over_all_slots() {
+    // With room for 2048 pages per chunk, a 999-page batch still runs as 3 chunks (one per
+    // slot, so that copies and kernels overlap): the third launch is reached and fails.
+    // A 300-page batch is 2 chunks (at least 256 pages each): the third launch never comes.
+    for (pages, launches) in [(999, 3), (600, 3), (300, 2), (1, 1)] {
+        let codec = model_codec(2048);
+        codec.inject_fault(FaultPoint::Launch, 2, 1);
+        let batch = mixed_pages(pages, 12);
+        let (_, on_gpu) = compress_like_the_store(&codec, &batch);
+        assert_eq!(on_gpu, launches < 3, "{pages} pages");
+    }
+}

@@ -16,6 +16,9 @@ use super::model::{self, LEN_RAW, STATUS_CORRUPT, STATUS_OK, STATUS_WRONG_LENGTH
 use super::{BatchTimes, FaultPoint, Faults, GpuError};
 use crate::codec::{CodecError, CompressedBatch, Encoding, Page, PAGE_SIZE};
 
+/// Fewest pages per chunk when a batch is spread over the slots (64 blocks of 4 warps).
+const MIN_CHUNK_PAGES: usize = 256;
+
 /// Fewest pages per rayon task when packing and unpacking.
 const PAR_MIN_PAGES: usize = 64;
 
@@ -99,7 +102,6 @@ impl Pipeline {
         out.lens.resize(n, 0);
         out.encodings.clear();
         out.encodings.resize(n, Encoding::Raw);
-        let chunk_pages = self.chunk_pages;
         // Packing and unpacking are plain copies of up to `chunk_pages` pages: spread over the
         // cores, so that the host side keeps up with the copies and the kernel.
         let fill = |slot: &mut dyn DeviceSlot, first: usize, count: usize| {
@@ -148,7 +150,7 @@ impl Pipeline {
                 },
             )
         };
-        let result = self.run(n.div_ceil(chunk_pages), n, fill, harvest);
+        let result = self.run(n, fill, harvest);
         self.reset_after(result)
     }
 
@@ -218,12 +220,7 @@ impl Pipeline {
                 })
             }
         };
-        let result = self.run(
-            indices.len().div_ceil(chunk_pages),
-            indices.len(),
-            fill,
-            harvest,
-        );
+        let result = self.run(indices.len(), fill, harvest);
         self.reset_after(result)
     }
 
@@ -243,11 +240,12 @@ impl Pipeline {
         result
     }
 
-    /// Runs `chunks` chunks over the slots: `fill` packs chunk pages `[first, first + count)`
-    /// into a slot and says what to run, `harvest` unpacks a finished slot.
+    /// Runs `total` pages in chunks over the slots: `fill` packs pages `[first, first + count)`
+    /// into a slot and says what to run, `harvest` unpacks a finished slot. A batch is cut into
+    /// at least as many chunks as there are slots (chunks of `MIN_CHUNK_PAGES` at least), so
+    /// that the copies and kernels of even a batch of a few thousand pages overlap.
     fn run<F, H>(
         &mut self,
-        chunks: usize,
         total: usize,
         mut fill: F,
         mut harvest: H,
@@ -256,9 +254,14 @@ impl Pipeline {
         F: FnMut(&mut dyn DeviceSlot, usize, usize) -> Result<Job, GpuError>,
         H: FnMut(&mut dyn DeviceSlot, usize, usize) -> Result<(), GpuError>,
     {
-        if chunks == 0 {
+        if total == 0 {
             return Ok(BatchTimes::default());
         }
+        let chunk_len = total
+            .div_ceil(self.slot_count)
+            .max(MIN_CHUNK_PAGES)
+            .min(self.chunk_pages);
+        let chunks = total.div_ceil(chunk_len);
         while self.slots.len() < self.slot_count {
             self.faults.check(FaultPoint::Alloc)?;
             let slot = self
@@ -278,8 +281,8 @@ impl Pipeline {
                     harvest(slot, first, count)?;
                 }
             }
-            let first = chunk * self.chunk_pages;
-            let count = self.chunk_pages.min(total - first);
+            let first = chunk * chunk_len;
+            let count = chunk_len.min(total - first);
             let slot = &mut *self.slots[s];
             let job = fill(slot, first, count)?;
             slot.submit(job)?;
