@@ -4,6 +4,8 @@
 //! that the kernel source and the model compute the same thing; the PTX itself is checked by
 //! ptxas (`scripts/check-ptx.sh`) and on hardware by `tests/gpu_device.rs`.
 //! Skipped with a printed reason when no C++20 compiler is found (`CXX`, else `c++`).
+//! `KERNEL_EMU_SANITIZE=1` builds the emulated kernels with AddressSanitizer and UBSan, so an
+//! out-of-bounds access or undefined behaviour in the kernel source fails the test (slow).
 
 mod gpu_support;
 
@@ -38,8 +40,19 @@ fn emulator() -> Option<&'static Path> {
             }
             let root = Path::new(env!("CARGO_MANIFEST_DIR"));
             let binary = work_dir().join("lz4_emu");
+            let sanitize: &[&str] = if sanitized() {
+                &[
+                    "-g",
+                    "-fsanitize=address,undefined",
+                    "-fno-sanitize-recover=all",
+                ]
+            } else {
+                &[]
+            };
             let output = Command::new(&cxx)
-                .args(["-std=c++20", "-O2", "-Wall", "-Werror", "-include"])
+                .args(["-std=c++20", "-O2", "-Wall", "-Werror"])
+                .args(sanitize)
+                .arg("-include")
                 .arg(root.join(EMU_HEADER))
                 .args(["-x", "c++"])
                 .arg(root.join(KERNELS))
@@ -58,6 +71,20 @@ fn emulator() -> Option<&'static Path> {
         .as_deref()
 }
 
+fn sanitized() -> bool {
+    std::env::var("KERNEL_EMU_SANITIZE").as_deref() == Ok("1")
+}
+
+/// The emulator as a command; under ASan, without the check that the lanes' separate stacks
+/// (fibers) confuse.
+fn emu_command(emu: &Path) -> Command {
+    let mut command = Command::new(emu);
+    if sanitized() {
+        command.env("ASAN_OPTIONS", "detect_stack_use_after_return=0");
+    }
+    command
+}
+
 fn words(bytes: &[u8]) -> Vec<u32> {
     bytes
         .chunks_exact(4)
@@ -71,7 +98,7 @@ fn emu_compress(emu: &Path, pages: &[Page], max_out: usize, name: &str) -> (Vec<
     let input = dir.join(format!("{name}.pages"));
     let output = dir.join(format!("{name}.out"));
     std::fs::write(&input, pages.as_flattened()).unwrap();
-    let status = Command::new(emu)
+    let status = emu_command(emu)
         .arg("compress")
         .arg(&input)
         .arg(max_out.to_string())
@@ -106,7 +133,7 @@ fn emu_decompress(emu: &Path, blocks: &[Vec<u8>], name: &str) -> (Vec<u32>, Vec<
         .collect();
     std::fs::write(&inputs_path, blocks.concat()).unwrap();
     std::fs::write(&index_path, index).unwrap();
-    let status = Command::new(emu)
+    let status = emu_command(emu)
         .arg("decompress")
         .arg(&inputs_path)
         .arg(&index_path)
