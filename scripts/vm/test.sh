@@ -68,10 +68,22 @@ daemon_logs() {
         tail -n 40 "$f"
     done
 }
+KNOWN_NOT_RUN=0
+# VM_TEST_KNOWN_FAILURES: a step known to fail today is not run, and says so in the verdict.
+known_failing() {
+    case " $KNOWN " in
+    *" $1 "*)
+        echo "KNOWN FAILURE, NOT RUN: $2"
+        KNOWN_NOT_RUN=$((KNOWN_NOT_RUN + 1))
+        return 0
+        ;;
+    esac
+    return 1
+}
 finish() {
     [ "$FAILS" -eq 0 ] || daemon_logs
     section "verdict"
-    echo "$CHECKS checks, $FAILS failed"
+    echo "$CHECKS checks, $FAILS failed, $KNOWN_NOT_RUN known failures not run"
     if [ "$FAILS" -eq 0 ] && [ "$CHECKS" -gt 0 ]; then
         echo "VMTEST RESULT: PASS"
     else
@@ -421,7 +433,7 @@ if [ "$MODE" = full ]; then
         check "... and the device stays" in_swaps $DEV
         $UL/swapoff $DEV
     fi
-    if ! skipped ublk-swap; then
+    if ! skipped ublk-swap && ! known_failing ublk-pressure "swap under memory pressure through /dev/ublkb0 (deadlocks in reclaim today; README, Limits)"; then
         swap_run ublk $DEV ublk_inspect
         trueno-ublk stat
     fi

@@ -196,7 +196,7 @@ units_phase() {
     got=$(awk -v d=/dev/ublkb$I '$1 == d { print $5 }' /proc/swaps)
     check "/proc/swaps lists /dev/ublkb$I with the configured priority $prio (got '$got')" [ "$got" = "$prio" ]
 
-    if [ "$started" -eq 1 ]; then
+    if [ "$started" -eq 1 ] && ! known_failing ublk-pressure "memory pressure on the unit-started device, and stat DATA after it"; then
         # The configured device is smaller than the 1 GiB one (size = ram / 2 by default):
         # fill less than RAM + swap, but more than RAM.
         pressure_run units $((RAM_MIB * 7 / 8)) units_inspect quick
