@@ -17,6 +17,7 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use thiserror::Error;
 
 use crate::cli::CreateArgs;
+use crate::codec::{Backend, BatchCodec};
 use crate::config::{self, DeviceSettings};
 use crate::stats::{self, DeviceReport};
 use crate::store::{BatchedPageStore, StoreError};
@@ -304,7 +305,12 @@ fn serve(
     let mut store_config = settings.store_config();
     store_config.reserve_bytes =
         reserve_bytes(config::ram_bytes().unwrap_or(0), store_config.mem_limit);
-    let store = BatchedPageStore::new(store_config, None)?;
+    let (gpu, gpu_state) = match store_config.forced_backend {
+        Some(Backend::Simd | Backend::SimdParallel) => (None, "not used (--backend)".to_string()),
+        _ => crate::gpu::open_for_store(store_config.algorithm),
+    };
+    tracing::info!(gpu = gpu_state, "GPU backend");
+    let store = BatchedPageStore::new(store_config, gpu.clone().map(|g| g as Arc<dyn BatchCodec>))?;
     let flusher = store
         .start_flusher(|| {
             if let Err(error) = crate::ublk::sys::set_io_flusher() {
@@ -336,7 +342,21 @@ fn serve(
     let report_store = store.clone();
     let report_settings = settings.clone();
     let _stats_endpoint = stats::serve(id, move || {
-        DeviceReport::new(id, &report_settings, "none", report_store.stats())
+        let gpu = match &gpu {
+            Some(codec) => {
+                let stats = codec.stats();
+                format!(
+                    "{gpu_state}: {} pages in {} batches, kernel {} ms, transfer {} ms, {} batches fell back to the CPU",
+                    stats.pages_compressed,
+                    stats.batches,
+                    stats.kernel_ns / 1_000_000,
+                    stats.transfer_ns / 1_000_000,
+                    stats.fallback_batches
+                )
+            }
+            None => gpu_state.clone(),
+        };
+        DeviceReport::new(id, &report_settings, gpu, report_store.stats())
     })
     .map_err(|error| tracing::warn!(%error, "stats endpoint unavailable: `trueno-ublk stat` will not see this device"))
     .ok();

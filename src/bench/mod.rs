@@ -18,10 +18,10 @@ use parking_lot::Mutex;
 use rayon::prelude::*;
 use thiserror::Error;
 
-use crate::cli::{parse_size, AlgorithmArg, BackendArg, StoreArgs};
+use crate::cli::{parse_size, StoreArgs};
 use crate::codec::{
-    select_backend, Algorithm, Backend, BatchCodec, CodecError, CompressedBatch, CpuCodec,
-    Encoding, Page, PAGE_SIZE,
+    select_backend, Backend, BatchCodec, CodecError, CompressedBatch, CpuCodec, Encoding, Page,
+    PAGE_SIZE,
 };
 use crate::store::{BatchedPageStore, FlusherHandle, StoreConfig, StoreError, StoreStats};
 use corpus::{AlignedBuf, Corpus, SplitMix64};
@@ -110,6 +110,8 @@ pub enum BenchError {
     Codec(CodecError),
     #[error("--backend gpu: no usable GPU ({0}); use --backend auto, simd or simd-parallel")]
     NoGpu(String),
+    #[error("{0}")]
+    Settings(String),
     #[error("--compare-zram: {0}")]
     ZramUnavailable(String),
     #[error("zram: {what} failed: {source}")]
@@ -207,42 +209,26 @@ pub fn verify<'a>(
 }
 
 /// The store configuration the options ask for, on a device the size of the corpus.
-fn store_config(args: &StoreArgs, size_bytes: u64) -> StoreConfig {
-    let mut config = StoreConfig::new(size_bytes);
-    config.algorithm = match args.algorithm.unwrap_or(AlgorithmArg::Lz4) {
-        AlgorithmArg::Lz4 => Algorithm::Lz4,
-        AlgorithmArg::Zstd => Algorithm::Zstd {
-            level: args.zstd_level.unwrap_or(1),
-        },
-        AlgorithmArg::Adaptive => Algorithm::Adaptive,
-    };
-    config.batched = !args.no_batched;
-    if let Some(threshold) = args.batch_threshold {
-        config.batch_threshold = threshold;
-    }
-    if let Some(ms) = args.flush_timeout_ms {
-        config.flush_timeout = Duration::from_millis(ms);
-    }
-    config.mem_limit = args.mem_limit;
-    config.forced_backend = match args.backend.unwrap_or(BackendArg::Auto) {
-        BackendArg::Auto => None,
-        BackendArg::Simd => Some(Backend::Simd),
-        BackendArg::SimdParallel => Some(Backend::SimdParallel),
-        BackendArg::Gpu => Some(Backend::Gpu),
-    };
-    config
+fn store_config(args: &StoreArgs, size_bytes: u64) -> Result<StoreConfig, BenchError> {
+    let settings =
+        crate::config::store_settings(args).map_err(|e| BenchError::Settings(e.to_string()))?;
+    Ok(settings.store_config(size_bytes))
 }
 
-/// The GPU batch codec when `--backend gpu` asks for it.
+/// The GPU codec when the backend may use one (`auto` or `gpu`); `--backend gpu` without a
+/// usable GPU is an error that says why.
 fn gpu_codec(config: &StoreConfig) -> Result<Option<Arc<dyn BatchCodec>>, BenchError> {
-    if config.forced_backend != Some(Backend::Gpu) {
+    if matches!(
+        config.forced_backend,
+        Some(Backend::Simd | Backend::SimdParallel)
+    ) {
         return Ok(None);
     }
-    match crate::gpu::probe() {
-        crate::gpu::GpuProbe::Available { name } => Err(BenchError::NoGpu(format!(
-            "{name} found, but the bench cannot drive the GPU codec yet"
-        ))),
-        crate::gpu::GpuProbe::Unavailable { reason } => Err(BenchError::NoGpu(reason)),
+    let (codec, state) = crate::gpu::open_for_store(config.algorithm);
+    match codec {
+        Some(codec) => Ok(Some(codec as Arc<dyn BatchCodec>)),
+        None if config.forced_backend == Some(Backend::Gpu) => Err(BenchError::NoGpu(state)),
+        None => Ok(None),
     }
 }
 
@@ -536,7 +522,7 @@ fn plan(args: &BenchArgs, corpus: &Corpus) -> Result<Plan, BenchError> {
     while corpus.page_count() % request_pages != 0 {
         request_pages -= 1;
     }
-    let config = store_config(&args.store, bytes);
+    let config = store_config(&args.store, bytes)?;
     Ok(Plan {
         gpu: gpu_codec(&config)?,
         config,

@@ -63,6 +63,33 @@ pub fn probe() -> GpuProbe {
     }
 }
 
+/// The GPU codec for a store, if a GPU can be used: `(codec, state in words)`. The state is
+/// what `stat` and `bench` show: the device's name, or why there is no GPU. Only LZ4 runs on
+/// the GPU, so other algorithms get no codec.
+pub fn open_for_store(algorithm: crate::codec::Algorithm) -> (Option<Arc<GpuCodec>>, String) {
+    let name = match probe() {
+        GpuProbe::Available { name } => name,
+        GpuProbe::Unavailable { reason } => return (None, format!("no GPU: {reason}")),
+    };
+    if algorithm != crate::codec::Algorithm::Lz4 {
+        return (
+            None,
+            format!("{name} (unused: the GPU compresses LZ4 only)"),
+        );
+    }
+    let config = GpuConfig {
+        max_compressed_len: crate::codec::MAX_COMPRESSED_LEN,
+        ..Default::default()
+    };
+    let cpu = Arc::new(crate::codec::CpuCodec::parallel(
+        crate::codec::Algorithm::Lz4,
+    ));
+    match GpuCodec::new(config, cpu) {
+        Ok(codec) => (Some(Arc::new(codec)), name),
+        Err(error) => (None, format!("{name} unusable: {error}")),
+    }
+}
+
 /// `true` when `probe()` finds a usable GPU.
 pub fn gpu_available() -> bool {
     matches!(probe(), GpuProbe::Available { .. })
