@@ -102,8 +102,6 @@ pub enum StoreError {
         "memory limit of {limit} bytes reached (raise --mem-limit or free pages with discard)"
     )]
     NoSpace { limit: u64 },
-    #[error("no memory for compressed pages right now (the reserve is being refilled)")]
-    NoMemory,
     #[error("stored page {page} failed to decompress: {source}")]
     Corrupt {
         page: u64,
@@ -120,7 +118,6 @@ impl StoreError {
             StoreError::OutOfRange { .. } | StoreError::Corrupt { .. } => -libc::EIO,
             StoreError::Misaligned { .. } | StoreError::Config(_) => -libc::EINVAL,
             StoreError::NoSpace { .. } => -libc::ENOSPC,
-            StoreError::NoMemory => -libc::ENOMEM,
         }
     }
 }
@@ -613,19 +610,13 @@ impl BatchedPageStore {
         Ok(())
     }
 
-    /// A free pending slot. When every batch is full and the flusher is waiting for memory,
-    /// fail with `NoMemory` rather than wait: a swap-out that fails is retried by the kernel
-    /// later, one that waits here can hold up the very reclaim that would give us memory.
+    /// A free pending slot; waits for the flusher while every batch is full.
     fn reserve_slot(&self) -> Result<(usize, usize), StoreError> {
         loop {
             let b = self.current.load(Ordering::Acquire);
             match self.batches[b].reserve() {
                 Reserve::Slot(s) => return Ok((b, s)),
                 Reserve::Closed => std::thread::yield_now(),
-                Reserve::Full if self.alloc.reserve.starved() => {
-                    add(&self.counters.mem_limit_hits, 1);
-                    return Err(StoreError::NoMemory);
-                }
                 Reserve::Full => {
                     let mut ctl = self.control.lock();
                     if !ctl.flusher_running {

@@ -45,9 +45,6 @@ pub(super) struct ChunkReserve {
     misses: AtomicU64,
     wake: Condvar,
     wake_lock: Mutex<()>,
-    /// Set while a taker waits for the refill thread; writers then fail fast instead of
-    /// queueing behind it (see `BatchedPageStore::reserve_slot`).
-    starved: AtomicBool,
     /// Signalled by the refill thread after each pass.
     refilled: Condvar,
     /// Whether a refill thread is running; without one, takers commit memory themselves.
@@ -79,7 +76,6 @@ impl ChunkReserve {
             misses: AtomicU64::new(0),
             wake: Condvar::new(),
             wake_lock: Mutex::new(()),
-            starved: AtomicBool::new(false),
             refilled: Condvar::new(),
             refill_running: AtomicBool::new(false),
             stop: AtomicBool::new(false),
@@ -116,7 +112,7 @@ impl ChunkReserve {
         if self.enabled() && self.refill_running.load(Ordering::Acquire) {
             // The I/O path must not commit memory itself: under memory pressure that waits in
             // reclaim for a swap-out through this very store. Wait for the refill thread,
-            // which may wait in reclaim, while writers fail fast (see `starved`).
+            // which may wait in reclaim.
             let misses = self.misses.fetch_add(1, Ordering::Relaxed);
             if misses.is_power_of_two() {
                 tracing::warn!(
@@ -124,13 +120,11 @@ impl ChunkReserve {
                     "chunk reserve empty: waiting for the refill thread"
                 );
             }
-            self.starved.store(true, Ordering::Release);
             loop {
                 let ready = self.pools[k].lock().ready.pop();
                 if let Some(chunk) = ready {
                     self.held_bytes
                         .fetch_sub(chunk.len() as u64, Ordering::Relaxed);
-                    self.starved.store(false, Ordering::Release);
                     return chunk;
                 }
                 if self.stop.load(Ordering::Acquire) {
@@ -140,7 +134,6 @@ impl ChunkReserve {
                 self.wake.notify_one();
                 self.refilled.wait_for(&mut guard, REFILL_PERIOD);
             }
-            self.starved.store(false, Ordering::Release);
         }
         self.commit_more(k);
         let ready = self.pools[k].lock().ready.pop();
@@ -155,11 +148,6 @@ impl ChunkReserve {
                 ArenaChunk::on_heap(&self.arena, pages * PAGE_SIZE)
             }
         }
-    }
-
-    /// Whether a taker is waiting for the refill thread right now.
-    pub(super) fn starved(&self) -> bool {
-        self.starved.load(Ordering::Acquire)
     }
 
     /// Take back a chunk that is no longer used: kept ready while the reserve is below its
