@@ -56,6 +56,8 @@ impl DescArray {
     /// A copy of tag `tag`'s descriptor. The kernel writes it before completing the tag's
     /// fetch, so it is stable while the tag is with us.
     pub fn get(&self, tag: u16) -> IoDesc {
+        // Invariant: called only for completions whose tag `Queue::serve` checked against
+        // depth; this guards the unsafe read below, not user input.
         assert!(
             tag < self.depth,
             "tag {tag} beyond queue depth {}",
@@ -111,6 +113,8 @@ impl IoBuffers {
 
     /// The address the kernel copies tag `tag`'s data to and from.
     pub fn addr(&self, tag: u16) -> u64 {
+        // Invariant: the queue only names tags it made (0..depth) or completions whose tag it
+        // has checked against depth; a bad tag here is a bug, not input.
         assert!(tag < self.depth);
         self.base.as_ptr() as u64 + tag as u64 * self.tag_size as u64
     }
@@ -122,6 +126,8 @@ impl IoBuffers {
     /// Tag `tag`'s buffer. Only called for a tag whose command has completed, so the kernel is
     /// not copying into it until the tag is committed again.
     pub fn tag_mut(&mut self, tag: u16) -> &mut [u8] {
+        // Invariant as in `addr`: `Queue::serve` retires any completion whose tag is >= depth
+        // before serving it.
         assert!(tag < self.depth);
         // SAFETY: the slice lies inside the mapping (tag < depth), lives no longer than
         // `&mut self`, and `&mut self` makes it the only Rust reference to that memory; the
