@@ -253,9 +253,8 @@ pub fn command_bytes<T: Pod, const N: usize>(value: &T) -> [u8; N] {
     bytes
 }
 
-/// `PR_SET_IO_FLUSHER` and `PR_GET_IO_FLUSHER` from `include/uapi/linux/prctl.h` (Linux 5.6+).
+/// `PR_SET_IO_FLUSHER` from `include/uapi/linux/prctl.h` (Linux 5.6+).
 const PR_SET_IO_FLUSHER: libc::c_int = 57;
-const PR_GET_IO_FLUSHER: libc::c_int = 58;
 
 /// Mark the calling thread as an I/O flusher (`PR_SET_IO_FLUSHER`): its allocations do not
 /// recurse into I/O, so a thread that serves swap never waits on swap. Needs CAP_SYS_RESOURCE.
@@ -267,17 +266,6 @@ pub fn set_io_flusher() -> std::io::Result<()> {
         Ok(())
     } else {
         Err(std::io::Error::last_os_error())
-    }
-}
-
-/// Whether the calling thread is marked as an I/O flusher (`PR_GET_IO_FLUSHER`).
-pub fn is_io_flusher() -> std::io::Result<bool> {
-    // SAFETY: prctl(PR_GET_IO_FLUSHER, 0, 0, 0, 0) takes no pointers and only reads a flag.
-    let rc = unsafe { libc::prctl(PR_GET_IO_FLUSHER, 0, 0, 0, 0) };
-    if rc < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(rc == 1)
     }
 }
 
