@@ -33,9 +33,7 @@ const DETACHED_ENV: &str = "TRUENO_UBLK_DETACHED_LOG";
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Bytes of buffer per tag: the largest READ or WRITE the kernel sends us.
-pub const DEFAULT_MAX_IO_BYTES: u32 = 256 << 10;
-/// Stack of rayon workers: they compress pages, and with `mlockall` every byte is locked.
-const WORKER_STACK_BYTES: usize = 1 << 20;
+pub const DEFAULT_MAX_IO_BYTES: u32 = 128 << 10;
 
 #[derive(Debug, Error)]
 pub enum DaemonError {
@@ -90,11 +88,19 @@ fn lock_memory() {
     }
 }
 
+/// Keep the OOM killer away from the daemon: killing it would lose every page swapped to it,
+/// and with them the processes that own those pages.
+fn protect_from_oom_killer() {
+    if let Err(error) = std::fs::write("/proc/self/oom_score_adj", "-1000") {
+        tracing::warn!(%error, "could not set oom_score_adj: the OOM killer may pick this daemon and lose the pages swapped to it");
+    }
+}
+
 /// Chunk memory the store keeps ready so that storing swapped-out pages never waits on
-/// reclaim: a sixteenth of RAM, between 8 and 128 MiB, and no more than the memory limit.
+/// reclaim: a thirty-second of RAM, between 4 and 64 MiB, and no more than the memory limit.
 fn reserve_bytes(ram_bytes: u64, mem_limit: Option<u64>) -> u64 {
-    (ram_bytes / 16)
-        .clamp(8 << 20, 128 << 20)
+    (ram_bytes / 32)
+        .clamp(4 << 20, 64 << 20)
         .min(mem_limit.unwrap_or(u64::MAX))
 }
 
@@ -262,7 +268,7 @@ fn run_foreground(settings: DeviceSettings) -> Result<(), DaemonError> {
         // Leave the terminal's session so its hangup and job control never reach us.
         let _ = nix::unistd::setsid();
     }
-    init_logging();
+    let _log_writer = init_logging();
     let mut notifier = Notifier::from_env();
     let result = serve(settings, detached_log.as_deref(), &mut notifier);
     if let Err(error) = &result {
@@ -272,14 +278,21 @@ fn run_foreground(settings: DeviceSettings) -> Result<(), DaemonError> {
     result
 }
 
-fn init_logging() {
+/// Log to stderr (the log file, when detached) through a writer thread: a queue thread that
+/// logs under memory pressure must not wait for the page cache of the log file (seen in the
+/// VM: a queue thread stuck allocating a page of the log while every swap bio waited for it).
+/// Lines past the writer's backlog are dropped, never waited for. Keep the guard alive: its
+/// drop flushes the backlog.
+fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
     let filter = tracing_subscriber::EnvFilter::try_from_env("TRUENO_UBLK_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let (writer, guard) = tracing_appender::non_blocking(std::io::stderr());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(writer)
         .with_ansi(std::io::stderr().is_terminal())
         .try_init();
+    guard
 }
 
 fn serve(
@@ -292,9 +305,12 @@ fn serve(
     // written, and so faulted in and locked, when it is set up (page table, pending batches,
     // tag buffers, chunk reserve), before the device is live.
     lock_memory();
+    protect_from_oom_killer();
+    crate::mem::configure_heap();
     let _ = rayon::ThreadPoolBuilder::new()
-        .stack_size(WORKER_STACK_BYTES)
+        .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
         .start_handler(|_| {
+            crate::mem::prepare_io_thread();
             let _ = crate::ublk::sys::set_io_flusher();
         })
         .build_global();
@@ -313,8 +329,9 @@ fn serve(
     let store = BatchedPageStore::new(store_config, gpu.clone().map(|g| g as Arc<dyn BatchCodec>))?;
     let flusher = store
         .start_flusher(|| {
+            crate::mem::prepare_io_thread();
             if let Err(error) = crate::ublk::sys::set_io_flusher() {
-                tracing::warn!(%error, "PR_SET_IO_FLUSHER failed on the flusher");
+                tracing::warn!(%error, "PR_SET_IO_FLUSHER failed on a store thread");
             }
         })
         .map_err(io_error("starting the flusher"))?;

@@ -193,6 +193,69 @@ impl DerefMut for ArenaChunk {
     }
 }
 
+/// Stack every I/O-path thread (queue, flusher, rayon worker) is given.
+pub const IO_THREAD_STACK_BYTES: usize = 1 << 20;
+/// How much of it is faulted in up front: far deeper than any I/O path goes (liblz4's
+/// compressor, the deepest frame, takes 16 KiB).
+const IO_STACK_PREFAULT_BYTES: usize = 256 << 10;
+/// Free heap each I/O-path thread faults in for its own malloc arena.
+const IO_HEAP_WARM_BYTES: usize = 1 << 20;
+
+/// Ready the calling thread for the I/O path: fault in (and so, under `mlockall`, lock) the
+/// next 256 KiB of its stack and 1 MiB of free space in its malloc arena.
+///
+/// Why: under `MCL_ONFAULT` pages are only faulted in when first written. A thread serving
+/// swap I/O that touches a fresh page under memory pressure waits in reclaim for the very
+/// swap-out it is serving, and with it every bio in flight (seen in the VM: a rayon worker
+/// stuck in a page fault while kswapd and every allocating task waited for a free bio).
+/// The I/O path allocates little (batch bookkeeping, codec contexts) and frees what it
+/// allocates, so with trimming off (`configure_heap`) it is served from pages it already has.
+/// Call it first thing on every such thread.
+pub fn prepare_io_thread() {
+    prefault_stack();
+    // Many blocks rather than one, so that they come from this thread's arena (not mmap) and,
+    // once freed, coalesce into free space any later allocation can use.
+    const BLOCK: usize = 64 << 10;
+    let blocks: Vec<Vec<u8>> = (0..IO_HEAP_WARM_BYTES / BLOCK)
+        .map(|_| vec![1u8; BLOCK])
+        .collect();
+    std::hint::black_box(&blocks);
+}
+
+#[inline(never)]
+fn prefault_stack() {
+    let mut probe = [0u8; IO_STACK_PREFAULT_BYTES];
+    std::hint::black_box(&mut probe);
+}
+
+/// Keep freed heap memory in the process: glibc's malloc never trims its arenas and serves
+/// everything under 32 MiB from them rather than from fresh mmaps. Without this, memory an
+/// I/O-path thread freed goes back to the kernel and its next allocation faults fresh pages
+/// in (see `prepare_io_thread`). Call it before other threads start.
+pub fn configure_heap() {
+    #[cfg(target_env = "gnu")]
+    {
+        /// glibc's largest mmap threshold on 64-bit targets (DEFAULT_MMAP_THRESHOLD_MAX).
+        const MMAP_THRESHOLD_MAX: libc::c_int = 32 << 20;
+        for (param, value, what) in [
+            (libc::M_TRIM_THRESHOLD, libc::c_int::MAX, "M_TRIM_THRESHOLD"),
+            (
+                libc::M_MMAP_THRESHOLD,
+                MMAP_THRESHOLD_MAX,
+                "M_MMAP_THRESHOLD",
+            ),
+        ] {
+            // SAFETY: mallopt only changes glibc's malloc tunables; it takes no pointers.
+            if unsafe { libc::mallopt(param, value) } != 1 {
+                tracing::warn!(
+                    param = what,
+                    "mallopt failed: the heap may need fresh pages under memory pressure"
+                );
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -433,7 +433,7 @@ if [ "$MODE" = full ]; then
         check "... and the device stays" in_swaps $DEV
         $UL/swapoff $DEV
     fi
-    if ! skipped ublk-swap && ! known_failing ublk-pressure "swap under memory pressure through /dev/ublkb0 (deadlocks in reclaim today; README, Limits)"; then
+    if ! skipped ublk-swap && ! known_failing ublk-pressure "swap under memory pressure through /dev/ublkb0 (does not complete today; README, Limits)"; then
         swap_run ublk $DEV ublk_inspect
         trueno-ublk stat
     fi

@@ -46,6 +46,16 @@ use table::{PageState, PageTable};
 /// Pending batches: one fills while the flusher compresses the other.
 const PENDING_BATCHES: usize = 2;
 
+/// A writer that finds every pending batch full while the flusher has been waiting this long
+/// for chunk memory fails its write with `ENOMEM` instead of waiting on. Why: the daemon
+/// serves swap, and when the system has no memory to give the store, a write that waits holds
+/// its bio, and with it every task in reclaim (they wait for bios and writeback), the
+/// memory those tasks would free, and the OOM killer, which the kernel does not call while
+/// writeback is pending. Failing the write lets reclaim go on (the kernel keeps the page and
+/// tries again later) and, if memory really is gone, the OOM killer act. Short bursts, in
+/// which the refill thread catches up within milliseconds, never fail.
+const STARVED_WRITE_TIMEOUT: Duration = Duration::from_millis(500);
+
 /// Reads of at least this many pages (1 MiB) decompress on all cores. Smaller ones, which is
 /// every request the kernel sends a ublk device by default, stay on the caller's thread: the
 /// shared rayon pool may be busy with a flush, and a small read must not wait behind it.
@@ -102,6 +112,10 @@ pub enum StoreError {
         "memory limit of {limit} bytes reached (raise --mem-limit or free pages with discard)"
     )]
     NoSpace { limit: u64 },
+    #[error(
+        "no memory for compressed pages: the system has given the store none for {waited_ms} ms"
+    )]
+    OutOfMemory { waited_ms: u64 },
     #[error("stored page {page} failed to decompress: {source}")]
     Corrupt {
         page: u64,
@@ -118,12 +132,13 @@ impl StoreError {
             StoreError::OutOfRange { .. } | StoreError::Corrupt { .. } => -libc::EIO,
             StoreError::Misaligned { .. } | StoreError::Config(_) => -libc::EINVAL,
             StoreError::NoSpace { .. } => -libc::ENOSPC,
+            StoreError::OutOfMemory { .. } => -libc::ENOMEM,
         }
     }
 }
 
 /// A point-in-time copy of the store's counters (zram's mm_stat and more). Gauges describe the
-/// pages held now; counters (`pages_simd` .. `mem_limit_hits`) count since the store started.
+/// pages held now; counters (`pages_simd` .. `starved_writes`) count since the store started.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct StoreStats {
     pub disk_size: u64,
@@ -164,6 +179,9 @@ pub struct StoreStats {
     pub failed_writes: u64,
     pub discarded_pages: u64,
     pub mem_limit_hits: u64,
+    /// Writes failed with ENOMEM because the system gave the store no memory for a while.
+    #[serde(default)]
+    pub starved_writes: u64,
     /// Bytes of chunk memory held ready in the reserve (not in `mem_used`).
     #[serde(default)]
     pub reserve_bytes: u64,
@@ -193,6 +211,7 @@ struct Counters {
     failed_writes: AtomicU64,
     discarded_pages: AtomicU64,
     mem_limit_hits: AtomicU64,
+    starved_writes: AtomicU64,
 }
 
 fn add(c: &AtomicU64, n: u64) {
@@ -408,10 +427,12 @@ impl BatchedPageStore {
         }))
     }
 
-    /// Start the flusher thread; `thread_init` runs first on it (the daemon sets PR_SET_IO_FLUSHER).
+    /// Start the flusher thread and, when the store keeps a chunk reserve, its refill thread.
+    /// `thread_init` runs first on each (the daemon readies them for the I/O path and makes
+    /// them I/O flushers: see `reserve` for why the refill thread is one too).
     pub fn start_flusher(
         self: &Arc<Self>,
-        thread_init: impl FnOnce() + Send + 'static,
+        thread_init: impl Fn() + Send + Sync + Clone + 'static,
     ) -> std::io::Result<FlusherHandle> {
         {
             let mut ctl = self.control.lock();
@@ -424,21 +445,24 @@ impl BatchedPageStore {
             ctl.flusher_running = true;
         }
         let store = Arc::clone(self);
+        let init = thread_init.clone();
         let spawned = std::thread::Builder::new()
             .name("trueno-flusher".into())
+            .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
             .spawn(move || {
                 let _running = FlusherRunning(&store);
-                thread_init();
+                init();
                 store.flusher_loop();
             });
-        // The refill thread is deliberately not given `thread_init`: it must be free to wait in
-        // reclaim (and so to swap out) while the flusher carries on from the reserve.
         let refill_thread = if self.alloc.reserve.enabled() {
             let store = Arc::clone(self);
             let spawned = std::thread::Builder::new()
                 .name("trueno-reserve".into())
-                .stack_size(256 << 10)
-                .spawn(move || store.alloc.reserve.run_refill());
+                .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
+                .spawn(move || {
+                    thread_init();
+                    store.alloc.reserve.run_refill()
+                });
             match spawned {
                 Ok(thread) => Some(thread),
                 Err(e) => {
@@ -618,6 +642,13 @@ impl BatchedPageStore {
                 Reserve::Slot(s) => return Ok((b, s)),
                 Reserve::Closed => std::thread::yield_now(),
                 Reserve::Full => {
+                    let starved = self.alloc.reserve.starved_for();
+                    if starved >= STARVED_WRITE_TIMEOUT {
+                        add(&self.counters.starved_writes, 1);
+                        return Err(StoreError::OutOfMemory {
+                            waited_ms: starved.as_millis() as u64,
+                        });
+                    }
                     let mut ctl = self.control.lock();
                     if !ctl.flusher_running {
                         drop(ctl);
@@ -905,6 +936,7 @@ impl BatchedPageStore {
             failed_writes: get(&c.failed_writes),
             discarded_pages: get(&c.discarded_pages),
             mem_limit_hits: get(&c.mem_limit_hits),
+            starved_writes: get(&c.starved_writes),
             reserve_bytes: self.alloc.reserve.held_bytes(),
             reserve_misses: self.alloc.reserve.misses(),
         }

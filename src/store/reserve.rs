@@ -5,10 +5,13 @@
 //! pages out *through this store*. If storing them needed fresh pages from the kernel, the
 //! flusher would wait in reclaim for a swap-out that waits for the flusher: a deadlock the
 //! kernel does not break, because an I/O flusher's allocations (PR_SET_IO_FLUSHER) retry
-//! instead of invoking the OOM killer. So chunks come from this reserve, and a refill thread,
-//! which is *not* an I/O flusher and may wait in reclaim while the I/O path carries on, tops it
-//! back up. Freed chunks return to the reserve while it is below its target, and give their
-//! pages back to the system (a hole punched in the arena) beyond it.
+//! instead of invoking the OOM killer. So chunks come from this reserve, and a refill thread
+//! tops it back up while the I/O path carries on. The daemon makes the refill thread an I/O
+//! flusher too: its reclaim then takes pages whose swap-out has completed (clean pages) rather
+//! than starting swap-outs, whose bios would queue behind the very flusher that waits for this
+//! thread (seen in the VM). How long a taker has waited for it (`starved_for`) tells the store
+//! when to stop accepting writes. Freed chunks return to the reserve while it is below its
+//! target, and give their pages back to the system (a hole punched in the arena) beyond it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -43,6 +46,10 @@ pub(super) struct ChunkReserve {
     target_bytes: u64,
     /// Chunks that had to be committed on the I/O path because the reserve was empty.
     misses: AtomicU64,
+    /// When (ns since `epoch`, plus one) a taker began waiting for the refill thread; 0 while
+    /// none waits.
+    waiting_since: AtomicU64,
+    epoch: std::time::Instant,
     wake: Condvar,
     wake_lock: Mutex<()>,
     /// Signalled by the refill thread after each pass.
@@ -74,6 +81,8 @@ impl ChunkReserve {
             held_bytes: AtomicU64::new(0),
             target_bytes,
             misses: AtomicU64::new(0),
+            waiting_since: AtomicU64::new(0),
+            epoch: std::time::Instant::now(),
             wake: Condvar::new(),
             wake_lock: Mutex::new(()),
             refilled: Condvar::new(),
@@ -93,6 +102,22 @@ impl ChunkReserve {
 
     pub(super) fn misses(&self) -> u64 {
         self.misses.load(Ordering::Relaxed)
+    }
+
+    /// How long a taker has been waiting for the refill thread (zero while none waits): how
+    /// long the system has had no memory to give the store.
+    pub(super) fn starved_for(&self) -> Duration {
+        match self.waiting_since.load(Ordering::Relaxed) {
+            0 => Duration::ZERO,
+            since => self
+                .epoch
+                .elapsed()
+                .saturating_sub(Duration::from_nanos(since - 1)),
+        }
+    }
+
+    fn now_ns(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX - 1)
     }
 
     /// A chunk of `pages` pages: from the reserve, or committed now if the reserve has none.
@@ -120,14 +145,22 @@ impl ChunkReserve {
                     "chunk reserve empty: waiting for the refill thread"
                 );
             }
+            let _ = self.waiting_since.compare_exchange(
+                0,
+                self.now_ns() + 1,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
             loop {
                 let ready = self.pools[k].lock().ready.pop();
                 if let Some(chunk) = ready {
                     self.held_bytes
                         .fetch_sub(chunk.len() as u64, Ordering::Relaxed);
+                    self.waiting_since.store(0, Ordering::Relaxed);
                     return chunk;
                 }
                 if self.stop.load(Ordering::Acquire) {
+                    self.waiting_since.store(0, Ordering::Relaxed);
                     break;
                 }
                 let mut guard = self.wake_lock.lock();
@@ -275,6 +308,25 @@ mod tests {
         }
         reserve.stop();
         refill.join().unwrap();
+    }
+
+    #[test]
+    fn a_taker_left_waiting_by_the_refill_thread_shows_as_starvation() {
+        let reserve = Arc::new(ChunkReserve::new(8 * PAGE_SIZE as u64, ARENA, &[1]).unwrap());
+        assert_eq!(reserve.starved_for(), Duration::ZERO);
+        // A refill thread that never commits anything: the system has no memory to give.
+        reserve.refill_running.store(true, Ordering::Release);
+        let taker = {
+            let reserve = Arc::clone(&reserve);
+            std::thread::spawn(move || (0..64).map(|_| reserve.take(1).len()).sum::<usize>())
+        };
+        while reserve.starved_for() < Duration::from_millis(20) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Stopping releases the taker (it commits for itself) and ends the starvation.
+        reserve.stop();
+        assert_eq!(taker.join().unwrap(), 64 * PAGE_SIZE);
+        assert_eq!(reserve.starved_for(), Duration::ZERO);
     }
 
     #[test]

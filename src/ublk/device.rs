@@ -17,7 +17,6 @@ use super::UblkError;
 
 /// Stack of a queue thread: the handler compresses and decompresses pages, nothing deep, and
 /// with `mlockall` every byte of it is locked.
-const QUEUE_STACK_BYTES: usize = 1 << 20;
 /// How long the char device may take to appear after ADD_DEV (devtmpfs or udev).
 const CHAR_DEV_WAIT: Duration = Duration::from_secs(5);
 
@@ -108,8 +107,9 @@ impl Device {
             let (ready_tx, exited) = (ready_tx.clone(), exited.clone());
             let thread = std::thread::Builder::new()
                 .name(format!("ublk{id}-q{q_id}"))
-                .stack_size(QUEUE_STACK_BYTES)
+                .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
                 .spawn(move || {
+                    crate::mem::prepare_io_thread();
                     let result = match Queue::fetch_all(setup, &char_dev) {
                         Ok(queue) => {
                             let _ = ready_tx.send(Ok(()));
