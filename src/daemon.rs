@@ -33,7 +33,7 @@ const DETACHED_ENV: &str = "TRUENO_UBLK_DETACHED_LOG";
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Bytes of buffer per tag: the largest READ or WRITE the kernel sends us.
-pub const DEFAULT_MAX_IO_BYTES: u32 = 128 << 10;
+pub const DEFAULT_MAX_IO_BYTES: u32 = 64 << 10;
 
 #[derive(Debug, Error)]
 pub enum DaemonError {
@@ -85,6 +85,19 @@ fn lock_memory() {
     let flags = libc::MCL_CURRENT | libc::MCL_FUTURE | MCL_ONFAULT;
     if let Err(error) = mlockall(MlockAllFlags::from_bits_retain(flags)) {
         tracing::warn!(%error, "mlockall failed: the daemon's memory may be swapped out, which can deadlock swap on this device");
+    }
+}
+
+/// Ready a thread of the store (flusher, reserve refill, rayon worker) for the I/O path, as
+/// the ublk layer does its queue threads: stack and arena faulted in, an I/O flusher, top CPU
+/// priority.
+fn ready_store_thread() {
+    crate::mem::prepare_io_thread();
+    if let Err(error) = crate::ublk::sys::set_io_flusher() {
+        tracing::warn!(%error, "PR_SET_IO_FLUSHER failed on a store thread");
+    }
+    if let Err(error) = crate::ublk::sys::raise_thread_priority() {
+        tracing::warn!(%error, "could not raise a store thread's priority");
     }
 }
 
@@ -309,10 +322,7 @@ fn serve(
     crate::mem::configure_heap();
     let _ = rayon::ThreadPoolBuilder::new()
         .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
-        .start_handler(|_| {
-            crate::mem::prepare_io_thread();
-            let _ = crate::ublk::sys::set_io_flusher();
-        })
+        .start_handler(|_| ready_store_thread())
         .build_global();
 
     // Signals first, so a SIGTERM during start-up is not lost.
@@ -328,12 +338,7 @@ fn serve(
     tracing::info!(gpu = gpu_state, "GPU backend");
     let store = BatchedPageStore::new(store_config, gpu.clone().map(|g| g as Arc<dyn BatchCodec>))?;
     let flusher = store
-        .start_flusher(|| {
-            crate::mem::prepare_io_thread();
-            if let Err(error) = crate::ublk::sys::set_io_flusher() {
-                tracing::warn!(%error, "PR_SET_IO_FLUSHER failed on a store thread");
-            }
-        })
+        .start_flusher(ready_store_thread)
         .map_err(io_error("starting the flusher"))?;
     let handler = Arc::new(StoreHandler {
         store: store.clone(),

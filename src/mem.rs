@@ -228,6 +228,39 @@ fn prefault_stack() {
     std::hint::black_box(&mut probe);
 }
 
+/// An empty vector with room for `capacity` entries, that room faulted in (see `populate`):
+/// pushes up to `capacity` touch no fresh page.
+pub fn faulted_in_vec<T>(capacity: usize) -> Vec<T> {
+    let mut v = Vec::with_capacity(capacity);
+    populate(v.spare_capacity_mut());
+    v
+}
+
+/// Fault in (and so, under `mlockall`, lock) the pages under `items`, without changing them.
+///
+/// Why: memory that is only allocated is not there yet. Zeroed allocations in particular
+/// (the compiler turns a zero-filled `collect` into one) come from the kernel untouched, and
+/// the first write to each page under memory pressure, from a thread serving swap, waits in
+/// reclaim for the swap-out it is serving (seen in the VM: the page table's pages faulted in
+/// by the queue thread). Call it on everything the I/O path writes, before the device is live.
+pub fn populate<T>(items: &[T]) {
+    let bytes = std::mem::size_of_val(items);
+    if bytes == 0 {
+        return;
+    }
+    let start = items.as_ptr() as usize & !(HOST_PAGE - 1);
+    let end = (items.as_ptr() as usize + bytes).div_ceil(HOST_PAGE) * HOST_PAGE;
+    let Some(ptr) = NonNull::new(start as *mut std::ffi::c_void) else {
+        return;
+    };
+    // SAFETY: `[start, end)` covers only whole pages that hold part of `items`, which are
+    // mapped for as long as `items` is borrowed; MADV_POPULATE_WRITE makes them present
+    // without changing a byte, so no Rust value, ours or a neighbour's, sees any change.
+    if let Err(error) = unsafe { madvise(ptr, end - start, MmapAdvise::MADV_POPULATE_WRITE) } {
+        tracing::warn!(%error, bytes, "faulting in I/O-path memory failed");
+    }
+}
+
 /// Keep freed heap memory in the process: glibc's malloc never trims its arenas and serves
 /// everything under 32 MiB from them rather than from fresh mmaps. Without this, memory an
 /// I/O-path thread freed goes back to the kernel and its next allocation faults fresh pages

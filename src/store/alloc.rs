@@ -14,6 +14,7 @@ use parking_lot::{Mutex, RwLock};
 
 use super::reserve::ChunkReserve;
 use crate::codec::PAGE_SIZE;
+use crate::mem::{faulted_in_vec, ArenaChunk};
 
 /// Object sizes are multiples of this.
 const GRANULE: usize = 16;
@@ -23,6 +24,13 @@ const GRANULES: usize = PAGE_SIZE / GRANULE;
 /// the classes 0.7% tighter on a 4 GiB working set, but every class's last, partly used chunk
 /// costs twice as much: on real pages 8 is better up to about 1 GiB and within 0.7% above.
 const MAX_CHUNK_PAGES: usize = 8;
+
+/// Most objects a chunk holds (16-byte objects in one page; no class packs more, checked
+/// when the allocator is built), and the words of its free bitmap.
+const MAX_OBJS_PER_CHUNK: usize = 256;
+const BITMAP_WORDS: usize = MAX_OBJS_PER_CHUNK / 64;
+/// Chunks a class can add before its bookkeeping must grow (see `provision`).
+const PROVISION_MIN_SLACK: usize = 64;
 
 /// Where one object lives: class, chunk and object index packed into a `u64` so that the page
 /// table can hold it in one word.
@@ -54,8 +62,8 @@ impl Handle {
 #[derive(Debug)]
 struct ChunkUsage {
     used: u32,
-    /// Bit set = object free.
-    free: Box<[u64]>,
+    /// Bit set = object free. Inline, so adding a chunk allocates nothing on the heap.
+    free: [u64; BITMAP_WORDS],
     /// Position in the class's `partial` list, if the chunk has a free object.
     partial_pos: Option<u32>,
 }
@@ -71,7 +79,7 @@ struct ClassState {
 }
 
 /// One chunk's bytes, shared by readers, exclusive to the writer copying an object in.
-type Chunk = RwLock<crate::mem::ArenaChunk>;
+type Chunk = RwLock<ArenaChunk>;
 
 struct SizeClass {
     obj_size: usize,
@@ -154,13 +162,53 @@ impl ZsAllocator {
         for class in self.classes.iter() {
             let dir = class.chunks.read().capacity();
             let st = class.state.lock();
-            let bitmaps: usize = st.usage.iter().flatten().map(|u| u.free.len() * 8).sum();
             total += dir * std::mem::size_of::<Option<Chunk>>()
                 + st.usage.capacity() * std::mem::size_of::<Option<ChunkUsage>>()
-                + bitmaps
                 + (st.partial.capacity() + st.free_ids.capacity()) * 4;
         }
         (total + std::mem::size_of_val(&*self.classes) + self.class_of.len()) as u64
+    }
+
+    /// Grow each class's bookkeeping ahead of need, from the calling (refill) thread.
+    ///
+    /// Why: adding a chunk on the I/O path pushes onto these vectors, and a push past their
+    /// capacity reallocates: fresh heap pages faulted in under memory pressure by a thread that
+    /// serves swap (seen in the VM: a rayon worker stuck in such a fault while every swap bio
+    /// waited for it). Here the new buffers are allocated and faulted in outside every lock,
+    /// and only the move of the entries happens under the class lock.
+    pub(super) fn provision(&self) {
+        for class in self.classes.iter() {
+            let (len, capacity) = {
+                let st = class.state.lock();
+                (st.usage.len(), st.usage.capacity())
+            };
+            if capacity - len >= (len / 8).max(PROVISION_MIN_SLACK) {
+                continue;
+            }
+            let want = len + (len / 4).max(2 * PROVISION_MIN_SLACK);
+            let mut usage = faulted_in_vec::<Option<ChunkUsage>>(want);
+            let mut dir = faulted_in_vec::<Option<Chunk>>(want);
+            let mut partial = faulted_in_vec::<u32>(want);
+            let mut free_ids = faulted_in_vec::<u32>(want);
+            {
+                let mut st = class.state.lock();
+                let mut chunks = class.chunks.write();
+                // `partial` and `free_ids` never hold more entries than `usage`: one capacity
+                // covers all four.
+                // Moved only if it still fits: nothing may allocate under the class lock.
+                if st.usage.capacity() < want && st.usage.len() <= want {
+                    usage.append(&mut st.usage);
+                    dir.append(&mut chunks);
+                    partial.append(&mut st.partial);
+                    free_ids.append(&mut st.free_ids);
+                    std::mem::swap(&mut st.usage, &mut usage);
+                    std::mem::swap(&mut *chunks, &mut dir);
+                    std::mem::swap(&mut st.partial, &mut partial);
+                    std::mem::swap(&mut st.free_ids, &mut free_ids);
+                }
+            }
+            // The old (or unused) buffers are freed here, outside the locks.
+        }
     }
 
     /// Copy `bytes` (1 to `PAGE_SIZE` of them) into a new object.
@@ -186,7 +234,16 @@ impl ZsAllocator {
         loop {
             let chunk = match st.partial.last() {
                 Some(&id) => id,
-                None => self.add_chunk(class, &mut st),
+                None => {
+                    // Taking a chunk may wait for the reserve's refill thread: not under the
+                    // class lock, which frees (discards, overwrites) need meanwhile, and which
+                    // free memory the refill may be waiting for (seen in the VM: a discard
+                    // stuck behind a flush that waited for the refill).
+                    drop(st);
+                    let data = self.reserve.take(class.chunk_bytes / PAGE_SIZE);
+                    st = class.state.lock();
+                    self.add_chunk(class, &mut st, data)
+                }
             };
             let ClassState { usage, partial, .. } = &mut *st;
             let pos = partial.len() as u32 - 1;
@@ -215,12 +272,13 @@ impl ZsAllocator {
         }
     }
 
-    fn add_chunk(&self, class: &SizeClass, st: &mut ClassState) -> u32 {
-        let mut free = vec![0u64; class.objs_per_chunk.div_ceil(64)].into_boxed_slice();
+    /// Add `data` as a new, empty chunk of `class`; returns its id.
+    fn add_chunk(&self, class: &SizeClass, st: &mut ClassState, data: ArenaChunk) -> u32 {
+        let mut free = [0u64; BITMAP_WORDS];
         for i in 0..class.objs_per_chunk {
             free[i / 64] |= 1 << (i % 64);
         }
-        let data = RwLock::new(self.reserve.take(class.chunk_bytes / PAGE_SIZE));
+        let data = RwLock::new(data);
         let mut dir = class.chunks.write();
         let id = match st.free_ids.pop() {
             Some(id) => {
@@ -259,12 +317,16 @@ impl ZsAllocator {
             tracing::error!(?handle, "free of an object in no live chunk ignored");
             return;
         };
-        let (word, bit) = (handle.obj() / 64, handle.obj() % 64);
-        if u.free[word] & (1 << bit) != 0 {
+        let bit = handle.obj() % 64;
+        let Some(word) = u.free.get_mut(handle.obj() / 64) else {
+            tracing::error!(?handle, "free of an object past its chunk ignored");
+            return;
+        };
+        if *word & (1 << bit) != 0 {
             tracing::error!(?handle, "double free ignored");
             return;
         }
-        u.free[word] |= 1 << bit;
+        *word |= 1 << bit;
         u.used -= 1;
         if u.used == 0 {
             if let Some(pos) = u.partial_pos.take() {

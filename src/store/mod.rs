@@ -46,15 +46,15 @@ use table::{PageState, PageTable};
 /// Pending batches: one fills while the flusher compresses the other.
 const PENDING_BATCHES: usize = 2;
 
-/// A writer that finds every pending batch full while the flusher has been waiting this long
-/// for chunk memory fails its write with `ENOMEM` instead of waiting on. Why: the daemon
-/// serves swap, and when the system has no memory to give the store, a write that waits holds
-/// its bio, and with it every task in reclaim (they wait for bios and writeback), the
-/// memory those tasks would free, and the OOM killer, which the kernel does not call while
-/// writeback is pending. Failing the write lets reclaim go on (the kernel keeps the page and
-/// tries again later) and, if memory really is gone, the OOM killer act. Short bursts, in
+/// A writer that has waited this long for a pending slot while the flusher waits for chunk
+/// memory fails its write with `ENOMEM`, and so do the writes after it until the flusher frees
+/// a batch. Why: the daemon serves swap, and when the system has no memory to give the store,
+/// a write that waits holds its bio, and with it every task in reclaim (they wait for bios and
+/// writeback), the swap-ins queued behind it, and the OOM killer, which the kernel does not
+/// call while writeback is pending. Failing the write lets reclaim go on (the kernel keeps the
+/// page and tries again later) and, if memory really is gone, the OOM killer act. Bursts, in
 /// which the refill thread catches up within milliseconds, never fail.
-const STARVED_WRITE_TIMEOUT: Duration = Duration::from_millis(500);
+const STARVED_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Reads of at least this many pages (1 MiB) decompress on all cores. Smaller ones, which is
 /// every request the kernel sends a ublk device by default, stay on the caller's thread: the
@@ -113,7 +113,7 @@ pub enum StoreError {
     )]
     NoSpace { limit: u64 },
     #[error(
-        "no memory for compressed pages: the system has given the store none for {waited_ms} ms"
+        "no memory for compressed pages: the flusher has waited {waited_ms} ms for the system to give the store some"
     )]
     OutOfMemory { waited_ms: u64 },
     #[error("stored page {page} failed to decompress: {source}")]
@@ -289,6 +289,9 @@ pub struct BatchedPageStore {
     flush: Mutex<CompressedBatch>,
     /// Bytes promised to written pages not yet compressed: each may need a whole page.
     reserved_bytes: AtomicU64,
+    /// Set when a writer gave up waiting for a pending slot while the flusher waited for chunk
+    /// memory (see `STARVED_WRITE_TIMEOUT`); cleared when the flusher frees a batch.
+    starving: AtomicBool,
     shut_down: AtomicBool,
     epoch: Instant,
     counters: Counters,
@@ -399,6 +402,7 @@ impl BatchedPageStore {
         let alloc = ZsAllocator::new(config.reserve_bytes, arena_bytes as usize)
             .map_err(|e| StoreError::Config(format!("cannot reserve page memory: {e}")))?;
         alloc.reserve.refill();
+        alloc.provision();
         Ok(Arc::new(Self {
             simd: CpuCodec::single(config.algorithm),
             parallel: CpuCodec::parallel(config.algorithm),
@@ -417,9 +421,13 @@ impl BatchedPageStore {
             flush: Mutex::new({
                 let mut out = CompressedBatch::default();
                 out.reset(batch_pages);
+                crate::mem::populate(&out.data);
+                crate::mem::populate(&out.lens);
+                crate::mem::populate(&out.encodings);
                 out
             }),
             reserved_bytes: AtomicU64::new(0),
+            starving: AtomicBool::new(false),
             shut_down: AtomicBool::new(false),
             epoch: Instant::now(),
             counters: Counters::default(),
@@ -461,7 +469,7 @@ impl BatchedPageStore {
                 .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
                 .spawn(move || {
                     thread_init();
-                    store.alloc.reserve.run_refill()
+                    store.alloc.reserve.run_refill(|| store.alloc.provision())
                 });
             match spawned {
                 Ok(thread) => Some(thread),
@@ -636,17 +644,22 @@ impl BatchedPageStore {
 
     /// A free pending slot; waits for the flusher while every batch is full.
     fn reserve_slot(&self) -> Result<(usize, usize), StoreError> {
+        let mut full_since: Option<Instant> = None;
         loop {
             let b = self.current.load(Ordering::Acquire);
             match self.batches[b].reserve() {
                 Reserve::Slot(s) => return Ok((b, s)),
                 Reserve::Closed => std::thread::yield_now(),
                 Reserve::Full => {
-                    let starved = self.alloc.reserve.starved_for();
-                    if starved >= STARVED_WRITE_TIMEOUT {
+                    let waited = full_since.get_or_insert_with(Instant::now).elapsed();
+                    if self.starving.load(Ordering::Acquire)
+                        || (waited >= STARVED_WRITE_TIMEOUT
+                            && self.alloc.reserve.starved_for() > Duration::ZERO)
+                    {
+                        self.starving.store(true, Ordering::Release);
                         add(&self.counters.starved_writes, 1);
                         return Err(StoreError::OutOfMemory {
-                            waited_ms: starved.as_millis() as u64,
+                            waited_ms: self.alloc.reserve.starved_for().as_millis() as u64,
                         });
                     }
                     let mut ctl = self.control.lock();
@@ -689,6 +702,8 @@ impl BatchedPageStore {
         let next = (b + 1) % PENDING_BATCHES;
         self.batches[next].open();
         self.current.store(next, Ordering::Release);
+        // A free batch again: writers may wait for slots instead of failing.
+        self.starving.store(false, Ordering::Release);
         {
             let _ctl = self.control.lock();
             self.writers_wake.notify_all();

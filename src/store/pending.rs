@@ -41,15 +41,17 @@ pub(super) struct PendingBatch {
 
 impl PendingBatch {
     pub(super) fn new(capacity: usize) -> Self {
-        Self {
-            slots: (0..capacity)
-                .map(|_| {
-                    RwLock::new(PendingSlot {
-                        page: [0; PAGE_SIZE],
-                        index: 0,
-                    })
+        let slots: Box<[RwLock<PendingSlot>]> = (0..capacity)
+            .map(|_| {
+                RwLock::new(PendingSlot {
+                    page: [0; PAGE_SIZE],
+                    index: 0,
                 })
-                .collect(),
+            })
+            .collect();
+        crate::mem::populate(&slots);
+        Self {
+            slots,
             state: AtomicU64::new(0),
             committed: AtomicUsize::new(0),
             first_write_ns: AtomicU64::new(NO_WRITE),

@@ -24,6 +24,9 @@ use crate::mem::{Arena, ArenaChunk};
 
 /// How often the refill thread looks even when nobody woke it.
 const REFILL_PERIOD: Duration = Duration::from_millis(50);
+/// Room kept in each pool's lists for chunks given back on the I/O path or committed by the
+/// refill thread (see `provision`); more than one commit group holds.
+const POOL_SLACK: usize = 1024;
 /// Chunks are committed this many bytes at a time (one fallocate call).
 const COMMIT_GROUP_BYTES: usize = 256 << 10;
 
@@ -33,6 +36,11 @@ struct Pool {
     ready: Vec<ArenaChunk>,
     /// Chunks whose pages were given back; committed again before use.
     cold: Vec<ArenaChunk>,
+    /// Chunks given back beyond the target while the refill thread runs, still committed: the
+    /// refill thread punches their holes, because a hole punch takes the memfd's inode lock,
+    /// which the refill thread holds while it waits in reclaim to commit more (seen in the VM:
+    /// a queue thread freeing a chunk waited there while every swap bio waited for it).
+    surplus: Vec<ArenaChunk>,
 }
 
 pub(super) struct ChunkReserve {
@@ -134,6 +142,9 @@ impl ChunkReserve {
             }
             return chunk;
         }
+        if let Some(chunk) = self.pools[k].lock().surplus.pop() {
+            return chunk;
+        }
         if self.enabled() && self.refill_running.load(Ordering::Acquire) {
             // The I/O path must not commit memory itself: under memory pressure that waits in
             // reclaim for a swap-out through this very store. Wait for the refill thread,
@@ -152,10 +163,23 @@ impl ChunkReserve {
                 Ordering::Relaxed,
             );
             loop {
-                let ready = self.pools[k].lock().ready.pop();
+                let (ready, surplus) = {
+                    let mut pool = self.pools[k].lock();
+                    let ready = pool.ready.pop();
+                    let surplus = if ready.is_none() {
+                        pool.surplus.pop()
+                    } else {
+                        None
+                    };
+                    (ready, surplus)
+                };
                 if let Some(chunk) = ready {
                     self.held_bytes
                         .fetch_sub(chunk.len() as u64, Ordering::Relaxed);
+                    self.waiting_since.store(0, Ordering::Relaxed);
+                    return chunk;
+                }
+                if let Some(chunk) = surplus {
                     self.waiting_since.store(0, Ordering::Relaxed);
                     return chunk;
                 }
@@ -184,7 +208,7 @@ impl ChunkReserve {
     }
 
     /// Take back a chunk that is no longer used: kept ready while the reserve is below its
-    /// target, its pages given back to the system otherwise.
+    /// target, its pages given back to the system otherwise (by the refill thread, if one runs).
     pub(super) fn give_back(&self, chunk: ArenaChunk) {
         let len = chunk.len() as u64;
         let k = chunk.len() / PAGE_SIZE - 1;
@@ -193,6 +217,14 @@ impl ChunkReserve {
             self.pools[k].lock().ready.push(chunk);
             return;
         }
+        if self.refill_running.load(Ordering::Acquire) {
+            self.pools[k].lock().surplus.push(chunk);
+            return;
+        }
+        self.decommit(k, chunk);
+    }
+
+    fn decommit(&self, k: usize, chunk: ArenaChunk) {
         if let Err(error) = chunk.decommit() {
             tracing::warn!(%error, "giving a chunk's memory back failed");
         }
@@ -225,7 +257,36 @@ impl ChunkReserve {
         }
     }
 
-    /// Commit chunks until every pool holds its share of the target (by demand).
+    /// Keep room in each pool's `ready` and `surplus` lists for `POOL_SLACK` more chunks, so
+    /// that giving a chunk back on the I/O path never grows a list there: growing it could
+    /// fault in fresh heap pages under memory pressure. New lists are allocated and faulted in
+    /// here, outside the pool's lock.
+    fn provision(pool: &Mutex<Pool>) {
+        let spare = |list: &Vec<ArenaChunk>| list.capacity() - list.len();
+        let lists: [fn(&mut Pool) -> &mut Vec<ArenaChunk>; 2] =
+            [|p| &mut p.ready, |p| &mut p.surplus];
+        for list in lists {
+            let len = {
+                let mut pool = pool.lock();
+                let list = list(&mut pool);
+                if spare(list) >= POOL_SLACK / 2 {
+                    continue;
+                }
+                list.len()
+            };
+            let mut fresh = crate::mem::faulted_in_vec(len + POOL_SLACK);
+            let mut pool = pool.lock();
+            let list = list(&mut pool);
+            // Moved only if it still fits: nothing may allocate under the pool lock.
+            if spare(list) < POOL_SLACK / 2 && list.len() <= fresh.capacity() {
+                fresh.append(list);
+                std::mem::swap(list, &mut fresh);
+            }
+        }
+    }
+
+    /// Commit chunks until every pool holds its share of the target (by demand); surplus
+    /// chunks make up the share first, and beyond it give their pages back.
     pub(super) fn refill(&self) {
         let demand: Vec<u64> = self
             .demand
@@ -237,11 +298,26 @@ impl ChunkReserve {
             let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
             // Every pool gets at least one commit group's worth, so no size ever starves.
             let share = (self.target_bytes * demand[k] / total).max(COMMIT_GROUP_BYTES as u64);
+            Self::provision(pool);
+            loop {
+                let mut pool = pool.lock();
+                let Some(chunk) = pool.surplus.pop() else {
+                    break;
+                };
+                if (pool.ready.len() as u64 + 1) * chunk_bytes <= share {
+                    self.held_bytes.fetch_add(chunk_bytes, Ordering::Relaxed);
+                    pool.ready.push(chunk);
+                } else {
+                    drop(pool);
+                    self.decommit(k, chunk);
+                }
+            }
             while !self.stop.load(Ordering::Relaxed) {
                 let held = pool.lock().ready.len() as u64 * chunk_bytes;
                 if held + chunk_bytes > share {
                     break;
                 }
+                Self::provision(pool);
                 let before = self.held_bytes();
                 self.commit_more(k);
                 if self.held_bytes() == before {
@@ -256,11 +332,13 @@ impl ChunkReserve {
         self.wake.notify_one();
     }
 
-    /// The refill thread's loop, until `stop`.
-    pub(super) fn run_refill(&self) {
+    /// The refill thread's loop, until `stop`; `also` runs after each pass (the allocator
+    /// grows its bookkeeping there).
+    pub(super) fn run_refill(&self, also: impl Fn()) {
         self.refill_running.store(true, Ordering::Release);
         while !self.stop.load(Ordering::Acquire) {
             self.refill();
+            also();
             let mut guard = self.wake_lock.lock();
             self.refilled.notify_all();
             if !self.stop.load(Ordering::Acquire) {
@@ -296,7 +374,7 @@ mod tests {
         let reserve = Arc::new(reserve);
         let refill = {
             let reserve = Arc::clone(&reserve);
-            std::thread::spawn(move || reserve.run_refill())
+            std::thread::spawn(move || reserve.run_refill(|| ()))
         };
         while !reserve.refill_running.load(Ordering::Acquire) {
             std::thread::yield_now();

@@ -127,9 +127,9 @@ pub(super) struct PageTable {
 
 impl PageTable {
     pub(super) fn new(pages: usize) -> Self {
-        Self {
-            entries: (0..pages).map(|_| Entry::default()).collect(),
-        }
+        let entries: Box<[Entry]> = (0..pages).map(|_| Entry::default()).collect();
+        crate::mem::populate(&entries);
+        Self { entries }
     }
 
     pub(super) fn bytes(&self) -> u64 {

@@ -55,6 +55,9 @@ impl<'a> Queue<'a> {
         if let Err(error) = sys::set_io_flusher() {
             tracing::warn!(q = setup.q_id, %error, "PR_SET_IO_FLUSHER failed: swap I/O may deadlock under memory pressure");
         }
+        if let Err(error) = sys::raise_thread_priority() {
+            tracing::warn!(q = setup.q_id, %error, "could not raise the queue thread's priority");
+        }
         let io = |what| move |source| UblkError::Io { what, source };
         let descs = DescArray::map(char_dev, setup.q_id, setup.depth)
             .map_err(io("mapping the descriptor array"))?;
