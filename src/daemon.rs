@@ -32,6 +32,8 @@ const DETACHED_ENV: &str = "TRUENO_UBLK_DETACHED_LOG";
 /// scans partitions, which under emulation can take a while.
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// Log lines waiting for the writer thread before new ones are dropped.
+const LOG_BACKLOG_LINES: usize = 1024;
 /// Bytes of buffer per tag: the largest READ or WRITE the kernel sends us.
 pub const DEFAULT_MAX_IO_BYTES: u32 = 64 << 10;
 
@@ -101,6 +103,17 @@ fn ready_store_thread() {
     }
 }
 
+/// Turn the block layer's writeback throttling off for the device, as it is for zram (a bio
+/// device, which has none). Why: swap-out is writeback, and throttled swap-out parks kswapd and
+/// every task in reclaim in `wbt_wait` whenever the daemon is slow for a moment, so nobody frees
+/// the pages whose swap-out has completed, and the store's refill thread cannot get them.
+fn disable_writeback_throttling(id: u32) {
+    let knob = format!("/sys/block/ublkb{id}/queue/wbt_lat_usec");
+    if let Err(error) = std::fs::write(&knob, "0") {
+        tracing::warn!(%error, knob, "could not turn writeback throttling off");
+    }
+}
+
 /// Keep the OOM killer away from the daemon: killing it would lose every page swapped to it,
 /// and with them the processes that own those pages.
 fn protect_from_oom_killer() {
@@ -110,9 +123,9 @@ fn protect_from_oom_killer() {
 }
 
 /// Chunk memory the store keeps ready so that storing swapped-out pages never waits on
-/// reclaim: a thirty-second of RAM, between 4 and 64 MiB, and no more than the memory limit.
+/// reclaim: a sixty-fourth of RAM, between 4 and 64 MiB, and no more than the memory limit.
 fn reserve_bytes(ram_bytes: u64, mem_limit: Option<u64>) -> u64 {
-    (ram_bytes / 32)
+    (ram_bytes / 64)
         .clamp(4 << 20, 64 << 20)
         .min(mem_limit.unwrap_or(u64::MAX))
 }
@@ -299,7 +312,11 @@ fn run_foreground(settings: DeviceSettings) -> Result<(), DaemonError> {
 fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
     let filter = tracing_subscriber::EnvFilter::try_from_env("TRUENO_UBLK_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let (writer, guard) = tracing_appender::non_blocking(std::io::stderr());
+    // A short backlog: its buffer is allocated (and locked) up front.
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .buffered_lines_limit(LOG_BACKLOG_LINES)
+        .lossy(true)
+        .finish(std::io::stderr());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)
@@ -349,6 +366,7 @@ fn serve(
     let device = Device::create(device_spec(&settings), handler)?;
     let id = device.id();
     let path = block_path(id);
+    disable_writeback_throttling(id);
     if let Some(log) = detached_log {
         let _ = std::fs::rename(log, format!("{RUN_DIR}/ublkb{id}.log"));
     }

@@ -199,10 +199,10 @@ pub const IO_THREAD_STACK_BYTES: usize = 1 << 20;
 /// compressor, the deepest frame, takes 16 KiB).
 const IO_STACK_PREFAULT_BYTES: usize = 256 << 10;
 /// Free heap each I/O-path thread faults in for its own malloc arena.
-const IO_HEAP_WARM_BYTES: usize = 1 << 20;
+const IO_HEAP_WARM_BYTES: usize = 256 << 10;
 
 /// Ready the calling thread for the I/O path: fault in (and so, under `mlockall`, lock) the
-/// next 256 KiB of its stack and 1 MiB of free space in its malloc arena.
+/// next 256 KiB of its stack and 256 KiB of free space in its malloc arena.
 ///
 /// Why: under `MCL_ONFAULT` pages are only faulted in when first written. A thread serving
 /// swap I/O that touches a fresh page under memory pressure waits in reclaim for the very
@@ -215,7 +215,7 @@ pub fn prepare_io_thread() {
     prefault_stack();
     // Many blocks rather than one, so that they come from this thread's arena (not mmap) and,
     // once freed, coalesce into free space any later allocation can use.
-    const BLOCK: usize = 64 << 10;
+    const BLOCK: usize = 32 << 10;
     let blocks: Vec<Vec<u8>> = (0..IO_HEAP_WARM_BYTES / BLOCK)
         .map(|_| vec![1u8; BLOCK])
         .collect();

@@ -199,7 +199,7 @@ units_phase() {
     if [ "$started" -eq 1 ] && ! known_failing ublk-pressure "memory pressure on the unit-started device, and stat DATA after it"; then
         # The configured device is smaller than the 1 GiB one (size = ram / 2 by default):
         # fill less than RAM + swap, but more than RAM.
-        pressure_run units $((RAM_MIB * 7 / 8)) units_inspect quick
+        pressure_run units $((RAM_MIB * 7 / 8)) units_inspect 1
         data=$(awk -v d=ublkb$I 'NR > 1 && $1 ~ d "$" { print $3 }' /tmp/stat.raw)
         check "trueno-ublk stat reported non-zero DATA under pressure ($data bytes)" [ "${data:-0}" -gt 0 ]
     fi

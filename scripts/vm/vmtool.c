@@ -11,7 +11,8 @@
  *       Fills MIB MiB of anonymous memory with the mixed pattern, verifies every
  *       word twice, rewrites every third page with a second pattern and verifies
  *       every word once more. Prints counts; exits 1 on any mismatch. With
- *       VMTOOL_QUICK=1 in the environment: fill and one verify pass only. With
+ *       VMTOOL_PASSES=1 or 2 in the environment: fill and that many verify
+ *       passes only, no rewrite. With
  *       HOLDFILE, creates it when done and keeps the memory until it is removed
  *       (so the swap device can be inspected while it holds the data).
  *   vmtool notify-run TIMEOUT_S STATEFILE CMD [ARGS...]
@@ -222,10 +223,12 @@ static int cmd_pressure(int argc, char **argv)
 	fflush(stdout);
 
 	struct verify_counts total = { 0, 0, 0 };
-	const char *quick = getenv("VMTOOL_QUICK");
+	const char *passes_env = getenv("VMTOOL_PASSES");
+	int passes = passes_env && *passes_env ? atoi(passes_env) : 0;
 	verify_pass("verify-1", mem, pages, seed_a, seed_b, 0, &total);
-	if (!quick || strcmp(quick, "1") != 0) {
+	if (passes != 1)
 		verify_pass("verify-2", mem, pages, seed_a, seed_b, 0, &total);
+	if (passes != 1 && passes != 2) {
 		double t1 = now_s();
 		for (uint64_t p = 0; p < pages; p += 3)
 			make_page(mem + p * PAGE_WORDS, seed_b, p);

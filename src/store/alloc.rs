@@ -242,6 +242,17 @@ impl ZsAllocator {
                     drop(st);
                     let data = self.reserve.take(class.chunk_bytes / PAGE_SIZE);
                     st = class.state.lock();
+                    // No push here may grow a list (see `provision`): wait for the refill
+                    // thread to make room, as for the chunk itself.
+                    if self.reserve.refill_running() && !has_room(&st) {
+                        self.reserve.note_waiting();
+                        while !has_room(&st) {
+                            drop(st);
+                            self.reserve.await_refill_pass();
+                            st = class.state.lock();
+                        }
+                        self.reserve.note_served();
+                    }
                     self.add_chunk(class, &mut st, data)
                 }
             };
@@ -374,6 +385,12 @@ impl ZsAllocator {
             f(&mut lock.write()[off..off + class.obj_size]);
         }
     }
+}
+
+/// Whether a class can add a chunk without growing a list: an id to reuse, or room for a new
+/// one (`provision` keeps `partial` and the directory at least as large as `usage`).
+fn has_room(st: &ClassState) -> bool {
+    !st.free_ids.is_empty() || st.usage.len() < st.usage.capacity()
 }
 
 /// Remove the entry at `pos` of `partial` (swap-remove), fixing the moved chunk's position.

@@ -46,15 +46,23 @@ use table::{PageState, PageTable};
 /// Pending batches: one fills while the flusher compresses the other.
 const PENDING_BATCHES: usize = 2;
 
+/// Without a GPU a batch is compressed and installed this many pages at a time, so that the
+/// compression buffer (locked memory, like everything the daemon has) holds 1 MiB rather than
+/// a whole batch; rayon still spreads each part over every core. A GPU takes whole batches.
+const FLUSH_PART_PAGES: usize = 256;
+
 /// A writer that has waited this long for a pending slot while the flusher waits for chunk
-/// memory fails its write with `ENOMEM`, and so do the writes after it until the flusher frees
-/// a batch. Why: the daemon serves swap, and when the system has no memory to give the store,
+/// memory fails its write with `ENOMEM`, and so do the writes after it for `FAIL_FAST_PERIOD`
+/// or until the flusher frees a batch. Why: the daemon serves swap, and when the system has no memory to give the store,
 /// a write that waits holds its bio, and with it every task in reclaim (they wait for bios and
 /// writeback), the swap-ins queued behind it, and the OOM killer, which the kernel does not
 /// call while writeback is pending. Failing the write lets reclaim go on (the kernel keeps the
 /// page and tries again later) and, if memory really is gone, the OOM killer act. Bursts, in
 /// which the refill thread catches up within milliseconds, never fail.
 const STARVED_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+/// After a write gave up, later writes fail at once for this long, then wait again: the
+/// queue serves swap-ins too, and must not hold each write for a whole timeout.
+const FAIL_FAST_PERIOD: Duration = Duration::from_millis(200);
 
 /// Reads of at least this many pages (1 MiB) decompress on all cores. Smaller ones, which is
 /// every request the kernel sends a ublk device by default, stay on the caller's thread: the
@@ -113,7 +121,7 @@ pub enum StoreError {
     )]
     NoSpace { limit: u64 },
     #[error(
-        "no memory for compressed pages: the flusher has waited {waited_ms} ms for the system to give the store some"
+        "no memory for compressed pages: a write waited {waited_ms} ms while the flusher waited for the system to give the store some"
     )]
     OutOfMemory { waited_ms: u64 },
     #[error("stored page {page} failed to decompress: {source}")]
@@ -285,13 +293,14 @@ pub struct BatchedPageStore {
     control: Mutex<Control>,
     flusher_wake: Condvar,
     writers_wake: Condvar,
-    /// Held for a whole flush; holds the reused output buffer.
+    /// Held for a whole flush; holds the reused output buffer, of `flush_part_pages` pages.
     flush: Mutex<CompressedBatch>,
+    flush_part_pages: usize,
     /// Bytes promised to written pages not yet compressed: each may need a whole page.
     reserved_bytes: AtomicU64,
-    /// Set when a writer gave up waiting for a pending slot while the flusher waited for chunk
-    /// memory (see `STARVED_WRITE_TIMEOUT`); cleared when the flusher frees a batch.
-    starving: AtomicBool,
+    /// Until when (ns since `epoch`) writers fail at once rather than wait, after one gave up
+    /// waiting for memory (see `STARVED_WRITE_TIMEOUT`); 0 when memory came back.
+    fail_fast_until: AtomicU64,
     shut_down: AtomicBool,
     epoch: Instant,
     counters: Counters,
@@ -388,6 +397,12 @@ impl BatchedPageStore {
         } else {
             0
         };
+        let flush_part_pages = if gpu.is_some() {
+            batch_pages
+        } else {
+            batch_pages.min(FLUSH_PART_PAGES)
+        }
+        .max(1);
         let batches: Box<[PendingBatch]> = (0..PENDING_BATCHES)
             .map(|_| PendingBatch::new(batch_pages))
             .collect();
@@ -418,16 +433,17 @@ impl BatchedPageStore {
             flusher_wake: Condvar::new(),
             writers_wake: Condvar::new(),
             // Sized (and so faulted in) now: the first flush may come under memory pressure.
+            flush_part_pages,
             flush: Mutex::new({
                 let mut out = CompressedBatch::default();
-                out.reset(batch_pages);
+                out.reset(flush_part_pages);
                 crate::mem::populate(&out.data);
                 crate::mem::populate(&out.lens);
                 crate::mem::populate(&out.encodings);
                 out
             }),
             reserved_bytes: AtomicU64::new(0),
-            starving: AtomicBool::new(false),
+            fail_fast_until: AtomicU64::new(0),
             shut_down: AtomicBool::new(false),
             epoch: Instant::now(),
             counters: Counters::default(),
@@ -598,6 +614,24 @@ impl BatchedPageStore {
         Ok(())
     }
 
+    fn failing_fast(&self) -> bool {
+        self.now_ns() < self.fail_fast_until.load(Ordering::Acquire)
+    }
+
+    /// A write gives up waiting for memory: count it, make the writes after it fail at once for
+    /// a while (unless that is already so), and say why.
+    fn starved_write(&self, waited: Duration) -> StoreError {
+        if !self.failing_fast() {
+            let period = u64::try_from(FAIL_FAST_PERIOD.as_nanos()).unwrap_or(u64::MAX);
+            self.fail_fast_until
+                .store(self.now_ns().saturating_add(period), Ordering::Release);
+        }
+        add(&self.counters.starved_writes, 1);
+        StoreError::OutOfMemory {
+            waited_ms: waited.as_millis() as u64,
+        }
+    }
+
     /// Reserve a page's worth of the memory limit for a page about to be compressed.
     fn admit(&self) -> Result<(), StoreError> {
         let Some(limit) = self.config.mem_limit else {
@@ -652,15 +686,10 @@ impl BatchedPageStore {
                 Reserve::Closed => std::thread::yield_now(),
                 Reserve::Full => {
                     let waited = full_since.get_or_insert_with(Instant::now).elapsed();
-                    if self.starving.load(Ordering::Acquire)
-                        || (waited >= STARVED_WRITE_TIMEOUT
-                            && self.alloc.reserve.starved_for() > Duration::ZERO)
+                    if self.failing_fast()
+                        || (waited >= STARVED_WRITE_TIMEOUT && self.alloc.reserve.starving())
                     {
-                        self.starving.store(true, Ordering::Release);
-                        add(&self.counters.starved_writes, 1);
-                        return Err(StoreError::OutOfMemory {
-                            waited_ms: self.alloc.reserve.starved_for().as_millis() as u64,
-                        });
+                        return Err(self.starved_write(waited));
                     }
                     let mut ctl = self.control.lock();
                     if !ctl.flusher_running {
@@ -703,7 +732,7 @@ impl BatchedPageStore {
         self.batches[next].open();
         self.current.store(next, Ordering::Release);
         // A free batch again: writers may wait for slots instead of failing.
-        self.starving.store(false, Ordering::Release);
+        self.fail_fast_until.store(0, Ordering::Release);
         {
             let _ctl = self.control.lock();
             self.writers_wake.notify_all();
@@ -713,21 +742,23 @@ impl BatchedPageStore {
             .iter()
             .map(|s| s.read())
             .collect();
-        let pages: Vec<&Page> = slots.iter().map(|s| &s.page).collect();
-        let backend = self.compress(&pages, &mut out);
-        add(self.counters.backend(backend), n as u64);
-        add(&self.counters.batch_flushes, 1);
-        // Installing is an allocation and a copy per page: spread it like the compression.
-        if backend == Backend::Simd {
-            for (slot, s) in slots.iter().enumerate() {
-                self.install(b, slot, s, &out);
+        for (part_index, part) in slots.chunks(self.flush_part_pages).enumerate() {
+            let first = part_index * self.flush_part_pages;
+            let pages: Vec<&Page> = part.iter().map(|s| &s.page).collect();
+            let backend = self.compress(&pages, &mut out);
+            add(self.counters.backend(backend), part.len() as u64);
+            // Installing is an allocation and a copy per page: spread it like the compression.
+            if backend == Backend::Simd {
+                for (i, s) in part.iter().enumerate() {
+                    self.install(b, first + i, s, &out, i);
+                }
+            } else {
+                part.par_iter()
+                    .enumerate()
+                    .for_each(|(i, s)| self.install(b, first + i, s, &out, i));
             }
-        } else {
-            slots
-                .par_iter()
-                .enumerate()
-                .for_each(|(slot, s)| self.install(b, slot, s, &out));
         }
+        add(&self.counters.batch_flushes, 1);
     }
 
     /// Compress with the configured or selected backend; a GPU failure, or GPU output that
@@ -776,11 +807,19 @@ impl BatchedPageStore {
         cpu
     }
 
-    /// Store slot `slot` of batch `batch` and point its page's entry at it, if the entry
-    /// still points at the slot; a newer write or a discard wins otherwise.
-    fn install(&self, batch: usize, slot: usize, pending: &PendingSlot, out: &CompressedBatch) {
+    /// Store slot `slot` of batch `batch`, compressed as page `out_page` of `out`, and point
+    /// its page's entry at it, if the entry still points at the slot; a newer write or a
+    /// discard wins otherwise.
+    fn install(
+        &self,
+        batch: usize,
+        slot: usize,
+        pending: &PendingSlot,
+        out: &CompressedBatch,
+        out_page: usize,
+    ) {
         let index = pending.index;
-        let (encoding, bytes) = match out.page(slot) {
+        let (encoding, bytes) = match out.page(out_page) {
             // The huge-page rule holds whichever backend compressed (the GPU codec may not
             // apply it): such a page costs less, and reads faster, as itself.
             (Encoding::Lz4 | Encoding::Zstd, bytes) if bytes.len() > MAX_COMPRESSED_LEN => {

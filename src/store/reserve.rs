@@ -9,11 +9,11 @@
 //! tops it back up while the I/O path carries on. The daemon makes the refill thread an I/O
 //! flusher too: its reclaim then takes pages whose swap-out has completed (clean pages) rather
 //! than starting swap-outs, whose bios would queue behind the very flusher that waits for this
-//! thread (seen in the VM). How long a taker has waited for it (`starved_for`) tells the store
+//! thread (seen in the VM). Whether a taker waits for it (`starving`) tells the store
 //! when to stop accepting writes. Freed chunks return to the reserve while it is below its
 //! target, and give their pages back to the system (a hole punched in the arena) beyond it.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,10 +54,8 @@ pub(super) struct ChunkReserve {
     target_bytes: u64,
     /// Chunks that had to be committed on the I/O path because the reserve was empty.
     misses: AtomicU64,
-    /// When (ns since `epoch`, plus one) a taker began waiting for the refill thread; 0 while
-    /// none waits.
-    waiting_since: AtomicU64,
-    epoch: std::time::Instant,
+    /// Takers waiting for the refill thread now.
+    waiters: AtomicUsize,
     wake: Condvar,
     wake_lock: Mutex<()>,
     /// Signalled by the refill thread after each pass.
@@ -89,8 +87,7 @@ impl ChunkReserve {
             held_bytes: AtomicU64::new(0),
             target_bytes,
             misses: AtomicU64::new(0),
-            waiting_since: AtomicU64::new(0),
-            epoch: std::time::Instant::now(),
+            waiters: AtomicUsize::new(0),
             wake: Condvar::new(),
             wake_lock: Mutex::new(()),
             refilled: Condvar::new(),
@@ -112,20 +109,20 @@ impl ChunkReserve {
         self.misses.load(Ordering::Relaxed)
     }
 
-    /// How long a taker has been waiting for the refill thread (zero while none waits): how
-    /// long the system has had no memory to give the store.
-    pub(super) fn starved_for(&self) -> Duration {
-        match self.waiting_since.load(Ordering::Relaxed) {
-            0 => Duration::ZERO,
-            since => self
-                .epoch
-                .elapsed()
-                .saturating_sub(Duration::from_nanos(since - 1)),
-        }
+    /// Whether a taker waits for the refill thread now: the system has, for the moment, no
+    /// memory to give the store.
+    pub(super) fn starving(&self) -> bool {
+        self.waiters.load(Ordering::Relaxed) > 0
     }
 
-    fn now_ns(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX - 1)
+    /// A taker starts waiting for the refill thread (see `starving`).
+    pub(super) fn note_waiting(&self) {
+        self.waiters.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A taker stops waiting for the refill thread.
+    pub(super) fn note_served(&self) {
+        self.waiters.fetch_sub(1, Ordering::Relaxed);
     }
 
     /// A chunk of `pages` pages: from the reserve, or committed now if the reserve has none.
@@ -156,12 +153,7 @@ impl ChunkReserve {
                     "chunk reserve empty: waiting for the refill thread"
                 );
             }
-            let _ = self.waiting_since.compare_exchange(
-                0,
-                self.now_ns() + 1,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            );
+            self.note_waiting();
             loop {
                 let (ready, surplus) = {
                     let mut pool = self.pools[k].lock();
@@ -176,15 +168,15 @@ impl ChunkReserve {
                 if let Some(chunk) = ready {
                     self.held_bytes
                         .fetch_sub(chunk.len() as u64, Ordering::Relaxed);
-                    self.waiting_since.store(0, Ordering::Relaxed);
+                    self.note_served();
                     return chunk;
                 }
                 if let Some(chunk) = surplus {
-                    self.waiting_since.store(0, Ordering::Relaxed);
+                    self.note_served();
                     return chunk;
                 }
                 if self.stop.load(Ordering::Acquire) {
-                    self.waiting_since.store(0, Ordering::Relaxed);
+                    self.note_served();
                     break;
                 }
                 let mut guard = self.wake_lock.lock();
@@ -288,6 +280,12 @@ impl ChunkReserve {
     /// Commit chunks until every pool holds its share of the target (by demand); surplus
     /// chunks make up the share first, and beyond it give their pages back.
     pub(super) fn refill(&self) {
+        self.refill_and(&|| ());
+    }
+
+    /// `refill`, running `also` before each commit: what else the refill thread provides must
+    /// not wait behind commits that wait in reclaim.
+    fn refill_and(&self, also: &dyn Fn()) {
         let demand: Vec<u64> = self
             .demand
             .iter()
@@ -318,6 +316,7 @@ impl ChunkReserve {
                     break;
                 }
                 Self::provision(pool);
+                also();
                 let before = self.held_bytes();
                 self.commit_more(k);
                 if self.held_bytes() == before {
@@ -325,6 +324,18 @@ impl ChunkReserve {
                 }
             }
         }
+    }
+
+    /// Whether a refill thread runs (and so provisions the allocator's bookkeeping).
+    pub(super) fn refill_running(&self) -> bool {
+        self.refill_running.load(Ordering::Acquire)
+    }
+
+    /// Wake the refill thread and wait until it has made a pass (or a period has gone by).
+    pub(super) fn await_refill_pass(&self) {
+        let mut guard = self.wake_lock.lock();
+        self.wake.notify_one();
+        self.refilled.wait_for(&mut guard, REFILL_PERIOD);
     }
 
     fn wake_refill(&self) {
@@ -337,8 +348,8 @@ impl ChunkReserve {
     pub(super) fn run_refill(&self, also: impl Fn()) {
         self.refill_running.store(true, Ordering::Release);
         while !self.stop.load(Ordering::Acquire) {
-            self.refill();
             also();
+            self.refill_and(&also);
             let mut guard = self.wake_lock.lock();
             self.refilled.notify_all();
             if !self.stop.load(Ordering::Acquire) {
@@ -391,20 +402,20 @@ mod tests {
     #[test]
     fn a_taker_left_waiting_by_the_refill_thread_shows_as_starvation() {
         let reserve = Arc::new(ChunkReserve::new(8 * PAGE_SIZE as u64, ARENA, &[1]).unwrap());
-        assert_eq!(reserve.starved_for(), Duration::ZERO);
+        assert!(!reserve.starving());
         // A refill thread that never commits anything: the system has no memory to give.
         reserve.refill_running.store(true, Ordering::Release);
         let taker = {
             let reserve = Arc::clone(&reserve);
             std::thread::spawn(move || (0..64).map(|_| reserve.take(1).len()).sum::<usize>())
         };
-        while reserve.starved_for() < Duration::from_millis(20) {
+        while !reserve.starving() {
             std::thread::sleep(Duration::from_millis(5));
         }
         // Stopping releases the taker (it commits for itself) and ends the starvation.
         reserve.stop();
         assert_eq!(taker.join().unwrap(), 64 * PAGE_SIZE);
-        assert_eq!(reserve.starved_for(), Duration::ZERO);
+        assert!(!reserve.starving());
     }
 
     #[test]
