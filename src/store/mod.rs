@@ -742,6 +742,7 @@ impl BatchedPageStore {
             .iter()
             .map(|s| s.read())
             .collect();
+        add(&self.counters.batch_flushes, 1);
         for (part_index, part) in slots.chunks(self.flush_part_pages).enumerate() {
             let first = part_index * self.flush_part_pages;
             let pages: Vec<&Page> = part.iter().map(|s| &s.page).collect();
@@ -758,7 +759,6 @@ impl BatchedPageStore {
                     .for_each(|(i, s)| self.install(b, first + i, s, &out, i));
             }
         }
-        add(&self.counters.batch_flushes, 1);
     }
 
     /// Compress with the configured or selected backend; a GPU failure, or GPU output that

@@ -47,8 +47,9 @@ pub(super) struct ChunkReserve {
     arena: Arc<Arena>,
     /// Chunks by size: `pools[k]` holds chunks of `k + 1` pages.
     pools: Box<[Mutex<Pool>]>,
-    /// Chunks of each size taken since the start (plus the number of size classes using that
-    /// size, as a prior): each pool's share of the target follows it.
+    /// Chunks of each size taken lately (plus, at the start, the number of size classes using
+    /// that size, as a prior), halved at every refill pass: each pool's share of the target
+    /// follows recent demand, not what the device held long ago.
     demand: Box<[AtomicU64]>,
     held_bytes: AtomicU64,
     target_bytes: u64,
@@ -56,6 +57,8 @@ pub(super) struct ChunkReserve {
     misses: AtomicU64,
     /// Takers waiting for the refill thread now.
     waiters: AtomicUsize,
+    /// Pools (bit `k` for chunks of `k + 1` pages) a taker waits on: refilled first.
+    wanted: AtomicU64,
     wake: Condvar,
     wake_lock: Mutex<()>,
     /// Signalled by the refill thread after each pass.
@@ -88,6 +91,7 @@ impl ChunkReserve {
             target_bytes,
             misses: AtomicU64::new(0),
             waiters: AtomicUsize::new(0),
+            wanted: AtomicU64::new(0),
             wake: Condvar::new(),
             wake_lock: Mutex::new(()),
             refilled: Condvar::new(),
@@ -123,6 +127,12 @@ impl ChunkReserve {
     /// A taker stops waiting for the refill thread.
     pub(super) fn note_served(&self) {
         self.waiters.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// A taker waiting on pool `k` was served (or gave up).
+    fn served(&self, k: usize) {
+        self.wanted.fetch_and(!(1 << k), Ordering::Relaxed);
+        self.note_served();
     }
 
     /// A chunk of `pages` pages: from the reserve, or committed now if the reserve has none.
@@ -168,17 +178,19 @@ impl ChunkReserve {
                 if let Some(chunk) = ready {
                     self.held_bytes
                         .fetch_sub(chunk.len() as u64, Ordering::Relaxed);
-                    self.note_served();
+                    self.served(k);
                     return chunk;
                 }
                 if let Some(chunk) = surplus {
-                    self.note_served();
+                    self.served(k);
                     return chunk;
                 }
                 if self.stop.load(Ordering::Acquire) {
-                    self.note_served();
+                    self.served(k);
                     break;
                 }
+                // Again each time: another taker of this size may have cleared it.
+                self.wanted.fetch_or(1 << k, Ordering::Relaxed);
                 let mut guard = self.wake_lock.lock();
                 self.wake.notify_one();
                 self.refilled.wait_for(&mut guard, REFILL_PERIOD);
@@ -289,10 +301,22 @@ impl ChunkReserve {
         let demand: Vec<u64> = self
             .demand
             .iter()
-            .map(|d| d.load(Ordering::Relaxed))
+            .map(|d| {
+                let seen = d.load(Ordering::Relaxed);
+                d.fetch_sub(seen / 2, Ordering::Relaxed);
+                seen
+            })
             .collect();
         let total: u64 = demand.iter().sum::<u64>().max(1);
-        for (k, pool) in self.pools.iter().enumerate() {
+        // Pools a taker waits on first; the others are left as soon as one is waited on.
+        let wanted = self.wanted.load(Ordering::Relaxed);
+        let is_wanted = |k: usize| wanted & (1 << k) != 0;
+        let order: Vec<usize> = (0..self.pools.len())
+            .filter(|&k| is_wanted(k))
+            .chain((0..self.pools.len()).filter(|&k| !is_wanted(k)))
+            .collect();
+        for k in order {
+            let pool = &self.pools[k];
             let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
             // Every pool gets at least one commit group's worth, so no size ever starves.
             let share = (self.target_bytes * demand[k] / total).max(COMMIT_GROUP_BYTES as u64);
@@ -314,6 +338,10 @@ impl ChunkReserve {
                 let held = pool.lock().ready.len() as u64 * chunk_bytes;
                 if held + chunk_bytes > share {
                     break;
+                }
+                let waited_on = self.wanted.load(Ordering::Relaxed);
+                if waited_on != 0 && waited_on & (1 << k) == 0 {
+                    break; // another size is waited on: the next pass serves it first
                 }
                 Self::provision(pool);
                 also();
