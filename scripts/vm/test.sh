@@ -434,7 +434,7 @@ if [ "$MODE" = full ]; then
         check "... and the device stays" in_swaps $DEV
         $UL/swapoff $DEV
     fi
-    if ! skipped ublk-swap && ! known_failing ublk-pressure "swap under memory pressure through /dev/ublkb0 (stalls in this test today; README, Limits)"; then
+    if ! skipped ublk-swap && ! known_failing ublk-pressure "swap under memory pressure through /dev/ublkb0 (the program is OOM-killed today; README, Limits)"; then
         # Fill and verify twice, without zram's rewrite pass: the kernel tells a ublk device
         # of a freed swap slot only once its whole cluster is free (discard), so rewriting a
         # third of the pages leaves their old copies in the store (README, Limits), where zram
