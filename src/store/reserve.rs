@@ -139,17 +139,7 @@ impl ChunkReserve {
     pub(super) fn take(&self, pages: usize) -> ArenaChunk {
         let k = pages - 1;
         self.demand[k].fetch_add(1, Ordering::Relaxed);
-        let ready = self.pools[k].lock().ready.pop();
-        if let Some(chunk) = ready {
-            let held = self
-                .held_bytes
-                .fetch_sub(chunk.len() as u64, Ordering::Relaxed);
-            if held < self.target_bytes * 3 / 4 {
-                self.wake_refill();
-            }
-            return chunk;
-        }
-        if let Some(chunk) = self.pools[k].lock().surplus.pop() {
+        if let Some(chunk) = self.pop_committed(k) {
             return chunk;
         }
         if self.enabled() && self.refill_running.load(Ordering::Acquire) {
@@ -165,23 +155,7 @@ impl ChunkReserve {
             }
             self.note_waiting();
             loop {
-                let (ready, surplus) = {
-                    let mut pool = self.pools[k].lock();
-                    let ready = pool.ready.pop();
-                    let surplus = if ready.is_none() {
-                        pool.surplus.pop()
-                    } else {
-                        None
-                    };
-                    (ready, surplus)
-                };
-                if let Some(chunk) = ready {
-                    self.held_bytes
-                        .fetch_sub(chunk.len() as u64, Ordering::Relaxed);
-                    self.served(k);
-                    return chunk;
-                }
-                if let Some(chunk) = surplus {
+                if let Some(chunk) = self.pop_committed(k) {
                     self.served(k);
                     return chunk;
                 }
@@ -197,18 +171,28 @@ impl ChunkReserve {
             }
         }
         self.commit_more(k);
-        let ready = self.pools[k].lock().ready.pop();
-        match ready {
-            Some(chunk) => {
-                self.held_bytes
-                    .fetch_sub(chunk.len() as u64, Ordering::Relaxed);
-                chunk
+        self.pop_committed(k).unwrap_or_else(|| {
+            tracing::error!(pages, "page arena exhausted: chunk taken from the heap");
+            ArenaChunk::on_heap(&self.arena, pages * PAGE_SIZE)
+        })
+    }
+
+    /// A committed chunk of `k + 1` pages, if the pool has one: a ready chunk (waking the
+    /// refill thread when the reserve falls below three quarters of its target), else a
+    /// surplus one.
+    fn pop_committed(&self, k: usize) -> Option<ArenaChunk> {
+        let mut pool = self.pools[k].lock();
+        if let Some(chunk) = pool.ready.pop() {
+            drop(pool);
+            let held = self
+                .held_bytes
+                .fetch_sub(chunk.len() as u64, Ordering::Relaxed);
+            if held < self.target_bytes * 3 / 4 {
+                self.wake_refill();
             }
-            None => {
-                tracing::error!(pages, "page arena exhausted: chunk taken from the heap");
-                ArenaChunk::on_heap(&self.arena, pages * PAGE_SIZE)
-            }
+            return Some(chunk);
         }
+        pool.surplus.pop()
     }
 
     /// Take back a chunk that is no longer used: kept ready while the reserve is below its
