@@ -54,7 +54,7 @@ pub enum BackendArg {
 /// file, else the default", so a config file can fill what the command line leaves out.
 #[derive(Clone, Debug, Default, Args)]
 pub struct StoreArgs {
-    /// Compression algorithm [default: lz4]
+    /// Compression algorithm [default: zstd]
     #[arg(long, value_enum)]
     pub algorithm: Option<AlgorithmArg>,
     /// zstd level when the algorithm is zstd or adaptive [default: 1]
@@ -63,7 +63,7 @@ pub struct StoreArgs {
     /// Batch backend [default: auto]
     #[arg(long, value_enum)]
     pub backend: Option<BackendArg>,
-    /// Pending pages that trigger a batch flush [default: 1000]
+    /// Pending pages that trigger a batch flush [default: 256, or 1000 with the GPU backend]
     #[arg(long)]
     pub batch_threshold: Option<usize>,
     /// Age in ms of the oldest pending page that triggers a flush [default: 10]

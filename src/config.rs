@@ -8,7 +8,7 @@
 //! [ublkb0]
 //! size = ram / 2          # or 8G; relative sizes are capped by max-size
 //! max-size = 4G
-//! algorithm = lz4
+//! algorithm = zstd
 //! swap-priority = 100
 //! ```
 //!
@@ -35,7 +35,11 @@ pub const DEFAULT_SIZE_CAP: u64 = 4 << 30;
 pub const DEFAULT_QUEUES: u16 = 1;
 pub const DEFAULT_DEPTH: u16 = 64;
 pub const DEFAULT_ZSTD_LEVEL: i32 = 1;
-pub const DEFAULT_BATCH_THRESHOLD: usize = 1000;
+/// Pending pages per batch without a GPU: enough for every core to compress a share of each
+/// flush, and with two batches only 2 MiB of locked memory (swap wants the RAM back).
+pub const DEFAULT_BATCH_THRESHOLD: usize = 256;
+/// Pending pages per batch for the GPU backend, which needs large batches to pay off.
+pub const DEFAULT_GPU_BATCH_THRESHOLD: usize = 1000;
 pub const DEFAULT_FLUSH_TIMEOUT_MS: u64 = 10;
 /// zram-generator's default swap priority.
 pub const DEFAULT_SWAP_PRIORITY: u16 = 100;
@@ -421,18 +425,25 @@ pub struct StoreSettings {
     /// `None`: the store selects a backend by batch size (`--backend auto`).
     pub forced_backend: Option<Backend>,
     pub batched: bool,
-    pub batch_threshold: usize,
+    /// `None`: `DEFAULT_BATCH_THRESHOLD`, or `DEFAULT_GPU_BATCH_THRESHOLD` with a GPU codec.
+    pub batch_threshold: Option<usize>,
     pub flush_timeout: Duration,
     pub mem_limit: Option<u64>,
 }
 
 impl StoreSettings {
-    /// The store's configuration for a device of `size_bytes`.
-    pub fn store_config(&self, size_bytes: u64) -> StoreConfig {
+    /// The store's configuration for a device of `size_bytes`, served with a GPU codec or
+    /// without (which sets the default batch size).
+    pub fn store_config(&self, size_bytes: u64, with_gpu: bool) -> StoreConfig {
+        let default_threshold = if with_gpu {
+            DEFAULT_GPU_BATCH_THRESHOLD
+        } else {
+            DEFAULT_BATCH_THRESHOLD
+        };
         StoreConfig {
             algorithm: self.algorithm,
             batched: self.batched,
-            batch_threshold: self.batch_threshold,
+            batch_threshold: self.batch_threshold.unwrap_or(default_threshold),
             flush_timeout: self.flush_timeout,
             mem_limit: self.mem_limit,
             forced_backend: self.forced_backend,
@@ -474,8 +485,8 @@ pub struct DeviceSettings {
 }
 
 impl DeviceSettings {
-    pub fn store_config(&self) -> StoreConfig {
-        self.store.store_config(self.size_bytes)
+    pub fn store_config(&self, with_gpu: bool) -> StoreConfig {
+        self.store.store_config(self.size_bytes, with_gpu)
     }
 }
 
@@ -622,7 +633,7 @@ fn merge_store(
         section.zstd_level,
         file,
     )?;
-    let algorithm = match pick(args.algorithm, section.algorithm, AlgorithmArg::Lz4) {
+    let algorithm = match pick(args.algorithm, section.algorithm, AlgorithmArg::Zstd) {
         AlgorithmArg::Lz4 => Algorithm::Lz4,
         AlgorithmArg::Zstd => Algorithm::Zstd { level: zstd_level },
         AlgorithmArg::Adaptive => Algorithm::Adaptive,
@@ -634,20 +645,20 @@ fn merge_store(
         BackendArg::Gpu => Some(Backend::Gpu),
     };
     let batched = !args.no_batched && section.batched.map_or(true, |s| s.value);
-    let batch_threshold = pick(
-        args.batch_threshold,
-        section.batch_threshold,
-        DEFAULT_BATCH_THRESHOLD,
-    );
-    check_range(
-        "batch-threshold",
-        batch_threshold,
-        1,
-        MAX_BATCH_THRESHOLD,
-        args.batch_threshold.is_some(),
-        section.batch_threshold,
-        file,
-    )?;
+    let batch_threshold = args
+        .batch_threshold
+        .or(section.batch_threshold.map(|setting| setting.value));
+    if let Some(threshold) = batch_threshold {
+        check_range(
+            "batch-threshold",
+            threshold,
+            1,
+            MAX_BATCH_THRESHOLD,
+            args.batch_threshold.is_some(),
+            section.batch_threshold,
+            file,
+        )?;
+    }
     let flush_timeout_ms = pick(
         args.flush_timeout_ms,
         section.flush_timeout_ms,

@@ -17,7 +17,7 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use thiserror::Error;
 
 use crate::cli::CreateArgs;
-use crate::codec::{Backend, BatchCodec};
+use crate::codec::{Algorithm, Backend, BatchCodec};
 use crate::config::{self, DeviceSettings};
 use crate::stats::{self, DeviceReport};
 use crate::store::{BatchedPageStore, StoreError};
@@ -91,10 +91,11 @@ fn lock_memory() {
 }
 
 /// Ready a thread of the store (flusher, reserve refill, rayon worker) for the I/O path, as
-/// the ublk layer does its queue threads: stack and arena faulted in, an I/O flusher, top CPU
-/// priority.
-fn ready_store_thread() {
+/// the ublk layer does its queue threads: stack and arena faulted in, codec contexts made, an
+/// I/O flusher, top CPU priority.
+fn ready_store_thread(algorithm: Algorithm) {
     crate::mem::prepare_io_thread();
+    crate::codec::prepare_thread(algorithm);
     if let Err(error) = crate::ublk::sys::set_io_flusher() {
         tracing::warn!(%error, "PR_SET_IO_FLUSHER failed on a store thread");
     }
@@ -123,10 +124,11 @@ fn protect_from_oom_killer() {
 }
 
 /// Chunk memory the store keeps ready so that storing swapped-out pages never waits on
-/// reclaim: a sixty-fourth of RAM, between 4 and 64 MiB, and no more than the memory limit.
+/// reclaim: a sixty-fourth of RAM, between 8 and 64 MiB, and no more than the memory limit.
+/// Why 8 at least: with 4 the fill of a 256 MiB VM outran the refill thread and writes failed.
 fn reserve_bytes(ram_bytes: u64, mem_limit: Option<u64>) -> u64 {
     (ram_bytes / 64)
-        .clamp(4 << 20, 64 << 20)
+        .clamp(8 << 20, 64 << 20)
         .min(mem_limit.unwrap_or(u64::MAX))
 }
 
@@ -337,28 +339,30 @@ fn serve(
     lock_memory();
     protect_from_oom_killer();
     crate::mem::configure_heap();
+    let algorithm = settings.store.algorithm;
     let _ = rayon::ThreadPoolBuilder::new()
         .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
-        .start_handler(|_| ready_store_thread())
+        .start_handler(move |_| ready_store_thread(algorithm))
         .build_global();
 
     // Signals first, so a SIGTERM during start-up is not lost.
     let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])
         .map_err(io_error("installing signal handlers"))?;
-    let mut store_config = settings.store_config();
-    store_config.reserve_bytes =
-        reserve_bytes(config::ram_bytes().unwrap_or(0), store_config.mem_limit);
-    let (gpu, gpu_state) = match store_config.forced_backend {
+    let (gpu, gpu_state) = match settings.store.forced_backend {
         Some(Backend::Simd | Backend::SimdParallel) => (None, "not used (--backend)".to_string()),
-        _ => crate::gpu::open_for_store(store_config.algorithm),
+        _ => crate::gpu::open_for_store(settings.store.algorithm),
     };
     tracing::info!(gpu = gpu_state, "GPU backend");
+    let mut store_config = settings.store_config(gpu.is_some());
+    store_config.reserve_bytes =
+        reserve_bytes(config::ram_bytes().unwrap_or(0), store_config.mem_limit);
     let store = BatchedPageStore::new(store_config, gpu.clone().map(|g| g as Arc<dyn BatchCodec>))?;
     let flusher = store
-        .start_flusher(ready_store_thread)
+        .start_flusher(move || ready_store_thread(algorithm))
         .map_err(io_error("starting the flusher"))?;
     let handler = Arc::new(StoreHandler {
         store: store.clone(),
+        algorithm,
         errors: AtomicU64::new(0),
     });
 
@@ -456,10 +460,15 @@ fn serve(
 /// Serves block requests from the page store.
 struct StoreHandler {
     store: Arc<BatchedPageStore>,
+    algorithm: Algorithm,
     errors: AtomicU64,
 }
 
 impl BlockHandler for StoreHandler {
+    fn prepare_thread(&self) {
+        crate::codec::prepare_thread(self.algorithm);
+    }
+
     fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32> {
         let result = match request.op {
             Op::Read => self.store.read(request.offset, data),

@@ -66,10 +66,10 @@ fn defaults_follow_zram_generator() {
     assert_eq!(settings.queues, 1);
     assert_eq!(settings.depth, 64);
     assert_eq!(settings.swap_priority, 100);
-    assert_eq!(settings.store.algorithm, Algorithm::Lz4);
+    assert_eq!(settings.store.algorithm, Algorithm::Zstd { level: 1 });
     assert_eq!(settings.store.forced_backend, None);
     assert!(settings.store.batched);
-    assert_eq!(settings.store.batch_threshold, 1000);
+    assert_eq!(settings.store.batch_threshold, None);
     assert_eq!(settings.store.flush_timeout, Duration::from_millis(10));
     assert_eq!(settings.store.mem_limit, None);
 }
@@ -98,7 +98,7 @@ fn command_line_beats_config_beats_default() {
     assert_eq!(from_file.depth, 128);
     assert_eq!(from_file.store.algorithm, Algorithm::Zstd { level: 5 });
     assert!(!from_file.store.batched);
-    assert_eq!(from_file.store.batch_threshold, 200);
+    assert_eq!(from_file.store.batch_threshold, Some(200));
     assert_eq!(from_file.swap_priority, 7);
     // Keys the section leaves out take the defaults.
     assert_eq!(from_file.store.flush_timeout, Duration::from_millis(10));
@@ -120,7 +120,7 @@ fn command_line_beats_config_beats_default() {
     assert_eq!(mixed.queues, 2);
     assert_eq!(mixed.depth, 128);
     assert_eq!(mixed.store.algorithm, Algorithm::Zstd { level: 9 });
-    assert_eq!(mixed.store.batch_threshold, 50);
+    assert_eq!(mixed.store.batch_threshold, Some(50));
 
     // Another id picks its own section; an id without one gets the defaults.
     let two = resolve_with(&create_args(&["--id", "2"]), &file, 8 * GIB).unwrap();
@@ -169,7 +169,7 @@ fn memory_limit_absolute_relative_or_none() {
         let file = conf(&format!("[ublkb0]\n{line}\n"));
         let settings = resolve_with(&args, &file, 8 * GIB).unwrap();
         assert_eq!(settings.store.mem_limit, *want, "{line}");
-        assert_eq!(settings.store_config().mem_limit, *want, "{line}");
+        assert_eq!(settings.store_config(false).mem_limit, *want, "{line}");
     }
     let args = create_args(&["--id", "0", "--mem-limit", "512M"]);
     let file = conf("[ublkb0]\nmem-limit = none\n");
@@ -184,7 +184,7 @@ fn store_config_carries_every_setting() {
          batch-threshold = 64\nmem-limit = 64M\nsize = 1G\n",
     );
     let settings = resolve_with(&create_args(&["--id", "3"]), &file, 8 * GIB).unwrap();
-    let store = settings.store_config();
+    let store = settings.store_config(false);
     assert_eq!(store.size_bytes, GIB);
     assert_eq!(store.algorithm, Algorithm::Adaptive);
     assert_eq!(store.forced_backend, Some(Backend::SimdParallel));
@@ -207,8 +207,11 @@ fn store_config_carries_every_setting() {
     let settings = resolve_with(&args, &ConfigFile::default(), 8 * GIB).unwrap();
     assert_eq!(settings.store.algorithm_name(), "zstd:3");
     assert_eq!(settings.store.backend_name(), "gpu");
-    assert!(!settings.store_config().batched);
-    assert_eq!(settings.store_config().forced_backend, Some(Backend::Gpu));
+    assert!(!settings.store_config(false).batched);
+    assert_eq!(
+        settings.store_config(false).forced_backend,
+        Some(Backend::Gpu)
+    );
 }
 
 /// Each bad file is rejected with a message naming the line (and the key where there is one).

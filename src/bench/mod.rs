@@ -208,26 +208,21 @@ pub fn verify<'a>(
     }
 }
 
-/// The store configuration the options ask for, on a device the size of the corpus.
-fn store_config(args: &StoreArgs, size_bytes: u64) -> Result<StoreConfig, BenchError> {
-    let settings =
-        crate::config::store_settings(args).map_err(|e| BenchError::Settings(e.to_string()))?;
-    Ok(settings.store_config(size_bytes))
-}
-
 /// The GPU codec when the backend may use one (`auto` or `gpu`); `--backend gpu` without a
 /// usable GPU is an error that says why.
-fn gpu_codec(config: &StoreConfig) -> Result<Option<Arc<dyn BatchCodec>>, BenchError> {
+fn gpu_codec(
+    settings: &crate::config::StoreSettings,
+) -> Result<Option<Arc<dyn BatchCodec>>, BenchError> {
     if matches!(
-        config.forced_backend,
+        settings.forced_backend,
         Some(Backend::Simd | Backend::SimdParallel)
     ) {
         return Ok(None);
     }
-    let (codec, state) = crate::gpu::open_for_store(config.algorithm);
+    let (codec, state) = crate::gpu::open_for_store(settings.algorithm);
     match codec {
         Some(codec) => Ok(Some(codec as Arc<dyn BatchCodec>)),
-        None if config.forced_backend == Some(Backend::Gpu) => Err(BenchError::NoGpu(state)),
+        None if settings.forced_backend == Some(Backend::Gpu) => Err(BenchError::NoGpu(state)),
         None => Ok(None),
     }
 }
@@ -522,10 +517,12 @@ fn plan(args: &BenchArgs, corpus: &Corpus) -> Result<Plan, BenchError> {
     while corpus.page_count() % request_pages != 0 {
         request_pages -= 1;
     }
-    let config = store_config(&args.store, bytes)?;
+    let settings = crate::config::store_settings(&args.store)
+        .map_err(|e| BenchError::Settings(e.to_string()))?;
+    let gpu = gpu_codec(&settings)?;
     Ok(Plan {
-        gpu: gpu_codec(&config)?,
-        config,
+        config: settings.store_config(bytes, gpu.is_some()),
+        gpu,
         threads: args.threads.map_or(cores, usize::from),
         request_bytes: request_pages * PAGE_SIZE,
     })

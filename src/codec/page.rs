@@ -165,6 +165,26 @@ fn compress_adaptive(page: &Page, out: &mut Page) -> (Encoding, usize) {
     compress_page(algorithm, page, out)
 }
 
+/// Make this thread's codec contexts for `algorithm` now (zstd's compressor and decompressor,
+/// sized for a page): the I/O path must not allocate them at its first page, where the
+/// allocation could wait on reclaim, and reclaim on this device.
+pub fn prepare_thread(algorithm: Algorithm) {
+    let level = match algorithm {
+        Algorithm::Lz4 => return,
+        Algorithm::Zstd { level } => level,
+        Algorithm::Adaptive => ADAPTIVE_ZSTD_LEVEL,
+    };
+    let mut page = [0u8; PAGE_SIZE];
+    for (i, b) in page.iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    let mut out = [0u8; PAGE_SIZE];
+    if let Some(n) = zstd_compress(level, &page, &mut out) {
+        let mut back = [0u8; PAGE_SIZE];
+        let _ = decompress_page(Encoding::Zstd, &out[..n], &mut back);
+    }
+}
+
 /// Decode one page. Any input — truncated, corrupt, or of the wrong encoding — gives an error
 /// or a full page, never a panic or a short page.
 pub fn decompress_page(encoding: Encoding, src: &[u8], out: &mut Page) -> Result<(), CodecError> {

@@ -110,6 +110,7 @@ impl Device {
                 .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
                 .spawn(move || {
                     crate::mem::prepare_io_thread();
+                    handler.prepare_thread();
                     let result = match Queue::fetch_all(setup, &char_dev) {
                         Ok(queue) => {
                             let _ = ready_tx.send(Ok(()));

@@ -17,6 +17,10 @@ use super::UblkError;
 
 /// What serves the requests: the daemon's store adapter. Called from every queue thread.
 pub trait BlockHandler: Send + Sync {
+    /// Called once on each queue thread before its first request: make what `handle` needs
+    /// on this thread now, while allocating cannot wait on this device.
+    fn prepare_thread(&self);
+
     /// Serve one checked request. For `Read` fill `data`, for `Write` take `data` (both exactly
     /// `request.len` bytes); other ops get an empty slice. `Err` carries a negative errno.
     fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32>;
