@@ -19,6 +19,4 @@ step "systemd units (systemd-analyze verify)"
 bash scripts/check-units.sh
 
 step "end-to-end in a VM (scripts/vm-test.sh)"
-# Swap under memory pressure through trueno-ublk does not complete reliably today (README,
-# Limits: the pressure program is OOM-killed): that step is reported as a known failure, not run.
-VM_TEST_KNOWN_FAILURES="${VM_TEST_KNOWN_FAILURES-ublk-pressure}" bash scripts/vm-test.sh
+bash scripts/vm-test.sh

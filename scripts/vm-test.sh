@@ -12,9 +12,6 @@
 #   VM_STALL_S [90]   fail when no page was swapped in or out for this long during a swap run
 #   TRUENO_UBLK_BIN   use this binary instead of building target/release/trueno-ublk
 #   VM_TEST_SKIP      debugging: steps to leave out ("zram ublk-swap units"); the run then fails
-#   VM_TEST_KNOWN_FAILURES  steps known to fail today, not run and reported as such (not as
-#                     passed): "ublk-pressure" leaves out the memory-pressure runs through
-#                     trueno-ublk, which deadlock today (README, Limits). .ci/run sets it.
 #   VM_CREATE_ARGS    debugging: more options for the 1 GiB device's `create` (store options)
 set -euo pipefail
 
@@ -231,7 +228,6 @@ WATCHDOG_S=$((TIMEOUT_S - 30))
 PRESSURE_TIMEOUT_S=300
 STALL_S=${VM_STALL_S:-90}
 SKIP="${VM_TEST_SKIP:-}"
-KNOWN="${VM_TEST_KNOWN_FAILURES:-}"
 CREATE_ARGS="${VM_CREATE_ARGS:-}"
 EOF
 (cd "$STAGE" && find . | cpio -o -H newc --quiet) | gzip -1 >"$VM_DIR/initrd.cpio.gz"

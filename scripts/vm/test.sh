@@ -68,22 +68,10 @@ daemon_logs() {
         tail -n 40 "$f"
     done
 }
-KNOWN_NOT_RUN=0
-# VM_TEST_KNOWN_FAILURES: a step known to fail today is not run, and says so in the verdict.
-known_failing() {
-    case " $KNOWN " in
-    *" $1 "*)
-        echo "KNOWN FAILURE, NOT RUN: $2"
-        KNOWN_NOT_RUN=$((KNOWN_NOT_RUN + 1))
-        return 0
-        ;;
-    esac
-    return 1
-}
 finish() {
     [ "$FAILS" -eq 0 ] || daemon_logs
     section "verdict"
-    echo "$CHECKS checks, $FAILS failed, $KNOWN_NOT_RUN known failures not run"
+    echo "$CHECKS checks, $FAILS failed"
     if [ "$FAILS" -eq 0 ] && [ "$CHECKS" -gt 0 ]; then
         echo "VMTEST RESULT: PASS"
     else
@@ -434,7 +422,7 @@ if [ "$MODE" = full ]; then
         check "... and the device stays" in_swaps $DEV
         $UL/swapoff $DEV
     fi
-    if ! skipped ublk-swap && ! known_failing ublk-pressure "swap under memory pressure through /dev/ublkb0 (the program is OOM-killed today; README, Limits)"; then
+    if ! skipped ublk-swap; then
         # Fill and verify twice, without zram's rewrite pass: the kernel tells a ublk device
         # of a freed swap slot only once its whole cluster is free (discard), so rewriting a
         # third of the pages leaves their old copies in the store (README, Limits), where zram
