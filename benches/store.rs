@@ -96,7 +96,7 @@ fn bench_read(c: &mut Criterion) {
 fn bench_single_page(c: &mut Criterion) {
     let data = corpus();
     let s = store(Algorithm::Lz4, true);
-    let _flusher = s.start_flusher(|| {}).expect("flusher");
+    let _flusher = s.start_flusher(|_| {}).expect("flusher");
     let mut g = c.benchmark_group("store_single_page");
     g.throughput(Throughput::Bytes(PAGE_SIZE as u64));
     let mut i = 0usize;

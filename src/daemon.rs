@@ -20,7 +20,7 @@ use crate::cli::CreateArgs;
 use crate::codec::{Algorithm, Backend, BatchCodec};
 use crate::config::{self, DeviceSettings};
 use crate::stats::{self, DeviceReport};
-use crate::store::{BatchedPageStore, StoreError};
+use crate::store::{BatchedPageStore, StoreError, StoreThread};
 use crate::ublk::device::block_path;
 use crate::ublk::{BlockHandler, Device, DeviceSpec, Op, Request, UblkError};
 
@@ -101,6 +101,18 @@ fn ready_store_thread(algorithm: Algorithm) {
     }
     if let Err(error) = crate::ublk::sys::raise_thread_priority() {
         tracing::warn!(%error, "could not raise a store thread's priority");
+    }
+}
+
+/// Make the reserve's refill thread real-time. Why: it allocates the memory every stored page
+/// needs, at the moment RAM runs out, in competition with the programs whose pages are being
+/// swapped out. A real-time task may allocate below the min watermark (as zram, compressing in
+/// the reclaiming task, may dip into the reserves), and runs as soon as it can, so the reserve
+/// refills before writes wait on it: without this, the first seconds of a swap storm in a
+/// 512 MiB VM failed writes with ENOMEM. It sleeps between refills, so it takes little CPU.
+fn make_refill_realtime() {
+    if let Err(error) = crate::ublk::sys::make_thread_realtime() {
+        tracing::warn!(%error, "could not make the reserve's refill thread real-time (needs CAP_SYS_NICE): under sudden memory pressure writes may fail with ENOMEM");
     }
 }
 
@@ -358,7 +370,12 @@ fn serve(
         reserve_bytes(config::ram_bytes().unwrap_or(0), store_config.mem_limit);
     let store = BatchedPageStore::new(store_config, gpu.clone().map(|g| g as Arc<dyn BatchCodec>))?;
     let flusher = store
-        .start_flusher(move || ready_store_thread(algorithm))
+        .start_flusher(move |role| {
+            ready_store_thread(algorithm);
+            if role == StoreThread::Refill {
+                make_refill_realtime();
+            }
+        })
         .map_err(io_error("starting the flusher"))?;
     let handler = Arc::new(StoreHandler {
         store: store.clone(),

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use store_common::{mixed_page, partly_random_page, text_page, wait_until, zero_page, FakeGpu};
 use trueno_ublk::codec::{BatchCodec, PAGE_SIZE};
-use trueno_ublk::store::{BatchedPageStore, StoreConfig};
+use trueno_ublk::store::{BatchedPageStore, StoreConfig, StoreThread};
 
 const PAGE: u64 = PAGE_SIZE as u64;
 
@@ -27,7 +27,7 @@ fn g101_threshold_triggers_flush() {
         Some(gpu.clone() as Arc<dyn BatchCodec>),
     )
     .unwrap();
-    let _flusher = store.start_flusher(|| {}).unwrap();
+    let _flusher = store.start_flusher(|_| {}).unwrap();
     for i in 0..999u64 {
         store.write(i * PAGE, &mixed_page(i)[..]).unwrap();
     }
@@ -54,7 +54,7 @@ fn g101_threshold_triggers_flush() {
 #[test]
 fn g102_flush_timer_flushes_partial_batch() {
     let store = BatchedPageStore::new(config(1024, 1000, Duration::from_millis(10)), None).unwrap();
-    let _flusher = store.start_flusher(|| {}).unwrap();
+    let _flusher = store.start_flusher(|_| {}).unwrap();
     for i in 0..500u64 {
         store.write(i * PAGE, &text_page(i)[..]).unwrap();
     }
@@ -68,7 +68,7 @@ fn g102_flush_timer_flushes_partial_batch() {
 #[test]
 fn g103_read_before_flush_returns_pending_data() {
     let store = BatchedPageStore::new(config(1024, 1000, Duration::from_secs(3600)), None).unwrap();
-    let _flusher = store.start_flusher(|| {}).unwrap();
+    let _flusher = store.start_flusher(|_| {}).unwrap();
     for i in 0..100u64 {
         store.write(i * PAGE, &text_page(i)[..]).unwrap();
     }
@@ -180,7 +180,7 @@ fn forced_backend_overrides_selection() {
 #[test]
 fn g106_zero_pages_bypass_the_batch() {
     let store = BatchedPageStore::new(config(4096, 1500, Duration::from_secs(3600)), None).unwrap();
-    let _flusher = store.start_flusher(|| {}).unwrap();
+    let _flusher = store.start_flusher(|_| {}).unwrap();
     for i in 0..1000u64 {
         store.write(i * PAGE, &zero_page()[..]).unwrap();
     }
@@ -204,16 +204,25 @@ fn g106_zero_pages_bypass_the_batch() {
 }
 
 #[test]
-fn thread_init_runs_on_the_flusher_thread() {
-    let store = BatchedPageStore::new(config(16, 8, Duration::from_millis(1)), None).unwrap();
+fn thread_init_runs_on_the_flusher_and_refill_threads_and_names_them() {
+    let mut c = config(16, 8, Duration::from_millis(1));
+    c.reserve_bytes = 1 << 20;
+    let store = BatchedPageStore::new(c, None).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     let flusher = store
-        .start_flusher(move || {
-            let _ = tx.send(std::thread::current().name().map(str::to_owned));
+        .start_flusher(move |role| {
+            let _ = tx.send((role, std::thread::current().name().map(str::to_owned)));
         })
         .unwrap();
-    let name = rx.recv_timeout(Duration::from_secs(30)).unwrap();
-    assert_eq!(name.as_deref(), Some("trueno-flusher"));
+    let mut seen = [0, 1].map(|_| rx.recv_timeout(Duration::from_secs(30)).unwrap());
+    seen.sort_by_key(|(role, _)| *role == StoreThread::Refill);
+    assert_eq!(
+        seen,
+        [
+            (StoreThread::Flusher, Some("trueno-flusher".to_string())),
+            (StoreThread::Refill, Some("trueno-reserve".to_string())),
+        ]
+    );
     drop(flusher);
 }
 

@@ -142,7 +142,7 @@ proptest! {
         // Small batches use all cores too, so the rayon path races as well.
         c.thresholds.parallel_min_pages = 8;
         let store = BatchedPageStore::new(c, None).unwrap();
-        let flusher = store.start_flusher(|| {}).unwrap();
+        let flusher = store.start_flusher(|_| {}).unwrap();
         let results: Vec<Result<Model, String>> = std::thread::scope(|s| {
             let handles: Vec<_> = threads
                 .iter()
@@ -180,7 +180,7 @@ fn same_pages_overwritten_while_flushing() {
     c.batch_threshold = 1;
     c.flush_timeout = Duration::from_micros(1);
     let store = BatchedPageStore::new(c, None).unwrap();
-    let flusher = store.start_flusher(|| {}).unwrap();
+    let flusher = store.start_flusher(|_| {}).unwrap();
     std::thread::scope(|s| {
         for t in 0..4u64 {
             let store = &store;
@@ -222,7 +222,7 @@ fn writers_racing_into_the_memory_limit() {
     c.flush_timeout = Duration::from_micros(200);
     c.mem_limit = Some(96 * PAGE);
     let store = BatchedPageStore::new(c, None).unwrap();
-    let _flusher = store.start_flusher(|| {}).unwrap();
+    let _flusher = store.start_flusher(|_| {}).unwrap();
     for round in 0..3u64 {
         std::thread::scope(|s| {
             for t in 0..4u64 {

@@ -36,7 +36,7 @@ fn every_kind_round_trips_in_every_mode() {
         let algorithm = config.algorithm;
         let label = format!("{algorithm:?} batched={}", config.batched);
         let store = BatchedPageStore::new(config, None).unwrap();
-        let _flusher = store.start_flusher(|| {}).unwrap();
+        let _flusher = store.start_flusher(|_| {}).unwrap();
         // 500 pages, kinds interleaved, written 16 pages per request.
         let pages: Vec<_> = (0..500u64).map(|i| page_of_kind(i, i)).collect();
         for (chunk_no, chunk) in pages.chunks(16).enumerate() {
@@ -164,7 +164,7 @@ fn mem_limit_gives_enospc_and_discard_recovers() {
         c.batch_threshold = 16;
         c.mem_limit = Some(256 * 1024);
         let store = BatchedPageStore::new(c, None).unwrap();
-        let _flusher = store.start_flusher(|| {}).unwrap();
+        let _flusher = store.start_flusher(|_| {}).unwrap();
         let mut written = 0u64;
         let err = loop {
             match store.write(written * PAGE, &random_page(written)[..]) {
@@ -203,8 +203,11 @@ fn shutdown_flushes_and_store_keeps_working() {
     c.flush_timeout = Duration::from_secs(3600);
     c.batch_threshold = 8;
     let store = BatchedPageStore::new(c, None).unwrap();
-    let flusher = store.start_flusher(|| {}).unwrap();
-    assert!(store.start_flusher(|| {}).is_err(), "one flusher per store");
+    let flusher = store.start_flusher(|_| {}).unwrap();
+    assert!(
+        store.start_flusher(|_| {}).is_err(),
+        "one flusher per store"
+    );
     for i in 0..5u64 {
         store.write(i * PAGE, &text_page(i)[..]).unwrap();
     }

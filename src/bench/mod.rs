@@ -566,7 +566,7 @@ fn store_pass(
             source,
         }
     })?;
-    let flusher = store.start_flusher(|| ()).map_err(BenchError::Flusher)?;
+    let flusher = store.start_flusher(|_| ()).map_err(BenchError::Flusher)?;
 
     progress.phase("store write", bytes as u64);
     let start = Instant::now();

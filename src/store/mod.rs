@@ -306,6 +306,15 @@ pub struct BatchedPageStore {
     counters: Counters,
 }
 
+/// The store's own threads, as `start_flusher`'s `thread_init` is told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreThread {
+    /// Compresses the pending batches and installs them.
+    Flusher,
+    /// Commits chunk memory ahead of need (see `reserve`).
+    Refill,
+}
+
 /// Joins the flusher thread when dropped after `BatchedPageStore::shutdown` (dropping it
 /// first shuts the store down).
 pub struct FlusherHandle {
@@ -452,11 +461,11 @@ impl BatchedPageStore {
     }
 
     /// Start the flusher thread and, when the store keeps a chunk reserve, its refill thread.
-    /// `thread_init` runs first on each (the daemon readies them for the I/O path and makes
-    /// them I/O flushers: see `reserve` for why the refill thread is one too).
+    /// `thread_init` runs first on each, told which it is (the daemon readies them for the I/O
+    /// path and makes them I/O flushers: see `reserve` for why the refill thread is one too).
     pub fn start_flusher(
         self: &Arc<Self>,
-        thread_init: impl Fn() + Send + Sync + Clone + 'static,
+        thread_init: impl Fn(StoreThread) + Send + Sync + Clone + 'static,
     ) -> std::io::Result<FlusherHandle> {
         {
             let mut ctl = self.control.lock();
@@ -475,7 +484,7 @@ impl BatchedPageStore {
             .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
             .spawn(move || {
                 let _running = FlusherRunning(&store);
-                init();
+                init(StoreThread::Flusher);
                 store.flusher_loop();
             });
         let refill_thread = if self.alloc.reserve.enabled() {
@@ -484,7 +493,7 @@ impl BatchedPageStore {
                 .name("trueno-reserve".into())
                 .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
                 .spawn(move || {
-                    thread_init();
+                    thread_init(StoreThread::Refill);
                     store.alloc.reserve.run_refill(|| store.alloc.provision())
                 });
             match spawned {

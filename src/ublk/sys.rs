@@ -284,6 +284,21 @@ pub fn raise_thread_priority() -> std::io::Result<()> {
     }
 }
 
+/// Run the calling thread under `SCHED_FIFO` at the lowest real-time priority. The kernel's
+/// page allocator lets real-time tasks dip below the min watermark (`ALLOC_MIN_RESERVE`;
+/// `ALLOC_HARDER` before Linux 6.3), and the scheduler runs them before any normal task.
+pub fn make_thread_realtime() -> std::io::Result<()> {
+    let param = libc::sched_param { sched_priority: 1 };
+    // SAFETY: `param` is a valid sched_param that outlives the call, which only reads it; pid 0
+    // is the calling thread.
+    let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 // swapon(2) flags, from `include/linux/swap.h`.
 const SWAP_FLAG_PREFER: libc::c_int = 0x8000;
 const SWAP_FLAG_PRIO_MASK: libc::c_int = 0x7fff;
