@@ -52,8 +52,11 @@ const PENDING_BATCHES: usize = 2;
 const FLUSH_PART_PAGES: usize = 256;
 
 /// A writer that has waited this long for a pending slot while the flusher waits for chunk
-/// memory fails its write with `ENOMEM`, and so do the writes after it for `FAIL_FAST_PERIOD`
-/// or until the flusher frees a batch. Why: the daemon serves swap, and when the system has no memory to give the store,
+/// memory, and the refill thread has committed none in that time, fails its write with
+/// `ENOMEM`, and so do the writes after it for `FAIL_FAST_PERIOD` or until the flusher frees a
+/// batch. A refill that is slow but commits keeps writes waiting: at the onset of pressure
+/// memory comes back in well under a second per commit group, and failing then only logs
+/// write errors. Why: the daemon serves swap, and when the system has no memory to give the store,
 /// a write that waits holds its bio, and with it every task in reclaim (they wait for bios and
 /// writeback), the swap-ins queued behind it, and the OOM killer, which the kernel does not
 /// call while writeback is pending. Failing the write lets reclaim go on (the kernel keeps the
@@ -687,16 +690,24 @@ impl BatchedPageStore {
 
     /// A free pending slot; waits for the flusher while every batch is full.
     fn reserve_slot(&self) -> Result<(usize, usize), StoreError> {
-        let mut full_since: Option<Instant> = None;
+        // Since when this writer has waited without the refill thread committing anything.
+        let mut stalled: Option<(Instant, u64)> = None;
         loop {
             let b = self.current.load(Ordering::Acquire);
             match self.batches[b].reserve() {
                 Reserve::Slot(s) => return Ok((b, s)),
                 Reserve::Closed => std::thread::yield_now(),
                 Reserve::Full => {
-                    let waited = full_since.get_or_insert_with(Instant::now).elapsed();
+                    let commits = self.alloc.reserve.commits();
+                    let (since, seen) = *stalled.get_or_insert((Instant::now(), commits));
+                    if commits != seen {
+                        stalled = Some((Instant::now(), commits));
+                    }
+                    let waited = since.elapsed();
                     if self.failing_fast()
-                        || (waited >= STARVED_WRITE_TIMEOUT && self.alloc.reserve.starving())
+                        || (commits == seen
+                            && waited >= STARVED_WRITE_TIMEOUT
+                            && self.alloc.reserve.starving())
                     {
                         return Err(self.starved_write(waited));
                     }

@@ -57,6 +57,8 @@ pub(super) struct ChunkReserve {
     misses: AtomicU64,
     /// Takers waiting for the refill thread now.
     waiters: AtomicUsize,
+    /// Commit groups committed so far: how a waiting writer tells a slow refill from a stuck one.
+    commits: AtomicU64,
     /// Pools (bit `k` for chunks of `k + 1` pages) a taker waits on: refilled first.
     wanted: AtomicU64,
     wake: Condvar,
@@ -91,6 +93,7 @@ impl ChunkReserve {
             target_bytes,
             misses: AtomicU64::new(0),
             waiters: AtomicUsize::new(0),
+            commits: AtomicU64::new(0),
             wanted: AtomicU64::new(0),
             wake: Condvar::new(),
             wake_lock: Mutex::new(()),
@@ -117,6 +120,11 @@ impl ChunkReserve {
     /// memory to give the store.
     pub(super) fn starving(&self) -> bool {
         self.waiters.load(Ordering::Relaxed) > 0
+    }
+
+    /// Commit groups committed so far (it only grows).
+    pub(super) fn commits(&self) -> u64 {
+        self.commits.load(Ordering::Relaxed)
     }
 
     /// A taker starts waiting for the refill thread (see `starving`).
@@ -237,6 +245,7 @@ impl ChunkReserve {
         };
         match fresh {
             Ok(chunks) => {
+                self.commits.fetch_add(1, Ordering::Relaxed);
                 self.held_bytes
                     .fetch_add((chunks.len() * chunk_bytes) as u64, Ordering::Relaxed);
                 self.pools[k].lock().ready.extend(chunks);
