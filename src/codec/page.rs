@@ -294,6 +294,26 @@ mod tests {
     }
 
     #[test]
+    fn prepare_thread_makes_the_zstd_contexts_the_algorithm_needs() {
+        let contexts = || {
+            (
+                ZSTD_COMPRESSOR.with(|c| c.borrow().as_ref().map(|(level, _)| *level)),
+                ZSTD_DECOMPRESSOR.with(|d| d.borrow().is_some()),
+            )
+        };
+        std::thread::spawn(move || {
+            prepare_thread(Algorithm::Lz4);
+            assert_eq!(contexts(), (None, false));
+            prepare_thread(Algorithm::Zstd { level: 3 });
+            assert_eq!(contexts(), (Some(3), true));
+            prepare_thread(Algorithm::Adaptive);
+            assert_eq!(contexts(), (Some(ADAPTIVE_ZSTD_LEVEL), true));
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
     fn random_page_is_raw_and_text_is_not() {
         let mut out = [0u8; PAGE_SIZE];
         assert_eq!(
