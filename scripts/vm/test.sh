@@ -22,7 +22,7 @@
 #      `trueno-ublk stat` while the data is swapped out; swapoff; `delete --id 0`.
 #   9. The systemd units' start and stop commands, taken from the unit files (units.sh), with
 #      the configured swap priority in /proc/swaps and non-zero DATA in `stat` under pressure.
-#  10. dmesg has no ublk errors, hung tasks, BUG, Oops, warnings or OOM kills.
+#  10. dmesg has no ublk or swap I/O errors, hung tasks, BUG, Oops, warnings or OOM kills.
 # MODE=kernel-only: steps 1, 2 and 10, plus the pattern checks of step 4 on zram.
 # A monitor prints free memory and swap counters every 20 s and, if the test is still running
 # at WATCHDOG_S or swap stops moving for STALL_S during a pressure run, dumps the blocked tasks
@@ -455,9 +455,10 @@ dmesg >/tmp/dmesg
 grep -iE 'ublk' /tmp/dmesg | tail -n 20
 bad=$(grep -E -e '[Uu][Bb][Ll][Kk].*([Ee]rror|[Ff]ail|[Tt]imeout|[Aa]bort)' \
     -e 'hung_task|blocked for more than|BUG:|Oops:|WARNING:|Call Trace|general protection' \
-    -e 'Out of memory|oom-kill|soft lockup' /tmp/dmesg)
+    -e 'Out of memory|oom-kill|soft lockup' \
+    -e 'Write-error on swap-device|Read-error on swap-device|I/O error|resource error' /tmp/dmesg)
 if [ -z "$bad" ]; then
-    ok "dmesg: no ublk errors, hung tasks, BUG, Oops, warnings or OOM kills"
+    ok "dmesg: no ublk or swap I/O errors, hung tasks, BUG, Oops, warnings or OOM kills"
 else
     fail "dmesg has errors:"
     echo "$bad" | head -n 40
