@@ -19,7 +19,8 @@
 #   7. A second device is created, used and deleted while I/O runs on the first.
 #   8. mkswap + swapon -d; `delete --id 0` refused while it is swap; a program fills 1.5x the
 #      RAM with a mixed pattern and verifies every word twice; pswpout and pswpin grew;
-#      `trueno-ublk stat` while the data is swapped out; swapoff; `delete --id 0`.
+#      `trueno-ublk stat` while the data is swapped out; then three processes fill as much
+#      together and verify it twice in random order; swapoff; `delete --id 0`.
 #   9. The systemd units' start and stop commands, taken from the unit files (units.sh), with
 #      the configured swap priority in /proc/swaps and non-zero DATA in `stat` under pressure.
 #  10. dmesg has no ublk or swap I/O errors, hung tasks, BUG, Oops, warnings or OOM kills.
@@ -268,13 +269,38 @@ pressure_run() {
     figure "${name}_swap_pswpout" "$((out1 - out0))"
     figure "${name}_swap_pswpin" "$((in1 - in0))"
 }
-# swap_run NAME DEV INSPECT_CMD [PASSES]: mkswap, swapon -d, pressure_run, swapoff.
+# scatter_run NAME MIB PROCS: PROCS processes fill MIB MiB together and verify it twice, a page
+# at a time in random order (another program and access pattern than pressure_run's).
+scatter_run() {
+    local name=$1 mib=$2 procs=$3 out0 in0 t0 rc dur words bad
+    out0=$(vmstat_of pswpout)
+    in0=$(vmstat_of pswpin)
+    t0=$(now)
+    touch /run/pressure-on
+    timeout "$PRESSURE_TIMEOUT_S" $VT scatter "$mib" "$procs" "$(date +%s)" >/tmp/scatter.out 2>&1
+    rc=$?
+    rm -f /run/pressure-on
+    dur=$(since "$t0")
+    cat /tmp/scatter.out
+    check "$name: $procs processes over $mib MiB, random-order verify, exited 0 (rc $rc)" [ "$rc" -eq 0 ]
+    words=$(sed -n 's/^SCATTER_WORDS_CHECKED=//p' /tmp/scatter.out)
+    bad=$(sed -n 's/^SCATTER_BAD_WORDS=//p' /tmp/scatter.out)
+    check "$name: every word matched (${words:-0} checked, ${bad:-?} mismatched)" [ "${bad:-1}" = 0 ]
+    check "$name: ... and each verified twice" [ "${words:-0}" -ge $((2 * (mib * 256 / procs) * procs * 512)) ]
+    check "$name: pswpout grew" [ "$(vmstat_of pswpout)" -gt "$out0" ]
+    check "$name: pswpin grew" [ "$(vmstat_of pswpin)" -gt "$in0" ]
+    figure "${name}_scatter_seconds" "$dur"
+}
+
+# swap_run NAME DEV INSPECT_CMD [PASSES]: mkswap, swapon -d, pressure_run, scatter_run (three
+# processes over the same amount), swapoff.
 swap_run() {
     local name=$1 dev=$2 t0
     check "$name: mkswap $dev" $UL/mkswap "$dev" >/dev/null
     check "$name: swapon -d $dev" $UL/swapon -d "$dev"
     check "$name: /proc/swaps lists $dev" in_swaps "$dev"
     pressure_run "$name" "$FILL_MIB" "$3" "${4:-}"
+    scatter_run "$name" "$FILL_MIB" 3
     t0=$(now)
     check "$name: swapoff $dev" $UL/swapoff "$dev"
     echo "$name: swapoff took $(since "$t0") s"

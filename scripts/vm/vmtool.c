@@ -15,6 +15,12 @@
  *       passes only, no rewrite. With
  *       HOLDFILE, creates it when done and keeps the memory until it is removed
  *       (so the swap device can be inspected while it holds the data).
+ *   vmtool scatter MIB PROCS SEED
+ *       PROCS processes at once each fill MIB/PROCS MiB of anonymous memory with the
+ *       mixed pattern (seed SEED + process number) and verify it twice, a page at a time
+ *       in random order (another access pattern than pressure's sequential passes).
+ *       Prints SCATTER_WORDS_CHECKED and SCATTER_BAD_WORDS; exits 1 on any mismatch or
+ *       failed process.
  *   vmtool notify-run TIMEOUT_S STATEFILE CMD [ARGS...]
  *       Runs CMD the way systemd runs a Type=notify service: NOTIFY_SOCKET points
  *       to a datagram socket this program reads. Appends to STATEFILE "pid N" at
@@ -259,6 +265,93 @@ static int cmd_pressure(int argc, char **argv)
 	return total.bad_words == 0 ? 0 : 1;
 }
 
+/* One process of `scatter`: returns the mismatched words, or -1 if it could not map. */
+static long long scatter_worker(uint64_t pages, uint64_t seed, uint64_t *words)
+{
+	size_t bytes = (size_t)pages * PAGE_BYTES;
+	uint64_t *mem = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (mem == MAP_FAILED)
+		return -1;
+	madvise(mem, bytes, MADV_NOHUGEPAGE);
+	for (uint64_t p = 0; p < pages; p++)
+		make_page(mem + p * PAGE_WORDS, seed, p);
+	uint64_t expect[PAGE_WORDS];
+	uint64_t order = seed ^ 0xA0761D6478BD642FULL;
+	long long bad = 0;
+	for (uint64_t n = 0; n < 2 * pages; n++) {
+		uint64_t p = splitmix64(&order) % pages;
+		uint64_t *got = mem + p * PAGE_WORDS;
+		make_page(expect, seed, p);
+		*words += PAGE_WORDS;
+		if (memcmp(got, expect, PAGE_BYTES) == 0)
+			continue;
+		for (int i = 0; i < PAGE_WORDS; i++)
+			bad += got[i] != expect[i];
+	}
+	munmap(mem, bytes);
+	return bad;
+}
+
+static int cmd_scatter(int argc, char **argv)
+{
+	if (argc != 3) {
+		fprintf(stderr, "usage: vmtool scatter MIB PROCS SEED\n");
+		return 2;
+	}
+	uint64_t mib = parse_u64(argv[0], "MiB");
+	uint64_t procs = parse_u64(argv[1], "process count");
+	uint64_t seed = parse_u64(argv[2], "seed");
+	if (procs == 0 || procs > 64) {
+		fprintf(stderr, "vmtool scatter: PROCS must be 1..64\n");
+		return 2;
+	}
+	uint64_t pages = mib * 256 / procs;
+	int fds[64][2];
+	double t0 = now_s();
+	for (uint64_t k = 0; k < procs; k++) {
+		if (pipe(fds[k]) != 0) {
+			perror("vmtool scatter: pipe");
+			return 1;
+		}
+		pid_t pid = fork();
+		if (pid < 0) {
+			perror("vmtool scatter: fork");
+			return 1;
+		}
+		if (pid == 0) {
+			uint64_t words = 0;
+			long long bad = scatter_worker(pages, seed + k, &words);
+			unsigned long long out[2] = { words, (unsigned long long)bad };
+			if (write(fds[k][1], out, sizeof(out)) != (ssize_t)sizeof(out))
+				_exit(1);
+			_exit(bad == 0 ? 0 : 1);
+		}
+		close(fds[k][1]);
+	}
+	uint64_t words = 0, bad = 0, failed = 0;
+	for (uint64_t k = 0; k < procs; k++) {
+		unsigned long long in[2];
+		if (read(fds[k][0], in, sizeof(in)) != (ssize_t)sizeof(in) || (long long)in[1] < 0) {
+			failed++;
+			continue;
+		}
+		words += in[0];
+		bad += in[1];
+	}
+	int status;
+	while (wait(&status) > 0)
+		if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+			failed++;
+	printf("scatter: %llu processes x %llu pages, every page verified twice in random order: "
+	       "%llu words checked, %llu mismatched, %llu processes failed, %.1f s\n",
+	       (unsigned long long)procs, (unsigned long long)pages, (unsigned long long)words,
+	       (unsigned long long)bad, (unsigned long long)failed, now_s() - t0);
+	printf("SCATTER_WORDS_CHECKED=%llu\nSCATTER_BAD_WORDS=%llu\n", (unsigned long long)words,
+	       (unsigned long long)bad);
+	fflush(stdout);
+	return bad == 0 && failed == 0 ? 0 : 1;
+}
+
 static void state_line(const char *path, const char *fmt, ...)
 {
 	FILE *f = fopen(path, "a");
@@ -462,11 +555,14 @@ int main(int argc, char **argv)
 		return cmd_gen(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "pressure") == 0)
 		return cmd_pressure(argc - 2, argv + 2);
+	if (argc >= 2 && strcmp(argv[1], "scatter") == 0)
+		return cmd_scatter(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "monitor") == 0)
 		return cmd_monitor(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "notify-run") == 0)
 		return cmd_notify_run(argc - 2, argv + 2);
 	fprintf(stderr, "usage: vmtool now | gen BYTES SEED | pressure MIB SEED [HOLDFILE] | "
+			"scatter MIB PROCS SEED | "
 			"notify-run TIMEOUT_S STATEFILE CMD [ARGS...] | "
 			"monitor INTERVAL_S DEADLINE_S STALL_S FLAGFILE\n");
 	return 2;
