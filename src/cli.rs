@@ -88,7 +88,7 @@ pub struct CreateArgs {
     /// Number of hardware queues (one thread each) [default: 1]
     #[arg(long)]
     pub queues: Option<u16>,
-    /// Queue depth (tags per queue) [default: 64]
+    /// Queue depth (tags per queue) [default: 32]
     #[arg(long)]
     pub depth: Option<u16>,
     /// Stay attached; with NOTIFY_SOCKET set, send READY=1 once the device is live

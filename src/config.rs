@@ -33,7 +33,9 @@ pub const DEFAULT_CONFIG_PATH: &str = "/etc/trueno-ublk.conf";
 /// zram-generator's default device size is min(RAM / 2, this).
 pub const DEFAULT_SIZE_CAP: u64 = 4 << 30;
 pub const DEFAULT_QUEUES: u16 = 1;
-pub const DEFAULT_DEPTH: u16 = 64;
+/// Tags per queue: each holds a locked 64 KiB buffer, and one queue thread serves them in turn,
+/// so more tags mostly lock more memory.
+pub const DEFAULT_DEPTH: u16 = 32;
 pub const DEFAULT_ZSTD_LEVEL: i32 = 1;
 /// Pending pages per batch without a GPU: enough for every core to compress a share of each
 /// flush, and with two batches only 2 MiB of locked memory (swap wants the RAM back).

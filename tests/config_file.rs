@@ -64,7 +64,7 @@ fn defaults_follow_zram_generator() {
     let settings = resolve_with(&args, &ConfigFile::default(), 8 * GIB).unwrap();
     assert_eq!(settings.id, None);
     assert_eq!(settings.queues, 1);
-    assert_eq!(settings.depth, 64);
+    assert_eq!(settings.depth, 32);
     assert_eq!(settings.swap_priority, 100);
     assert_eq!(settings.store.algorithm, Algorithm::Zstd { level: 1 });
     assert_eq!(settings.store.forced_backend, None);
