@@ -197,11 +197,13 @@ units_phase() {
     check "/proc/swaps lists /dev/ublkb$I with the configured priority $prio (got '$got')" [ "$got" = "$prio" ]
 
     if [ "$started" -eq 1 ]; then
-        # The configured device is smaller than the 1 GiB one (size = ram / 2 by default,
-        # 106 MiB here): fill more than the RAM left beside the kernel and the daemon, but
-        # well below RAM + swap, which the swap device's compressed pages share with it.
+        # The configured device is smaller than the 1 GiB one (size = ram / 2 by default):
+        # fill what is available now plus half the swap device, so that it swaps, but well
+        # below RAM + swap, which the swap device's compressed pages share with the program.
+        avail=$(awk '/^MemAvailable:/ { print int($2 / 1024) }' /proc/meminfo)
+        swap=$(awk -v d=/dev/ublkb$I '$1 == d { print int($3 / 1024) }' /proc/swaps)
         rm -f /tmp/stat.raw
-        pressure_run units $((RAM_MIB * 3 / 4)) units_inspect 1
+        pressure_run units $((avail + swap / 2)) units_inspect 1
         data=$(awk -v d=ublkb$I 'NR > 1 && $1 ~ d "$" { print $3 }' /tmp/stat.raw)
         check "trueno-ublk stat reported non-zero DATA under pressure ($data bytes)" [ "${data:-0}" -gt 0 ]
     fi
