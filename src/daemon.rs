@@ -363,7 +363,7 @@ fn serve(
         .map_err(io_error("installing signal handlers"))?;
     let (gpu, gpu_state) = match settings.store.forced_backend {
         Some(Backend::Simd | Backend::SimdParallel) => (None, "not used (--backend)".to_string()),
-        _ => crate::gpu::open_for_store(settings.store.algorithm),
+        _ => crate::gpu::open_for_store(algorithm),
     };
     tracing::info!(gpu = gpu_state, "GPU backend");
     let mut store_config = settings.store_config(gpu.is_some());

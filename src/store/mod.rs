@@ -699,15 +699,13 @@ impl BatchedPageStore {
                 Reserve::Closed => std::thread::yield_now(),
                 Reserve::Full => {
                     let commits = self.alloc.reserve.commits();
-                    let (since, seen) = *stalled.get_or_insert((Instant::now(), commits));
-                    if commits != seen {
-                        stalled = Some((Instant::now(), commits));
-                    }
+                    let since = match stalled {
+                        Some((since, seen)) if seen == commits => since,
+                        _ => stalled.insert((Instant::now(), commits)).0,
+                    };
                     let waited = since.elapsed();
                     if self.failing_fast()
-                        || (commits == seen
-                            && waited >= STARVED_WRITE_TIMEOUT
-                            && self.alloc.reserve.starving())
+                        || (waited >= STARVED_WRITE_TIMEOUT && self.alloc.reserve.starving())
                     {
                         return Err(self.starved_write(waited));
                     }
