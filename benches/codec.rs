@@ -5,6 +5,13 @@
 //! `scripts/make-corpus.sh`) or else from a synthetic heap-like mix. The default run is short;
 //! pass `-- --measurement-time 5` for steadier numbers.
 
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss,
+    reason = "test data: small, known values"
+)]
+
 #[path = "../tests/store_common/mod.rs"]
 mod store_common;
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use trueno_ublk::codec::{Algorithm, PAGE_SIZE};
-use trueno_ublk::store::{BatchedPageStore, StoreConfig};
+use trueno_ublk::store::BatchedPageStore;
 
 const PAGES: usize = 4000;
 
@@ -38,7 +38,8 @@ fn corpus() -> Vec<u8> {
 }
 
 fn store(algorithm: Algorithm, batched: bool) -> Arc<BatchedPageStore> {
-    let mut c = StoreConfig::new((PAGES * PAGE_SIZE) as u64);
+    let mut c = trueno_ublk::config::StoreSettings::default()
+        .store_config((PAGES * PAGE_SIZE) as u64, false);
     c.algorithm = algorithm;
     c.batched = batched;
     BatchedPageStore::new(c, None).expect("store")

@@ -1,9 +1,20 @@
-//! Command-line parsing and output. Every command's work lives in its own module; this file
-//! only turns arguments into calls and errors into one or two lines and an exit code.
+//! The command line: every option a user types and every line the program prints. Each
+//! command's work lives in its own module; this file turns arguments into calls, and results
+//! and errors into lines and an exit code.
 
-use std::path::PathBuf;
+#![forbid(unsafe_code)]
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+
+use clap::builder::{PossibleValuesParser, TypedValueParser};
+use clap::{Args, Parser, Subcommand};
+
+use crate::bench::{self, BenchOptions, Progress};
+use crate::config::{AlgorithmChoice, BackendChoice, Choice, DeviceOptions, StoreOptions};
+use crate::devices::DeviceRow;
+use crate::stats::StatFormat;
+use crate::units::{human_size, parse_size};
 
 /// trueno-ublk: a compressed-RAM block device for swap, served in user space through ublk.
 #[derive(Debug, Parser)]
@@ -25,29 +36,16 @@ pub enum Command {
     /// Show live statistics of running devices (zramctl's columns and more).
     Stat(StatArgs),
     /// Benchmark the page store on a corpus of pages (and kernel zram with --compare-zram).
-    Bench(crate::bench::BenchArgs),
+    Bench(BenchArgs),
     /// Enable /dev/ublkbN as swap with discard and the configured priority (used by
     /// trueno-ublk-swap@.service after mkswap).
-    Swapon(crate::config::SwaponArgs),
+    Swapon(SwaponArgs),
 }
 
-/// Compression algorithm on the command line.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum AlgorithmArg {
-    Lz4,
-    Zstd,
-    Adaptive,
-}
-
-/// Batch backend on the command line (`auto` selects by batch size).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum BackendArg {
-    Auto,
-    Simd,
-    SimdParallel,
-    Gpu,
+/// A clap parser for a setting with named values: the names are the config file's.
+fn choice<T: Choice>() -> impl TypedValueParser<Value = T> {
+    PossibleValuesParser::new(T::names())
+        .try_map(|name| T::from_name(&name).ok_or_else(|| format!("unknown value '{name}'")))
 }
 
 /// Options of the page store, shared by `create` and `bench`. `None` means "from the config
@@ -55,14 +53,14 @@ pub enum BackendArg {
 #[derive(Clone, Debug, Default, Args)]
 pub struct StoreArgs {
     /// Compression algorithm [default: zstd]
-    #[arg(long, value_enum)]
-    pub algorithm: Option<AlgorithmArg>,
+    #[arg(long, value_parser = choice::<AlgorithmChoice>())]
+    pub algorithm: Option<AlgorithmChoice>,
     /// zstd level when the algorithm is zstd or adaptive [default: 1]
     #[arg(long)]
     pub zstd_level: Option<i32>,
     /// Batch backend [default: auto]
-    #[arg(long, value_enum)]
-    pub backend: Option<BackendArg>,
+    #[arg(long, value_parser = choice::<BackendChoice>())]
+    pub backend: Option<BackendChoice>,
     /// Pending pages that trigger a batch flush [default: 256, or 1000 with the GPU backend]
     #[arg(long)]
     pub batch_threshold: Option<usize>,
@@ -75,6 +73,20 @@ pub struct StoreArgs {
     /// Memory limit for stored pages (K/M/G/T suffixes); writes beyond it fail with ENOSPC
     #[arg(long, value_parser = parse_size)]
     pub mem_limit: Option<u64>,
+}
+
+impl StoreArgs {
+    pub fn options(&self) -> StoreOptions {
+        StoreOptions {
+            algorithm: self.algorithm,
+            zstd_level: self.zstd_level,
+            backend: self.backend,
+            batch_threshold: self.batch_threshold,
+            flush_timeout_ms: self.flush_timeout_ms,
+            no_batched: self.no_batched,
+            mem_limit: self.mem_limit,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Args)]
@@ -99,6 +111,19 @@ pub struct CreateArgs {
     pub config: Option<PathBuf>,
     #[command(flatten)]
     pub store: StoreArgs,
+}
+
+impl CreateArgs {
+    pub fn options(&self) -> DeviceOptions {
+        DeviceOptions {
+            size: self.size,
+            id: self.id,
+            queues: self.queues,
+            depth: self.depth,
+            config: self.config.clone(),
+            store: self.store.options(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Args)]
@@ -134,72 +159,106 @@ pub struct StatArgs {
     pub raw: bool,
 }
 
-/// Parse a size with an optional K/M/G/T suffix (powers of 1024; `KiB`/`KB` spellings and
-/// lower case accepted), rounded up to a multiple of 4 KiB. Zero is rejected.
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    let text = text.trim();
-    let digits_end = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (digits, suffix) = text.split_at(digits_end);
-    if digits.is_empty() {
-        return Err(format!(
-            "bad size '{text}': expected a number like 8G or 512M"
-        ));
-    }
-    let number: u64 = digits
-        .parse()
-        .map_err(|_| format!("bad size '{text}': number too large"))?;
-    let shift = match suffix.trim().to_ascii_uppercase().as_str() {
-        "" | "B" => 0,
-        "K" | "KB" | "KIB" => 10,
-        "M" | "MB" | "MIB" => 20,
-        "G" | "GB" | "GIB" => 30,
-        "T" | "TB" | "TIB" => 40,
-        other => {
-            return Err(format!(
-                "bad size '{text}': unknown suffix '{other}' (use K, M, G or T)"
-            ))
+impl StatArgs {
+    pub fn format(&self) -> StatFormat {
+        match (self.json, self.raw) {
+            (true, _) => StatFormat::Json,
+            (false, true) => StatFormat::RawTable,
+            (false, false) => StatFormat::Table,
         }
-    };
-    let bytes = number
-        .checked_mul(1u64 << shift)
-        .and_then(|b| b.checked_add(4095))
-        .map(|b| b & !4095)
-        .ok_or_else(|| format!("bad size '{text}': too large"))?;
-    if bytes == 0 {
-        return Err(format!("bad size '{text}': must be greater than zero"));
     }
-    Ok(bytes)
 }
 
-/// Format bytes the way zramctl does: 1.5G, 256M, 4K, 0B.
-pub fn human_size(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "K", "M", "G", "T"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit < UNITS.len() - 1 {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 || value >= 100.0 || value.fract() == 0.0 {
-        format!("{value:.0}{}", UNITS[unit])
-    } else {
-        format!("{:.1}{}", value, UNITS[unit])
+#[derive(Clone, Debug, Args)]
+pub struct BenchArgs {
+    /// Corpus file of 4 KiB pages (scripts/make-corpus.sh) [default: a built-in realistic mix]
+    #[arg(long)]
+    pub input: Option<PathBuf>,
+    /// Bytes of pages: the size of the built-in mix [default: 256M], or the first SIZE bytes of
+    /// --input [default: all of it]
+    #[arg(long, value_parser = parse_size)]
+    pub size: Option<u64>,
+    /// Writer and reader threads, like the daemon's queue threads [default: number of cores]
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: Option<u16>,
+    /// Bytes per write and read request to the store (4K = one page, as swap mostly does)
+    #[arg(long, value_parser = parse_size, default_value_t = bench::DEFAULT_REQUEST_BYTES)]
+    pub request_size: u64,
+    /// Overwrite the whole corpus this many times in random order, then report the memory
+    /// ratio again (0 skips it)
+    #[arg(long, default_value_t = bench::DEFAULT_OVERWRITES)]
+    pub overwrites: u32,
+    /// Samples of each single-page latency; the 1000-page batch figures take a tenth as many
+    #[arg(long, default_value_t = bench::DEFAULT_LATENCY_SAMPLES, value_parser = clap::value_parser!(u32).range(1..))]
+    pub latency_samples: u32,
+    /// Rounds of the store's write and read, the codec alone and zram, back to back; the best
+    /// figure of each counts (other work on a shared machine only ever slows a run down)
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub repeat: u16,
+    /// Seed of the built-in mix and of the random orders
+    #[arg(long, default_value_t = bench::DEFAULT_SEED)]
+    pub seed: u64,
+    /// Print one JSON object instead of the text report
+    #[arg(long)]
+    pub json: bool,
+    /// Also run kernel zram (lz4) on the same pages: needs root and /sys/block/zram0, and
+    /// resets zram0 before and after
+    #[arg(long)]
+    pub compare_zram: bool,
+    /// Parallel O_DIRECT streams for zram (1 = one dd)
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub zram_streams: u16,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+impl BenchArgs {
+    pub fn options(&self) -> BenchOptions {
+        BenchOptions {
+            input: self.input.clone(),
+            size: self.size,
+            threads: self.threads,
+            request_size: self.request_size,
+            overwrites: self.overwrites,
+            latency_samples: self.latency_samples,
+            repeat: self.repeat,
+            seed: self.seed,
+            compare_zram: self.compare_zram,
+            zram_streams: self.zram_streams,
+            store: self.store.options(),
+        }
     }
 }
+
+/// `trueno-ublk swapon`: what `trueno-ublk-swap@.service` runs after `mkswap`.
+#[derive(Clone, Debug, Args)]
+pub struct SwaponArgs {
+    /// Device id N of /dev/ublkbN
+    #[arg(long)]
+    pub id: u32,
+    /// Config file whose [ublkbN] section gives swap-priority (a missing file means 100)
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Print the swapon command instead of running it
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+type CommandResult = Result<(), Box<dyn std::error::Error>>;
 
 /// Run the command line; returns the process exit code. Errors are printed as one or two
 /// lines, without a backtrace.
 pub fn main() -> i32 {
     let cli = Cli::parse();
-    let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
-        Command::Create(args) => crate::daemon::create(args).map_err(Into::into),
-        Command::List(args) => crate::devices::list(&args).map_err(Into::into),
-        Command::Delete(args) => crate::devices::delete(&args).map_err(Into::into),
-        Command::Stat(args) => crate::stats::stat(&args).map_err(Into::into),
-        Command::Bench(args) => crate::bench::run(&args).map_err(Into::into),
-        Command::Swapon(args) => crate::config::swapon(&args).map_err(Into::into),
+    let result = match cli.command {
+        Command::Create(args) => {
+            crate::daemon::create(&args.options(), args.foreground).map_err(Into::into)
+        }
+        Command::List(args) => list(&args),
+        Command::Delete(args) => delete(&args),
+        Command::Stat(args) => stat(&args),
+        Command::Bench(args) => run_bench(&args),
+        Command::Swapon(args) => swapon(&args),
     };
     match result {
         Ok(()) => 0,
@@ -210,46 +269,97 @@ pub fn main() -> i32 {
     }
 }
 
+fn list(args: &ListArgs) -> CommandResult {
+    let rows = crate::devices::list()?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print!("{}", device_table(&rows));
+    }
+    Ok(())
+}
+
+/// `list`'s table.
+fn device_table(rows: &[DeviceRow]) -> String {
+    if rows.is_empty() {
+        return "no ublk devices\n".to_string();
+    }
+    let line = |cells: [&str; 7]| {
+        format!(
+            "{:<4} {:<14} {:>8} {:>6} {:>6} {:<6} {:>8}\n",
+            cells[0], cells[1], cells[2], cells[3], cells[4], cells[5], cells[6]
+        )
+    };
+    let mut out = line(["ID", "DEVICE", "SIZE", "QUEUES", "DEPTH", "STATE", "PID"]);
+    for row in rows {
+        let pid = if row.daemon_alive {
+            row.pid.to_string()
+        } else {
+            format!("{} (gone)", row.pid)
+        };
+        out.push_str(&line([
+            &row.id.to_string(),
+            &row.path,
+            &human_size(row.size),
+            &row.queues.to_string(),
+            &row.depth.to_string(),
+            row.state,
+            &pid,
+        ]));
+    }
+    out
+}
+
+fn delete(args: &DeleteArgs) -> CommandResult {
+    let target = if args.all { None } else { args.id };
+    for path in crate::devices::delete(target, args.force)? {
+        println!("deleted {path}");
+    }
+    Ok(())
+}
+
+fn stat(args: &StatArgs) -> CommandResult {
+    let text =
+        crate::stats::report_text(Path::new(crate::stats::SOCKET_DIR), args.id, args.format())?;
+    print!("{text}");
+    Ok(())
+}
+
+fn run_bench(args: &BenchArgs) -> CommandResult {
+    let progress = if args.json || !std::io::stderr().is_terminal() {
+        Progress::hidden()
+    } else {
+        Progress::on_stderr_after_a_second()
+    };
+    let options = args.options();
+    let corpus = bench::load_corpus(&options)?;
+    let report = bench::measure(&options, &corpus, &progress);
+    progress.finish();
+    let report = report?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.to_text());
+    }
+    Ok(())
+}
+
+fn swapon(args: &SwaponArgs) -> CommandResult {
+    let priority = crate::swap::priority(args.id, args.config.as_deref())?;
+    if args.dry_run {
+        println!(
+            "{}",
+            crate::swap::swapon_command(args.id, priority).join(" ")
+        );
+        return Ok(());
+    }
+    crate::swap::swapon(args.id, priority)?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_parse_with_suffixes_and_round_to_pages() {
-        let cases: &[(&str, Result<u64, ()>)] = &[
-            ("8G", Ok(8 << 30)),
-            ("1g", Ok(1 << 30)),
-            ("512M", Ok(512 << 20)),
-            ("512MiB", Ok(512 << 20)),
-            ("4K", Ok(4096)),
-            ("1T", Ok(1 << 40)),
-            ("1", Ok(4096)),
-            ("5000", Ok(8192)),
-            ("0", Err(())),
-            ("0G", Err(())),
-            ("", Err(())),
-            ("G", Err(())),
-            ("12X", Err(())),
-            ("-1G", Err(())),
-            ("99999999999999999999", Err(())),
-            ("16777216T", Err(())),
-        ];
-        for (text, want) in cases {
-            assert_eq!(
-                parse_size(text).map_err(|_| ()),
-                *want,
-                "parse_size({text:?})"
-            );
-        }
-    }
-
-    #[test]
-    fn human_sizes_read_like_zramctl() {
-        assert_eq!(human_size(0), "0B");
-        assert_eq!(human_size(4096), "4K");
-        assert_eq!(human_size(1536 << 20), "1.5G");
-        assert_eq!(human_size(8 << 30), "8G");
-    }
 
     #[test]
     fn create_parses_documented_flags() {
@@ -285,11 +395,11 @@ mod tests {
         assert_eq!(args.queues, Some(2));
         assert_eq!(args.depth, Some(128));
         assert!(args.foreground);
-        assert_eq!(args.store.algorithm, Some(AlgorithmArg::Zstd));
+        assert_eq!(args.store.algorithm, Some(AlgorithmChoice::Zstd));
         assert_eq!(args.store.batch_threshold, Some(500));
         assert_eq!(args.store.flush_timeout_ms, Some(5));
         assert_eq!(args.store.mem_limit, Some(1 << 30));
-        assert_eq!(args.store.backend, Some(BackendArg::SimdParallel));
+        assert_eq!(args.store.backend, Some(BackendChoice::SimdParallel));
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! `list` and `delete`: ublk devices as the kernel sees them, whether or not their daemon is
 //! still alive.
 
+#![forbid(unsafe_code)]
+
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -10,7 +12,6 @@ use nix::unistd::Pid;
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::cli::{human_size, DeleteArgs, ListArgs};
 use crate::ublk::device::{block_path, state_name};
 use crate::ublk::{Control, UblkError};
 
@@ -27,8 +28,6 @@ pub enum DevicesError {
          or pass --force"
     )]
     ActiveSwap { path: String },
-    #[error("{0}")]
-    Failed(String),
 }
 
 /// One row of `list`.
@@ -87,46 +86,13 @@ pub fn device_row(control: &mut Control, id: u32) -> Result<DeviceRow, UblkError
     })
 }
 
-/// `trueno-ublk list`.
-pub fn list(args: &ListArgs) -> Result<(), DevicesError> {
+/// Every ublk device the kernel knows (`trueno-ublk list`), in id order.
+pub fn list() -> Result<Vec<DeviceRow>, DevicesError> {
     let mut control = Control::open()?;
-    let rows: Vec<DeviceRow> = device_ids()
+    Ok(device_ids()
         .into_iter()
         .filter_map(|id| device_row(&mut control, id).ok())
-        .collect();
-    if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| DevicesError::Failed(e.to_string()))?
-        );
-        return Ok(());
-    }
-    if rows.is_empty() {
-        println!("no ublk devices");
-        return Ok(());
-    }
-    println!(
-        "{:<4} {:<14} {:>8} {:>6} {:>6} {:<6} {:>8}",
-        "ID", "DEVICE", "SIZE", "QUEUES", "DEPTH", "STATE", "PID"
-    );
-    for row in rows {
-        let pid = if row.daemon_alive {
-            row.pid.to_string()
-        } else {
-            format!("{} (gone)", row.pid)
-        };
-        println!(
-            "{:<4} {:<14} {:>8} {:>6} {:>6} {:<6} {:>8}",
-            row.id,
-            row.path,
-            human_size(row.size),
-            row.queues,
-            row.depth,
-            row.state,
-            pid
-        );
-    }
-    Ok(())
+        .collect())
 }
 
 /// Paths in /proc/swaps that refer to block device `path` (same device number).
@@ -142,10 +108,11 @@ pub fn is_active_swap(path: &str, proc_swaps: &str) -> bool {
         })
 }
 
-/// `trueno-ublk delete --id N | --all [--force]`.
-pub fn delete(args: &DeleteArgs) -> Result<(), DevicesError> {
+/// `trueno-ublk delete --id N | --all [--force]`: device `id`, or every device for `None`.
+/// Returns the paths of the devices deleted.
+pub fn delete(id: Option<u32>, force: bool) -> Result<Vec<String>, DevicesError> {
     let mut control = Control::open()?;
-    let ids = match args.id {
+    let ids = match id {
         Some(id) => {
             if !Path::new(&format!("{UBLK_CHAR_CLASS}/ublkc{id}")).exists() {
                 return Err(UblkError::NoSuchDevice(id).into());
@@ -158,10 +125,11 @@ pub fn delete(args: &DeleteArgs) -> Result<(), DevicesError> {
     // Check every device before touching any, so `--all` does nothing if one is refused.
     for &id in &ids {
         let path = block_path(id);
-        if is_active_swap(&path, &swaps) && !args.force {
+        if is_active_swap(&path, &swaps) && !force {
             return Err(DevicesError::ActiveSwap { path });
         }
     }
+    let mut deleted = Vec::with_capacity(ids.len());
     for id in ids {
         let path = block_path(id);
         if is_active_swap(&path, &swaps) {
@@ -173,9 +141,9 @@ pub fn delete(args: &DeleteArgs) -> Result<(), DevicesError> {
             }
         }
         delete_one(&mut control, id)?;
-        println!("deleted {path}");
+        deleted.push(path);
     }
-    Ok(())
+    Ok(deleted)
 }
 
 /// Ask the device's daemon to stop (it stops and deletes the device itself); if there is no

@@ -1,8 +1,10 @@
 //! trueno-ublk: a compressed-RAM block device (for swap) served in user space through the
 //! Linux ublk driver.
 //!
-//! `ublk` speaks the kernel protocol, `store` keeps pages, `codec` compresses them, `gpu` is one
-//! more batch codec, `daemon` wires one device together and `cli` parses the command line.
+//! Dependencies flow one way (see ARCHITECTURE.md): the leaves `units`, `os`, `mem` and
+//! `codec`; then `ublk` (the kernel protocol), `store` (the pages) and `gpu` (one more batch
+//! codec); then `config` (everything a user can set, every default); then `daemon`,
+//! `devices`, `stats`, `swap` and `bench`; then `cli`, which parses and prints.
 
 pub mod bench;
 pub mod cli;
@@ -12,6 +14,9 @@ pub mod daemon;
 pub mod devices;
 pub mod gpu;
 pub mod mem;
+pub mod os;
 pub mod stats;
 pub mod store;
+pub mod swap;
 pub mod ublk;
+pub mod units;

@@ -40,12 +40,17 @@ unsafe impl Send for Arena {}
 // SAFETY: see `Send`: `&Arena` only allows carving (atomic) and committing ranges of the file.
 unsafe impl Sync for Arena {}
 
+/// A byte count or position in the memfd as the `off_t` that ftruncate and fallocate take.
+fn file_offset(bytes: usize) -> std::io::Result<i64> {
+    i64::try_from(bytes).map_err(|_| std::io::Error::from_raw_os_error(libc::EFBIG))
+}
+
 impl Arena {
     /// Reserve `max_bytes` of address space (rounded up to pages); nothing is committed yet.
     pub fn new(max_bytes: usize) -> std::io::Result<Arc<Self>> {
         let len = max_bytes.div_ceil(HOST_PAGE).max(1) * HOST_PAGE;
         let fd = memfd_create("trueno-ublk-pages", MFdFlags::MFD_CLOEXEC)?;
-        nix::unistd::ftruncate(&fd, len as i64)?;
+        nix::unistd::ftruncate(&fd, file_offset(len)?)?;
         let length = NonZeroUsize::new(len).ok_or(std::io::ErrorKind::InvalidInput)?;
         // SAFETY: a fresh shared mapping of our own memfd; it aliases no Rust object, and all
         // access goes through the disjoint chunks handed out by `carve`.
@@ -96,7 +101,12 @@ impl Arena {
     /// Allocate the pages of `[offset, offset + len)` in the file, then fault them into the
     /// mapping (they exist now, so the faults allocate nothing but page tables).
     fn commit(&self, offset: usize, len: usize) -> std::io::Result<()> {
-        fallocate(&self.fd, FallocateFlags::empty(), offset as i64, len as i64)?;
+        fallocate(
+            &self.fd,
+            FallocateFlags::empty(),
+            file_offset(offset)?,
+            file_offset(len)?,
+        )?;
         // SAFETY: the range lies inside our mapping (checked by the callers); populating
         // changes no contents, it only makes the pages present.
         unsafe { madvise(self.range_ptr(offset), len, MmapAdvise::MADV_POPULATE_WRITE) }?;
@@ -106,7 +116,12 @@ impl Arena {
     /// Give the pages of `[offset, offset + len)` back to the system.
     fn decommit(&self, offset: usize, len: usize) -> std::io::Result<()> {
         let punch = FallocateFlags::FALLOC_FL_PUNCH_HOLE | FallocateFlags::FALLOC_FL_KEEP_SIZE;
-        fallocate(self.fd.as_fd(), punch, offset as i64, len as i64)?;
+        fallocate(
+            self.fd.as_fd(),
+            punch,
+            file_offset(offset)?,
+            file_offset(len)?,
+        )?;
         Ok(())
     }
 
@@ -290,6 +305,12 @@ pub fn configure_heap() {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss,
+    reason = "test data: small, known values"
+)]
 mod tests {
     use super::*;
 

@@ -3,9 +3,10 @@
 
 use clap::Parser;
 use trueno_ublk::bench::corpus::Corpus;
-use trueno_ublk::bench::{load_corpus, verify, BenchArgs, BenchError};
-use trueno_ublk::cli::{AlgorithmArg, BackendArg, Cli, Command};
+use trueno_ublk::bench::{load_corpus, verify, BenchError};
+use trueno_ublk::cli::{BenchArgs, Cli, Command};
 use trueno_ublk::codec::PAGE_SIZE;
+use trueno_ublk::config::{AlgorithmChoice, BackendChoice};
 
 fn bench_args(extra: &[&str]) -> Result<BenchArgs, clap::Error> {
     let cli = Cli::try_parse_from(["trueno-ublk", "bench"].iter().chain(extra))?;
@@ -60,8 +61,8 @@ fn bench_parses_its_flags_and_the_store_options() {
     assert_eq!(args.repeat, 3);
     assert!(args.json && args.compare_zram);
     assert_eq!(args.zram_streams, 2);
-    assert_eq!(args.store.algorithm, Some(AlgorithmArg::Adaptive));
-    assert_eq!(args.store.backend, Some(BackendArg::SimdParallel));
+    assert_eq!(args.store.algorithm, Some(AlgorithmChoice::Adaptive));
+    assert_eq!(args.store.backend, Some(BackendChoice::SimdParallel));
     assert_eq!(args.store.batch_threshold, Some(256));
     assert_eq!(args.store.flush_timeout_ms, Some(3));
     assert_eq!(args.store.mem_limit, Some(1 << 30));
@@ -152,7 +153,7 @@ fn corpus_files_load_as_whole_pages() {
     std::fs::write(&path, &bytes).unwrap();
 
     let args = bench_args(&["--input", path.to_str().unwrap()]).unwrap();
-    let corpus = load_corpus(&args).unwrap();
+    let corpus = load_corpus(&args.options()).unwrap();
     assert_eq!(corpus.page_count(), 3);
     assert_eq!(corpus.bytes(), &bytes[..]);
     assert_eq!(
@@ -162,17 +163,20 @@ fn corpus_files_load_as_whole_pages() {
     );
 
     let args = bench_args(&["--input", path.to_str().unwrap(), "--size", "8K"]).unwrap();
-    assert_eq!(load_corpus(&args).unwrap().page_count(), 2);
+    assert_eq!(load_corpus(&args.options()).unwrap().page_count(), 2);
 
     let ragged = dir.join("ragged.corpus");
     std::fs::write(&ragged, &bytes[..PAGE_SIZE + 100]).unwrap();
     let args = bench_args(&["--input", ragged.to_str().unwrap()]).unwrap();
     assert!(matches!(
-        load_corpus(&args),
+        load_corpus(&args.options()),
         Err(BenchError::NotWholePages { len, .. }) if len == PAGE_SIZE as u64 + 100
     ));
     let args = bench_args(&["--input", dir.join("missing").to_str().unwrap()]).unwrap();
-    assert!(matches!(load_corpus(&args), Err(BenchError::Corpus { .. })));
+    assert!(matches!(
+        load_corpus(&args.options()),
+        Err(BenchError::Corpus { .. })
+    ));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

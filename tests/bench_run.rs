@@ -2,14 +2,14 @@
 //! and read paths and is checked, and the report carries the figures the issue asks for.
 
 use clap::Parser;
-use trueno_ublk::bench::{load_corpus, measure, BenchArgs, Progress};
+use trueno_ublk::bench::{load_corpus, measure, BenchOptions, Progress};
 use trueno_ublk::cli::{Cli, Command};
 use trueno_ublk::codec::PAGE_SIZE;
 
-fn bench_args(extra: &[&str]) -> BenchArgs {
+fn bench_args(extra: &[&str]) -> BenchOptions {
     let cli = Cli::try_parse_from(["trueno-ublk", "bench"].iter().chain(extra)).unwrap();
     match cli.command {
-        Command::Bench(args) => args,
+        Command::Bench(args) => args.options(),
         other => panic!("parsed as {other:?}"),
     }
 }

@@ -1,6 +1,13 @@
 //! Codecs: every backend decodes every other backend's output; corrupt or truncated input is
 //! an error, never a panic or a short page.
 
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss,
+    reason = "test data: small, known values"
+)]
+
 mod store_common;
 
 use proptest::prelude::*;

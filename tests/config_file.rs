@@ -6,19 +6,19 @@ use std::process::Command;
 use std::time::Duration;
 
 use clap::Parser;
-use trueno_ublk::cli::{Cli, Command as CliCommand, CreateArgs};
+use trueno_ublk::cli::{Cli, Command as CliCommand};
 use trueno_ublk::codec::{Algorithm, Backend};
 use trueno_ublk::config::{
-    self, parse, parse_mem_total, resolve_with, ConfigError, ConfigFile, SizeExpr,
+    self, parse, resolve_with, ConfigError, ConfigFile, DeviceOptions, SizeExpr,
 };
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
 
-fn create_args(flags: &[&str]) -> CreateArgs {
+fn create_args(flags: &[&str]) -> DeviceOptions {
     let argv = ["trueno-ublk", "create"].iter().chain(flags);
     match Cli::try_parse_from(argv).expect("valid flags").command {
-        CliCommand::Create(args) => args,
+        CliCommand::Create(args) => args.options(),
         other => panic!("not create: {other:?}"),
     }
 }
@@ -169,7 +169,11 @@ fn memory_limit_absolute_relative_or_none() {
         let file = conf(&format!("[ublkb0]\n{line}\n"));
         let settings = resolve_with(&args, &file, 8 * GIB).unwrap();
         assert_eq!(settings.store.mem_limit, *want, "{line}");
-        assert_eq!(settings.store_config(false).mem_limit, *want, "{line}");
+        assert_eq!(
+            settings.store_config(false, 8 * GIB).mem_limit,
+            *want,
+            "{line}"
+        );
     }
     let args = create_args(&["--id", "0", "--mem-limit", "512M"]);
     let file = conf("[ublkb0]\nmem-limit = none\n");
@@ -184,7 +188,7 @@ fn store_config_carries_every_setting() {
          batch-threshold = 64\nmem-limit = 64M\nsize = 1G\n",
     );
     let settings = resolve_with(&create_args(&["--id", "3"]), &file, 8 * GIB).unwrap();
-    let store = settings.store_config(false);
+    let store = settings.store_config(false, 8 * GIB);
     assert_eq!(store.size_bytes, GIB);
     assert_eq!(store.algorithm, Algorithm::Adaptive);
     assert_eq!(store.forced_backend, Some(Backend::SimdParallel));
@@ -207,9 +211,9 @@ fn store_config_carries_every_setting() {
     let settings = resolve_with(&args, &ConfigFile::default(), 8 * GIB).unwrap();
     assert_eq!(settings.store.algorithm_name(), "zstd:3");
     assert_eq!(settings.store.backend_name(), "gpu");
-    assert!(!settings.store_config(false).batched);
+    assert!(!settings.store_config(false, 8 * GIB).batched);
     assert_eq!(
-        settings.store_config(false).forced_backend,
+        settings.store_config(false, 8 * GIB).forced_backend,
         Some(Backend::Gpu)
     );
 }
@@ -422,16 +426,22 @@ fn size_expressions() {
 #[test]
 fn mem_total_is_read_in_bytes() {
     let meminfo = "MemTotal:       16318412 kB\nMemFree:         1000 kB\n";
-    assert_eq!(parse_mem_total(meminfo), Some(16318412 * 1024));
-    assert_eq!(parse_mem_total("MemFree: 1 kB\n"), None);
-    assert_eq!(parse_mem_total("MemTotal: many kB\n"), None);
+    assert_eq!(
+        trueno_ublk::os::parse_mem_total(meminfo),
+        Some(16318412 * 1024)
+    );
+    assert_eq!(trueno_ublk::os::parse_mem_total("MemFree: 1 kB\n"), None);
+    assert_eq!(
+        trueno_ublk::os::parse_mem_total("MemTotal: many kB\n"),
+        None
+    );
     assert!(config::ram_bytes().unwrap() > 0);
 }
 
 #[test]
 fn swapon_uses_the_configured_priority_with_discard() {
     assert_eq!(
-        config::swapon_command(3, 42),
+        trueno_ublk::swap::swapon_command(3, 42),
         ["swapon", "-d", "-p", "42", "/dev/ublkb3"]
     );
     let dir = temp_dir("swapon");

@@ -3,6 +3,13 @@
 //! equal to the CPU model's byte for byte, corrupt input handled like the model decoder, no
 //! device-memory growth over many batches, and injected faults on the device path.
 
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss,
+    reason = "test data: small, known values"
+)]
+
 mod gpu_support;
 
 use std::sync::Arc;

@@ -7,6 +7,13 @@
 //! `KERNEL_EMU_SANITIZE=1` builds the emulated kernels with AddressSanitizer and UBSan, so an
 //! out-of-bounds access or undefined behaviour in the kernel source fails the test (slow).
 
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss,
+    reason = "test data: small, known values"
+)]
+
 mod gpu_support;
 
 use std::path::{Path, PathBuf};

@@ -2,6 +2,13 @@
 //! with the reference decoders to the exact input, its ratio is that of CPU LZ4 (G.116, G.120),
 //! it decodes CPU LZ4, and its decoder turns corrupt input into an error.
 
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss,
+    reason = "test data: small, known values"
+)]
+
 mod gpu_support;
 
 use gpu_support::{liblz4, mixed_pages, process_memory_pages, ratio, stored_len, MAX_LZ4_LEN};

@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use trueno_ublk::cli::StatArgs;
 use trueno_ublk::stats::{
-    collect, render, serve_in, socket_path, stat_in, DeviceReport, Probe, StatError, StatFormat,
-    COLUMNS,
+    collect, render, report_text, serve_in, socket_path, DeviceReport, Probe, StatError,
+    StatFormat, COLUMNS,
 };
 use trueno_ublk::store::StoreStats;
 
@@ -63,9 +63,7 @@ fn args(id: Option<u32>, json: bool, raw: bool) -> StatArgs {
 }
 
 fn stat_text(dir: &Path, args: &StatArgs) -> Result<String, StatError> {
-    let mut out = Vec::new();
-    stat_in(dir, args, &mut out)?;
-    Ok(String::from_utf8(out).unwrap())
+    report_text(dir, args.id, args.format())
 }
 
 #[test]
@@ -320,7 +318,7 @@ fn report_from_device_settings() {
     let CliCommand::Create(args) = cli.command else {
         panic!("not create")
     };
-    let settings = resolve_with(&args, &ConfigFile::default(), 8 << 30).unwrap();
+    let settings = resolve_with(&args.options(), &ConfigFile::default(), 8 << 30).unwrap();
     let report = DeviceReport::new(6, &settings, "none", StoreStats::default());
     assert_eq!(report.device, "/dev/ublkb6");
     assert_eq!(report.pid, std::process::id());

@@ -12,8 +12,10 @@ use trueno_ublk::store::{BatchedPageStore, StoreConfig, StoreThread};
 
 const PAGE: u64 = PAGE_SIZE as u64;
 
+/// LZ4, the one algorithm the GPU codec takes.
 fn config(pages: u64, threshold: usize, timeout: Duration) -> StoreConfig {
-    let mut c = StoreConfig::new(pages * PAGE);
+    let mut c = trueno_ublk::config::StoreSettings::default().store_config(pages * PAGE, false);
+    c.algorithm = trueno_ublk::codec::Algorithm::Lz4;
     c.batch_threshold = threshold;
     c.flush_timeout = timeout;
     c

@@ -1,6 +1,13 @@
 //! Property test: random writes, overwrites, reads and discards from several threads, racing
 //! with the flusher, checked against a reference model with zero mismatches.
 
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss,
+    reason = "test data: small, known values"
+)]
+
 mod store_common;
 
 use std::time::Duration;
@@ -8,7 +15,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use store_common::page_of_kind;
 use trueno_ublk::codec::{Algorithm, PAGE_SIZE};
-use trueno_ublk::store::{BatchedPageStore, StoreConfig};
+use trueno_ublk::store::BatchedPageStore;
 
 const PAGE: u64 = PAGE_SIZE as u64;
 const THREADS: usize = 3;
@@ -134,7 +141,7 @@ proptest! {
         algorithm in prop_oneof![Just(Algorithm::Lz4), Just(Algorithm::Zstd { level: 1 }), Just(Algorithm::Adaptive)],
         batched in prop::bool::weighted(0.85),
     ) {
-        let mut c = StoreConfig::new(THREADS as u64 * PAGES_PER_THREAD * PAGE);
+        let mut c = trueno_ublk::config::StoreSettings::default().store_config(THREADS as u64 * PAGES_PER_THREAD * PAGE, false);
         c.batch_threshold = threshold;
         c.flush_timeout = Duration::from_micros(timeout_us);
         c.algorithm = algorithm;
@@ -176,7 +183,7 @@ proptest! {
 /// page read after the writers stop is one a writer wrote last, and no memory leaks.
 #[test]
 fn same_pages_overwritten_while_flushing() {
-    let mut c = StoreConfig::new(8 * PAGE);
+    let mut c = trueno_ublk::config::StoreSettings::default().store_config(8 * PAGE, false);
     c.batch_threshold = 1;
     c.flush_timeout = Duration::from_micros(1);
     let store = BatchedPageStore::new(c, None).unwrap();
@@ -217,7 +224,7 @@ fn same_pages_overwritten_while_flushing() {
 /// is left reserved (a leaked reservation would make the next writes fail).
 #[test]
 fn writers_racing_into_the_memory_limit() {
-    let mut c = StoreConfig::new(4 * 256 * PAGE);
+    let mut c = trueno_ublk::config::StoreSettings::default().store_config(4 * 256 * PAGE, false);
     c.batch_threshold = 16;
     c.flush_timeout = Duration::from_micros(200);
     c.mem_limit = Some(96 * PAGE);

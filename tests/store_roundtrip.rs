@@ -1,6 +1,13 @@
 //! Round trips of every kind of page through every store mode, range errors, discard, and the
 //! memory limit.
 
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss,
+    reason = "test data: small, known values"
+)]
+
 mod store_common;
 
 use std::time::Duration;
@@ -19,7 +26,8 @@ fn configs(pages: u64) -> Vec<StoreConfig> {
         Algorithm::Adaptive,
     ] {
         for batched in [true, false] {
-            let mut c = StoreConfig::new(pages * PAGE);
+            let mut c =
+                trueno_ublk::config::StoreSettings::default().store_config(pages * PAGE, false);
             c.algorithm = algorithm;
             c.batched = batched;
             c.batch_threshold = 64;
@@ -100,7 +108,11 @@ fn overwrite_and_discard_free_memory() {
 
 #[test]
 fn range_errors() {
-    let store = BatchedPageStore::new(StoreConfig::new(16 * PAGE), None).unwrap();
+    let store = BatchedPageStore::new(
+        trueno_ublk::config::StoreSettings::default().store_config(16 * PAGE, false),
+        None,
+    )
+    .unwrap();
     let page = text_page(1);
     let mut buf = vec![0u8; PAGE_SIZE];
     let e = store.write(16 * PAGE, &page[..]).unwrap_err();
@@ -143,12 +155,20 @@ fn range_errors() {
 
 #[test]
 fn bad_configs_are_refused() {
-    assert!(BatchedPageStore::new(StoreConfig::new(0), None).is_err());
-    assert!(BatchedPageStore::new(StoreConfig::new(PAGE + 1), None).is_err());
-    let mut c = StoreConfig::new(PAGE);
+    assert!(BatchedPageStore::new(
+        trueno_ublk::config::StoreSettings::default().store_config(0, false),
+        None
+    )
+    .is_err());
+    assert!(BatchedPageStore::new(
+        trueno_ublk::config::StoreSettings::default().store_config(PAGE + 1, false),
+        None
+    )
+    .is_err());
+    let mut c = trueno_ublk::config::StoreSettings::default().store_config(PAGE, false);
     c.batch_threshold = 0;
     assert!(BatchedPageStore::new(c, None).is_err());
-    let mut c = StoreConfig::new(PAGE);
+    let mut c = trueno_ublk::config::StoreSettings::default().store_config(PAGE, false);
     c.algorithm = Algorithm::Zstd { level: 1000 };
     assert!(matches!(
         BatchedPageStore::new(c, None),
@@ -159,7 +179,7 @@ fn bad_configs_are_refused() {
 #[test]
 fn mem_limit_gives_enospc_and_discard_recovers() {
     for batched in [true, false] {
-        let mut c = StoreConfig::new(1024 * PAGE);
+        let mut c = trueno_ublk::config::StoreSettings::default().store_config(1024 * PAGE, false);
         c.batched = batched;
         c.batch_threshold = 16;
         c.mem_limit = Some(256 * 1024);
@@ -199,7 +219,7 @@ fn mem_limit_gives_enospc_and_discard_recovers() {
 
 #[test]
 fn shutdown_flushes_and_store_keeps_working() {
-    let mut c = StoreConfig::new(64 * PAGE);
+    let mut c = trueno_ublk::config::StoreSettings::default().store_config(64 * PAGE, false);
     c.flush_timeout = Duration::from_secs(3600);
     c.batch_threshold = 8;
     let store = BatchedPageStore::new(c, None).unwrap();
@@ -229,7 +249,7 @@ fn shutdown_flushes_and_store_keeps_working() {
 #[test]
 fn memory_stays_put_when_everything_is_overwritten_in_random_order() {
     const PAGES: u64 = 6000;
-    let mut c = StoreConfig::new(PAGES * PAGE);
+    let mut c = trueno_ublk::config::StoreSettings::default().store_config(PAGES * PAGE, false);
     c.batch_threshold = 500;
     let store = BatchedPageStore::new(c, None).unwrap();
     let content = |seed: u64| match seed % 10 {

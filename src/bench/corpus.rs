@@ -1,6 +1,8 @@
 //! The pages a bench run writes: a corpus file of 4 KiB pages (see `scripts/make-corpus.sh`) or
 //! a built-in generated mix shaped like real memory, so the bench runs anywhere.
 
+#![forbid(unsafe_code)]
+
 use std::fmt::Write as _;
 use std::fs::File;
 use std::io::Read;
@@ -150,10 +152,20 @@ impl SplitMix64 {
         self.next_u64() % bound
     }
 
+    /// An index in `0..bound` (`bound > 0`).
+    pub fn index_below(&mut self, bound: usize) -> usize {
+        #[allow(
+            clippy::cast_possible_truncation,
+            reason = "usize is no wider than u64 on Linux targets, and the value is below a usize"
+        )]
+        let index = self.below(bound as u64) as usize;
+        index
+    }
+
     /// Fisher–Yates shuffle.
     pub fn shuffle<T>(&mut self, items: &mut [T]) {
         for i in (1..items.len()).rev() {
-            let j = self.below(i as u64 + 1) as usize;
+            let j = self.index_below(i + 1);
             items.swap(i, j);
         }
     }
@@ -221,7 +233,7 @@ pub fn fill_mixed_page(seed: u64, index: u64, page: &mut [u8]) {
         MixKind::Sparse => {
             page.fill(0);
             for _ in 0..rng.below(48) + 1 {
-                let at = rng.below((PAGE_SIZE / 8) as u64) as usize * 8;
+                let at = rng.index_below(PAGE_SIZE / 8) * 8;
                 let value = if rng.below(2) == 0 {
                     rng.below(4096)
                 } else {
@@ -253,7 +265,7 @@ fn fill_text(rng: &mut SplitMix64, page: &mut [u8]) {
     let mut text = String::with_capacity(PAGE_SIZE + 256);
     let mut serial = rng.below(1 << 20);
     while text.len() < PAGE_SIZE {
-        let mut word = || WORDS[rng.below(WORDS.len() as u64) as usize];
+        let mut word = || WORDS[rng.index_below(WORDS.len())];
         serial += 1;
         let _ = match style {
             0 => write!(
@@ -306,7 +318,7 @@ fn fill_structs(rng: &mut SplitMix64, page: &mut [u8]) {
             nearby_pointer(rng, arena),
             nearby_pointer(rng, arena),
             first_key + i as u64,
-            rng.below(8) | ([0, 1, 0x10, 0x11][rng.below(4) as usize] << 32),
+            rng.below(8) | ([0, 1, 0x10, 0x11][rng.index_below(4)] << 32),
             vtable,
             rng.below(512),
             0,
@@ -335,8 +347,9 @@ fn fill_numeric(rng: &mut SplitMix64, page: &mut [u8]) {
         }
         1 => {
             for slot in page.chunks_exact_mut(4) {
-                let value = rng.below(8) as u32 * rng.below(3) as u32;
-                slot.copy_from_slice(&value.to_le_bytes());
+                // A small u32 (below 24): the low 4 bytes of the little-endian u64.
+                let value = rng.below(8) * rng.below(3);
+                slot.copy_from_slice(&value.to_le_bytes()[..4]);
             }
         }
         _ => {

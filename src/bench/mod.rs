@@ -2,81 +2,86 @@
 //! alone on the same pages, latency percentiles, and kernel zram on the same pages with
 //! `--compare-zram`. Every page read back is checked byte for byte; a mismatch fails the run.
 
+#![forbid(unsafe_code)]
+
+mod codec_alone;
 pub mod corpus;
+mod latency;
+mod progress;
 pub mod report;
+mod workers;
 pub mod zram;
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::Args;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use parking_lot::Mutex;
-use rayon::prelude::*;
 use thiserror::Error;
 
-use crate::cli::{parse_size, StoreArgs};
-use crate::codec::{
-    select_backend, Backend, BatchCodec, CodecError, CompressedBatch, CpuCodec, Encoding, Page,
-    PAGE_SIZE,
-};
+use crate::codec::{BatchCodec, CodecError, PAGE_SIZE};
+use crate::config::StoreOptions;
 use crate::store::{BatchedPageStore, FlusherHandle, StoreConfig, StoreError, StoreStats};
+use codec_alone::{measure_codec, CodecRun};
 use corpus::{AlignedBuf, Corpus, SplitMix64};
-use report::{
-    BenchReport, CodecReport, LatencyReport, OverwriteReport, Percentiles, RunFigures, VersusZram,
-};
+use latency::measure_latency;
+pub use progress::Progress;
+use report::{BenchReport, CodecReport, OverwriteReport, RunFigures, VersusZram};
+pub use workers::verify;
+use workers::{flush, read_all, write_requests};
 
 /// Size of the built-in mix when neither `--size` nor `--input` says otherwise.
 const DEFAULT_MIX_BYTES: u64 = 256 << 20;
-/// Pages per batch in the batch-latency figures (the spec's G.113/G.114).
-const LATENCY_BATCH_PAGES: usize = 1000;
 /// Requests a worker takes at a time from the shared queue of work.
-const REQUESTS_PER_GRAB: usize = 64;
+pub(crate) const REQUESTS_PER_GRAB: usize = 64;
 
-#[derive(Clone, Debug, Args)]
-pub struct BenchArgs {
-    /// Corpus file of 4 KiB pages (scripts/make-corpus.sh) [default: a built-in realistic mix]
-    #[arg(long)]
+/// Bytes per request to the store by default: one page, as swap mostly does.
+pub const DEFAULT_REQUEST_BYTES: u64 = 4096;
+/// Random-order overwrites of the whole corpus by default.
+pub const DEFAULT_OVERWRITES: u32 = 3;
+/// Samples of each single-page latency by default.
+pub const DEFAULT_LATENCY_SAMPLES: u32 = 10_000;
+/// Seed of the built-in mix and of the random orders by default.
+pub const DEFAULT_SEED: u64 = 1;
+
+/// What to measure (`trueno-ublk bench`'s options).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BenchOptions {
+    /// Corpus file of 4 KiB pages; `None`: a built-in realistic mix.
     pub input: Option<PathBuf>,
-    /// Bytes of pages: the size of the built-in mix [default: 256M], or the first SIZE bytes of
-    /// --input [default: all of it]
-    #[arg(long, value_parser = parse_size)]
+    /// Bytes of pages: the size of the built-in mix, or the first bytes of `input`.
     pub size: Option<u64>,
-    /// Writer and reader threads, like the daemon's queue threads [default: number of cores]
-    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    /// Writer and reader threads; `None`: one per core.
     pub threads: Option<u16>,
-    /// Bytes per write and read request to the store (4K = one page, as swap mostly does)
-    #[arg(long, value_parser = parse_size, default_value = "4K")]
     pub request_size: u64,
-    /// Overwrite the whole corpus this many times in random order, then report the memory
-    /// ratio again (0 skips it)
-    #[arg(long, default_value_t = 3)]
+    /// Random-order overwrites of the whole corpus after the first pass (0: none).
     pub overwrites: u32,
-    /// Samples of each single-page latency; the 1000-page batch figures take a tenth as many
-    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..))]
     pub latency_samples: u32,
-    /// Rounds of the store's write and read, the codec alone and zram, back to back; the best
-    /// figure of each counts (other work on a shared machine only ever slows a run down)
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    /// Rounds of the store, the codec alone and zram; the best figure of each counts.
     pub repeat: u16,
-    /// Seed of the built-in mix and of the random orders
-    #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Print one JSON object instead of the text report
-    #[arg(long)]
-    pub json: bool,
-    /// Also run kernel zram (lz4) on the same pages: needs root and /sys/block/zram0, and
-    /// resets zram0 before and after
-    #[arg(long)]
+    /// Also run kernel zram (lz4) on the same pages.
     pub compare_zram: bool,
-    /// Parallel O_DIRECT streams for zram (1 = one dd)
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    /// Parallel O_DIRECT streams for zram.
     pub zram_streams: u16,
-    #[command(flatten)]
-    pub store: StoreArgs,
+    pub store: StoreOptions,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        Self {
+            input: None,
+            size: None,
+            threads: None,
+            request_size: DEFAULT_REQUEST_BYTES,
+            overwrites: DEFAULT_OVERWRITES,
+            latency_samples: DEFAULT_LATENCY_SAMPLES,
+            repeat: 1,
+            seed: DEFAULT_SEED,
+            compare_zram: false,
+            zram_streams: 1,
+            store: StoreOptions::default(),
+        }
+    }
 }
 
 #[derive(Debug, Error)]
@@ -108,8 +113,8 @@ pub enum BenchError {
     },
     #[error("codec alone: {0}")]
     Codec(CodecError),
-    #[error("--backend gpu: no usable GPU ({0}); use --backend auto, simd or simd-parallel")]
-    NoGpu(String),
+    #[error(transparent)]
+    NoGpu(#[from] crate::gpu::NoGpu),
     #[error("{0}")]
     Settings(String),
     #[error("--compare-zram: {0}")]
@@ -125,52 +130,14 @@ pub enum BenchError {
     Json(#[from] serde_json::Error),
 }
 
-/// A progress bar on stderr that appears only once a run has lasted a second, and never with
-/// `--json` or when stderr is not a terminal.
-pub struct Progress {
-    bar: ProgressBar,
-}
-
-impl Progress {
-    pub fn hidden() -> Self {
-        Self {
-            bar: ProgressBar::hidden(),
-        }
-    }
-
-    fn on_stderr_after_a_second() -> Self {
-        let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::hidden());
-        bar.set_style(
-            ProgressStyle::with_template("{msg:<22} [{bar:40}] {percent:>3}% {elapsed}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar())
-                .progress_chars("=> "),
-        );
-        let weak = bar.downgrade();
-        std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_secs(1));
-            if let Some(bar) = weak.upgrade() {
-                if !bar.is_finished() {
-                    bar.set_draw_target(ProgressDrawTarget::stderr());
-                }
-            }
-        });
-        Self { bar }
-    }
-
-    /// Start a phase of `total` units (bytes or operations).
-    pub fn phase(&self, name: &'static str, total: u64) {
-        self.bar.set_message(name);
-        self.bar.set_length(total);
-        self.bar.set_position(0);
-    }
-
-    pub fn advance(&self, units: u64) {
-        self.bar.inc(units);
-    }
-
-    fn finish(&self) {
-        self.bar.finish_and_clear();
-    }
+/// A corpus page number as the `u32` the bench's orders keep.
+fn page_number(page: usize) -> u32 {
+    #[allow(
+        clippy::cast_possible_truncation,
+        reason = "a corpus is loaded into memory: far fewer than 2^32 pages (16 TiB)"
+    )]
+    let number = page as u32;
+    number
 }
 
 /// Bytes per second in GB/s (10^9 bytes).
@@ -178,327 +145,12 @@ pub fn gbps(bytes: usize, elapsed: Duration) -> f64 {
     bytes as f64 / elapsed.as_secs_f64().max(1e-9) / 1e9
 }
 
-fn ratio(numerator: u64, denominator: u64) -> f64 {
+pub(crate) fn ratio(numerator: u64, denominator: u64) -> f64 {
     if denominator == 0 {
         0.0
     } else {
         numerator as f64 / denominator as f64
     }
-}
-
-/// Check every page of `got` against `expected(page index)`.
-pub fn verify<'a>(
-    phase: &'static str,
-    got: &[u8],
-    expected: impl Fn(usize) -> &'a [u8] + Sync,
-) -> Result<(), BenchError> {
-    let bad: Vec<usize> = got
-        .par_chunks(PAGE_SIZE)
-        .enumerate()
-        .filter(|(index, page)| *page != expected(*index))
-        .map(|(index, _)| index)
-        .collect();
-    match bad.first() {
-        None => Ok(()),
-        Some(&first_page) => Err(BenchError::Mismatch {
-            phase,
-            first_page,
-            pages: bad.len(),
-        }),
-    }
-}
-
-/// The GPU codec when the backend may use one (`auto` or `gpu`); `--backend gpu` without a
-/// usable GPU is an error that says why.
-fn gpu_codec(
-    settings: &crate::config::StoreSettings,
-) -> Result<Option<Arc<dyn BatchCodec>>, BenchError> {
-    if matches!(
-        settings.forced_backend,
-        Some(Backend::Simd | Backend::SimdParallel)
-    ) {
-        return Ok(None);
-    }
-    let (codec, state) = crate::gpu::open_for_store(settings.algorithm);
-    match codec {
-        Some(codec) => Ok(Some(codec as Arc<dyn BatchCodec>)),
-        None if settings.forced_backend == Some(Backend::Gpu) => Err(BenchError::NoGpu(state)),
-        None => Ok(None),
-    }
-}
-
-/// Run `count` write requests on `threads` threads; request `i` is `request(i)`, an
-/// `(offset, data)` pair. Stops at the first error.
-fn write_requests<'a>(
-    store: &BatchedPageStore,
-    threads: usize,
-    count: usize,
-    progress: &Progress,
-    phase: &'static str,
-    request: impl Fn(usize) -> (u64, &'a [u8]) + Sync,
-) -> Result<(), BenchError> {
-    let next = AtomicUsize::new(0);
-    let stop = AtomicBool::new(false);
-    let first_error = Mutex::new(None);
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| {
-                while !stop.load(Ordering::Relaxed) {
-                    let first = next.fetch_add(REQUESTS_PER_GRAB, Ordering::Relaxed);
-                    if first >= count {
-                        break;
-                    }
-                    let mut bytes = 0;
-                    for index in first..(first + REQUESTS_PER_GRAB).min(count) {
-                        let (offset, data) = request(index);
-                        if let Err(error) = store.write(offset, data) {
-                            first_error.lock().get_or_insert(error);
-                            stop.store(true, Ordering::Relaxed);
-                            return;
-                        }
-                        bytes += data.len();
-                    }
-                    progress.advance(bytes as u64);
-                }
-            });
-        }
-    });
-    match first_error.into_inner() {
-        Some(source) => Err(BenchError::Store { phase, source }),
-        None => Ok(()),
-    }
-}
-
-/// Read the whole device into `out` with `threads` threads in requests of `request_bytes`.
-fn read_all(
-    store: &BatchedPageStore,
-    threads: usize,
-    request_bytes: usize,
-    out: &mut [u8],
-    progress: &Progress,
-    phase: &'static str,
-) -> Result<(), BenchError> {
-    let grab_bytes = request_bytes * REQUESTS_PER_GRAB;
-    let work = Mutex::new(out.chunks_mut(grab_bytes).enumerate());
-    let stop = AtomicBool::new(false);
-    let first_error = Mutex::new(None);
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| {
-                while !stop.load(Ordering::Relaxed) {
-                    let Some((grab, chunk)) = work.lock().next() else {
-                        break;
-                    };
-                    let base = (grab * grab_bytes) as u64;
-                    for (index, request) in chunk.chunks_mut(request_bytes).enumerate() {
-                        let offset = base + (index * request_bytes) as u64;
-                        if let Err(error) = store.read(offset, request) {
-                            first_error.lock().get_or_insert(error);
-                            stop.store(true, Ordering::Relaxed);
-                            return;
-                        }
-                    }
-                    progress.advance(chunk.len() as u64);
-                }
-            });
-        }
-    });
-    match first_error.into_inner() {
-        Some(source) => Err(BenchError::Store { phase, source }),
-        None => Ok(()),
-    }
-}
-
-fn flush(store: &BatchedPageStore, phase: &'static str) -> Result<(), BenchError> {
-    store
-        .flush_pending()
-        .map_err(|source| BenchError::Store { phase, source })
-}
-
-/// Single-page and 1000-page latencies on a store holding `content[p]` at page `p`, with the
-/// flusher running. Writes put back the same content, so the store's contents do not change.
-/// A flushed batch is 1000 pages, or the store's threshold if that is smaller (it flushes there).
-fn measure_latency(
-    store: &BatchedPageStore,
-    batch_threshold: usize,
-    corpus: &Corpus,
-    content: &[u32],
-    samples: usize,
-    rng: &mut SplitMix64,
-    progress: &Progress,
-) -> Result<LatencyReport, BenchError> {
-    let pages = content.len();
-    let expected = |position: usize| corpus.page(content[position] as usize);
-    let offset = |position: usize| (position * PAGE_SIZE) as u64;
-    let store_error = |phase| move |source| BenchError::Store { phase, source };
-
-    progress.phase("latency: write", samples as u64);
-    let mut times = Vec::with_capacity(samples);
-    for _ in 0..samples {
-        let position = rng.below(pages as u64) as usize;
-        let data = expected(position);
-        let start = Instant::now();
-        store
-            .write(offset(position), data)
-            .map_err(store_error("latency write"))?;
-        times.push(start.elapsed());
-        progress.advance(1);
-    }
-    let write_page = Percentiles::from_samples(std::mem::take(&mut times));
-    flush(store, "latency flush")?;
-
-    progress.phase("latency: read", samples as u64);
-    let mut page = vec![0u8; PAGE_SIZE];
-    for _ in 0..samples {
-        let position = rng.below(pages as u64) as usize;
-        let start = Instant::now();
-        store
-            .read(offset(position), &mut page)
-            .map_err(store_error("latency read"))?;
-        times.push(start.elapsed());
-        verify("latency read", &page, |_| expected(position))?;
-        progress.advance(1);
-    }
-    let read_page = Percentiles::from_samples(std::mem::take(&mut times));
-
-    let batch_pages = LATENCY_BATCH_PAGES.min(pages);
-    let flush_pages = batch_pages.min(batch_threshold.max(1));
-    let batch_samples = (samples / 10).max(1);
-    progress.phase("latency: batch flush", batch_samples as u64);
-    for _ in 0..batch_samples {
-        let first = rng.below((pages - flush_pages + 1) as u64) as usize;
-        let last = first + flush_pages - 1;
-        for position in first..last {
-            store
-                .write(offset(position), expected(position))
-                .map_err(store_error("latency batch write"))?;
-        }
-        // The write of the last page fills the batch; the flush may start on the flusher
-        // thread before it returns, so the clock starts before it.
-        let start = Instant::now();
-        store
-            .write(offset(last), expected(last))
-            .map_err(store_error("latency batch write"))?;
-        flush(store, "latency batch flush")?;
-        times.push(start.elapsed());
-        progress.advance(1);
-    }
-    let batch_flush = Percentiles::from_samples(std::mem::take(&mut times));
-
-    progress.phase("latency: batch read", batch_samples as u64);
-    let mut batch = vec![0u8; batch_pages * PAGE_SIZE];
-    for _ in 0..batch_samples {
-        let first = rng.below((pages - batch_pages + 1) as u64) as usize;
-        let start = Instant::now();
-        store
-            .read(offset(first), &mut batch)
-            .map_err(store_error("latency batch read"))?;
-        times.push(start.elapsed());
-        verify("latency batch read", &batch, |index| {
-            expected(first + index)
-        })?;
-        progress.advance(1);
-    }
-    let batch_read = Percentiles::from_samples(times);
-
-    Ok(LatencyReport {
-        write_page,
-        read_page,
-        flush_pages,
-        batch_flush,
-        batch_pages,
-        batch_read,
-    })
-}
-
-/// What the codec alone did with the corpus.
-struct CodecRun {
-    backend: Backend,
-    batch_pages: usize,
-    compress_time: Duration,
-    decompress_time: Duration,
-    compressed_bytes: usize,
-}
-
-/// The codec alone on every page of the corpus (none classified away), in batches of the
-/// store's threshold with the backend the store picks for such a batch, on the same cores.
-/// Every page is decompressed again and checked.
-fn measure_codec(
-    config: &StoreConfig,
-    gpu: Option<&Arc<dyn BatchCodec>>,
-    corpus: &Corpus,
-    progress: &Progress,
-) -> Result<CodecRun, BenchError> {
-    let batch_pages = config.batch_threshold.clamp(1, corpus.page_count());
-    let backend = config
-        .forced_backend
-        .unwrap_or_else(|| select_backend(batch_pages, gpu.is_some(), &config.thresholds));
-    let single = CpuCodec::single(config.algorithm);
-    let parallel = CpuCodec::parallel(config.algorithm);
-    let codec: &dyn BatchCodec = match (backend, gpu) {
-        (Backend::Gpu, Some(gpu)) => gpu.as_ref(),
-        (Backend::Simd, _) => &single,
-        _ => &parallel,
-    };
-    let pages: Vec<&Page> = corpus
-        .bytes()
-        .chunks_exact(PAGE_SIZE)
-        .filter_map(|page| page.try_into().ok())
-        .collect();
-
-    // Output buffers are allocated and faulted in before the clock starts: the store reuses
-    // its own, so fresh memory per batch would charge the codec for page faults the store
-    // does not take.
-    let mut batches: Vec<CompressedBatch> = pages
-        .chunks(batch_pages)
-        .map(|chunk| {
-            let mut batch = CompressedBatch::default();
-            batch.reset(chunk.len());
-            batch
-        })
-        .collect();
-    progress.phase("codec compress", pages.len() as u64);
-    let start = Instant::now();
-    for (chunk, out) in pages.chunks(batch_pages).zip(&mut batches) {
-        codec
-            .compress_batch(chunk, out)
-            .map_err(BenchError::Codec)?;
-        progress.advance(chunk.len() as u64);
-    }
-    let compress_time = start.elapsed();
-    let compressed_bytes = batches
-        .iter()
-        .flat_map(|batch| batch.lens.iter())
-        .map(|&len| usize::from(len))
-        .sum();
-
-    progress.phase("codec decompress", pages.len() as u64);
-    // Poisoned (and so faulted in) before any timing, as the store reads into a caller's buffer.
-    let mut out = vec![[0xA5u8; PAGE_SIZE]; batch_pages];
-    let mut status = vec![Ok(()); batch_pages];
-    let mut decompress_time = Duration::ZERO;
-    for (number, batch) in batches.iter().enumerate() {
-        let n = batch.len();
-        let inputs: Vec<(Encoding, &[u8])> = (0..n).map(|i| batch.page(i)).collect();
-        let start = Instant::now();
-        codec.decompress_batch(&inputs, &mut out[..n], &mut status[..n]);
-        decompress_time += start.elapsed();
-        if let Some(error) = status[..n].iter().find_map(|s| s.clone().err()) {
-            return Err(BenchError::Codec(error));
-        }
-        let first = number * batch_pages;
-        verify("codec round trip", out[..n].as_flattened(), |i| {
-            corpus.page(first + i)
-        })?;
-        progress.advance(n as u64);
-    }
-    Ok(CodecRun {
-        backend,
-        batch_pages,
-        compress_time,
-        decompress_time,
-        compressed_bytes,
-    })
 }
 
 /// Everything a run needs besides the corpus, resolved from the arguments.
@@ -509,17 +161,19 @@ struct Plan {
     request_bytes: usize,
 }
 
-fn plan(args: &BenchArgs, corpus: &Corpus) -> Result<Plan, BenchError> {
+fn plan(args: &BenchOptions, corpus: &Corpus) -> Result<Plan, BenchError> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let bytes = (corpus.page_count() * PAGE_SIZE) as u64;
     // A request never spans beyond the corpus, and the corpus is whole requests.
-    let mut request_pages = (args.request_size as usize / PAGE_SIZE).clamp(1, corpus.page_count());
+    let request_bytes = usize::try_from(args.request_size).unwrap_or(usize::MAX);
+    let mut request_pages = (request_bytes / PAGE_SIZE).clamp(1, corpus.page_count());
     while corpus.page_count() % request_pages != 0 {
         request_pages -= 1;
     }
     let settings = crate::config::store_settings(&args.store)
         .map_err(|e| BenchError::Settings(e.to_string()))?;
-    let gpu = gpu_codec(&settings)?;
+    let (gpu, _) = crate::gpu::open_for_store(settings.algorithm, settings.forced_backend)?;
+    let gpu = gpu.map(|codec| codec as Arc<dyn BatchCodec>);
     Ok(Plan {
         config: settings.store_config(bytes, gpu.is_some()),
         gpu,
@@ -529,12 +183,15 @@ fn plan(args: &BenchArgs, corpus: &Corpus) -> Result<Plan, BenchError> {
 }
 
 /// Load or generate the corpus the arguments name.
-pub fn load_corpus(args: &BenchArgs) -> Result<Corpus, BenchError> {
+pub fn load_corpus(args: &BenchOptions) -> Result<Corpus, BenchError> {
     match &args.input {
         Some(path) => Corpus::load(path, args.size),
         None => {
             let bytes = args.size.unwrap_or(DEFAULT_MIX_BYTES);
-            Ok(Corpus::generated(bytes as usize / PAGE_SIZE, args.seed))
+            Ok(Corpus::generated(
+                usize::try_from(bytes).unwrap_or(usize::MAX) / PAGE_SIZE,
+                args.seed,
+            ))
         }
     }
 }
@@ -624,7 +281,7 @@ fn overwrite_passes(
     progress: &Progress,
 ) -> Result<(Duration, StoreStats), BenchError> {
     let bytes = corpus.bytes().len();
-    let mut order: Vec<u32> = (0..content.len() as u32).collect();
+    let mut order: Vec<u32> = (0..page_number(content.len())).collect();
     let mut write_time = Duration::ZERO;
     for pass in 0..passes {
         rng.shuffle(&mut order);
@@ -702,7 +359,7 @@ impl Round {
 
 fn round(
     plan: &Plan,
-    args: &BenchArgs,
+    args: &BenchOptions,
     corpus: &Corpus,
     scratch: &mut AlignedBuf,
     progress: &Progress,
@@ -726,7 +383,7 @@ fn round(
 /// and the best figure of each kind counts, which filters out other work on a shared machine;
 /// the overwrite and latency figures are measured once, on the last round's store.
 pub fn measure(
-    args: &BenchArgs,
+    args: &BenchOptions,
     corpus: &Corpus,
     progress: &Progress,
 ) -> Result<BenchReport, BenchError> {
@@ -778,7 +435,7 @@ pub fn measure(
         ..last
     });
 
-    let mut content: Vec<u32> = (0..pages as u32).collect();
+    let mut content: Vec<u32> = (0..page_number(pages)).collect();
     let overwrite = if args.overwrites > 0 {
         let (time, after) = overwrite_passes(
             &plan,
@@ -833,7 +490,7 @@ pub fn measure(
             .map_or_else(|| "auto".to_string(), |b| format!("{b:?}")),
         batched: config.batched,
         batch_threshold: config.batch_threshold,
-        flush_timeout_ms: config.flush_timeout.as_millis() as u64,
+        flush_timeout_ms: u64::try_from(config.flush_timeout.as_millis()).unwrap_or(u64::MAX),
         threads: plan.threads,
         request_bytes: plan.request_bytes,
         repeat,
@@ -856,23 +513,4 @@ pub fn measure(
         vs_zram,
         verified: true,
     })
-}
-
-/// `trueno-ublk bench`: measure and print.
-pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
-    let progress = if args.json || !std::io::stderr().is_terminal() {
-        Progress::hidden()
-    } else {
-        Progress::on_stderr_after_a_second()
-    };
-    let corpus = load_corpus(args)?;
-    let report = measure(args, &corpus, &progress);
-    progress.finish();
-    let report = report?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print!("{}", report.to_text());
-    }
-    Ok(())
 }

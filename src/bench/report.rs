@@ -1,5 +1,7 @@
 //! What a bench run measured, as one serializable object, and its text form.
 
+#![forbid(unsafe_code)]
+
 use std::fmt::Write as _;
 use std::time::Duration;
 
@@ -25,6 +27,11 @@ impl Percentiles {
         }
         samples.sort_unstable();
         let rank = |quantile: f64| {
+            #[allow(
+                clippy::cast_possible_truncation,
+                clippy::cast_sign_loss,
+                reason = "a quantile in 0..=1 of the sample count: a non-negative index, clamped"
+            )]
             let index = (quantile * samples.len() as f64).ceil() as usize;
             samples[index.clamp(1, samples.len()) - 1].as_nanos() as f64 / 1000.0
         };

@@ -1,6 +1,8 @@
 //! Kernel zram on the same pages (`--compare-zram`): reset zram0, lz4, O_DIRECT 1 MiB writes
 //! and reads of the corpus, mm_stat, reset again.
 
+#![forbid(unsafe_code)]
+
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;

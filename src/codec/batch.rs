@@ -2,6 +2,8 @@
 //! (`Backend::SimdParallel`). Both write each page into its fixed slot of the output, so the
 //! parallel one needs no merging and the two produce identical bytes.
 
+#![forbid(unsafe_code)]
+
 use rayon::prelude::*;
 
 use super::page::{compress_page, decompress_page};
@@ -44,7 +46,7 @@ fn compress_one(
         let (e, n) = compress_page(algorithm, page, slot);
         *enc = e;
         // n <= PAGE_SIZE (4096), which fits u16.
-        *len = n as u16;
+        *len = super::page_len(n);
     }
 }
 

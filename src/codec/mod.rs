@@ -5,12 +5,16 @@
 //! and decompresses faster than lz4_flex (see `benches/codec.rs`, group `lz4_library`) at the
 //! same ratio, since both emit the standard LZ4 block format.
 
+#![forbid(unsafe_code)]
+
 mod batch;
+mod compressor;
 mod page;
 
 use thiserror::Error;
 
 pub use batch::CpuCodec;
+pub use compressor::{Compressed, Compressor};
 pub use page::{
     classify, compress_page, decompress_page, fill_page, prepare_thread, sampled_entropy_bits,
     ADAPTIVE_ZSTD_LEVEL, MAX_COMPRESSED_LEN,
@@ -21,6 +25,17 @@ pub const PAGE_SIZE: usize = 4096;
 
 /// One uncompressed page.
 pub type Page = [u8; PAGE_SIZE];
+
+/// A stored length (at most `PAGE_SIZE`) as the 16 bits the page table and batches keep.
+pub fn page_len(len: usize) -> u16 {
+    debug_assert!(len <= PAGE_SIZE, "a page's bytes are at most a page");
+    #[allow(
+        clippy::cast_possible_truncation,
+        reason = "callers pass lengths of at most PAGE_SIZE (4096), which fit 16 bits"
+    )]
+    let len = len.min(PAGE_SIZE) as u16;
+    len
+}
 
 /// How a stored page's bytes are encoded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -158,6 +173,10 @@ pub trait BatchCodec: Send + Sync {
     );
 }
 
+/// The smallest batch worth a GPU: below it, the transfers and the launch cost more than the
+/// cores would spend.
+pub const GPU_MIN_BATCH_PAGES: usize = 1000;
+
 /// Batch sizes at which the store switches backend (see `select_backend`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BackendThresholds {
@@ -171,7 +190,7 @@ impl Default for BackendThresholds {
     fn default() -> Self {
         Self {
             parallel_min_pages: 100,
-            gpu_min_pages: 1000,
+            gpu_min_pages: GPU_MIN_BATCH_PAGES,
         }
     }
 }
@@ -193,6 +212,12 @@ pub fn select_backend(
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss,
+    reason = "test data: small, known values"
+)]
 mod tests {
     use super::*;
 

@@ -1,5 +1,7 @@
 //! One page at a time: classification, compression with a chosen algorithm, decompression.
 
+#![forbid(unsafe_code)]
+
 use std::cell::RefCell;
 use std::sync::LazyLock;
 
@@ -9,6 +11,10 @@ use super::{Algorithm, CodecError, Encoding, Page, PageClass, PAGE_SIZE};
 /// allocator cannot pack bigger objects densely enough to save memory, and a raw page reads
 /// back with a plain copy.
 pub const MAX_COMPRESSED_LEN: usize = 3584;
+
+/// `PAGE_SIZE` as the `i32` liblz4 takes.
+const PAGE_SIZE_I32: i32 = 4096;
+const _: () = assert!(PAGE_SIZE == 4096);
 
 /// zstd level used by `Algorithm::Adaptive` (level 1 is zstd's fastest ordinary level).
 pub const ADAPTIVE_ZSTD_LEVEL: i32 = 1;
@@ -176,7 +182,7 @@ pub fn prepare_thread(algorithm: Algorithm) {
     };
     let mut page = [0u8; PAGE_SIZE];
     for (i, b) in page.iter_mut().enumerate() {
-        *b = (i % 251) as u8;
+        *b = u8::try_from(i % 251).unwrap_or_default();
     }
     let mut out = [0u8; PAGE_SIZE];
     if let Some(n) = zstd_compress(level, &page, &mut out) {
@@ -189,7 +195,7 @@ pub fn prepare_thread(algorithm: Algorithm) {
 /// or a full page, never a panic or a short page.
 pub fn decompress_page(encoding: Encoding, src: &[u8], out: &mut Page) -> Result<(), CodecError> {
     let n = match encoding {
-        Encoding::Lz4 => lz4::block::decompress_to_buffer(src, Some(PAGE_SIZE as i32), out)
+        Encoding::Lz4 => lz4::block::decompress_to_buffer(src, Some(PAGE_SIZE_I32), out)
             .map_err(|_| CodecError::Corrupt)?,
         Encoding::Zstd => ZSTD_DECOMPRESSOR.with(|cell| {
             let mut slot = cell.borrow_mut();
@@ -221,6 +227,12 @@ pub fn decompress_page(encoding: Encoding, src: &[u8], out: &mut Page) -> Result
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss,
+    reason = "test data: small, known values"
+)]
 mod tests {
     use super::*;
 

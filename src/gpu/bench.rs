@@ -3,6 +3,8 @@
 //! kernel-only throughput (from the codec's GPU event times) and the ratio beside the CPU
 //! codec's on the same pages.
 
+#![forbid(unsafe_code)]
+
 use std::time::Instant;
 
 use serde::Serialize;

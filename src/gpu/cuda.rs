@@ -1,6 +1,12 @@
 //! The CUDA side: probing, the context and module (set up once), and pipeline slots with a
 //! stream, pinned host buffers and device buffers each. Every driver call is here.
 
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    reason = "page counts per launch are at most a chunk (thousands), and kernel times are milliseconds"
+)]
+
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
@@ -295,7 +301,8 @@ fn elapsed_ns(from: &CudaEvent, to: &CudaEvent) -> Result<u64, GpuError> {
     let ms = from
         .elapsed_ms(to)
         .map_err(driver("reading CUDA event times"))?;
-    Ok((f64::from(ms) * 1e6) as u64)
+    // A negative time (events recorded out of order) counts as none.
+    Ok((f64::from(ms.max(0.0)) * 1e6) as u64)
 }
 
 impl DeviceSlot for CudaSlot {

@@ -63,10 +63,32 @@ pub fn probe() -> GpuProbe {
     }
 }
 
-/// The GPU codec for a store, if a GPU can be used: `(codec, state in words)`. The state is
-/// what `stat` and `bench` show: the device's name, or why there is no GPU. Only LZ4 runs on
-/// the GPU, so other algorithms get no codec.
-pub fn open_for_store(algorithm: crate::codec::Algorithm) -> (Option<Arc<GpuCodec>>, String) {
+/// The one place that decides whether a store gets a GPU codec: `(codec, state in words)`,
+/// where the state is what `stat` and `bench` show (the device's name, or why there is none).
+/// `forced_backend` is the user's `--backend`: a CPU backend opens no GPU; `gpu` without a
+/// usable one is an error that says why. Only LZ4 runs on the GPU, so other algorithms get no
+/// codec.
+pub fn open_for_store(
+    algorithm: crate::codec::Algorithm,
+    forced_backend: Option<crate::codec::Backend>,
+) -> Result<(Option<Arc<GpuCodec>>, String), NoGpu> {
+    use crate::codec::Backend;
+    if matches!(forced_backend, Some(Backend::Simd | Backend::SimdParallel)) {
+        return Ok((None, "not used (--backend)".to_string()));
+    }
+    let (codec, state) = open_codec(algorithm);
+    if codec.is_none() && forced_backend == Some(Backend::Gpu) {
+        return Err(NoGpu(state));
+    }
+    Ok((codec, state))
+}
+
+/// `--backend gpu` and no GPU codec could be opened.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[error("--backend gpu: no usable GPU ({0}); use --backend auto, simd or simd-parallel")]
+pub struct NoGpu(pub String);
+
+fn open_codec(algorithm: crate::codec::Algorithm) -> (Option<Arc<GpuCodec>>, String) {
     let name = match probe() {
         GpuProbe::Available { name } => name,
         GpuProbe::Unavailable { reason } => return (None, format!("no GPU: {reason}")),
@@ -77,10 +99,7 @@ pub fn open_for_store(algorithm: crate::codec::Algorithm) -> (Option<Arc<GpuCode
             format!("{name} (unused: the GPU compresses LZ4 only)"),
         );
     }
-    let config = GpuConfig {
-        max_compressed_len: crate::codec::MAX_COMPRESSED_LEN,
-        ..Default::default()
-    };
+    let config = GpuConfig::default();
     let cpu = Arc::new(crate::codec::CpuCodec::parallel(
         crate::codec::Algorithm::Lz4,
     ));
@@ -201,7 +220,7 @@ impl Default for GpuConfig {
             device: 0,
             chunk_pages: 2048,
             slots: 3,
-            max_compressed_len: 3584,
+            max_compressed_len: crate::codec::MAX_COMPRESSED_LEN,
             rest: Duration::from_secs(30),
         }
     }
@@ -352,8 +371,10 @@ impl GpuCodec {
         c.kernel_ns.fetch_add(times.kernel_ns, Ordering::Relaxed);
         c.transfer_ns
             .fetch_add(times.transfer_ns, Ordering::Relaxed);
-        c.wall_ns
-            .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        c.wall_ns.fetch_add(
+            u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
     }
 
     /// Counts a batch done on the CPU instead; logs and rests the GPU unless it was resting.
@@ -408,9 +429,11 @@ impl BatchCodec for GpuCodec {
     fn compress_batch(&self, pages: &[&Page], out: &mut CompressedBatch) -> Result<(), CodecError> {
         let start = Instant::now();
         let max_out = self.config.max_compressed_len.min(PAGE_SIZE);
-        let result = self
-            .check_rested()
-            .and_then(|()| self.pipeline.lock().compress(pages, max_out as u32, out));
+        let result = self.check_rested().and_then(|()| {
+            self.pipeline
+                .lock()
+                .compress(pages, u32::from(crate::codec::page_len(max_out)), out)
+        });
         match result {
             Ok(times) => {
                 self.record_success(pages.len(), true, times, start);

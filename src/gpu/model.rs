@@ -8,6 +8,12 @@
 //! Lane-parallel steps are written as loops over `lane in 0..WARP`; warp intrinsics
 //! (`__match_any_sync`, `__ballot_sync`, `__shfl_sync`) as the helpers below.
 
+#![allow(
+    clippy::cast_possible_truncation,
+    reason = "the model mirrors the CUDA kernel: positions, offsets and lengths are within a 4 KiB page, token nibbles are clamped to 15, and hash slots are masked"
+)]
+#![forbid(unsafe_code)]
+
 use crate::codec::{Page, PAGE_SIZE};
 
 /// Lanes per warp; one warp handles one page.

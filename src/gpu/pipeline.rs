@@ -7,6 +7,12 @@
 //! pipeline on `ModelDevice` slots that execute the kernels' CPU model, with faults injected
 //! at the same points.
 
+#![allow(
+    clippy::cast_possible_truncation,
+    reason = "offsets and lengths are within a chunk of at most thousands of 4 KiB pages"
+)]
+#![forbid(unsafe_code)]
+
 use std::collections::VecDeque;
 use std::sync::Arc;
 
@@ -131,13 +137,13 @@ impl Pipeline {
                     match len {
                         LEN_RAW => {
                             dst.copy_from_slice(&page[..]);
-                            *len_out = PAGE_SIZE as u16;
+                            *len_out = crate::codec::page_len(PAGE_SIZE);
                             *encoding = Encoding::Raw;
                         }
                         len if len <= max_out => {
                             let len = len as usize;
                             dst[..len].copy_from_slice(&src[..len]);
-                            *len_out = len as u16;
+                            *len_out = crate::codec::page_len(len);
                             *encoding = Encoding::Lz4;
                         }
                         len => {

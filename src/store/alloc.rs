@@ -8,6 +8,12 @@
 //! soon as its last object is. Each chunk has its own lock, so readers of different chunks
 //! never meet, and readers of one chunk share it.
 
+#![allow(
+    clippy::cast_possible_truncation,
+    reason = "size classes are fewer than 256, a chunk holds at most 256 objects (checked), and chunk ids are fewer than stored pages, which are fewer than 2^32 (checked)"
+)]
+#![forbid(unsafe_code)]
+
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::{Mutex, RwLock};
@@ -412,7 +418,7 @@ mod tests {
         // Average tail waste over the classes compressed pages use (up to 3/4 page).
         let mut worst = 0.0f64;
         let mut sum = 0.0;
-        let classes = 3584 / GRANULE;
+        let classes = crate::codec::MAX_COMPRESSED_LEN / GRANULE;
         for i in 0..classes {
             let s = (i + 1) * GRANULE;
             let bytes = chunk_pages(s) * PAGE_SIZE;

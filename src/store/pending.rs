@@ -6,6 +6,8 @@
 //! compresses the slots and only then lets the batch be opened again. So while a page-table
 //! entry says `Pending { batch, slot }`, that slot holds that page's data.
 
+#![forbid(unsafe_code)]
+
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::RwLock;

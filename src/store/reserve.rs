@@ -13,6 +13,8 @@
 //! when to stop accepting writes. Freed chunks return to the reserve while it is below its
 //! target, and give their pages back to the system (a hole punched in the arena) beyond it.
 
+#![forbid(unsafe_code)]
+
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

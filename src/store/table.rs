@@ -6,6 +6,8 @@
 //! share a lock. Critical sections are a few hundred nanoseconds (a decompression at most):
 //! a short spin, then yielding, is enough.
 
+#![forbid(unsafe_code)]
+
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::alloc::Handle;
@@ -42,6 +44,20 @@ pub(super) enum PageState {
 }
 
 impl PageState {
+    /// `Pending { batch, slot }` from indexes.
+    pub(super) fn pending(batch: usize, slot: usize) -> Self {
+        #[allow(
+            clippy::cast_possible_truncation,
+            reason = "there are two batches of at most 2^20 slots (checked in BatchedPageStore::new)"
+        )]
+        let (batch, slot) = (batch as u32, slot as u32);
+        PageState::Pending { batch, slot }
+    }
+
+    #[allow(
+        clippy::cast_possible_truncation,
+        reason = "a pending entry packs batch and slot as the two 32-bit halves of its word"
+    )]
     fn decode(meta: u64, word: u64) -> Self {
         match meta & KIND_MASK {
             KIND_SAME => PageState::Same(word),
@@ -137,8 +153,9 @@ impl PageTable {
     }
 
     /// Lock entry `index` (which the caller has bounds-checked).
-    pub(super) fn lock(&self, index: usize) -> EntryGuard<'_> {
-        let entry = &self.entries[index];
+    pub(super) fn lock(&self, index: u64) -> EntryGuard<'_> {
+        // An index past the table (impossible: requests are range-checked) fails the lookup.
+        let entry = &self.entries[usize::try_from(index).unwrap_or(usize::MAX)];
         let mut spins = 0u32;
         let meta = loop {
             let cur = entry.meta.load(Ordering::Relaxed);

@@ -1,5 +1,7 @@
 //! Unit tests that need the store's insides: corruption of stored bytes, allocator overhead.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 
 /// Compressible, but not same-filled: a short random phrase repeated with variations.
@@ -30,7 +32,8 @@ fn store(config: StoreConfig) -> Arc<BatchedPageStore> {
 #[test]
 fn corrupt_stored_page_fails_only_its_read() {
     for algorithm in [Algorithm::Lz4, Algorithm::Zstd { level: 3 }] {
-        let mut c = StoreConfig::new(64 * PAGE_SIZE as u64);
+        let mut c =
+            crate::config::StoreSettings::default().store_config(64 * PAGE_SIZE as u64, false);
         c.algorithm = algorithm;
         let s = store(c);
         for i in 0..8u64 {
@@ -57,7 +60,8 @@ fn corrupt_stored_page_fails_only_its_read() {
 #[test]
 fn pending_page_overwritten_during_flush_keeps_newest() {
     // Entries that changed after their slot was written are not installed.
-    let s = store(StoreConfig::new(16 * PAGE_SIZE as u64));
+    let s =
+        store(crate::config::StoreSettings::default().store_config(16 * PAGE_SIZE as u64, false));
     s.write(0, &text(1)[..]).unwrap();
     s.write(0, &text(2)[..]).unwrap();
     s.write(PAGE_SIZE as u64, &text(3)[..]).unwrap();

@@ -94,6 +94,10 @@ impl Control {
         buffer: Option<&mut T>,
         data: u64,
     ) -> Result<i32, UblkError> {
+        #[allow(
+            clippy::cast_possible_truncation,
+            reason = "the payloads are the kernel's structs, at most a few hundred bytes"
+        )]
         let (addr, len) = match &buffer {
             Some(value) => (*value as *const T as u64, std::mem::size_of::<T>() as u16),
             None => (0, 0),
@@ -155,9 +159,14 @@ impl Control {
     }
 
     /// START_DEV: returns once every queue's fetches have arrived and /dev/ublkbN exists.
-    pub fn start_dev(&mut self, dev_id: u32, daemon_pid: i32) -> Result<(), UblkError> {
-        self.command::<u8>(sys::UBLK_U_CMD_START_DEV, dev_id, None, daemon_pid as u64)
-            .map(drop)
+    pub fn start_dev(&mut self, dev_id: u32, daemon_pid: u32) -> Result<(), UblkError> {
+        self.command::<u8>(
+            sys::UBLK_U_CMD_START_DEV,
+            dev_id,
+            None,
+            u64::from(daemon_pid),
+        )
+        .map(drop)
     }
 
     pub fn stop_dev(&mut self, dev_id: u32) -> Result<(), UblkError> {
@@ -179,7 +188,7 @@ impl Control {
 
     pub fn params(&mut self, dev_id: u32) -> Result<Params, UblkError> {
         let mut params = Params {
-            len: std::mem::size_of::<Params>() as u32,
+            len: sys::PARAMS_LEN,
             ..Default::default()
         };
         self.command(sys::UBLK_U_CMD_GET_PARAMS, dev_id, Some(&mut params), 0)?;

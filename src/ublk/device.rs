@@ -1,6 +1,8 @@
 //! One device's life on the kernel side: ADD_DEV, SET_PARAMS, a thread per queue with every
 //! tag fetched, START_DEV; and at the end STOP_DEV, the queue threads joined, DEL_DEV.
 
+#![forbid(unsafe_code)]
+
 use std::fs::{File, OpenOptions};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -143,7 +145,7 @@ impl Device {
             }
         }
         // Every FETCH_REQ of every queue has entered the kernel: START_DEV can complete.
-        self.control.start_dev(id, std::process::id() as i32)?;
+        self.control.start_dev(id, std::process::id())?;
         self.info = self.control.dev_info(id)?;
         Ok(())
     }

@@ -1,5 +1,7 @@
 //! Decoding and checking one request's descriptor before anything acts on it.
 
+#![forbid(unsafe_code)]
+
 use super::sys::{self, IoDesc};
 
 const SECTOR_SHIFT: u32 = 9;
@@ -106,6 +108,12 @@ impl Request {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss,
+    reason = "test data: small, known values"
+)]
 mod tests {
     use super::*;
 

@@ -18,6 +18,10 @@ fn round_up_to_page(bytes: usize) -> usize {
 
 /// Byte offset of queue `q_id`'s descriptor array in the char device's mmap space: arrays are
 /// laid out for the maximum depth, whatever the device's depth.
+#[allow(
+    clippy::cast_possible_wrap,
+    reason = "the stride is 96 KiB: 64 queues of it are far below i64::MAX"
+)]
 pub fn desc_array_offset(q_id: u16) -> i64 {
     let stride = round_up_to_page(UBLK_MAX_QUEUE_DEPTH as usize * std::mem::size_of::<IoDesc>());
     UBLKSRV_CMD_BUF_OFFSET + q_id as i64 * stride as i64

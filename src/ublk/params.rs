@@ -1,5 +1,7 @@
 //! The device's shape as the kernel wants it: the `ADD_DEV` info and the `SET_PARAMS` block.
 
+#![forbid(unsafe_code)]
+
 use super::sys::{
     self, CtrlDevInfo, ParamBasic, ParamDiscard, Params, UBLK_MAX_QUEUE_DEPTH,
     UBLK_PARAM_TYPE_BASIC, UBLK_PARAM_TYPE_DISCARD,
@@ -9,10 +11,16 @@ use super::UblkError;
 /// Logical and physical block size: one page, so every request is whole pages.
 pub const BLOCK_SHIFT: u8 = 12;
 pub const BLOCK_SIZE: u64 = 1 << BLOCK_SHIFT;
+const BLOCK_SIZE_U32: u32 = 1 << BLOCK_SHIFT;
 /// Largest single discard or write-zeroes request we advertise (1 GiB).
 const MAX_DISCARD_SECTORS: u32 = (1 << 30) >> 9;
 /// Largest device we accept: dev_sectors must fit the kernel's sector_t arithmetic with room.
 pub const MAX_DEVICE_BYTES: u64 = 1 << 50;
+/// Most queues a device may have. The driver allows 4096, but each queue is a thread that
+/// holds its tags' buffers locked, and blk-mq maps at most one queue per CPU.
+pub const MAX_QUEUES: u16 = 64;
+/// Most tags per queue: the driver's limit.
+pub const MAX_DEPTH: u16 = UBLK_MAX_QUEUE_DEPTH;
 
 /// What the user asked for, before the kernel has seen it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,16 +50,13 @@ impl DeviceSpec {
                 self.size_bytes
             ));
         }
-        if self.queues == 0 || self.queues > 64 {
-            return bad(format!("{} queues: use 1 to 64", self.queues));
+        if self.queues == 0 || self.queues > MAX_QUEUES {
+            return bad(format!("{} queues: use 1 to {MAX_QUEUES}", self.queues));
         }
-        if self.depth == 0 || self.depth > UBLK_MAX_QUEUE_DEPTH {
-            return bad(format!(
-                "queue depth {}: use 1 to {UBLK_MAX_QUEUE_DEPTH}",
-                self.depth
-            ));
+        if self.depth == 0 || self.depth > MAX_DEPTH {
+            return bad(format!("queue depth {}: use 1 to {MAX_DEPTH}", self.depth));
         }
-        if self.max_io_bytes < BLOCK_SIZE as u32 || self.max_io_bytes % BLOCK_SIZE as u32 != 0 {
+        if self.max_io_bytes < BLOCK_SIZE_U32 || self.max_io_bytes % BLOCK_SIZE_U32 != 0 {
             return bad(format!(
                 "I/O buffer of {} bytes is not a multiple of 4 KiB",
                 self.max_io_bytes
@@ -80,7 +85,7 @@ impl DeviceSpec {
 /// (as the kernel returned it from `ADD_DEV`): 4 KiB blocks, discard and write-zeroes.
 pub fn device_params(size_bytes: u64, max_io_bytes: u32) -> Params {
     Params {
-        len: std::mem::size_of::<Params>() as u32,
+        len: sys::PARAMS_LEN,
         types: UBLK_PARAM_TYPE_BASIC | UBLK_PARAM_TYPE_DISCARD,
         basic: ParamBasic {
             logical_bs_shift: BLOCK_SHIFT,
@@ -93,7 +98,7 @@ pub fn device_params(size_bytes: u64, max_io_bytes: u32) -> Params {
         },
         discard: ParamDiscard {
             discard_alignment: 0,
-            discard_granularity: BLOCK_SIZE as u32,
+            discard_granularity: BLOCK_SIZE_U32,
             max_discard_sectors: MAX_DISCARD_SECTORS,
             max_write_zeroes_sectors: MAX_DISCARD_SECTORS,
             // The driver refuses anything but one segment when discard is advertised.

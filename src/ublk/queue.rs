@@ -13,6 +13,12 @@ use super::io::{Op, Request};
 use super::mmap::{DescArray, IoBuffers};
 use super::params::BLOCK_SIZE;
 use super::sys::{self, IoCmd};
+
+/// The tag a completion's `user_data` names: we put the tag there when submitting. Anything
+/// wider than a tag becomes one past every depth, which the loop retires as invalid.
+fn tag_of(user_data: u64) -> u16 {
+    u16::try_from(user_data).unwrap_or(u16::MAX)
+}
 use super::UblkError;
 
 /// What serves the requests: the daemon's store adapter. Called from every queue thread.
@@ -56,10 +62,10 @@ impl<'a> Queue<'a> {
     /// fetched its tags) and submit FETCH_REQ for every tag. When this returns Ok, every
     /// fetch has entered the kernel, so START_DEV can complete.
     pub fn fetch_all(setup: QueueSetup, char_dev: &'a File) -> Result<Self, UblkError> {
-        if let Err(error) = sys::set_io_flusher() {
+        if let Err(error) = crate::os::set_io_flusher() {
             tracing::warn!(q = setup.q_id, %error, "PR_SET_IO_FLUSHER failed: swap I/O may deadlock under memory pressure");
         }
-        if let Err(error) = sys::raise_thread_priority() {
+        if let Err(error) = crate::os::raise_thread_priority() {
             tracing::warn!(q = setup.q_id, %error, "could not raise the queue thread's priority");
         }
         let io = |what| move |source| UblkError::Io { what, source };
@@ -127,7 +133,7 @@ impl<'a> Queue<'a> {
             ready.extend(
                 self.ring
                     .completion()
-                    .map(|cqe| (cqe.user_data() as u16, cqe.result())),
+                    .map(|cqe| (tag_of(cqe.user_data()), cqe.result())),
             );
             if ready.is_empty() && stop.load(Ordering::Acquire) {
                 tracing::debug!(
@@ -174,12 +180,12 @@ impl<'a> Queue<'a> {
             }
         };
         let data_len = match request.op {
-            Op::Read | Op::Write => request.len as usize,
+            Op::Read | Op::Write => usize::try_from(request.len).unwrap_or(usize::MAX),
             _ => 0,
         };
         let data = &mut self.buffers.tag_mut(tag)[..data_len];
         match catch_unwind(AssertUnwindSafe(|| handler.handle(&request, data))) {
-            Ok(Ok(())) => data_len as i32,
+            Ok(Ok(())) => i32::try_from(data_len).unwrap_or(-libc::EIO),
             Ok(Err(errno)) => errno,
             Err(_) => {
                 tracing::error!(

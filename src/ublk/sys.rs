@@ -1,7 +1,7 @@
 //! The ublk UAPI (`include/uapi/linux/ublk_cmd.h`) as Rust: command opcodes (ioctl-encoded),
 //! feature flags, and the `#[repr(C)]` structs shared with the kernel, each with compile-time
-//! size and offset checks against the header. Also the few raw system calls the queue threads
-//! need that no crate wraps.
+//! size and offset checks against the header. Nothing but the UAPI: other system calls are in
+//! `crate::os`.
 
 use std::mem::{offset_of, size_of};
 
@@ -10,6 +10,10 @@ const IOC_WRITE: u32 = 1;
 const IOC_READ: u32 = 2;
 const IOC_TYPE_UBLK: u32 = b'u' as u32;
 
+#[allow(
+    clippy::cast_possible_truncation,
+    reason = "the command structs are 32 and 16 bytes (asserted below): they fit the 14-bit size field"
+)]
 const fn ioc(dir: u32, nr: u32, size: usize) -> u32 {
     (dir << 30) | ((size as u32) << 16) | (IOC_TYPE_UBLK << 8) | nr
 }
@@ -182,6 +186,13 @@ pub struct ParamZoned {
 /// `struct ublk_params` as of Linux 6.12 (basic, discard, devt, zoned). Newer kernels append
 /// more parts; `len` tells the kernel how much of the struct we know, and it accepts a shorter
 /// one.
+/// `Params::len`: the size of the whole struct.
+#[allow(
+    clippy::cast_possible_truncation,
+    reason = "the struct is a few hundred bytes (asserted below)"
+)]
+pub const PARAMS_LEN: u32 = size_of::<Params>() as u32;
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Params {
@@ -251,72 +262,6 @@ pub fn command_bytes<T: Pod, const N: usize>(value: &T) -> [u8; N] {
         );
     }
     bytes
-}
-
-/// `PR_SET_IO_FLUSHER` from `include/uapi/linux/prctl.h` (Linux 5.6+).
-const PR_SET_IO_FLUSHER: libc::c_int = 57;
-
-/// Mark the calling thread as an I/O flusher (`PR_SET_IO_FLUSHER`): its allocations do not
-/// recurse into I/O, so a thread that serves swap never waits on swap. Needs CAP_SYS_RESOURCE.
-pub fn set_io_flusher() -> std::io::Result<()> {
-    // SAFETY: prctl(PR_SET_IO_FLUSHER, 1, 0, 0, 0) takes no pointers; it only sets a flag on
-    // the calling thread.
-    let rc = unsafe { libc::prctl(PR_SET_IO_FLUSHER, 1, 0, 0, 0) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
-/// Give the calling thread the highest CPU priority (nice -20). A thread that serves swap
-/// competes with the very tasks whose memory it swaps out: when it loses, their faults wait
-/// on it for longer. Needs CAP_SYS_NICE.
-pub fn raise_thread_priority() -> std::io::Result<()> {
-    let tid = nix::unistd::gettid().as_raw() as libc::id_t;
-    // SAFETY: setpriority takes no pointers; for PRIO_PROCESS with a thread id (Linux) it only
-    // changes that thread's nice value.
-    let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, -20) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
-/// Run the calling thread under `SCHED_FIFO` at the lowest real-time priority. The kernel's
-/// page allocator lets real-time tasks dip below the min watermark (`ALLOC_MIN_RESERVE`;
-/// `ALLOC_HARDER` before Linux 6.3), and the scheduler runs them before any normal task.
-pub fn make_thread_realtime() -> std::io::Result<()> {
-    let param = libc::sched_param { sched_priority: 1 };
-    // SAFETY: `param` is a valid sched_param that outlives the call, which only reads it; pid 0
-    // is the calling thread.
-    let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
-// swapon(2) flags, from `include/linux/swap.h`.
-const SWAP_FLAG_PREFER: libc::c_int = 0x8000;
-const SWAP_FLAG_PRIO_MASK: libc::c_int = 0x7fff;
-const SWAP_FLAG_DISCARD: libc::c_int = 0x10000;
-
-/// Enable `path` as swap with `priority` and discard (a ublk device gets no swap-slot-free
-/// notification, so discard is how freed slots give their memory back). The system call
-/// itself, because busybox's swapon has no priority option.
-pub fn swapon(path: &std::ffi::CStr, priority: u16) -> std::io::Result<()> {
-    let flags =
-        SWAP_FLAG_PREFER | (libc::c_int::from(priority) & SWAP_FLAG_PRIO_MASK) | SWAP_FLAG_DISCARD;
-    // SAFETY: `path` is NUL-terminated and outlives the call; the kernel only reads it.
-    let rc = unsafe { libc::swapon(path.as_ptr(), flags) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
 }
 
 #[cfg(test)]

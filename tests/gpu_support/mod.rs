@@ -2,6 +2,12 @@
 //! zstd to decompress) and page corpora (a synthetic realistic mix, and real memory pages of
 //! the test process itself).
 
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss,
+    reason = "test data: small, known values"
+)]
 #![allow(dead_code)] // each test binary uses a different part
 
 use std::fs;

@@ -1,4 +1,11 @@
 //! Page generators and test doubles shared by the store and codec tests.
+
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss,
+    reason = "test data: small, known values"
+)]
 #![allow(dead_code)] // each test crate uses a different part of this module
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -2,35 +2,34 @@
 //! (sd_notify) and a clean stop. `create` without `--foreground` starts this same program
 //! detached and returns once the device is live.
 
-use std::ffi::OsString;
-use std::io::{IsTerminal, Write};
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixDatagram};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+#![forbid(unsafe_code)]
 
-use nix::sys::mman::{mlockall, MlockAllFlags};
+mod detach;
+mod handler;
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use thiserror::Error;
 
-use crate::cli::CreateArgs;
-use crate::codec::{Algorithm, Backend, BatchCodec};
-use crate::config::{self, DeviceSettings};
+use crate::codec::{Algorithm, BatchCodec};
+use crate::config::{self, DeviceOptions, DeviceSettings};
+use crate::gpu::NoGpu;
 use crate::stats::{self, DeviceReport};
 use crate::store::{BatchedPageStore, StoreError, StoreThread};
 use crate::ublk::device::block_path;
-use crate::ublk::{BlockHandler, Device, DeviceSpec, Op, Request, UblkError};
+use crate::ublk::{Device, DeviceSpec, UblkError};
+use crate::units::human_size;
+use detach::{start_detached, Notifier};
+use handler::StoreHandler;
 
 /// Where daemons keep their logs and endpoints (root only).
 pub const RUN_DIR: &str = stats::SOCKET_DIR;
 /// Environment variable telling a started daemon that it was detached by `create`.
 const DETACHED_ENV: &str = "TRUENO_UBLK_DETACHED_LOG";
-/// How long `create` waits for a detached daemon to report the device live. START_DEV
-/// scans partitions, which under emulation can take a while.
-const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Log lines waiting for the writer thread before new ones are dropped.
 const LOG_BACKLOG_LINES: usize = 1024;
@@ -45,6 +44,8 @@ pub enum DaemonError {
     Store(#[from] StoreError),
     #[error("{0}")]
     Settings(String),
+    #[error(transparent)]
+    NoGpu(#[from] NoGpu),
     #[error("{0}")]
     Daemon(String),
     #[error("{what}: {source}")]
@@ -70,22 +71,17 @@ fn check_size_against_ram(size_bytes: u64) -> Result<(), DaemonError> {
         return Err(DaemonError::Settings(format!(
             "size {} is more than 32 times this machine's RAM ({}); a compressed RAM device \
              cannot hold that much",
-            crate::cli::human_size(size_bytes),
-            crate::cli::human_size(ram)
+            human_size(size_bytes),
+            human_size(ram)
         )));
     }
     Ok(())
 }
 
-/// `mlockall(MCL_CURRENT | MCL_FUTURE | MCL_ONFAULT)`: lock every page the daemon has and
-/// every page it faults in later. On fault, not up front: with plain `MCL_FUTURE` every new
-/// mapping is populated on the spot, the page arena's whole address space included, and a
-/// heap extension under memory pressure would wait in reclaim (which swaps out through this
-/// very daemon) while holding the mmap lock that the queue threads may need.
+/// The daemon serves swap, so none of its own memory may ever need swap to come back (see
+/// `os::lock_memory`).
 fn lock_memory() {
-    const MCL_ONFAULT: libc::c_int = 4;
-    let flags = libc::MCL_CURRENT | libc::MCL_FUTURE | MCL_ONFAULT;
-    if let Err(error) = mlockall(MlockAllFlags::from_bits_retain(flags)) {
+    if let Err(error) = crate::os::lock_memory() {
         tracing::warn!(%error, "mlockall failed: the daemon's memory may be swapped out, which can deadlock swap on this device");
     }
 }
@@ -96,10 +92,10 @@ fn lock_memory() {
 fn ready_store_thread(algorithm: Algorithm) {
     crate::mem::prepare_io_thread();
     crate::codec::prepare_thread(algorithm);
-    if let Err(error) = crate::ublk::sys::set_io_flusher() {
+    if let Err(error) = crate::os::set_io_flusher() {
         tracing::warn!(%error, "PR_SET_IO_FLUSHER failed on a store thread");
     }
-    if let Err(error) = crate::ublk::sys::raise_thread_priority() {
+    if let Err(error) = crate::os::raise_thread_priority() {
         tracing::warn!(%error, "could not raise a store thread's priority");
     }
 }
@@ -111,7 +107,7 @@ fn ready_store_thread(algorithm: Algorithm) {
 /// refills before writes wait on it: without this, the first seconds of a swap storm in a
 /// 512 MiB VM failed writes with ENOMEM. It sleeps between refills, so it takes little CPU.
 fn make_refill_realtime() {
-    if let Err(error) = crate::ublk::sys::make_thread_realtime() {
+    if let Err(error) = crate::os::make_thread_realtime() {
         tracing::warn!(%error, "could not make the reserve's refill thread real-time (needs CAP_SYS_NICE): under sudden memory pressure writes may fail with ENOMEM");
     }
 }
@@ -130,19 +126,9 @@ fn disable_writeback_throttling(id: u32) {
 /// Keep the OOM killer away from the daemon: killing it would lose every page swapped to it,
 /// and with them the processes that own those pages.
 fn protect_from_oom_killer() {
-    if let Err(error) = std::fs::write("/proc/self/oom_score_adj", "-1000") {
+    if let Err(error) = crate::os::protect_from_oom_killer() {
         tracing::warn!(%error, "could not set oom_score_adj: the OOM killer may pick this daemon and lose the pages swapped to it");
     }
-}
-
-/// Chunk memory the store keeps ready so that storing swapped-out pages never waits on
-/// reclaim: a sixty-fourth of RAM, between 4 and 64 MiB, and no more than the memory limit.
-/// What is held here is locked memory nobody else can use until the store fills it; with the
-/// refill thread real-time, 4 MiB kept every write in the VM tests served.
-fn reserve_bytes(ram_bytes: u64, mem_limit: Option<u64>) -> u64 {
-    (ram_bytes / 64)
-        .clamp(4 << 20, 64 << 20)
-        .min(mem_limit.unwrap_or(u64::MAX))
 }
 
 /// The ublk side of the settings.
@@ -156,147 +142,16 @@ fn device_spec(settings: &DeviceSettings) -> DeviceSpec {
     }
 }
 
-/// `trueno-ublk create`.
-pub fn create(args: CreateArgs) -> Result<(), DaemonError> {
-    let settings = config::resolve(&args).map_err(|e| DaemonError::Settings(e.to_string()))?;
+/// `trueno-ublk create`: serve the device in this process (`foreground`), or start a detached
+/// daemon that does and return once the device is live.
+pub fn create(options: &DeviceOptions, foreground: bool) -> Result<(), DaemonError> {
+    let settings = config::resolve(options).map_err(|e| DaemonError::Settings(e.to_string()))?;
     check_size_against_ram(settings.size_bytes)?;
     device_spec(&settings).validate()?;
-    if args.foreground {
+    if foreground {
         run_foreground(settings)
     } else {
         start_detached(&settings)
-    }
-}
-
-/// Start this program again as a detached daemon (`create --foreground` with a private
-/// notify socket) and wait until it reports the device live, or fails.
-fn start_detached(settings: &DeviceSettings) -> Result<(), DaemonError> {
-    // Fail fast, in the user's terminal, on what we can check here.
-    drop(crate::ublk::Control::open()?);
-    if let Some(id) = settings.id {
-        if Path::new(&format!("/sys/class/ublk-char/ublkc{id}")).exists() {
-            return Err(UblkError::IdInUse(id).into());
-        }
-    }
-    std::fs::create_dir_all(RUN_DIR).map_err(io_error(format!("creating {RUN_DIR}")))?;
-    set_mode(Path::new(RUN_DIR), 0o700)?;
-    let log_path = PathBuf::from(format!("{RUN_DIR}/starting-{}.log", std::process::id()));
-    let log = std::fs::File::create(&log_path)
-        .map_err(io_error(format!("creating {}", log_path.display())))?;
-
-    let socket_name = format!("trueno-ublk-create-{}-{:x}", std::process::id(), nanos());
-    let socket = UnixDatagram::bind_addr(
-        &SocketAddr::from_abstract_name(socket_name.as_bytes())
-            .map_err(io_error("naming the notify socket"))?,
-    )
-    .map_err(io_error("binding the notify socket"))?;
-    socket
-        .set_read_timeout(Some(Duration::from_millis(100)))
-        .map_err(io_error("notify socket"))?;
-
-    let exe = std::env::current_exe().map_err(io_error("finding this program"))?;
-    let mut child_args: Vec<OsString> = std::env::args_os().skip(1).collect();
-    child_args.push("--foreground".into());
-    let mut child = Command::new(exe)
-        .args(child_args)
-        .env("NOTIFY_SOCKET", format!("@{socket_name}"))
-        .env(DETACHED_ENV, &log_path)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .map_err(io_error("starting the daemon"))?;
-
-    let deadline = Instant::now() + READY_TIMEOUT;
-    let mut buffer = [0u8; 4096];
-    loop {
-        match socket.recv(&mut buffer) {
-            Ok(n) => {
-                let message = String::from_utf8_lossy(&buffer[..n]);
-                let field = |key: &str| {
-                    message
-                        .lines()
-                        .find_map(|l| l.strip_prefix(key))
-                        .map(str::to_owned)
-                };
-                if message.lines().any(|l| l == "READY=1") {
-                    println!("{}", field("STATUS=").unwrap_or_default());
-                    return Ok(());
-                }
-                if field("ERRNO=").is_some() {
-                    let _ = child.wait();
-                    return Err(DaemonError::Daemon(
-                        field("STATUS=").unwrap_or_else(|| "the daemon failed".into()),
-                    ));
-                }
-            }
-            Err(error)
-                if matches!(
-                    error.kind(),
-                    std::io::ErrorKind::WouldBlock
-                        | std::io::ErrorKind::TimedOut
-                        | std::io::ErrorKind::Interrupted
-                ) => {}
-            Err(error) => return Err(io_error("reading the notify socket")(error)),
-        }
-        if let Some(status) = child
-            .try_wait()
-            .map_err(io_error("waiting for the daemon"))?
-        {
-            return Err(DaemonError::Daemon(format!(
-                "the daemon exited ({status}) before the device was live; its log: {}",
-                log_path.display()
-            )));
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            return Err(DaemonError::Daemon(format!(
-                "the device was not live after {}s; daemon log: {}",
-                READY_TIMEOUT.as_secs(),
-                log_path.display()
-            )));
-        }
-    }
-}
-
-fn nanos() -> u128 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0)
-}
-
-fn set_mode(path: &Path, mode: u32) -> Result<(), DaemonError> {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(io_error(
-        format!("setting permissions of {}", path.display()),
-    ))
-}
-
-/// Readiness and status for the service manager, or for the `create` that started us
-/// (`NOTIFY_SOCKET`, the sd_notify protocol).
-struct Notifier {
-    socket: Option<String>,
-}
-
-impl Notifier {
-    fn from_env() -> Self {
-        Self {
-            socket: std::env::var_os("NOTIFY_SOCKET").map(|s| s.to_string_lossy().into_owned()),
-        }
-    }
-
-    fn send(&self, state: &str) {
-        let Some(path) = &self.socket else { return };
-        let address = match path.strip_prefix('@') {
-            Some(name) => SocketAddr::from_abstract_name(name.as_bytes()),
-            None => SocketAddr::from_pathname(path),
-        };
-        let sent = address
-            .and_then(|address| UnixDatagram::unbound()?.send_to_addr(state.as_bytes(), &address));
-        if let Err(error) = sent {
-            tracing::warn!(%error, socket = path, "sd_notify failed");
-        }
     }
 }
 
@@ -361,14 +216,9 @@ fn serve(
     // Signals first, so a SIGTERM during start-up is not lost.
     let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])
         .map_err(io_error("installing signal handlers"))?;
-    let (gpu, gpu_state) = match settings.store.forced_backend {
-        Some(Backend::Simd | Backend::SimdParallel) => (None, "not used (--backend)".to_string()),
-        _ => crate::gpu::open_for_store(algorithm),
-    };
+    let (gpu, gpu_state) = crate::gpu::open_for_store(algorithm, settings.store.forced_backend)?;
     tracing::info!(gpu = gpu_state, "GPU backend");
-    let mut store_config = settings.store_config(gpu.is_some());
-    store_config.reserve_bytes =
-        reserve_bytes(config::ram_bytes().unwrap_or(0), store_config.mem_limit);
+    let store_config = settings.store_config(gpu.is_some(), config::ram_bytes().unwrap_or(0));
     let store = BatchedPageStore::new(store_config, gpu.clone().map(|g| g as Arc<dyn BatchCodec>))?;
     let flusher = store
         .start_flusher(move |role| {
@@ -378,11 +228,7 @@ fn serve(
             }
         })
         .map_err(io_error("starting the flusher"))?;
-    let handler = Arc::new(StoreHandler {
-        store: store.clone(),
-        algorithm,
-        errors: AtomicU64::new(0),
-    });
+    let handler = Arc::new(StoreHandler::new(store.clone(), algorithm));
 
     let started = Instant::now();
     let device = Device::create(device_spec(&settings), handler)?;
@@ -397,7 +243,7 @@ fn serve(
         size = settings.size_bytes,
         queues = device.info().nr_hw_queues,
         depth = device.info().queue_depth,
-        ms = started.elapsed().as_millis() as u64,
+        ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
         "device live"
     );
     // Only root can read the endpoint; `stat` still works for the device if it fails.
@@ -473,36 +319,4 @@ fn serve(
     stopped?;
     tracing::info!(device = path, "device deleted");
     Ok(())
-}
-
-/// Serves block requests from the page store.
-struct StoreHandler {
-    store: Arc<BatchedPageStore>,
-    algorithm: Algorithm,
-    errors: AtomicU64,
-}
-
-impl BlockHandler for StoreHandler {
-    fn prepare_thread(&self) {
-        crate::codec::prepare_thread(self.algorithm);
-    }
-
-    fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32> {
-        let result = match request.op {
-            Op::Read => self.store.read(request.offset, data),
-            Op::Write => self.store.write(request.offset, data),
-            // Pages are in daemon memory as soon as a write is acknowledged: nothing to flush.
-            Op::Flush => Ok(()),
-            Op::Discard | Op::WriteZeroes => self.store.discard(request.offset, request.len),
-            Op::Unsupported(_) => return Err(-libc::EOPNOTSUPP),
-        };
-        result.map_err(|error| {
-            // Log the first errors and then every 1024th, so a full device cannot flood the log.
-            let count = self.errors.fetch_add(1, Ordering::Relaxed);
-            if count < 16 || count % 1024 == 0 {
-                tracing::warn!(?request, %error, errors = count + 1, "request failed");
-            }
-            error.errno()
-        })
-    }
 }

@@ -1,0 +1,516 @@
+//! Everything a user can set, and the one source of every default and limit: the options as
+//! given (command line, without any parser's types), the boot configuration file
+//! (`/etc/trueno-ublk.conf`, `file`), and the settings after merging them with the defaults.
+//! Precedence: command line > config file > default.
+//!
+//! The file is INI-like, one `[ublkbN]` section per device, keys named like `create`'s long
+//! flags (see `trueno-ublk.conf.example` and the README):
+//!
+//! ```text
+//! [ublkb0]
+//! size = ram / 2          # or 8G; relative sizes are capped by max-size
+//! max-size = 4G
+//! algorithm = zstd
+//! swap-priority = 100
+//! ```
+//!
+//! A missing file means defaults for every device; an unknown section or key, or a bad value,
+//! is an error naming the file, the line and the key. Without any size the device gets
+//! zram-generator's default, min(RAM / 2, 4 GiB).
+
+#![forbid(unsafe_code)]
+
+mod file;
+mod values;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use thiserror::Error;
+
+use crate::codec::{Algorithm, Backend, BackendThresholds};
+use crate::store::StoreConfig;
+pub use file::{load, parse, ConfigFile, DeviceSection, Setting, KEYS};
+pub use values::{parse_size_expr, SizeExpr};
+
+/// Where the systemd units read the configuration from.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/trueno-ublk.conf";
+
+/// zram-generator's default device size is min(RAM / 2, this).
+pub const DEFAULT_SIZE_CAP: u64 = 4 << 30;
+pub const DEFAULT_QUEUES: u16 = 1;
+/// Tags per queue: each holds a locked 64 KiB buffer, and one queue thread serves them in turn,
+/// so more tags mostly lock more memory.
+pub const DEFAULT_DEPTH: u16 = 32;
+pub const DEFAULT_ALGORITHM: AlgorithmChoice = AlgorithmChoice::Zstd;
+pub const DEFAULT_ZSTD_LEVEL: i32 = 1;
+/// Pending pages per batch without a GPU: enough for every core to compress a share of each
+/// flush, and with two batches only 2 MiB of locked memory (swap wants the RAM back).
+pub const DEFAULT_BATCH_THRESHOLD: usize = 256;
+/// Pending pages per batch for the GPU backend: the smallest batch it takes (it needs large
+/// batches to pay off).
+pub const DEFAULT_GPU_BATCH_THRESHOLD: usize = crate::codec::GPU_MIN_BATCH_PAGES;
+pub const DEFAULT_FLUSH_TIMEOUT_MS: u64 = 10;
+/// zram-generator's default swap priority.
+pub const DEFAULT_SWAP_PRIORITY: u16 = 100;
+
+/// Queues and tags per queue a device may have: the ublk layer's limits.
+pub use crate::ublk::params::{MAX_DEPTH, MAX_QUEUES};
+/// A pending batch holds this many 4 KiB pages at most (256 MiB), to keep memory bounded.
+pub const MAX_BATCH_THRESHOLD: usize = 65536;
+pub const MAX_FLUSH_TIMEOUT_MS: u64 = 10_000;
+/// swapon(8) accepts priorities 0..=32767.
+pub const MAX_SWAP_PRIORITY: u16 = 32767;
+/// Chunk memory the store keeps ready (see `reserve_bytes`): a share of RAM within these.
+const RESERVE_DIVISOR: u64 = 64;
+const RESERVE_MIN_BYTES: u64 = 4 << 20;
+const RESERVE_MAX_BYTES: u64 = 64 << 20;
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}:{line}: {message}", path.display())]
+    Syntax {
+        path: PathBuf,
+        line: usize,
+        message: String,
+    },
+    #[error("{}:{line}: bad value '{value}' for key '{key}': {reason}", path.display())]
+    BadValue {
+        path: PathBuf,
+        line: usize,
+        key: String,
+        value: String,
+        reason: String,
+    },
+    #[error("{origin}: {key} {reason}")]
+    OutOfRange {
+        origin: String,
+        key: &'static str,
+        reason: String,
+    },
+    #[error("--config {} needs --id N to pick its [ublkbN] section", path.display())]
+    NeedsId { path: PathBuf },
+    #[error("cannot read the RAM size from /proc/meminfo ({0}); give --size explicitly")]
+    Meminfo(String),
+}
+
+/// A setting with named values (`--algorithm zstd`, `backend = simd`): the names are the same
+/// on the command line and in the file.
+pub trait Choice: Copy + PartialEq + Send + Sync + 'static {
+    /// Every value and its name.
+    const NAMES: &'static [(&'static str, Self)];
+
+    /// The value named `name` (any case).
+    fn from_name(name: &str) -> Option<Self> {
+        Self::NAMES
+            .iter()
+            .find(|(known, _)| known.eq_ignore_ascii_case(name))
+            .map(|&(_, value)| value)
+    }
+
+    /// Every name, in order.
+    fn names() -> Vec<&'static str> {
+        Self::NAMES.iter().map(|&(name, _)| name).collect()
+    }
+}
+
+/// `--algorithm`, `algorithm =`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AlgorithmChoice {
+    Lz4,
+    Zstd,
+    Adaptive,
+}
+
+impl AlgorithmChoice {
+    /// The codec's algorithm, with `zstd_level` where zstd is used.
+    pub fn with_level(self, zstd_level: i32) -> Algorithm {
+        match self {
+            Self::Lz4 => Algorithm::Lz4,
+            Self::Zstd => Algorithm::Zstd { level: zstd_level },
+            Self::Adaptive => Algorithm::Adaptive,
+        }
+    }
+}
+
+impl Choice for AlgorithmChoice {
+    const NAMES: &'static [(&'static str, Self)] = &[
+        ("lz4", Self::Lz4),
+        ("zstd", Self::Zstd),
+        ("adaptive", Self::Adaptive),
+    ];
+}
+
+/// `--backend`, `backend =` (`auto` selects by batch size).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendChoice {
+    Auto,
+    Simd,
+    SimdParallel,
+    Gpu,
+}
+
+impl BackendChoice {
+    /// The backend every batch must use, or `None` to select by batch size.
+    pub fn forced(self) -> Option<Backend> {
+        match self {
+            Self::Auto => None,
+            Self::Simd => Some(Backend::Simd),
+            Self::SimdParallel => Some(Backend::SimdParallel),
+            Self::Gpu => Some(Backend::Gpu),
+        }
+    }
+}
+
+impl Choice for BackendChoice {
+    const NAMES: &'static [(&'static str, Self)] = &[
+        ("auto", Self::Auto),
+        ("simd", Self::Simd),
+        ("simd-parallel", Self::SimdParallel),
+        ("gpu", Self::Gpu),
+    ];
+}
+
+/// The page-store options as given on the command line (`create` and `bench`). `None` means
+/// "from the config file, else the default".
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoreOptions {
+    pub algorithm: Option<AlgorithmChoice>,
+    pub zstd_level: Option<i32>,
+    pub backend: Option<BackendChoice>,
+    pub batch_threshold: Option<usize>,
+    pub flush_timeout_ms: Option<u64>,
+    /// `--no-batched`.
+    pub no_batched: bool,
+    pub mem_limit: Option<u64>,
+}
+
+/// The device options as given on the command line (`create`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceOptions {
+    pub size: Option<u64>,
+    pub id: Option<u32>,
+    pub queues: Option<u16>,
+    pub depth: Option<u16>,
+    /// The config file whose `[ublkb{id}]` section fills what the options leave out.
+    pub config: Option<PathBuf>,
+    pub store: StoreOptions,
+}
+
+/// Page-store settings after merging, ready to become a `store::StoreConfig`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreSettings {
+    pub algorithm: Algorithm,
+    /// `None`: the store selects a backend by batch size (`--backend auto`).
+    pub forced_backend: Option<Backend>,
+    pub batched: bool,
+    /// `None`: `DEFAULT_BATCH_THRESHOLD`, or `DEFAULT_GPU_BATCH_THRESHOLD` with a GPU codec.
+    pub batch_threshold: Option<usize>,
+    pub flush_timeout: Duration,
+    pub mem_limit: Option<u64>,
+}
+
+impl StoreSettings {
+    /// The store's configuration for a device of `size_bytes`, served with a GPU codec or
+    /// without (which sets the default batch size).
+    pub fn store_config(&self, size_bytes: u64, with_gpu: bool) -> StoreConfig {
+        let default_threshold = if with_gpu {
+            DEFAULT_GPU_BATCH_THRESHOLD
+        } else {
+            DEFAULT_BATCH_THRESHOLD
+        };
+        StoreConfig {
+            algorithm: self.algorithm,
+            batched: self.batched,
+            batch_threshold: self.batch_threshold.unwrap_or(default_threshold),
+            flush_timeout: self.flush_timeout,
+            mem_limit: self.mem_limit,
+            forced_backend: self.forced_backend,
+            thresholds: BackendThresholds::default(),
+            reserve_bytes: 0,
+            size_bytes,
+        }
+    }
+
+    /// `lz4`, `zstd:3` or `adaptive:1` (what `stat` shows as ALGORITHM).
+    pub fn algorithm_name(&self) -> String {
+        match self.algorithm {
+            Algorithm::Lz4 => "lz4".to_string(),
+            Algorithm::Zstd { level } => format!("zstd:{level}"),
+            Algorithm::Adaptive => "adaptive".to_string(),
+        }
+    }
+
+    /// `auto`, `simd`, `simd-parallel` or `gpu`.
+    pub fn backend_name(&self) -> &'static str {
+        match self.forced_backend {
+            None => "auto",
+            Some(Backend::Simd) => "simd",
+            Some(Backend::SimdParallel) => "simd-parallel",
+            Some(Backend::Gpu) => "gpu",
+        }
+    }
+}
+
+/// Everything `create` needs, after merging command line, config file and defaults.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceSettings {
+    /// `None`: the kernel picks the id.
+    pub id: Option<u32>,
+    /// Device size in bytes, a multiple of 4096.
+    pub size_bytes: u64,
+    pub queues: u16,
+    pub depth: u16,
+    pub store: StoreSettings,
+    pub swap_priority: u16,
+}
+
+impl Default for StoreSettings {
+    /// The product's defaults (what `create` uses when nothing is set).
+    fn default() -> Self {
+        Self {
+            algorithm: DEFAULT_ALGORITHM.with_level(DEFAULT_ZSTD_LEVEL),
+            forced_backend: BackendChoice::Auto.forced(),
+            batched: true,
+            batch_threshold: None,
+            flush_timeout: Duration::from_millis(DEFAULT_FLUSH_TIMEOUT_MS),
+            mem_limit: None,
+        }
+    }
+}
+
+impl DeviceSettings {
+    /// The store's configuration for this device on a machine with `ram_bytes` of RAM, with a
+    /// GPU codec or without; it keeps a chunk reserve (see `reserve_bytes`).
+    pub fn store_config(&self, with_gpu: bool, ram_bytes: u64) -> StoreConfig {
+        let mut config = self.store.store_config(self.size_bytes, with_gpu);
+        config.reserve_bytes = reserve_bytes(ram_bytes, config.mem_limit);
+        config
+    }
+}
+
+/// Chunk memory the store keeps ready so that storing swapped-out pages never waits on
+/// reclaim: a sixty-fourth of RAM, between 4 and 64 MiB, and no more than the memory limit.
+/// What is held here is locked memory nobody else can use until the store fills it; with the
+/// refill thread real-time, 4 MiB kept every write in the VM tests served.
+pub fn reserve_bytes(ram_bytes: u64, mem_limit: Option<u64>) -> u64 {
+    (ram_bytes / RESERVE_DIVISOR)
+        .clamp(RESERVE_MIN_BYTES, RESERVE_MAX_BYTES)
+        .min(mem_limit.unwrap_or(u64::MAX))
+}
+
+/// Merge `args`, the config file it names (section `[ublkb{id}]`) and the defaults, reading the
+/// RAM size from /proc/meminfo.
+pub fn resolve(args: &DeviceOptions) -> Result<DeviceSettings, ConfigError> {
+    let file = load_for(args.config.as_deref(), args.id)?;
+    resolve_with(args, &file, ram_bytes()?)
+}
+
+/// Total RAM, for sizes given as a share of it.
+pub fn ram_bytes() -> Result<u64, ConfigError> {
+    crate::os::ram_bytes().map_err(|error| ConfigError::Meminfo(error.to_string()))
+}
+
+/// `resolve` with the file already parsed and the RAM size given (for tests).
+pub fn resolve_with(
+    args: &DeviceOptions,
+    file: &ConfigFile,
+    ram_bytes: u64,
+) -> Result<DeviceSettings, ConfigError> {
+    let empty = DeviceSection::default();
+    let section = args.id.and_then(|id| file.device(id)).unwrap_or(&empty);
+    let size_bytes = match args.size {
+        Some(bytes) => bytes,
+        None => config_size(section, file, ram_bytes)?,
+    };
+    let queues = pick(args.queues, section.queues, DEFAULT_QUEUES);
+    let depth = pick(args.depth, section.depth, DEFAULT_DEPTH);
+    check_range(
+        "queues",
+        queues,
+        1,
+        MAX_QUEUES,
+        args.queues.is_some(),
+        section.queues,
+        file,
+    )?;
+    check_range(
+        "depth",
+        depth,
+        1,
+        MAX_DEPTH,
+        args.depth.is_some(),
+        section.depth,
+        file,
+    )?;
+    let store = merge_store(&args.store, section, file, ram_bytes)?;
+    Ok(DeviceSettings {
+        id: args.id,
+        size_bytes,
+        queues,
+        depth,
+        store,
+        swap_priority: pick(None, section.swap_priority, DEFAULT_SWAP_PRIORITY),
+    })
+}
+
+/// Store settings from the command line and the defaults only (`bench`).
+pub fn store_settings(args: &StoreOptions) -> Result<StoreSettings, ConfigError> {
+    merge_store(args, &DeviceSection::default(), &ConfigFile::default(), 0)
+}
+
+pub(crate) fn load_for(path: Option<&Path>, id: Option<u32>) -> Result<ConfigFile, ConfigError> {
+    match path {
+        None => Ok(ConfigFile::default()),
+        Some(path) if id.is_none() => Err(ConfigError::NeedsId {
+            path: path.to_path_buf(),
+        }),
+        Some(path) => load(path),
+    }
+}
+
+pub(crate) fn pick<T: Copy>(command_line: Option<T>, file: Option<Setting<T>>, default: T) -> T {
+    command_line
+        .or(file.map(|setting| setting.value))
+        .unwrap_or(default)
+}
+
+fn check_range<T: PartialOrd + std::fmt::Display>(
+    key: &'static str,
+    value: T,
+    min: T,
+    max: T,
+    from_command_line: bool,
+    setting: Option<Setting<T>>,
+    file: &ConfigFile,
+) -> Result<(), ConfigError> {
+    if value >= min && value <= max {
+        return Ok(());
+    }
+    let origin = match setting {
+        Some(setting) if !from_command_line => file.origin(setting.line),
+        _ => format!("command line (--{key})"),
+    };
+    Err(ConfigError::OutOfRange {
+        origin,
+        key,
+        reason: format!("is {value}; it must be from {min} to {max}"),
+    })
+}
+
+fn config_size(
+    section: &DeviceSection,
+    file: &ConfigFile,
+    ram_bytes: u64,
+) -> Result<u64, ConfigError> {
+    let Some(size) = section.size else {
+        let half_ram = SizeExpr::RamFraction {
+            numerator: 1,
+            denominator: 2,
+        };
+        let cap = section.max_size.map_or(DEFAULT_SIZE_CAP, |s| s.value);
+        let bytes = half_ram.evaluate(ram_bytes).min(cap);
+        return non_zero_size(bytes, "default size (RAM / 2)".to_string());
+    };
+    let mut bytes = size.value.evaluate(ram_bytes);
+    if let Some(cap) = section.max_size {
+        bytes = bytes.min(cap.value);
+    }
+    non_zero_size(bytes, file.origin(size.line))
+}
+
+fn non_zero_size(bytes: u64, origin: String) -> Result<u64, ConfigError> {
+    if bytes == 0 {
+        return Err(ConfigError::OutOfRange {
+            origin,
+            key: "size",
+            reason: "comes to less than one 4 KiB page".to_string(),
+        });
+    }
+    Ok(bytes)
+}
+
+fn merge_store(
+    args: &StoreOptions,
+    section: &DeviceSection,
+    file: &ConfigFile,
+    ram_bytes: u64,
+) -> Result<StoreSettings, ConfigError> {
+    let zstd_level = pick(args.zstd_level, section.zstd_level, DEFAULT_ZSTD_LEVEL);
+    let levels = zstd::compression_level_range();
+    check_range(
+        "zstd-level",
+        zstd_level,
+        *levels.start(),
+        *levels.end(),
+        args.zstd_level.is_some(),
+        section.zstd_level,
+        file,
+    )?;
+    let algorithm =
+        pick(args.algorithm, section.algorithm, DEFAULT_ALGORITHM).with_level(zstd_level);
+    let forced_backend = pick(args.backend, section.backend, BackendChoice::Auto).forced();
+    let batched = !args.no_batched && section.batched.map_or(true, |s| s.value);
+    let batch_threshold = args
+        .batch_threshold
+        .or(section.batch_threshold.map(|setting| setting.value));
+    if let Some(threshold) = batch_threshold {
+        check_range(
+            "batch-threshold",
+            threshold,
+            1,
+            MAX_BATCH_THRESHOLD,
+            args.batch_threshold.is_some(),
+            section.batch_threshold,
+            file,
+        )?;
+    }
+    let flush_timeout_ms = pick(
+        args.flush_timeout_ms,
+        section.flush_timeout_ms,
+        DEFAULT_FLUSH_TIMEOUT_MS,
+    );
+    check_range(
+        "flush-timeout-ms",
+        flush_timeout_ms,
+        1,
+        MAX_FLUSH_TIMEOUT_MS,
+        args.flush_timeout_ms.is_some(),
+        section.flush_timeout_ms,
+        file,
+    )?;
+    let mem_limit = match (args.mem_limit, section.mem_limit) {
+        (Some(bytes), _) => Some(bytes),
+        (None, None | Some(Setting { value: None, .. })) => None,
+        (
+            None,
+            Some(Setting {
+                value: Some(expr),
+                line,
+            }),
+        ) => {
+            let bytes = expr.evaluate(ram_bytes);
+            if bytes == 0 {
+                return Err(ConfigError::OutOfRange {
+                    origin: file.origin(line),
+                    key: "mem-limit",
+                    reason: "comes to less than one 4 KiB page".to_string(),
+                });
+            }
+            Some(bytes)
+        }
+    };
+    Ok(StoreSettings {
+        algorithm,
+        forced_backend,
+        batched,
+        batch_threshold,
+        flush_timeout: Duration::from_millis(flush_timeout_ms),
+        mem_limit,
+    })
+}

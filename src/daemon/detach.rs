@@ -1,0 +1,151 @@
+//! `create` without `--foreground`: start this program again as a detached daemon and wait
+//! for it to report the device live, over the sd_notify protocol that systemd also speaks.
+
+#![forbid(unsafe_code)]
+
+use std::ffi::OsString;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixDatagram};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::{io_error, DaemonError, DETACHED_ENV, RUN_DIR};
+use crate::config::DeviceSettings;
+use crate::ublk::UblkError;
+
+/// How long `create` waits for a detached daemon to report the device live. START_DEV
+/// scans partitions, which under emulation can take a while.
+const READY_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Start this program again as a detached daemon (`create --foreground` with a private
+/// notify socket) and wait until it reports the device live, or fails.
+pub(super) fn start_detached(settings: &DeviceSettings) -> Result<(), DaemonError> {
+    // Fail fast, in the user's terminal, on what we can check here.
+    drop(crate::ublk::Control::open()?);
+    if let Some(id) = settings.id {
+        if Path::new(&format!("/sys/class/ublk-char/ublkc{id}")).exists() {
+            return Err(UblkError::IdInUse(id).into());
+        }
+    }
+    std::fs::create_dir_all(RUN_DIR).map_err(io_error(format!("creating {RUN_DIR}")))?;
+    set_mode(Path::new(RUN_DIR), 0o700)?;
+    let log_path = PathBuf::from(format!("{RUN_DIR}/starting-{}.log", std::process::id()));
+    let log = std::fs::File::create(&log_path)
+        .map_err(io_error(format!("creating {}", log_path.display())))?;
+
+    let socket_name = format!("trueno-ublk-create-{}-{:x}", std::process::id(), nanos());
+    let socket = UnixDatagram::bind_addr(
+        &SocketAddr::from_abstract_name(socket_name.as_bytes())
+            .map_err(io_error("naming the notify socket"))?,
+    )
+    .map_err(io_error("binding the notify socket"))?;
+    socket
+        .set_read_timeout(Some(Duration::from_millis(100)))
+        .map_err(io_error("notify socket"))?;
+
+    let exe = std::env::current_exe().map_err(io_error("finding this program"))?;
+    let mut child_args: Vec<OsString> = std::env::args_os().skip(1).collect();
+    child_args.push("--foreground".into());
+    let mut child = Command::new(exe)
+        .args(child_args)
+        .env("NOTIFY_SOCKET", format!("@{socket_name}"))
+        .env(DETACHED_ENV, &log_path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .map_err(io_error("starting the daemon"))?;
+
+    let deadline = Instant::now() + READY_TIMEOUT;
+    let mut buffer = [0u8; 4096];
+    loop {
+        match socket.recv(&mut buffer) {
+            Ok(n) => {
+                let message = String::from_utf8_lossy(&buffer[..n]);
+                let field = |key: &str| {
+                    message
+                        .lines()
+                        .find_map(|l| l.strip_prefix(key))
+                        .map(str::to_owned)
+                };
+                if message.lines().any(|l| l == "READY=1") {
+                    println!("{}", field("STATUS=").unwrap_or_default());
+                    return Ok(());
+                }
+                if field("ERRNO=").is_some() {
+                    let _ = child.wait();
+                    return Err(DaemonError::Daemon(
+                        field("STATUS=").unwrap_or_else(|| "the daemon failed".into()),
+                    ));
+                }
+            }
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) => {}
+            Err(error) => return Err(io_error("reading the notify socket")(error)),
+        }
+        if let Some(status) = child
+            .try_wait()
+            .map_err(io_error("waiting for the daemon"))?
+        {
+            return Err(DaemonError::Daemon(format!(
+                "the daemon exited ({status}) before the device was live; its log: {}",
+                log_path.display()
+            )));
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            return Err(DaemonError::Daemon(format!(
+                "the device was not live after {}s; daemon log: {}",
+                READY_TIMEOUT.as_secs(),
+                log_path.display()
+            )));
+        }
+    }
+}
+
+fn nanos() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
+}
+
+pub(super) fn set_mode(path: &Path, mode: u32) -> Result<(), DaemonError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(io_error(
+        format!("setting permissions of {}", path.display()),
+    ))
+}
+
+/// Readiness and status for the service manager, or for the `create` that started us
+/// (`NOTIFY_SOCKET`, the sd_notify protocol).
+pub(super) struct Notifier {
+    pub(super) socket: Option<String>,
+}
+
+impl Notifier {
+    pub(super) fn from_env() -> Self {
+        Self {
+            socket: std::env::var_os("NOTIFY_SOCKET").map(|s| s.to_string_lossy().into_owned()),
+        }
+    }
+
+    pub(super) fn send(&self, state: &str) {
+        let Some(path) = &self.socket else { return };
+        let address = match path.strip_prefix('@') {
+            Some(name) => SocketAddr::from_abstract_name(name.as_bytes()),
+            None => SocketAddr::from_pathname(path),
+        };
+        let sent = address
+            .and_then(|address| UnixDatagram::unbound()?.send_to_addr(state.as_bytes(), &address));
+        if let Err(error) = sent {
+            tracing::warn!(%error, socket = path, "sd_notify failed");
+        }
+    }
+}

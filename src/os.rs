@@ -1,0 +1,107 @@
+//! The operating system's calls that are not the ublk protocol: thread and process hardening
+//! for a daemon that serves swap, swapon(2), and what the machine has (RAM). A leaf: it knows
+//! nothing of ublk, the store or the command line. Every raw call goes through `cvt`.
+
+use nix::sys::mman::{mlockall, MlockAllFlags};
+
+/// The result of a libc call that returns -1 and sets errno on failure.
+fn cvt(rc: libc::c_int) -> std::io::Result<()> {
+    if rc == -1 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// `PR_SET_IO_FLUSHER` from `include/uapi/linux/prctl.h` (Linux 5.6+).
+const PR_SET_IO_FLUSHER: libc::c_int = 57;
+
+/// Mark the calling thread as an I/O flusher (`PR_SET_IO_FLUSHER`): its allocations do not
+/// recurse into I/O, so a thread that serves swap never waits on swap. Needs CAP_SYS_RESOURCE.
+pub fn set_io_flusher() -> std::io::Result<()> {
+    // SAFETY: prctl(PR_SET_IO_FLUSHER, 1, 0, 0, 0) takes no pointers; it only sets a flag on
+    // the calling thread.
+    cvt(unsafe { libc::prctl(PR_SET_IO_FLUSHER, 1, 0, 0, 0) })
+}
+
+/// Give the calling thread the highest CPU priority (nice -20). A thread that serves swap
+/// competes with the very tasks whose memory it swaps out: when it loses, their faults wait
+/// on it for longer. Needs CAP_SYS_NICE.
+pub fn raise_thread_priority() -> std::io::Result<()> {
+    let tid = libc::id_t::try_from(nix::unistd::gettid().as_raw())
+        .map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
+    // SAFETY: setpriority takes no pointers; for PRIO_PROCESS with a thread id (Linux) it only
+    // changes that thread's nice value.
+    cvt(unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, -20) })
+}
+
+/// Run the calling thread under `SCHED_FIFO` at the lowest real-time priority. The kernel's
+/// page allocator lets real-time tasks dip below the min watermark (`ALLOC_MIN_RESERVE`;
+/// `ALLOC_HARDER` before Linux 6.3), and the scheduler runs them before any normal task.
+pub fn make_thread_realtime() -> std::io::Result<()> {
+    let param = libc::sched_param { sched_priority: 1 };
+    // SAFETY: `param` is a valid sched_param that outlives the call, which only reads it; pid 0
+    // is the calling thread.
+    cvt(unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) })
+}
+
+/// `mlockall(MCL_CURRENT | MCL_FUTURE | MCL_ONFAULT)`: lock every page the process has and
+/// every page it faults in later. On fault, not up front: with plain `MCL_FUTURE` every new
+/// mapping is populated on the spot, the page arena's whole address space included, and a
+/// heap extension under memory pressure would wait in reclaim (which swaps out through this
+/// very daemon) while holding the mmap lock that the queue threads may need.
+pub fn lock_memory() -> nix::Result<()> {
+    const MCL_ONFAULT: libc::c_int = 4;
+    let flags = libc::MCL_CURRENT | libc::MCL_FUTURE | MCL_ONFAULT;
+    mlockall(MlockAllFlags::from_bits_retain(flags))
+}
+
+/// Keep the OOM killer away from this process (`oom_score_adj` -1000).
+pub fn protect_from_oom_killer() -> std::io::Result<()> {
+    std::fs::write("/proc/self/oom_score_adj", "-1000")
+}
+
+// swapon(2) flags, from `include/linux/swap.h`.
+const SWAP_FLAG_PREFER: libc::c_int = 0x8000;
+const SWAP_FLAG_PRIO_MASK: libc::c_int = 0x7fff;
+const SWAP_FLAG_DISCARD: libc::c_int = 0x10000;
+
+/// Enable `path` as swap with `priority` and discard (a ublk device gets no swap-slot-free
+/// notification, so discard is how freed slots give their memory back). The system call
+/// itself, because busybox's swapon has no priority option.
+pub fn swapon(path: &std::ffi::CStr, priority: u16) -> std::io::Result<()> {
+    let flags =
+        SWAP_FLAG_PREFER | (libc::c_int::from(priority) & SWAP_FLAG_PRIO_MASK) | SWAP_FLAG_DISCARD;
+    // SAFETY: `path` is NUL-terminated and outlives the call; the kernel only reads it.
+    cvt(unsafe { libc::swapon(path.as_ptr(), flags) })
+}
+
+/// Total RAM from /proc/meminfo (`MemTotal`).
+pub fn ram_bytes() -> std::io::Result<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo")?;
+    parse_mem_total(&text).ok_or_else(|| std::io::Error::other("/proc/meminfo has no MemTotal"))
+}
+
+/// The `MemTotal:  16318412 kB` line, in bytes.
+pub fn parse_mem_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let mut words = line["MemTotal:".len()..].split_whitespace();
+    let kib: u64 = words.next()?.parse().ok()?;
+    match words.next() {
+        Some("kB") => kib.checked_mul(1024),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cvt_turns_minus_one_into_errno() {
+        // SAFETY: close(-1) touches nothing; it fails with EBADF.
+        let error = cvt(unsafe { libc::close(-1) }).unwrap_err();
+        assert_eq!(error.raw_os_error(), Some(libc::EBADF));
+        assert!(cvt(0).is_ok());
+    }
+}

@@ -1,0 +1,140 @@
+//! `trueno-ublk stat`'s side: read every daemon's report.
+
+#![forbid(unsafe_code)]
+
+use std::fs;
+use std::io::{self, Read};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+
+use thiserror::Error;
+
+use super::render::{render, StatFormat};
+use super::{socket_path, DeviceReport, IO_TIMEOUT, MAX_REPORT_BYTES};
+
+#[derive(Debug, Error)]
+pub enum StatError {
+    #[error("cannot read {}: the statistics sockets are root-only; run with sudo", dir.display())]
+    NeedsRoot { dir: PathBuf },
+    #[error("cannot list {}: {source}", dir.display())]
+    List { dir: PathBuf, source: io::Error },
+    #[error("no trueno-ublk daemon serves ublkb{id} (no socket in {})", dir.display())]
+    NoSuchDevice { id: u32, dir: PathBuf },
+}
+
+/// What reading one socket gave.
+#[derive(Clone, Debug)]
+pub enum Probe {
+    Live(Box<DeviceReport>),
+    /// The socket is there but no daemon answers properly (it died, or hangs).
+    Unreachable {
+        id: u32,
+        socket: PathBuf,
+        reason: String,
+    },
+}
+
+/// Read the report of every socket in `dir` (or only `ublkb{only}`), in id order.
+pub fn collect(dir: &Path, only: Option<u32>) -> Result<Vec<Probe>, StatError> {
+    let entries = match fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(error) if error.kind() == io::ErrorKind::PermissionDenied => {
+            return Err(StatError::NeedsRoot {
+                dir: dir.to_path_buf(),
+            })
+        }
+        Err(source) => {
+            return Err(StatError::List {
+                dir: dir.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let mut ids: Vec<u32> = entries
+        .filter_map(|entry| entry.ok())
+        .filter_map(|entry| socket_id(&entry.file_name().to_string_lossy()))
+        .filter(|id| only.map_or(true, |only| only == *id))
+        .collect();
+    ids.sort_unstable();
+    let mut probes = Vec::with_capacity(ids.len());
+    for id in ids {
+        let socket = socket_path(dir, id);
+        match query(&socket, id) {
+            Ok(report) => probes.push(Probe::Live(Box::new(report))),
+            Err(QueryError::Gone) => {}
+            Err(QueryError::Denied) => {
+                return Err(StatError::NeedsRoot {
+                    dir: dir.to_path_buf(),
+                })
+            }
+            Err(QueryError::Failed(reason)) => {
+                probes.push(Probe::Unreachable { id, socket, reason })
+            }
+        }
+    }
+    Ok(probes)
+}
+
+/// `ublkb7.sock` → 7.
+fn socket_id(name: &str) -> Option<u32> {
+    let digits = name.strip_prefix("ublkb")?.strip_suffix(".sock")?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+enum QueryError {
+    /// The socket disappeared between listing and connecting (the daemon stopped).
+    Gone,
+    Denied,
+    Failed(String),
+}
+
+fn query(socket: &Path, id: u32) -> Result<DeviceReport, QueryError> {
+    let stream = UnixStream::connect(socket).map_err(|error| match error.kind() {
+        io::ErrorKind::NotFound => QueryError::Gone,
+        io::ErrorKind::PermissionDenied => QueryError::Denied,
+        io::ErrorKind::ConnectionRefused => QueryError::Failed(
+            "stale socket: its daemon is gone (see `trueno-ublk list`)".to_string(),
+        ),
+        _ => QueryError::Failed(format!("cannot connect: {error}")),
+    })?;
+    stream
+        .set_read_timeout(Some(IO_TIMEOUT))
+        .map_err(|error| QueryError::Failed(error.to_string()))?;
+    let mut answer = Vec::new();
+    stream
+        .take(MAX_REPORT_BYTES)
+        .read_to_end(&mut answer)
+        .map_err(|error| match error.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                QueryError::Failed(format!("no answer within {} s", IO_TIMEOUT.as_secs()))
+            }
+            _ => QueryError::Failed(format!("cannot read the answer: {error}")),
+        })?;
+    let line = answer.split(|&b| b == b'\n').next().unwrap_or_default();
+    let report: DeviceReport = serde_json::from_slice(line)
+        .map_err(|error| QueryError::Failed(format!("unreadable answer: {error}")))?;
+    if report.id != id {
+        return Err(QueryError::Failed(format!(
+            "answered for ublkb{} instead",
+            report.id
+        )));
+    }
+    Ok(report)
+}
+
+/// What `trueno-ublk stat` prints: the reports of the sockets in `dir` (every device, or only
+/// `only`, which must be there), rendered as `format`.
+pub fn report_text(dir: &Path, only: Option<u32>, format: StatFormat) -> Result<String, StatError> {
+    let probes = collect(dir, only)?;
+    if let (Some(id), true) = (only, probes.is_empty()) {
+        return Err(StatError::NoSuchDevice {
+            id,
+            dir: dir.to_path_buf(),
+        });
+    }
+    Ok(render(&probes, format))
+}

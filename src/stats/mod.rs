@@ -1,0 +1,92 @@
+//! Live statistics: each daemon answers on a root-only unix socket
+//! (`/run/trueno-ublk/ublkb{id}.sock`, directory 0700, socket 0600) with one JSON line holding
+//! its `DeviceReport` (`server`); `trueno-ublk stat` reads every socket (`client`) and prints
+//! zramctl's columns (`render`).
+
+#![forbid(unsafe_code)]
+
+mod client;
+mod render;
+mod server;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::DeviceSettings;
+use crate::store::StoreStats;
+use crate::ublk::device::block_path;
+pub use client::{collect, report_text, Probe, StatError};
+pub use render::{render, StatFormat, COLUMNS};
+pub use server::{serve, serve_in, StatsServer};
+
+/// Where the daemons put their sockets.
+pub const SOCKET_DIR: &str = "/run/trueno-ublk";
+
+/// How long `stat` waits for a daemon's answer, and a daemon for a client to take it.
+const IO_TIMEOUT: Duration = Duration::from_secs(2);
+/// A report is about 1 KiB; anything longer than this is not one.
+const MAX_REPORT_BYTES: u64 = 64 << 10;
+
+/// What one daemon reports about its device.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct DeviceReport {
+    pub id: u32,
+    /// `/dev/ublkb{id}`.
+    pub device: String,
+    /// The daemon's process id.
+    pub pid: u32,
+    /// Device size in bytes.
+    pub disksize: u64,
+    pub queues: u16,
+    pub depth: u16,
+    /// `lz4`, `zstd:3`, `adaptive` (see `config::StoreSettings::algorithm_name`).
+    pub algorithm: String,
+    /// `auto`, `simd`, `simd-parallel` or `gpu`.
+    pub backend: String,
+    /// GPU state in words: the device name, or why there is none.
+    pub gpu: String,
+    pub store: StoreStats,
+}
+
+impl DeviceReport {
+    /// The report of this process serving device `id` with `settings`.
+    pub fn new(
+        id: u32,
+        settings: &DeviceSettings,
+        gpu: impl Into<String>,
+        store: StoreStats,
+    ) -> Self {
+        Self {
+            id,
+            device: block_path(id),
+            pid: std::process::id(),
+            disksize: settings.size_bytes,
+            queues: settings.queues,
+            depth: settings.depth,
+            algorithm: settings.store.algorithm_name(),
+            backend: settings.store.backend_name().to_string(),
+            gpu: gpu.into(),
+            store,
+        }
+    }
+
+    /// All memory the device's pages cost: page data plus metadata (zramctl's TOTAL).
+    pub fn total_bytes(&self) -> u64 {
+        self.store
+            .mem_used
+            .saturating_add(self.store.metadata_bytes)
+    }
+
+    /// DATA / TOTAL, as zramctl's COMP-RATIO; `None` while nothing is stored.
+    pub fn comp_ratio(&self) -> Option<f64> {
+        let total = self.total_bytes();
+        (total > 0).then(|| self.store.orig_bytes as f64 / total as f64)
+    }
+}
+
+/// `dir/ublkb{id}.sock`.
+pub fn socket_path(dir: &Path, id: u32) -> PathBuf {
+    dir.join(format!("ublkb{id}.sock"))
+}

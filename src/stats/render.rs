@@ -1,0 +1,172 @@
+//! `trueno-ublk stat`'s table and JSON.
+
+#![forbid(unsafe_code)]
+
+use std::path::Path;
+
+use serde::Serialize;
+
+use super::client::Probe;
+use super::DeviceReport;
+use crate::units::human_size;
+
+/// How `render` prints.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatFormat {
+    /// Human-readable sizes.
+    Table,
+    /// Sizes in bytes.
+    RawTable,
+    Json,
+}
+
+/// The table's columns: zramctl's, then ours.
+pub const COLUMNS: &[&str] = &[
+    "NAME",
+    "DISKSIZE",
+    "DATA",
+    "COMPR",
+    "ALGORITHM",
+    "STREAMS",
+    "ZERO-PAGES",
+    "TOTAL",
+    "MEM-LIMIT",
+    "MEM-USED",
+    "COMP-RATIO",
+    "PAGES-SIMD",
+    "PAGES-PARALLEL",
+    "PAGES-GPU",
+    "FLUSHES",
+    "READ-ERRS",
+    "WRITE-ERRS",
+    "GPU",
+];
+
+/// Columns printed left-aligned (the others are numbers).
+const TEXT_COLUMNS: &[&str] = &["NAME", "ALGORITHM", "GPU"];
+
+/// The output of `stat` for these probes.
+pub fn render(probes: &[Probe], format: StatFormat) -> String {
+    if format == StatFormat::Json {
+        return render_json(probes);
+    }
+    let reports: Vec<&DeviceReport> = probes
+        .iter()
+        .filter_map(|probe| match probe {
+            Probe::Live(report) => Some(report.as_ref()),
+            Probe::Unreachable { .. } => None,
+        })
+        .collect();
+    let mut out = String::new();
+    if reports.is_empty() {
+        out.push_str("no running trueno-ublk devices\n");
+    } else {
+        let size = |bytes: u64| match format {
+            StatFormat::RawTable => bytes.to_string(),
+            _ => human_size(bytes),
+        };
+        let mut rows = vec![COLUMNS.iter().map(|c| c.to_string()).collect::<Vec<_>>()];
+        for report in reports {
+            let s = &report.store;
+            rows.push(vec![
+                report.device.clone(),
+                size(report.disksize),
+                size(s.orig_bytes),
+                size(s.compr_bytes),
+                report.algorithm.clone(),
+                report.queues.to_string(),
+                // zram's same_pages: every same-filled page, zero pages included.
+                s.same_pages.to_string(),
+                size(report.total_bytes()),
+                size(s.mem_limit),
+                size(s.mem_used),
+                report
+                    .comp_ratio()
+                    .map_or_else(|| "-".to_string(), |ratio| format!("{ratio:.2}")),
+                s.pages_simd.to_string(),
+                s.pages_simd_parallel.to_string(),
+                s.pages_gpu.to_string(),
+                s.batch_flushes.to_string(),
+                s.failed_reads.to_string(),
+                s.failed_writes.to_string(),
+                report.gpu.clone(),
+            ]);
+        }
+        out.push_str(&format_table(&rows));
+    }
+    for probe in probes {
+        if let Probe::Unreachable { id, socket, reason } = probe {
+            out.push_str(&format!("ublkb{id}: {reason} ({})\n", socket.display()));
+        }
+    }
+    out
+}
+
+fn format_table(rows: &[Vec<String>]) -> String {
+    let widths: Vec<usize> = (0..COLUMNS.len())
+        .map(|column| rows.iter().map(|row| row[column].len()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for row in rows {
+        let last = row.len() - 1;
+        for (column, cell) in row.iter().enumerate() {
+            let width = widths[column];
+            if TEXT_COLUMNS.contains(&COLUMNS[column]) {
+                if column == last {
+                    out.push_str(cell);
+                } else {
+                    out.push_str(&format!("{cell:<width$}"));
+                }
+            } else {
+                out.push_str(&format!("{cell:>width$}"));
+            }
+            out.push(if column == last { '\n' } else { ' ' });
+        }
+    }
+    out
+}
+
+#[derive(Serialize)]
+struct JsonOutput<'a> {
+    devices: Vec<JsonDevice<'a>>,
+    unreachable: Vec<JsonUnreachable<'a>>,
+}
+
+#[derive(Serialize)]
+struct JsonDevice<'a> {
+    #[serde(flatten)]
+    report: &'a DeviceReport,
+    total: u64,
+    comp_ratio: Option<f64>,
+}
+
+#[derive(Serialize)]
+struct JsonUnreachable<'a> {
+    id: u32,
+    socket: &'a Path,
+    reason: &'a str,
+}
+
+fn render_json(probes: &[Probe]) -> String {
+    let mut output = JsonOutput {
+        devices: Vec::new(),
+        unreachable: Vec::new(),
+    };
+    for probe in probes {
+        match probe {
+            Probe::Live(report) => output.devices.push(JsonDevice {
+                report,
+                total: report.total_bytes(),
+                comp_ratio: report.comp_ratio(),
+            }),
+            Probe::Unreachable { id, socket, reason } => output.unreachable.push(JsonUnreachable {
+                id: *id,
+                socket,
+                reason,
+            }),
+        }
+    }
+    let mut text = serde_json::to_string_pretty(&output).unwrap_or_default();
+    text.push('\n');
+    text
+}

@@ -1,0 +1,128 @@
+//! Admission of writes: the memory limit, a pending slot for each page, and the rule that
+//! fails writes with ENOMEM when the system gives the store no memory.
+
+#![forbid(unsafe_code)]
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::counters::{add, sub};
+use super::pending::{PendingBatch, Reserve};
+use super::{BatchedPageStore, StoreError, PAGE_SIZE};
+
+/// A writer that has waited this long for a pending slot while the flusher waits for chunk
+/// memory, and the refill thread has committed none in that time, fails its write with
+/// `ENOMEM`, and so do the writes after it for `FAIL_FAST_PERIOD` or until the flusher frees a
+/// batch. A refill that is slow but commits keeps writes waiting: at the onset of pressure
+/// memory comes back in well under a second per commit group, and failing then only logs
+/// write errors. Why: the daemon serves swap, and when the system has no memory to give the store,
+/// a write that waits holds its bio, and with it every task in reclaim (they wait for bios and
+/// writeback), the swap-ins queued behind it, and the OOM killer, which the kernel does not
+/// call while writeback is pending. Failing the write lets reclaim go on (the kernel keeps the
+/// page and tries again later) and, if memory really is gone, the OOM killer act. Bursts, in
+/// which the refill thread catches up within milliseconds, never fail.
+const STARVED_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+/// After a write gave up, later writes fail at once for this long, then wait again: the
+/// queue serves swap-ins too, and must not hold each write for a whole timeout.
+const FAIL_FAST_PERIOD: Duration = Duration::from_millis(200);
+
+/// A reserved pending slot. Dropping it commits the slot, whatever happened in between (a
+/// panic included), so the flusher, which waits for every reserved slot of a batch it seals to
+/// be committed, never waits forever. A slot committed without its page's entry pointing at
+/// it is simply not installed.
+pub(super) struct SlotGuard<'a> {
+    batch: &'a PendingBatch,
+    pub(super) batch_index: usize,
+    pub(super) slot: usize,
+}
+
+impl SlotGuard<'_> {
+    pub(super) fn batch(&self) -> &PendingBatch {
+        self.batch
+    }
+}
+
+impl Drop for SlotGuard<'_> {
+    fn drop(&mut self) {
+        self.batch.commit();
+    }
+}
+
+impl BatchedPageStore {
+    pub(super) fn failing_fast(&self) -> bool {
+        self.now_ns() < self.fail_fast_until.load(Ordering::Acquire)
+    }
+
+    /// A write gives up waiting for memory: count it, make the writes after it fail at once for
+    /// a while (unless that is already so), and say why.
+    fn starved_write(&self, waited: Duration) -> StoreError {
+        if !self.failing_fast() {
+            let period = u64::try_from(FAIL_FAST_PERIOD.as_nanos()).unwrap_or(u64::MAX);
+            self.fail_fast_until
+                .store(self.now_ns().saturating_add(period), Ordering::Release);
+        }
+        add(&self.counters.starved_writes, 1);
+        StoreError::OutOfMemory {
+            waited_ms: u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+
+    /// Reserve a page's worth of the memory limit for a page about to be compressed.
+    pub(super) fn admit(&self) -> Result<(), StoreError> {
+        let Some(limit) = self.config.mem_limit else {
+            add(&self.reserved_bytes, PAGE_SIZE as u64);
+            return Ok(());
+        };
+        let before = self
+            .reserved_bytes
+            .fetch_add(PAGE_SIZE as u64, Ordering::Relaxed);
+        if self.alloc.chunk_bytes() + before + PAGE_SIZE as u64 > limit {
+            sub(&self.reserved_bytes, PAGE_SIZE as u64);
+            add(&self.counters.mem_limit_hits, 1);
+            return Err(StoreError::NoSpace { limit });
+        }
+        Ok(())
+    }
+
+    /// A free pending slot; waits for the flusher while every batch is full.
+    pub(super) fn reserve_slot(&self) -> Result<SlotGuard<'_>, StoreError> {
+        // Since when this writer has waited without the refill thread committing anything.
+        let mut stalled: Option<(Instant, u64)> = None;
+        loop {
+            let b = self.current.load(Ordering::Acquire);
+            match self.batches[b].reserve() {
+                Reserve::Slot(slot) => {
+                    return Ok(SlotGuard {
+                        batch: &self.batches[b],
+                        batch_index: b,
+                        slot,
+                    })
+                }
+                Reserve::Closed => std::thread::yield_now(),
+                Reserve::Full => {
+                    let commits = self.alloc.reserve.commits();
+                    let since = match stalled {
+                        Some((since, seen)) if seen == commits => since,
+                        _ => stalled.insert((Instant::now(), commits)).0,
+                    };
+                    let waited = since.elapsed();
+                    if self.failing_fast()
+                        || (waited >= STARVED_WRITE_TIMEOUT && self.alloc.reserve.starving())
+                    {
+                        return Err(self.starved_write(waited));
+                    }
+                    let mut ctl = self.control.lock();
+                    if !ctl.flusher_running {
+                        drop(ctl);
+                        self.flush_open_batch();
+                    } else if self.current.load(Ordering::Acquire) == b && self.batches[b].is_full()
+                    {
+                        // Bounded, so a flusher that starts starving is noticed.
+                        self.writers_wake
+                            .wait_for(&mut ctl, Duration::from_millis(5));
+                    }
+                }
+            }
+        }
+    }
+}

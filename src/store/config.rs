@@ -1,0 +1,38 @@
+//! What the store is told: size, algorithm, batching, limits.
+
+#![forbid(unsafe_code)]
+
+use std::time::Duration;
+
+use crate::codec::{Algorithm, Backend, BackendThresholds, BatchCodec, Compressor};
+
+/// Everything the store needs to know. The product's defaults are `config::StoreSettings`'s:
+/// the store has none of its own.
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    /// Device size in bytes (a multiple of `PAGE_SIZE`).
+    pub size_bytes: u64,
+    pub algorithm: Algorithm,
+    /// `false` (`--no-batched`): every write is compressed in the writer's thread.
+    pub batched: bool,
+    /// Pages in the pending batch that trigger a flush (`--batch-threshold`).
+    pub batch_threshold: usize,
+    /// Age of the oldest pending page that triggers a flush (`--flush-timeout-ms`).
+    pub flush_timeout: Duration,
+    /// `--mem-limit`: writes that would exceed it fail with `NoSpace`.
+    pub mem_limit: Option<u64>,
+    pub thresholds: BackendThresholds,
+    /// Force one backend for every batch (`bench --backend`); `None` selects by batch size.
+    pub forced_backend: Option<Backend>,
+    /// Bytes of chunk memory kept faulted in and ready, refilled by a thread of its own, so
+    /// that storing pages never waits on reclaim (see `reserve`). 0 for none (tests, bench);
+    /// the daemon always keeps one.
+    pub reserve_bytes: u64,
+}
+
+impl StoreConfig {
+    /// The compressor for this configuration, with `gpu` as its GPU codec if any.
+    pub(super) fn compressor(&self, gpu: Option<std::sync::Arc<dyn BatchCodec>>) -> Compressor {
+        Compressor::new(self.algorithm, gpu, self.forced_backend, self.thresholds)
+    }
+}

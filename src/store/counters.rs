@@ -1,0 +1,138 @@
+//! The store's counters: live atomics, and the snapshot `stat` and `bench` read.
+
+#![forbid(unsafe_code)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+
+use super::table::PageState;
+use crate::codec::{Backend, Encoding};
+
+/// A point-in-time copy of the store's counters (zram's mm_stat and more). Gauges describe the
+/// pages held now; counters (`pages_simd` .. `starved_writes`) count since the store started.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct StoreStats {
+    pub disk_size: u64,
+    /// Bytes of pages written and held (same-filled pages included), like zram's orig_data_size.
+    pub orig_bytes: u64,
+    /// Bytes of compressed data held, like zram's compr_data_size (raw pages count 4 KiB).
+    pub compr_bytes: u64,
+    /// Bytes of memory holding page data (allocator chunks, pending pages), like mem_used_total.
+    pub mem_used: u64,
+    /// Bytes of metadata (page table and allocator bookkeeping).
+    pub metadata_bytes: u64,
+    /// Bytes of the preallocated pending-batch buffers (fixed; not in `mem_used`).
+    pub batch_buffer_bytes: u64,
+    /// 0 when there is no limit.
+    pub mem_limit: u64,
+    /// Pages held compressed or raw in the allocator.
+    pub pages_stored: u64,
+    /// Zero pages held (a subset of `same_pages`).
+    pub zero_pages: u64,
+    /// Same-filled pages held, zero pages included (zram's same_pages).
+    pub same_pages: u64,
+    /// Pages held raw because they did not compress (zram's huge_pages).
+    pub huge_pages: u64,
+    /// Pages written but not yet compressed.
+    pub pending_pages: u64,
+    /// Pages held encoded with LZ4.
+    pub pages_lz4: u64,
+    /// Pages held encoded with zstd.
+    pub pages_zstd: u64,
+    /// Pages compressed by each backend.
+    pub pages_simd: u64,
+    pub pages_simd_parallel: u64,
+    pub pages_gpu: u64,
+    /// GPU batches that failed and were compressed again on the CPU.
+    pub gpu_fallback_batches: u64,
+    pub batch_flushes: u64,
+    pub failed_reads: u64,
+    pub failed_writes: u64,
+    pub discarded_pages: u64,
+    pub mem_limit_hits: u64,
+    /// Writes failed with ENOMEM because the system gave the store no memory for a while.
+    #[serde(default)]
+    pub starved_writes: u64,
+    /// Bytes of chunk memory held ready in the reserve (not in `mem_used`).
+    #[serde(default)]
+    pub reserve_bytes: u64,
+    /// Chunks allocated on the I/O path because the reserve was empty.
+    #[serde(default)]
+    pub reserve_misses: u64,
+}
+
+/// Live counters behind `StoreStats`.
+#[derive(Default)]
+pub(super) struct Counters {
+    pub(super) pages_held: AtomicU64,
+    pub(super) compr_bytes: AtomicU64,
+    pub(super) pages_stored: AtomicU64,
+    pub(super) zero_pages: AtomicU64,
+    pub(super) same_pages: AtomicU64,
+    pub(super) huge_pages: AtomicU64,
+    pub(super) pending_pages: AtomicU64,
+    pub(super) pages_lz4: AtomicU64,
+    pub(super) pages_zstd: AtomicU64,
+    pub(super) pages_simd: AtomicU64,
+    pub(super) pages_simd_parallel: AtomicU64,
+    pub(super) pages_gpu: AtomicU64,
+    pub(super) gpu_fallback_batches: AtomicU64,
+    pub(super) batch_flushes: AtomicU64,
+    pub(super) failed_reads: AtomicU64,
+    pub(super) failed_writes: AtomicU64,
+    pub(super) discarded_pages: AtomicU64,
+    pub(super) mem_limit_hits: AtomicU64,
+    pub(super) starved_writes: AtomicU64,
+}
+
+pub(super) fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+pub(super) fn sub(c: &AtomicU64, n: u64) {
+    c.fetch_sub(n, Ordering::Relaxed);
+}
+
+impl Counters {
+    /// Move the gauges from page state `old` to `new`.
+    pub(super) fn transition(&self, old: PageState, new: PageState) {
+        self.gauge(old, sub);
+        self.gauge(new, add);
+        match (old, new) {
+            (PageState::Empty, PageState::Empty) => {}
+            (PageState::Empty, _) => add(&self.pages_held, 1),
+            (_, PageState::Empty) => sub(&self.pages_held, 1),
+            _ => {}
+        }
+    }
+
+    fn gauge(&self, state: PageState, op: fn(&AtomicU64, u64)) {
+        match state {
+            PageState::Same(w) => {
+                op(&self.same_pages, 1);
+                if w == 0 {
+                    op(&self.zero_pages, 1);
+                }
+            }
+            PageState::Stored { len, encoding, .. } => {
+                op(&self.pages_stored, 1);
+                op(&self.compr_bytes, u64::from(len));
+                match encoding {
+                    Encoding::Lz4 => op(&self.pages_lz4, 1),
+                    Encoding::Zstd => op(&self.pages_zstd, 1),
+                    Encoding::Raw => op(&self.huge_pages, 1),
+                }
+            }
+            PageState::Empty | PageState::Pending { .. } => {}
+        }
+    }
+
+    pub(super) fn backend(&self, backend: Backend) -> &AtomicU64 {
+        match backend {
+            Backend::Simd => &self.pages_simd,
+            Backend::SimdParallel => &self.pages_simd_parallel,
+            Backend::Gpu => &self.pages_gpu,
+        }
+    }
+}

@@ -1,0 +1,41 @@
+//! The store's errors and the errno each one gives a block request.
+
+#![forbid(unsafe_code)]
+
+use thiserror::Error;
+
+/// Errors of the store; `errno()` gives what the block request completes with.
+#[derive(Debug, Error)]
+pub enum StoreError {
+    #[error("request at byte {offset} of length {len} is beyond the device end ({size} bytes)")]
+    OutOfRange { offset: u64, len: u64, size: u64 },
+    #[error("request at byte {offset} of length {len} is not 4 KiB aligned")]
+    Misaligned { offset: u64, len: u64 },
+    #[error(
+        "memory limit of {limit} bytes reached (raise --mem-limit or free pages with discard)"
+    )]
+    NoSpace { limit: u64 },
+    #[error(
+        "no memory for compressed pages: a write waited {waited_ms} ms while the flusher waited for the system to give the store some"
+    )]
+    OutOfMemory { waited_ms: u64 },
+    #[error("stored page {page} failed to decompress: {source}")]
+    Corrupt {
+        page: u64,
+        source: crate::codec::CodecError,
+    },
+    #[error("invalid store configuration: {0}")]
+    Config(String),
+}
+
+impl StoreError {
+    /// The negative errno a block request fails with.
+    pub fn errno(&self) -> i32 {
+        match self {
+            StoreError::OutOfRange { .. } | StoreError::Corrupt { .. } => -libc::EIO,
+            StoreError::Misaligned { .. } | StoreError::Config(_) => -libc::EINVAL,
+            StoreError::NoSpace { .. } => -libc::ENOSPC,
+            StoreError::OutOfMemory { .. } => -libc::ENOMEM,
+        }
+    }
+}

@@ -1,0 +1,151 @@
+//! The store's own threads: the flusher, which compresses a pending batch when it is full or
+//! old enough, and the reserve's refill thread (see `reserve`).
+
+#![forbid(unsafe_code)]
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::BatchedPageStore;
+
+/// The store's own threads, as `start_flusher`'s `thread_init` is told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreThread {
+    /// Compresses the pending batches and installs them.
+    Flusher,
+    /// Commits chunk memory ahead of need (see `reserve`).
+    Refill,
+}
+
+/// Joins the flusher thread when dropped after `BatchedPageStore::shutdown` (dropping it
+/// first shuts the store down).
+pub struct FlusherHandle {
+    store: Arc<BatchedPageStore>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    refill_thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for FlusherHandle {
+    fn drop(&mut self) {
+        self.store.shutdown();
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                tracing::error!("the flusher thread panicked");
+            }
+        }
+        if let Some(t) = self.refill_thread.take() {
+            if t.join().is_err() {
+                tracing::error!("the reserve refill thread panicked");
+            }
+        }
+    }
+}
+
+/// Marks the flusher stopped even if it unwinds, so writers flush for themselves.
+struct FlusherRunning<'a>(&'a BatchedPageStore);
+
+impl Drop for FlusherRunning<'_> {
+    fn drop(&mut self) {
+        self.0.control.lock().flusher_running = false;
+        self.0.writers_wake.notify_all();
+    }
+}
+
+impl BatchedPageStore {
+    /// Start the flusher thread and, when the store keeps a chunk reserve, its refill thread.
+    /// `thread_init` runs first on each, told which it is (the daemon readies them for the I/O
+    /// path and makes them I/O flushers: see `reserve` for why the refill thread is one too).
+    pub fn start_flusher(
+        self: &Arc<Self>,
+        thread_init: impl Fn(StoreThread) + Send + Sync + Clone + 'static,
+    ) -> std::io::Result<FlusherHandle> {
+        {
+            let mut ctl = self.control.lock();
+            if ctl.flusher_running || ctl.stop {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    "the flusher is already running or the store is shut down",
+                ));
+            }
+            ctl.flusher_running = true;
+        }
+        let store = Arc::clone(self);
+        let init = thread_init.clone();
+        let spawned = std::thread::Builder::new()
+            .name("trueno-flusher".into())
+            .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
+            .spawn(move || {
+                let _running = FlusherRunning(&store);
+                init(StoreThread::Flusher);
+                store.flusher_loop();
+            });
+        let refill_thread = if self.alloc.reserve.enabled() {
+            let store = Arc::clone(self);
+            let spawned = std::thread::Builder::new()
+                .name("trueno-reserve".into())
+                .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
+                .spawn(move || {
+                    thread_init(StoreThread::Refill);
+                    store.alloc.reserve.run_refill(|| store.alloc.provision())
+                });
+            match spawned {
+                Ok(thread) => Some(thread),
+                Err(e) => {
+                    self.control.lock().flusher_running = false;
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
+        match spawned {
+            Ok(thread) => Ok(FlusherHandle {
+                store: Arc::clone(self),
+                thread: Some(thread),
+                refill_thread,
+            }),
+            Err(e) => {
+                self.control.lock().flusher_running = false;
+                Err(e)
+            }
+        }
+    }
+
+    fn flusher_loop(&self) {
+        let timeout_ns = u64::try_from(self.config.flush_timeout.as_nanos()).unwrap_or(u64::MAX);
+        let mut ctl = self.control.lock();
+        while !ctl.stop {
+            let batch = &self.batches[self.current.load(Ordering::Acquire)];
+            if !batch.is_full() {
+                // Not full: wait for the first page's writer to note its time (it wakes us),
+                // then until that page is `flush_timeout` old, or for the batch to fill.
+                let Some(first) = batch.first_write_ns() else {
+                    self.flusher_wake.wait(&mut ctl);
+                    continue;
+                };
+                let deadline = first.saturating_add(timeout_ns);
+                let now = self.now_ns();
+                if now < deadline {
+                    let wait = Duration::from_nanos(deadline - now);
+                    self.flusher_wake.wait_for(&mut ctl, wait);
+                    continue;
+                }
+            }
+            drop(ctl);
+            self.flush_open_batch();
+            ctl = self.control.lock();
+        }
+        drop(ctl);
+        self.flush_open_batch();
+    }
+
+    pub(super) fn now_ns(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    pub(super) fn wake_flusher(&self) {
+        let _ctl = self.control.lock();
+        self.flusher_wake.notify_one();
+    }
+}

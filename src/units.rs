@@ -1,0 +1,101 @@
+//! Sizes as users write and read them: `8G`, `512M`, `1.5G`. A leaf: it knows nothing else of
+//! the program.
+
+#![forbid(unsafe_code)]
+
+/// Parse a size with an optional K/M/G/T suffix (powers of 1024; `KiB`/`KB` spellings and
+/// lower case accepted), rounded up to a multiple of 4 KiB. Zero is rejected.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let digits_end = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (digits, suffix) = text.split_at(digits_end);
+    if digits.is_empty() {
+        return Err(format!(
+            "bad size '{text}': expected a number like 8G or 512M"
+        ));
+    }
+    let number: u64 = digits
+        .parse()
+        .map_err(|_| format!("bad size '{text}': number too large"))?;
+    let shift = match suffix.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KB" | "KIB" => 10,
+        "M" | "MB" | "MIB" => 20,
+        "G" | "GB" | "GIB" => 30,
+        "T" | "TB" | "TIB" => 40,
+        other => {
+            return Err(format!(
+                "bad size '{text}': unknown suffix '{other}' (use K, M, G or T)"
+            ))
+        }
+    };
+    let bytes = number
+        .checked_mul(1u64 << shift)
+        .and_then(|b| b.checked_add(4095))
+        .map(|b| b & !4095)
+        .ok_or_else(|| format!("bad size '{text}': too large"))?;
+    if bytes == 0 {
+        return Err(format!("bad size '{text}': must be greater than zero"));
+    }
+    Ok(bytes)
+}
+
+/// Format bytes the way zramctl does: 1.5G, 256M, 4K, 0B.
+pub fn human_size(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "K", "M", "G", "T"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 || value >= 100.0 || value.fract() == 0.0 {
+        format!("{value:.0}{}", UNITS[unit])
+    } else {
+        format!("{:.1}{}", value, UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_suffixes_and_round_to_pages() {
+        let cases: &[(&str, Result<u64, ()>)] = &[
+            ("8G", Ok(8 << 30)),
+            ("1g", Ok(1 << 30)),
+            ("512M", Ok(512 << 20)),
+            ("512MiB", Ok(512 << 20)),
+            ("4K", Ok(4096)),
+            ("1T", Ok(1 << 40)),
+            ("1", Ok(4096)),
+            ("5000", Ok(8192)),
+            ("0", Err(())),
+            ("0G", Err(())),
+            ("", Err(())),
+            ("G", Err(())),
+            ("12X", Err(())),
+            ("-1G", Err(())),
+            ("99999999999999999999", Err(())),
+            ("16777216T", Err(())),
+        ];
+        for (text, want) in cases {
+            assert_eq!(
+                parse_size(text).map_err(|_| ()),
+                *want,
+                "parse_size({text:?})"
+            );
+        }
+    }
+
+    #[test]
+    fn human_sizes_read_like_zramctl() {
+        assert_eq!(human_size(0), "0B");
+        assert_eq!(human_size(4096), "4K");
+        assert_eq!(human_size(1536 << 20), "1.5G");
+        assert_eq!(human_size(8 << 30), "8G");
+    }
+}
