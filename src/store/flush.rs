@@ -3,7 +3,8 @@
 
 #![forbid(unsafe_code)]
 
-use std::sync::atomic::Ordering;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::RwLockReadGuard;
 use rayon::prelude::*;
@@ -46,46 +47,76 @@ impl BatchedPageStore {
         add(&self.counters.batch_flushes, 1);
         for (part_index, part) in slots.chunks(self.flush_part_pages).enumerate() {
             let first = part_index * self.flush_part_pages;
-            let pages: Vec<&Page> = part.iter().map(|s| &s.page).collect();
-            let done = self.compressor.compress(&pages, &mut out);
-            if done.fell_back {
-                add(&self.counters.gpu_fallback_batches, 1);
-            }
-            let backend = done.backend;
-            add(self.counters.backend(backend), part.len() as u64);
-            // Installing is an allocation and a copy per page: spread it like the compression.
-            if backend == Backend::Simd {
+            // Which slots are resolved, so that after a panic the rest still are: the batch
+            // is reopened by a later flush, and an entry left pointing into it would then
+            // read another page's data.
+            let resolved: Vec<AtomicBool> = part.iter().map(|_| AtomicBool::new(false)).collect();
+            let flushed = catch_unwind(AssertUnwindSafe(|| {
+                self.flush_part(b, first, part, &mut out, &resolved);
+            }));
+            if flushed.is_err() {
+                tracing::error!(
+                    pages = part.len(),
+                    "compressing a batch panicked; storing its pages uncompressed"
+                );
                 for (i, s) in part.iter().enumerate() {
-                    self.install(b, first + i, s, &out, i);
+                    if !resolved[i].load(Ordering::Acquire) {
+                        self.install(b, first + i, s, Encoding::Raw, &s.page);
+                    }
                 }
-            } else {
-                part.par_iter()
-                    .enumerate()
-                    .for_each(|(i, s)| self.install(b, first + i, s, &out, i));
             }
         }
     }
 
-    /// Store slot `slot` of batch `batch`, compressed as page `out_page` of `out`, and point
-    /// its page's entry at it, if the entry still points at the slot; a newer write or a
-    /// discard wins otherwise.
+    /// Compress `part` (slots `first..` of sealed batch `b`) and install each page, marking
+    /// it in `resolved`.
+    fn flush_part(
+        &self,
+        b: usize,
+        first: usize,
+        part: &[RwLockReadGuard<'_, PendingSlot>],
+        out: &mut CompressedBatch,
+        resolved: &[AtomicBool],
+    ) {
+        let pages: Vec<&Page> = part.iter().map(|s| &s.page).collect();
+        let done = self.compressor.compress(&pages, out);
+        if done.fell_back {
+            add(&self.counters.gpu_fallback_batches, 1);
+        }
+        add(self.counters.backend(done.backend), part.len() as u64);
+        let out = &*out;
+        let install = |(i, s): (usize, &RwLockReadGuard<'_, PendingSlot>)| {
+            let (encoding, bytes) = match out.page(i) {
+                // The huge-page rule holds whichever backend compressed (the GPU codec may
+                // not apply it): such a page costs less, and reads faster, as itself.
+                (Encoding::Lz4 | Encoding::Zstd, bytes) if bytes.len() > MAX_COMPRESSED_LEN => {
+                    (Encoding::Raw, &s.page[..])
+                }
+                page => page,
+            };
+            self.install(b, first + i, s, encoding, bytes);
+            resolved[i].store(true, Ordering::Release);
+        };
+        // Installing is an allocation and a copy per page: spread it like the compression.
+        if done.backend == Backend::Simd {
+            part.iter().enumerate().for_each(install);
+        } else {
+            part.par_iter().enumerate().for_each(install);
+        }
+    }
+
+    /// Store slot `slot` of batch `batch` as `bytes` encoded as `encoding`, and point its
+    /// page's entry at it, if the entry still points at the slot; a newer write or a discard
+    /// wins otherwise.
     fn install(
         &self,
         batch: usize,
         slot: usize,
         pending: &PendingSlot,
-        out: &CompressedBatch,
-        out_page: usize,
+        encoding: Encoding,
+        bytes: &[u8],
     ) {
         let index = pending.index;
-        let (encoding, bytes) = match out.page(out_page) {
-            // The huge-page rule holds whichever backend compressed (the GPU codec may not
-            // apply it): such a page costs less, and reads faster, as itself.
-            (Encoding::Lz4 | Encoding::Zstd, bytes) if bytes.len() > MAX_COMPRESSED_LEN => {
-                (Encoding::Raw, &pending.page[..])
-            }
-            page => page,
-        };
         let handle = self.alloc.store(bytes);
         let installed = {
             let mut entry = self.table.lock(index);

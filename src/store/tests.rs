@@ -78,3 +78,69 @@ fn pending_page_overwritten_during_flush_keeps_newest() {
     assert!(buf[PAGE_SIZE..].iter().all(|&b| b == 0));
     assert_eq!(s.reserved_bytes.load(Ordering::Relaxed), 0);
 }
+
+/// A batch codec that panics after `calls_before` calls (a codec bug, or a GPU library that
+/// panics).
+struct PanickingCodec {
+    calls: std::sync::atomic::AtomicUsize,
+    calls_before: usize,
+}
+
+impl BatchCodec for PanickingCodec {
+    fn compress_batch(
+        &self,
+        pages: &[&Page],
+        out: &mut CompressedBatch,
+    ) -> Result<(), crate::codec::CodecError> {
+        if self.calls.fetch_add(1, Ordering::Relaxed) >= self.calls_before {
+            panic!("codec bug (test)");
+        }
+        crate::codec::CpuCodec::single(Algorithm::Lz4).compress_batch(pages, out)
+    }
+
+    fn decompress_batch(
+        &self,
+        inputs: &[(crate::codec::Encoding, &[u8])],
+        out: &mut [Page],
+        status: &mut [Result<(), crate::codec::CodecError>],
+    ) {
+        crate::codec::CpuCodec::single(Algorithm::Lz4).decompress_batch(inputs, out, status);
+    }
+}
+
+#[test]
+fn a_panicking_codec_loses_no_page_and_the_batch_is_reused_safely() {
+    const PAGES: usize = 64;
+    let pages = PAGES as u64;
+    let mut c =
+        crate::config::StoreSettings::default().store_config(4 * pages * PAGE_SIZE as u64, false);
+    c.algorithm = Algorithm::Lz4;
+    c.batch_threshold = PAGES;
+    c.forced_backend = Some(Backend::Gpu);
+    let codec = Arc::new(PanickingCodec {
+        calls: std::sync::atomic::AtomicUsize::new(0),
+        calls_before: 1,
+    });
+    let s = BatchedPageStore::new(c, Some(codec as Arc<dyn BatchCodec>)).unwrap();
+    // Four batches: the first compresses, the others panic in the codec; batches are reused.
+    for round in 0..4u64 {
+        for i in 0..pages {
+            let index = round * pages + i;
+            s.write(index * PAGE_SIZE as u64, &text(index)[..]).unwrap();
+        }
+        s.flush_pending().unwrap();
+    }
+    let st = s.stats();
+    assert_eq!((st.pending_pages, st.pages_stored), (0, 4 * pages));
+    assert_eq!(
+        st.huge_pages,
+        3 * pages,
+        "pages of panicked flushes are stored raw"
+    );
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for index in 0..4 * pages {
+        s.read(index * PAGE_SIZE as u64, &mut buf).unwrap();
+        assert_eq!(&buf[..], &text(index)[..], "page {index}");
+    }
+    assert_eq!(s.reserved_bytes.load(Ordering::Relaxed), 0);
+}
