@@ -34,12 +34,19 @@ pub(super) fn start_detached(settings: &DeviceSettings) -> Result<(), DaemonErro
     let log = std::fs::File::create(&log_path)
         .map_err(io_error(format!("creating {}", log_path.display())))?;
 
-    let socket_name = format!("trueno-ublk-create-{}-{:x}", std::process::id(), nanos());
-    let socket = UnixDatagram::bind_addr(
-        &SocketAddr::from_abstract_name(socket_name.as_bytes())
-            .map_err(io_error("naming the notify socket"))?,
-    )
-    .map_err(io_error("binding the notify socket"))?;
+    // A socket in the root-only run directory, not an abstract one: any local user can send to
+    // an abstract socket, and a forged "READY=1" with another device path would make
+    // `mkswap $(trueno-ublk create ...)` format the wrong disk.
+    let socket_path = PathBuf::from(format!(
+        "{RUN_DIR}/create-{}-{:x}.notify",
+        std::process::id(),
+        nanos()
+    ));
+    let socket = UnixDatagram::bind(&socket_path).map_err(io_error(format!(
+        "binding the notify socket {}",
+        socket_path.display()
+    )))?;
+    let _socket_file = RemoveOnDrop(&socket_path);
     socket
         .set_read_timeout(Some(Duration::from_millis(100)))
         .map_err(io_error("notify socket"))?;
@@ -49,7 +56,7 @@ pub(super) fn start_detached(settings: &DeviceSettings) -> Result<(), DaemonErro
     child_args.push("--foreground".into());
     let mut child = Command::new(exe)
         .args(child_args)
-        .env("NOTIFY_SOCKET", format!("@{socket_name}"))
+        .env("NOTIFY_SOCKET", &socket_path)
         .env(DETACHED_ENV, &log_path)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -106,6 +113,15 @@ pub(super) fn start_detached(settings: &DeviceSettings) -> Result<(), DaemonErro
                 log_path.display()
             )));
         }
+    }
+}
+
+/// Removes a file when dropped (the notify socket, whichever way `create` returns).
+struct RemoveOnDrop<'a>(&'a Path);
+
+impl Drop for RemoveOnDrop<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.0);
     }
 }
 
