@@ -15,6 +15,7 @@ use trueno_ublk::stats::{
     StatFormat, COLUMNS,
 };
 use trueno_ublk::store::StoreStats;
+use trueno_ublk::ublk::{IoTiming, Op};
 
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tu-stat-{}-{name}", std::process::id()));
@@ -54,6 +55,14 @@ fn report(id: u32, orig_bytes: u64) -> DeviceReport {
             failed_reads: 1,
             failed_writes: 2,
             ..StoreStats::default()
+        },
+        io: {
+            // Reads: 98 in [1024, 2048) ns, 2 in [65536, 131072) ns; no writes.
+            let timing = IoTiming::default();
+            for ns in std::iter::repeat(1500).take(98).chain([100_000, 100_000]) {
+                timing.record_request(Some(Op::Read), ns);
+            }
+            timing.snapshot()
         },
     }
 }
@@ -132,6 +141,8 @@ fn table_json_and_raw_output() {
     );
     // PAGES-SIMD PAGES-PARALLEL PAGES-GPU FLUSHES READ-ERRS WRITE-ERRS GPU...
     assert_eq!(&row[11..17], ["11", "22", "33", "44", "1", "2"]);
+    // READ-P50 READ-P99 WRITE-P50 WRITE-P99: bucket upper bounds in µs, `-` without requests.
+    assert_eq!(&row[17..21], ["<=3us", "<=132us", "-", "-"]);
     assert!(lines[1].ends_with("unavailable: no libcuda"));
     assert!(lines[2].starts_with("/dev/ublkb7"), "sorted by id: {table}");
     // Nothing stored: no ratio.

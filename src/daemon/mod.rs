@@ -249,6 +249,7 @@ fn serve(
     // Only root can read the endpoint; `stat` still works for the device if it fails.
     let report_store = store.clone();
     let report_settings = settings.clone();
+    let timing = device.timing();
     let _stats_endpoint = stats::serve(id, move || {
         let gpu = match &gpu {
             Some(codec) => {
@@ -264,7 +265,9 @@ fn serve(
             }
             None => gpu_state.clone(),
         };
-        DeviceReport::new(id, &report_settings, gpu, report_store.stats())
+        let mut report = DeviceReport::new(id, &report_settings, gpu, report_store.stats());
+        report.io = timing.snapshot();
+        report
     })
     .map_err(|error| tracing::warn!(%error, "stats endpoint unavailable: `trueno-ublk stat` will not see this device"))
     .ok();

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::DeviceSettings;
 use crate::store::StoreStats;
 use crate::ublk::device::block_path;
+use crate::ublk::IoTimingReport;
 pub use client::{collect, report_text, Probe, StatError};
 pub use render::{render, StatFormat, COLUMNS};
 pub use server::{serve, serve_in, StatsServer};
@@ -48,6 +49,9 @@ pub struct DeviceReport {
     /// GPU state in words: the device name, or why there is none.
     pub gpu: String,
     pub store: StoreStats,
+    /// Where requests' time went (see `ublk::timing`); empty from a daemon that predates it.
+    #[serde(default)]
+    pub io: IoTimingReport,
 }
 
 impl DeviceReport {
@@ -69,6 +73,7 @@ impl DeviceReport {
             backend: settings.store.backend_name().to_string(),
             gpu: gpu.into(),
             store,
+            io: IoTimingReport::default(),
         }
     }
 

@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use super::client::Probe;
 use super::DeviceReport;
+use crate::ublk::timing::Buckets;
 use crate::units::human_size;
 
 /// How `render` prints.
@@ -39,6 +40,10 @@ pub const COLUMNS: &[&str] = &[
     "FLUSHES",
     "READ-ERRS",
     "WRITE-ERRS",
+    "READ-P50",
+    "READ-P99",
+    "WRITE-P50",
+    "WRITE-P99",
     "GPU",
 ];
 
@@ -89,6 +94,10 @@ pub fn render(probes: &[Probe], format: StatFormat) -> String {
                 s.batch_flushes.to_string(),
                 s.failed_reads.to_string(),
                 s.failed_writes.to_string(),
+                latency(&report.io.read_ns, 0.5),
+                latency(&report.io.read_ns, 0.99),
+                latency(&report.io.write_ns, 0.5),
+                latency(&report.io.write_ns, 0.99),
                 report.gpu.clone(),
             ]);
         }
@@ -100,6 +109,14 @@ pub fn render(probes: &[Probe], format: StatFormat) -> String {
         }
     }
     out
+}
+
+/// A request-time quantile as the bucket's upper bound in µs (`<=64us`), `-` with no requests.
+fn latency(buckets: &Buckets, quantile: f64) -> String {
+    buckets.quantile_upper_bound(quantile).map_or_else(
+        || "-".to_string(),
+        |ns| format!("<={}us", ns.div_ceil(1000)),
+    )
 }
 
 fn format_table(rows: &[Vec<String>]) -> String {

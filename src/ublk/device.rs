@@ -15,10 +15,9 @@ use super::ctrl::Control;
 use super::params::{device_params, DeviceSpec};
 use super::queue::{BlockHandler, Queue, QueueSetup};
 use super::sys::{self, CtrlDevInfo};
+use super::timing::IoTiming;
 use super::UblkError;
 
-/// Stack of a queue thread: the handler compresses and decompresses pages, nothing deep, and
-/// with `mlockall` every byte of it is locked.
 /// How long the char device may take to appear after ADD_DEV (devtmpfs or udev).
 const CHAR_DEV_WAIT: Duration = Duration::from_secs(5);
 
@@ -40,6 +39,7 @@ pub struct Device {
     exited: Receiver<u16>,
     char_dev: Option<Arc<File>>,
     deleted: bool,
+    timing: Arc<IoTiming>,
 }
 
 impl Device {
@@ -76,6 +76,7 @@ impl Device {
             exited,
             char_dev: None,
             deleted: false,
+            timing: Arc::default(),
         };
         // From here on a failure must undo ADD_DEV: `Drop` does it.
         device.configure_and_start(handler, exited_tx)?;
@@ -106,6 +107,7 @@ impl Device {
                 ioctl_encode,
             };
             let (char_dev, handler, stop) = (char_dev.clone(), handler.clone(), self.stop.clone());
+            let timing = self.timing.clone();
             let (ready_tx, exited) = (ready_tx.clone(), exited.clone());
             let thread = std::thread::Builder::new()
                 .name(format!("ublk{id}-q{q_id}"))
@@ -116,7 +118,7 @@ impl Device {
                     let result = match Queue::fetch_all(setup, &char_dev) {
                         Ok(queue) => {
                             let _ = ready_tx.send(Ok(()));
-                            queue.serve(handler.as_ref(), &stop)
+                            queue.serve(handler.as_ref(), &stop, &timing)
                         }
                         Err(error) => {
                             let _ = ready_tx.send(Err(error.to_string()));
@@ -164,6 +166,11 @@ impl Device {
 
     /// Receives a queue id whenever a queue thread ends (the device was stopped by someone
     /// else, or a queue failed): the daemon then shuts down.
+    /// Where requests' time went so far (every queue).
+    pub fn timing(&self) -> Arc<IoTiming> {
+        self.timing.clone()
+    }
+
     pub fn queue_exits(&self) -> &Receiver<u16> {
         &self.exited
     }

@@ -10,12 +10,14 @@ pub mod mmap;
 pub mod params;
 pub mod queue;
 pub mod sys;
+pub mod timing;
 
 pub use ctrl::Control;
 pub use device::Device;
 pub use io::{Op, Request};
 pub use params::DeviceSpec;
 pub use queue::BlockHandler;
+pub use timing::{IoTiming, IoTimingReport};
 
 /// Errors of the ublk layer, worded so a user knows what to do.
 #[derive(Debug, thiserror::Error)]

@@ -5,6 +5,7 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
 
 use io_uring::{opcode, types, IoUring};
 
@@ -13,13 +14,14 @@ use super::io::{Op, Request};
 use super::mmap::{DescArray, IoBuffers};
 use super::params::BLOCK_SIZE;
 use super::sys::{self, IoCmd};
+use super::timing::IoTiming;
+use super::UblkError;
 
 /// The tag a completion's `user_data` names: we put the tag there when submitting. Anything
 /// wider than a tag becomes one past every depth, which the loop retires as invalid.
 fn tag_of(user_data: u64) -> u16 {
     u16::try_from(user_data).unwrap_or(u16::MAX)
 }
-use super::UblkError;
 
 /// What serves the requests: the daemon's store adapter. Called from every queue thread.
 pub trait BlockHandler: Send + Sync {
@@ -116,7 +118,14 @@ impl<'a> Queue<'a> {
 
     /// Serve requests until every tag has been aborted (the device was stopped) or `stop` is
     /// set and the kernel has gone quiet.
-    pub fn serve(mut self, handler: &dyn BlockHandler, stop: &AtomicBool) -> Result<(), UblkError> {
+    /// Each request's time from its completion's arrival to its commit being queued, and each
+    /// wait's number of completions, go to `timing`.
+    pub fn serve(
+        mut self,
+        handler: &dyn BlockHandler,
+        stop: &AtomicBool,
+        timing: &IoTiming,
+    ) -> Result<(), UblkError> {
         let mut ready: Vec<(u16, i32)> = Vec::with_capacity(self.setup.depth as usize);
         let args = types::SubmitArgs::new().timespec(&STOP_POLL);
         while self.in_flight > 0 {
@@ -135,6 +144,10 @@ impl<'a> Queue<'a> {
                     .completion()
                     .map(|cqe| (tag_of(cqe.user_data()), cqe.result())),
             );
+            let arrived = Instant::now();
+            if !ready.is_empty() {
+                timing.record_wait(ready.len());
+            }
             if ready.is_empty() && stop.load(Ordering::Acquire) {
                 tracing::debug!(
                     q = self.setup.q_id,
@@ -157,15 +170,18 @@ impl<'a> Queue<'a> {
                     );
                     continue;
                 }
-                let result = self.serve_tag(tag, handler);
+                let (op, result) = self.serve_tag(tag, handler);
                 self.push_command(sys::UBLK_U_IO_COMMIT_AND_FETCH_REQ, tag, result)?;
+                let ns = u64::try_from(arrived.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                timing.record_request(op, ns);
             }
         }
         Ok(())
     }
 
-    /// Serve the request in tag `tag`; returns what to commit (bytes done or -errno).
-    fn serve_tag(&mut self, tag: u16, handler: &dyn BlockHandler) -> i32 {
+    /// Serve the request in tag `tag`; returns its op (`None` if it had none we know) and
+    /// what to commit (bytes done or -errno).
+    fn serve_tag(&mut self, tag: u16, handler: &dyn BlockHandler) -> (Option<Op>, i32) {
         let desc = self.descs.get(tag);
         let request = match Request::decode(
             &desc,
@@ -176,7 +192,7 @@ impl<'a> Queue<'a> {
             Ok(request) => request,
             Err(error) => {
                 tracing::warn!(q = self.setup.q_id, tag, ?desc, %error, "request refused");
-                return error.errno();
+                return (None, error.errno());
             }
         };
         let data_len = match request.op {
@@ -184,7 +200,7 @@ impl<'a> Queue<'a> {
             _ => 0,
         };
         let data = &mut self.buffers.tag_mut(tag)[..data_len];
-        match catch_unwind(AssertUnwindSafe(|| handler.handle(&request, data))) {
+        let result = match catch_unwind(AssertUnwindSafe(|| handler.handle(&request, data))) {
             Ok(Ok(())) => i32::try_from(data_len).unwrap_or(-libc::EIO),
             Ok(Err(errno)) => errno,
             Err(_) => {
@@ -196,6 +212,7 @@ impl<'a> Queue<'a> {
                 );
                 -libc::EIO
             }
-        }
+        };
+        (Some(request.op), result)
     }
 }
