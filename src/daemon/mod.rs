@@ -6,6 +6,7 @@
 
 mod detach;
 mod handler;
+mod harden;
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -15,7 +16,7 @@ use std::time::Instant;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use thiserror::Error;
 
-use crate::codec::{Algorithm, BatchCodec};
+use crate::codec::BatchCodec;
 use crate::config::{self, DeviceOptions, DeviceSettings};
 use crate::gpu::NoGpu;
 use crate::stats::{self, DeviceReport};
@@ -25,6 +26,10 @@ use crate::ublk::{Device, DeviceSpec, UblkError};
 use crate::units::human_size;
 use detach::{start_detached, Notifier};
 use handler::StoreHandler;
+use harden::{
+    disable_writeback_throttling, lock_memory, make_refill_realtime, protect_from_oom_killer,
+    ready_store_thread,
+};
 
 /// Where daemons keep their logs and endpoints (root only).
 pub const RUN_DIR: &str = stats::SOCKET_DIR;
@@ -76,59 +81,6 @@ fn check_size_against_ram(size_bytes: u64) -> Result<(), DaemonError> {
         )));
     }
     Ok(())
-}
-
-/// The daemon serves swap, so none of its own memory may ever need swap to come back (see
-/// `os::lock_memory`).
-fn lock_memory() {
-    if let Err(error) = crate::os::lock_memory() {
-        tracing::warn!(%error, "mlockall failed: the daemon's memory may be swapped out, which can deadlock swap on this device");
-    }
-}
-
-/// Ready a thread of the store (flusher, reserve refill, rayon worker) for the I/O path, as
-/// the ublk layer does its queue threads: stack and arena faulted in, codec contexts made, an
-/// I/O flusher, top CPU priority.
-fn ready_store_thread(algorithm: Algorithm) {
-    crate::mem::prepare_io_thread();
-    crate::codec::prepare_thread(algorithm);
-    if let Err(error) = crate::os::set_io_flusher() {
-        tracing::warn!(%error, "PR_SET_IO_FLUSHER failed on a store thread");
-    }
-    if let Err(error) = crate::os::raise_thread_priority() {
-        tracing::warn!(%error, "could not raise a store thread's priority");
-    }
-}
-
-/// Make the reserve's refill thread real-time. Why: it allocates the memory every stored page
-/// needs, at the moment RAM runs out, in competition with the programs whose pages are being
-/// swapped out. A real-time task may allocate below the min watermark (as zram, compressing in
-/// the reclaiming task, may dip into the reserves), and runs as soon as it can, so the reserve
-/// refills before writes wait on it: without this, the first seconds of a swap storm in a
-/// 512 MiB VM failed writes with ENOMEM. It sleeps between refills, so it takes little CPU.
-fn make_refill_realtime() {
-    if let Err(error) = crate::os::make_thread_realtime() {
-        tracing::warn!(%error, "could not make the reserve's refill thread real-time (needs CAP_SYS_NICE): under sudden memory pressure writes may fail with ENOMEM");
-    }
-}
-
-/// Turn the block layer's writeback throttling off for the device, as it is for zram (a bio
-/// device, which has none). Why: swap-out is writeback, and throttled swap-out parks kswapd and
-/// every task in reclaim in `wbt_wait` whenever the daemon is slow for a moment, so nobody frees
-/// the pages whose swap-out has completed, and the store's refill thread cannot get them.
-fn disable_writeback_throttling(id: u32) {
-    let knob = format!("/sys/block/ublkb{id}/queue/wbt_lat_usec");
-    if let Err(error) = std::fs::write(&knob, "0") {
-        tracing::warn!(%error, knob, "could not turn writeback throttling off");
-    }
-}
-
-/// Keep the OOM killer away from the daemon: killing it would lose every page swapped to it,
-/// and with them the processes that own those pages.
-fn protect_from_oom_killer() {
-    if let Err(error) = crate::os::protect_from_oom_killer() {
-        tracing::warn!(%error, "could not set oom_score_adj: the OOM killer may pick this daemon and lose the pages swapped to it");
-    }
 }
 
 /// The ublk side of the settings.
