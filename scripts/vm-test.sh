@@ -4,6 +4,8 @@
 #
 #   scripts/vm-test.sh                 build, boot the VM, run everything (scripts/vm/test.sh)
 #   scripts/vm-test.sh --kernel-only   only the VM plumbing: ublk_drv loads, zram dd and swap runs
+#   scripts/vm-test.sh --bench-fio     the benchmark's fio table (scripts/vm/bench.sh; see
+#   scripts/vm-test.sh --bench-storm   scripts/vm-bench.sh, which runs both)
 #
 # What the VM test does is described at the top of scripts/vm/test.sh. Downloads (the kernel
 # package, busybox-static) are cached under .vm/; missing tools are installed with apt-get.
@@ -27,6 +29,8 @@ MODE=full
 for arg in "$@"; do
     case "$arg" in
     --kernel-only) MODE=kernel-only ;;
+    --bench-fio) MODE=bench-fio ;;
+    --bench-storm) MODE=bench-storm ;;
     -h | --help)
         sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
         exit 0
@@ -74,6 +78,7 @@ need dpkg-deb dpkg
 need swapon util-linux
 need blkdiscard util-linux
 need mkswap util-linux
+if [ "$MODE" = bench-fio ]; then need fio fio; fi
 [ -e /usr/lib/x86_64-linux-gnu/libc.a ] || missing+=(libc6-dev)
 if [ "${#missing[@]}" -gt 0 ]; then
     # shellcheck disable=SC2207
@@ -158,7 +163,7 @@ if [ ! -x "$BUSYBOX" ] || [ "$BUSYBOX_DEB" -nt "$BUSYBOX" ]; then
 fi
 
 # --- 3. Build ------------------------------------------------------------------------------
-if [ "$MODE" = full ]; then
+if [ "$MODE" != kernel-only ]; then
     if [ -n "${TRUENO_UBLK_BIN:-}" ]; then
         BIN=$TRUENO_UBLK_BIN
     else
@@ -198,7 +203,17 @@ for tool in swapon swapoff mkswap blkdiscard blockdev; do
     copy_libs "$path"
 done
 
-if [ "$MODE" = full ]; then
+case "$MODE" in
+bench-*)
+    # /init runs the benchmark instead of the test.
+    cp "$ROOT/scripts/vm/bench.sh" "$STAGE/test/"
+    ;;
+esac
+if [ "$MODE" = bench-fio ]; then
+    cp -L "$(command -v fio)" "$STAGE/usr/bin/fio"
+    copy_libs "$(command -v fio)"
+fi
+if [ "$MODE" != kernel-only ]; then
     # Debug info stripped: the initramfs lives in the VM's unswappable RAM.
     objcopy --strip-debug "$BIN" "$STAGE/usr/bin/trueno-ublk"
     copy_libs "$BIN"
@@ -229,6 +244,7 @@ PRESSURE_TIMEOUT_S=300
 STALL_S=${VM_STALL_S:-90}
 SKIP="${VM_TEST_SKIP:-}"
 CREATE_ARGS="${VM_CREATE_ARGS:-}"
+FIO_RUNTIME_S=${VM_FIO_RUNTIME_S:-5}
 EOF
 (cd "$STAGE" && find . | cpio -o -H newc --quiet) | gzip -1 >"$VM_DIR/initrd.cpio.gz"
 log "initramfs $(du -h "$VM_DIR/initrd.cpio.gz" | cut -f1), kernel $(basename "$KDIR"), mode $MODE"

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The device-level benchmark, reproducible by anyone: trueno-ublk against kernel zram in the
+# same kind of qemu VM (Debian 12's 6.12 kernel, TCG emulation, 2 vCPUs), back to back.
+#
+#   scripts/vm-bench.sh
+#
+# Two boots of scripts/vm-test.sh's VM (see scripts/vm/bench.sh for what runs inside):
+#   1. --bench-fio, 1 GiB RAM: fio (O_DIRECT, io_uring, 60%-compressible buffers) on zram lz4,
+#      zram zstd, trueno-ublk with its defaults and with --algorithm lz4: 4 KiB random read and
+#      write at QD1 and QD32, 1 MiB sequential read and write at QD4.
+#   2. --bench-storm, 256 MiB RAM: 1.5x RAM of mixed pages filled and verified twice through
+#      swap on zram lz4 and on trueno-ublk.
+# Prints a table of IOPS and of ratios against zram lz4. Under emulation absolute figures mean
+# little: compare only ratios taken in the same run. Environment: VM_FIO_RUNTIME_S [5] seconds
+# per fio job, VM_CPUS [2].
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+LOGS=$(mktemp -d)
+trap 'rm -rf "$LOGS"' EXIT
+
+VM_RAM_MIB=1024 bash "$ROOT/scripts/vm-test.sh" --bench-fio | tee "$LOGS/fio.log"
+VM_RAM_MIB=256 bash "$ROOT/scripts/vm-test.sh" --bench-storm | tee "$LOGS/storm.log"
+
+echo
+echo "================ trueno-ublk VM bench ($(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) host cores) ================"
+cat "$LOGS/fio.log" "$LOGS/storm.log" | tr -d '\r' | sed -n 's/^FIGURE //p' | awk -F= '
+    { v[$1] = $2 }
+    function ratio(a, b) { return (a > 0 && b > 0) ? sprintf("%.2f", a / b) : "-" }
+    END {
+        n = split("randread_4k_qd1 randread_4k_qd32 randwrite_4k_qd1 randwrite_4k_qd32 read_1m_qd4 write_1m_qd4", job, " ")
+        printf "%-18s %10s %10s %12s %10s %14s %10s\n", "fio job (IOPS)", "zram lz4", "zram zstd", "ours default", "ours lz4", "default/zram", "lz4/zram"
+        for (i = 1; i <= n; i++) {
+            z = v["fio_zram_lz4_" job[i] "_iops"]; zs = v["fio_zram_zstd_" job[i] "_iops"]
+            d = v["fio_ublk_default_" job[i] "_iops"]; l = v["fio_ublk_lz4_" job[i] "_iops"]
+            printf "%-18s %10s %10s %12s %10s %14s %10s\n", job[i], z, zs, d, l, ratio(d, z), ratio(l, z)
+        }
+        z = v["storm_zram_lz4_seconds"]; d = v["storm_ublk_default_seconds"]
+        printf "%-18s %10s %10s %12s %10s %14s %10s\n", "swap storm (s)", z, "", d, "", ratio(z, d), ""
+        print "(ratios: ours / zram lz4 for IOPS, zram time / ours for the storm: above 1 is faster)"
+    }'

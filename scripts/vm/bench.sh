@@ -1,0 +1,129 @@
+#!/bin/sh
+# shellcheck shell=dash disable=SC1091 # /test/env is in the VM
+# The benchmark run by /init inside the VM (scripts/vm-bench.sh boots it twice). Output goes to
+# the host through ttyS1: "FIGURE name=value" lines, then "VMTEST RESULT: PASS|FAIL".
+#
+# MODE=bench-fio (1 GiB VM, fio's libraries live in its RAM): for kernel zram with lz4 and with
+#   zstd, and for trueno-ublk with its defaults and with --algorithm lz4, each a fresh 1 GiB
+#   device: fio with O_DIRECT and io_uring on 60%-compressible buffers over the first 256 MiB
+#   (written first): 4 KiB random read and write at QD1 and QD32, 1 MiB sequential read and
+#   write at QD4, FIO_RUNTIME_S seconds each. FIGURE fio_<device>_<job>_iops=N.
+# MODE=bench-storm (256 MiB VM, as the VM test's): the swap storm on zram lz4 and on
+#   trueno-ublk with its defaults: 1.5x RAM of the mixed pattern filled and verified twice
+#   (vmtool pressure), every word checked. FIGURE storm_<device>_seconds=S.
+
+. /test/env
+VT=/test/vmtool
+UL=/usr/sbin
+FAILS=0
+DEV_BYTES=$((1 << 30))
+REGION=256M
+
+fail() {
+    FAILS=$((FAILS + 1))
+    echo "FAIL: $*"
+}
+figure() { echo "FIGURE $1=$2"; }
+
+insmod /lib/modules/ublk_drv.ko || fail "insmod ublk_drv.ko"
+for m in lz4_compress lz4hc_compress zsmalloc zram; do
+    insmod /lib/modules/$m.ko || fail "insmod $m.ko"
+done
+# The daemon's queue thread serves swap: give the kernel the same time to find it as the test.
+echo 60 >/proc/sys/kernel/hung_task_timeout_secs
+
+zram_up() { # ALGORITHM
+    echo 1 >/sys/block/zram0/reset
+    echo "$1" >/sys/block/zram0/comp_algorithm
+    echo "$DEV_BYTES" >/sys/block/zram0/disksize
+}
+ublk_up() { # create options...
+    trueno-ublk create --size "$DEV_BYTES" --id 0 "$@" >/dev/null || fail "trueno-ublk create $*"
+}
+ublk_down() {
+    trueno-ublk delete --id 0 >/dev/null || fail "trueno-ublk delete --id 0"
+}
+
+# fio_job NAME DEV RW BS DEPTH: one job on the region; prints its IOPS (reads or writes).
+fio_job() {
+    local name=$1 dev=$2 rw=$3 bs=$4 depth=$5 field
+    case "$rw" in
+    *read) field=8 ;;
+    *) field=49 ;;
+    esac
+    /usr/bin/fio --name="$name" --filename="$dev" --direct=1 --ioengine=io_uring \
+        --rw="$rw" --bs="$bs" --iodepth="$depth" --size="$REGION" \
+        --runtime="$FIO_RUNTIME_S" --time_based --ramp_time=1 \
+        --buffer_compress_percentage=60 --refill_buffers --randrepeat=0 \
+        --output-format=terse --terse-version=3 2>/tmp/fio.err |
+        awk -F';' -v f="$field" 'NR == 1 { printf "%d\n", $f }'
+}
+
+fio_table() { # NAME DEV
+    local name=$1 dev=$2 spec iops
+    # The region is written once, so that reads find data (and the device holds it).
+    /usr/bin/fio --name=fill --filename="$dev" --direct=1 --ioengine=io_uring --rw=write \
+        --bs=1M --iodepth=4 --size="$REGION" --buffer_compress_percentage=60 \
+        --refill_buffers --output-format=terse >/dev/null 2>/tmp/fio.err ||
+        fail "$name: fio fill: $(cat /tmp/fio.err)"
+    for spec in "randread_4k_qd1 randread 4k 1" "randread_4k_qd32 randread 4k 32" \
+        "randwrite_4k_qd1 randwrite 4k 1" "randwrite_4k_qd32 randwrite 4k 32" \
+        "read_1m_qd4 read 1M 4" "write_1m_qd4 write 1M 4"; do
+        # shellcheck disable=SC2086 # word splitting wanted
+        set -- $spec
+        iops=$(fio_job "$1" "$dev" "$2" "$3" "$4")
+        if [ -n "$iops" ] && [ "$iops" -gt 0 ]; then
+            figure "fio_${name}_$1_iops" "$iops"
+        else
+            fail "$name: fio $1 gave no figure: $(cat /tmp/fio.err)"
+        fi
+    done
+}
+
+storm() { # NAME DEV
+    local name=$1 dev=$2 t0 rc bad
+    $UL/mkswap "$dev" >/dev/null || fail "$name: mkswap"
+    $UL/swapon -d "$dev" || fail "$name: swapon -d"
+    t0=$($VT now)
+    VMTOOL_PASSES=2 $VT pressure "$FILL_MIB" 7 >/tmp/storm.out 2>&1
+    rc=$?
+    bad=$(sed -n 's/^PRESSURE_BAD_WORDS=//p' /tmp/storm.out)
+    if [ "$rc" -eq 0 ] && [ "$bad" = 0 ]; then
+        figure "storm_${name}_seconds" "$(awk -v a="$($VT now)" -v b="$t0" 'BEGIN { printf "%.1f", a - b }')"
+    else
+        fail "$name: the swap storm failed (rc $rc, ${bad:-?} bad words)"
+        tail -n 5 /tmp/storm.out
+    fi
+    $UL/swapoff "$dev" || fail "$name: swapoff"
+}
+
+case "$MODE" in
+bench-fio)
+    for algorithm in lz4 zstd; do
+        zram_up "$algorithm"
+        fio_table "zram_$algorithm" /dev/zram0
+    done
+    echo 1 >/sys/block/zram0/reset
+    ublk_up
+    fio_table ublk_default /dev/ublkb0
+    ublk_down
+    ublk_up --algorithm lz4
+    fio_table ublk_lz4 /dev/ublkb0
+    ublk_down
+    ;;
+bench-storm)
+    zram_up lz4
+    storm zram_lz4 /dev/zram0
+    echo 1 >/sys/block/zram0/reset
+    ublk_up
+    storm ublk_default /dev/ublkb0
+    ublk_down
+    ;;
+*) fail "unknown MODE '$MODE'" ;;
+esac
+
+if dmesg | grep -qiE 'I/O error|Read-error|Write-error|BUG|Oops|hung_task'; then
+    fail "dmesg has errors:"
+    dmesg | grep -iE 'I/O error|Read-error|Write-error|BUG|Oops|hung_task' | head -n 20
+fi
+if [ "$FAILS" -eq 0 ]; then echo "VMTEST RESULT: PASS"; else echo "VMTEST RESULT: FAIL"; fi
