@@ -122,8 +122,12 @@ bench-storm)
 *) fail "unknown MODE '$MODE'" ;;
 esac
 
-if dmesg | grep -qiE 'I/O error|Read-error|Write-error|BUG|Oops|hung_task'; then
+# A figure from a run that hit errors or stalls is no figure (same patterns as test.sh).
+bad=$(dmesg | grep -E -e '[Uu][Bb][Ll][Kk].*([Ee]rror|[Ff]ail|[Tt]imeout|[Aa]bort)' \
+    -e 'hung_task|blocked for more than|BUG:|Oops:|WARNING:|Call Trace|Out of memory|oom-kill' \
+    -e 'Write-error on swap-device|Read-error on swap-device|I/O error|resource error')
+if [ -n "$bad" ]; then
     fail "dmesg has errors:"
-    dmesg | grep -iE 'I/O error|Read-error|Write-error|BUG|Oops|hung_task' | head -n 20
+    echo "$bad" | head -n 20
 fi
 if [ "$FAILS" -eq 0 ]; then echo "VMTEST RESULT: PASS"; else echo "VMTEST RESULT: FAIL"; fi
