@@ -212,3 +212,78 @@ fn main() -> ExitCode {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SIZE: usize = 1 << 20;
+
+    fn request(op: Op, offset: u64, len: u64) -> Request {
+        Request {
+            op,
+            flags: 0,
+            offset,
+            len,
+        }
+    }
+
+    #[test]
+    fn writes_read_back_and_discard_zeroes() {
+        let disk = RamDisk::new(SIZE);
+        let mut page = vec![0x5au8; 8192];
+        disk.handle(&request(Op::Write, 4096, 8192), &mut page)
+            .unwrap();
+        disk.handle(&request(Op::Discard, 8192, 4096), &mut [])
+            .unwrap();
+        disk.handle(&request(Op::Flush, 0, 0), &mut []).unwrap();
+        let mut back = vec![0u8; 8192];
+        disk.handle(&request(Op::Read, 4096, 8192), &mut back)
+            .unwrap();
+        assert!(back[..4096].iter().all(|&b| b == 0x5a));
+        assert!(back[4096..].iter().all(|&b| b == 0));
+        disk.handle(&request(Op::WriteZeroes, 4096, 4096), &mut [])
+            .unwrap();
+        disk.handle(&request(Op::Read, 4096, 4096), &mut back[..4096])
+            .unwrap();
+        assert!(back[..4096].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn out_of_range_and_unknown_ops_get_an_errno() {
+        let disk = RamDisk::new(SIZE);
+        let mut page = vec![0u8; 4096];
+        let end = SIZE as u64;
+        let eio = Err(-libc::EIO);
+        assert_eq!(disk.handle(&request(Op::Read, end, 4096), &mut page), eio);
+        assert_eq!(
+            disk.handle(&request(Op::Write, end - 2048, 4096), &mut page),
+            eio
+        );
+        assert_eq!(
+            disk.handle(&request(Op::Discard, u64::MAX - 10, 4096), &mut []),
+            eio
+        );
+        assert_eq!(
+            disk.handle(&request(Op::WriteZeroes, 0, u64::MAX), &mut []),
+            eio
+        );
+        assert_eq!(
+            disk.handle(&request(Op::Read, 0, 8192), &mut page),
+            Err(-libc::EINVAL)
+        );
+        assert_eq!(
+            disk.handle(&request(Op::Unsupported(99), 0, 4096), &mut []),
+            Err(-libc::EOPNOTSUPP)
+        );
+        assert_eq!(disk.served.refused.load(Ordering::Relaxed), 6);
+    }
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("64M"), Ok(64 << 20));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("99999999999G").is_err());
+    }
+}
