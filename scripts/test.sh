@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every test of the project, as the README's "pass the tests" command:
-#   unit, integration and property tests (cargo test), the committed PTX assembled for every
-#   target GPU (scripts/check-ptx.sh), the systemd units verified (scripts/check-units.sh),
-#   and the end-to-end test of the daemon in a VM (scripts/vm-test.sh).
+#   unit, integration and property tests (cargo test), every fuzz target for 30 s each
+#   (scripts/fuzz.sh), the committed PTX assembled for every target GPU (scripts/check-ptx.sh),
+#   the systemd units verified (scripts/check-units.sh), and the end-to-end test of the
+#   daemon in a VM (scripts/vm-test.sh).
 # Installs what it needs (apt, pip) on a fresh Debian/Ubuntu machine; run as root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +12,9 @@ step() { printf '\n==> %s\n' "$*"; }
 
 step "cargo test"
 cargo test --all-targets
+
+step "fuzz targets, 30 s each (scripts/fuzz.sh)"
+bash scripts/fuzz.sh
 
 step "PTX kernels (ptxas for sm_75, sm_80, sm_90)"
 bash scripts/check-ptx.sh

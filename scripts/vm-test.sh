@@ -13,7 +13,8 @@
 #   VM_RAM_MIB [256]  VM_CPUS [2]  VM_TIMEOUT_S [540]  VM_KERNEL_META [linux-image-6.12-cloud-amd64]
 #   VM_STALL_S [90]   fail when no page was swapped in or out for this long during a swap run
 #   TRUENO_UBLK_BIN   use this binary instead of building target/release/trueno-ublk
-#   VM_TEST_SKIP      debugging: steps to leave out ("zram ublk-swap units"); the run then fails
+#   UBLK_RAMDISK_BIN  use this binary instead of target/release/examples/ublk_ramdisk
+#   VM_TEST_SKIP      debugging: steps to leave out ("ramdisk zram ublk-swap units"); the run then fails
 #   VM_CREATE_ARGS    debugging: more options for the 1 GiB device's `create` (store options)
 set -euo pipefail
 
@@ -167,11 +168,18 @@ if [ "$MODE" != kernel-only ]; then
     if [ -n "${TRUENO_UBLK_BIN:-}" ]; then
         BIN=$TRUENO_UBLK_BIN
     else
-        log "cargo build --release"
-        (cd "$ROOT" && cargo build --release --quiet --bin trueno-ublk) || die "cargo build --release failed"
+        log "cargo build --release (trueno-ublk and examples/ublk_ramdisk)"
+        (cd "$ROOT" && cargo build --release --quiet --bin trueno-ublk --example ublk_ramdisk) ||
+            die "cargo build --release failed"
         BIN="$ROOT/target/release/trueno-ublk"
     fi
     [ -x "$BIN" ] || die "no binary at $BIN"
+    # The ublk layer's own test target; without it the VM test's ramdisk step fails.
+    RAMDISK=${UBLK_RAMDISK_BIN:-$ROOT/target/release/examples/ublk_ramdisk}
+    if [ ! -x "$RAMDISK" ] && command -v cargo >/dev/null; then
+        (cd "$ROOT" && cargo build --release --quiet --example ublk_ramdisk) ||
+            die "cargo build --release --example ublk_ramdisk failed"
+    fi
 fi
 gcc -O2 -static -Wall -Wextra -Werror -o "$VM_DIR/vmtool" "$ROOT/scripts/vm/vmtool.c" ||
     die "building scripts/vm/vmtool.c failed"
@@ -217,6 +225,10 @@ if [ "$MODE" != kernel-only ]; then
     # Debug info stripped: the initramfs lives in the VM's unswappable RAM.
     objcopy --strip-debug "$BIN" "$STAGE/usr/bin/trueno-ublk"
     copy_libs "$BIN"
+    if [ -x "$RAMDISK" ]; then
+        objcopy --strip-debug "$RAMDISK" "$STAGE/usr/bin/ublk_ramdisk"
+        copy_libs "$RAMDISK"
+    fi
     if [ -d "$ROOT/systemd" ]; then
         cp "$ROOT"/systemd/*.service "$STAGE/etc/systemd/system/" 2>/dev/null || true
         # The units name the binary by absolute path: put it wherever they look.

@@ -1,7 +1,7 @@
 //! Arbitrary bytes as an LZ4, zstd or raw page: the decoder must return an error or a whole
 //! page, never panic, read or write out of bounds, or hand back a short page.
 //!
-//! Run with `cargo +nightly fuzz run decompress_page` from the repository root.
+//! Run with `scripts/fuzz.sh` (stable toolchain) or `cargo fuzz run decompress_page`.
 
 #![no_main]
 

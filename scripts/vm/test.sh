@@ -7,6 +7,10 @@
 #
 # MODE=full (scripts/vm-test.sh), in this order:
 #   1. ublk_drv loads and /dev/ublk-control appears; zram loads.
+#  1b. The ublk layer alone (examples/ublk_ramdisk, a 64 MiB device in plain memory): O_DIRECT
+#      patterns at bs 4k, 64k and 1M at the start, middle and end read back by sha256; discard
+#      and write-zeroes read back as zeros; out-of-range reads and writes fail cleanly; SIGTERM
+#      stops it and the device is gone.
 #   2. Kernel zram (lz4) in the same VM, for comparison: O_DIRECT 1 MiB dd write/read speed
 #      and the swap run of step 8 (with a rewrite pass).
 #   3. `trueno-ublk create --size 1G` returns once /dev/ublkb0 is live (timed), prints its path,
@@ -189,6 +193,63 @@ discard_checks() { # DEV OFFSET
     check "the data around the zeroed range is intact" pat_read disc-hi
 }
 
+# --- the ublk layer alone ------------------------------------------------------------------
+# ramdisk_checks: examples/ublk_ramdisk serves a 64 MiB device from plain memory (no store,
+# no compression), so a failure here is the ublk layer's and not the store's.
+ramdisk_checks() {
+    local size=$((64 * MIB)) mid=$((32 * MIB)) pid dev spec rc n tag
+    if ! command -v ublk_ramdisk >/dev/null; then
+        fail "ublk_ramdisk is not in the initramfs"
+        return
+    fi
+    rm -f /tmp/ramdisk.out /tmp/ramdisk.err
+    ublk_ramdisk --size 64M --id 9 --queues 2 >/tmp/ramdisk.out 2>/tmp/ramdisk.err &
+    pid=$!
+    if ! wait_until 30 grep -q '^/dev/ublkb' /tmp/ramdisk.out; then
+        fail "ublk_ramdisk --size 64M --id 9 did not print a device path within 30 s: $(cat /tmp/ramdisk.err)"
+        kill "$pid" 2>/dev/null
+        return
+    fi
+    dev=$(grep -o '^/dev/ublkb[0-9]*' /tmp/ramdisk.out | head -n1)
+    check "ublk_ramdisk printed its device path ($dev)" [ "$dev" = /dev/ublkb9 ]
+    check "$dev is 64 MiB" [ "$($UL/blockdev --getsize64 "$dev")" -eq "$size" ]
+    # 1 MiB at the start, across the middle and at the end by each block size, all written
+    # before any is read back (the ramdisk's I/O buffer is 256 KiB, so 1M writes are split).
+    for spec in "4k 4096 0 $((mid - 8192)) $((size - 3 * MIB))" \
+        "64k 65536 $((2 * MIB)) $((mid + 4 * MIB - 65536)) $((size - 2 * MIB))" \
+        "1M $MIB $((4 * MIB)) $((mid + 8 * MIB)) $((size - MIB))"; do
+        # shellcheck disable=SC2086 # word splitting wanted
+        set -- $spec
+        check "ramdisk: O_DIRECT write bs=$1 at the start ($3)" pat_write "rd-start-$1" "$dev" "$2" "$3" $MIB
+        check "ramdisk: O_DIRECT write bs=$1 in the middle ($4)" pat_write "rd-mid-$1" "$dev" "$2" "$4" $MIB
+        check "ramdisk: O_DIRECT write bs=$1 at the end ($5)" pat_write "rd-end-$1" "$dev" "$2" "$5" $MIB
+    done
+    for spec in 4k 64k 1M; do
+        for tag in start mid end; do
+            check "ramdisk: read back bs=$spec at $tag matches" pat_read "rd-$tag-$spec"
+        done
+    done
+    discard_checks "$dev" $((44 * MIB))
+    rc=0
+    n=$(dd if="$dev" bs=4096 skip=$((size / 4096)) count=1 iflag=direct status=none | wc -c)
+    check "ramdisk: a read at the device end returns nothing (got $n bytes)" [ "$n" -eq 0 ]
+    dd if=/dev/zero of="$dev" bs=4096 seek=$((size / 4096)) count=1 oflag=direct conv=notrunc status=none 2>/dev/null || rc=$?
+    check "ramdisk: a write at the device end fails (dd exit $rc)" [ "$rc" -ne 0 ]
+    check "ramdisk: the last MiB is intact after it" pat_read rd-end-1M
+    check "ramdisk: still serving after the out-of-range access" alive "$pid"
+    kill -TERM "$pid"
+    check "ramdisk: exits on SIGTERM" wait_until 10 not alive "$pid"
+    rc=0
+    wait "$pid" || rc=$?
+    check "ramdisk: exit status 0 (got $rc)" [ "$rc" -eq 0 ]
+    check "ramdisk: $dev is gone" wait_until 5 not test -e "$dev"
+    check "ramdisk: /dev/ublkc9 is gone" wait_until 5 not test -e /dev/ublkc9
+    echo "ramdisk $(grep '^served:' /tmp/ramdisk.out)"
+    [ -s /tmp/ramdisk.err ] && echo "ramdisk stderr: $(cat /tmp/ramdisk.err)"
+    check "ramdisk: discard and write-zeroes reached the handler, no request refused" \
+        grep -q '^served:.* discard=[1-9][0-9]* write_zeroes=[1-9][0-9]* refused=0$' /tmp/ramdisk.out
+}
+
 # --- dd speed ------------------------------------------------------------------------------
 # dd_speed NAME DEV: O_DIRECT bs=1M write then read of 32 MiB of the mixed pattern (3 runs,
 # median), then a checksum of what reads back. The pattern lives in RAM only meanwhile.
@@ -326,6 +387,12 @@ skipped() {
     esac
     return 1
 }
+
+# --- 1b. the ublk layer alone, before the daemon: examples/ublk_ramdisk --------------------
+if [ "$MODE" = full ] && ! skipped ramdisk; then
+    section "the ublk layer alone: ublk_ramdisk --size 64M (plain memory, no store)"
+    ramdisk_checks
+fi
 
 zram_up() {
     echo 1 >/sys/block/zram0/reset
