@@ -122,8 +122,42 @@ fn make_refill_realtime() {
 /// the pages whose swap-out has completed, and the store's refill thread cannot get them.
 fn disable_writeback_throttling(id: u32) {
     let knob = format!("/sys/block/ublkb{id}/queue/wbt_lat_usec");
-    if let Err(error) = std::fs::write(&knob, "0") {
-        tracing::warn!(%error, knob, "could not turn writeback throttling off");
+    match std::fs::write(&knob, "0") {
+        Ok(()) => {}
+        // A sandbox with a read-only /sys (systemd's ProtectKernelTunables=): the service
+        // manager sets the knob instead (trueno-ublk@.service's ExecStartPost=+...).
+        Err(error) if error.raw_os_error() == Some(libc::EROFS) => {
+            tracing::info!(
+                knob,
+                "read-only /sys here: writeback throttling is left to the service manager"
+            );
+        }
+        Err(error) => tracing::warn!(%error, knob, "could not turn writeback throttling off"),
+    }
+}
+
+/// Whether a stop request may stop the device: not while the kernel holds it (swap, a mount),
+/// since every I/O after STOP_DEV fails and processes with pages out die, PID 1 among them.
+/// The daemon keeps serving instead and says why; swapoff (or `systemctl stop` of the swap
+/// unit, which is ordered before this daemon's stop) first, then stop again.
+fn may_stop(path: &str) -> bool {
+    match crate::blockdev::is_claimed(Path::new(path)) {
+        Ok(false) => true,
+        Ok(true) => {
+            tracing::warn!(
+                device = path,
+                "not stopping: the device is in use (active swap or mounted); stopping it now would fail every page it holds. Run `swapoff {path}` (or stop its swap unit) first, then stop again"
+            );
+            false
+        }
+        Err(error) => {
+            tracing::warn!(
+                device = path,
+                %error,
+                "not stopping: could not tell whether the device is in use; check /proc/swaps and mounts, then use `trueno-ublk delete --force`"
+            );
+            false
+        }
     }
 }
 
@@ -453,8 +487,10 @@ fn serve(
             recv(signal_rx) -> signal => match signal {
                 Ok(SIGHUP) => tracing::info!("SIGHUP ignored"),
                 Ok(signal) => {
-                    tracing::info!(signal, "stopping");
-                    break;
+                    if may_stop(&path) {
+                        tracing::info!(signal, "stopping");
+                        break;
+                    }
                 }
                 Err(_) => break,
             },

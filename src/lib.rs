@@ -5,11 +5,13 @@
 //! more batch codec, `daemon` wires one device together and `cli` parses the command line.
 
 pub mod bench;
+pub mod blockdev;
 pub mod cli;
 pub mod codec;
 pub mod config;
 pub mod daemon;
 pub mod devices;
+pub mod generator;
 pub mod gpu;
 pub mod mem;
 pub mod stats;
