@@ -139,6 +139,8 @@ pub struct DeviceSection {
     /// `Some(None)`: `mem-limit = none`.
     pub mem_limit: Option<Setting<Option<SizeExpr>>>,
     pub swap_priority: Option<Setting<u16>>,
+    /// `swap = yes`: trueno-ublk-generator makes the device swap at boot.
+    pub swap: Option<Setting<bool>>,
 }
 
 /// A parsed configuration file.
@@ -255,6 +257,7 @@ pub const KEYS: &[&str] = &[
     "flush-timeout-ms",
     "mem-limit",
     "swap-priority",
+    "swap",
 ];
 
 enum KeyProblem {
@@ -314,6 +317,7 @@ fn set_key(
             parse_in_range(value, 0, MAX_SWAP_PRIORITY),
             line,
         ),
+        "swap" => store(&mut section.swap, parse_bool(value), line),
         _ => Err(KeyProblem::Unknown),
     }
 }
@@ -724,7 +728,8 @@ pub fn parse_mem_total(meminfo: &str) -> Option<u64> {
     }
 }
 
-/// `trueno-ublk swapon`: what `trueno-ublk-swap@.service` runs after `mkswap`.
+/// `trueno-ublk swapon`: swapon with the configured priority, for use without systemd (the
+/// units leave swapon to the generated `dev-ublkbN.swap`).
 #[derive(Clone, Debug, Args)]
 pub struct SwaponArgs {
     /// Device id N of /dev/ublkbN
