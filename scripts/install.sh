@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install trueno-ublk: the release binary, the systemd units, the example config (as
-# /etc/trueno-ublk.conf unless that exists) and a modules-load.d entry for ublk_drv.
+# Install trueno-ublk: the release binary, the systemd units, the swap-unit generator (a link
+# to the binary), the example config (as /etc/trueno-ublk.conf unless that exists) and a
+# modules-load.d entry for ublk_drv.
 #
 #   sudo scripts/install.sh                  install under /usr/local (builds if needed)
 #   sudo scripts/install.sh --uninstall      stop the units and remove what was installed
@@ -8,11 +9,13 @@
 #
 # Options: --prefix DIR (default /usr/local), --unitdir DIR (default /etc/systemd/system),
 # --binary FILE (install this binary instead of building target/release/trueno-ublk).
-# The config and modules-load.d entry always go under /etc, where the units look.
+# The config and modules-load.d entry always go under /etc, where the units look. The
+# generator goes to PREFIX/lib/systemd/system-generators for the prefixes systemd searches
+# (/usr/local, /usr), else to /etc/systemd/system-generators.
 set -euo pipefail
 
 usage() {
-    sed -n '2,11s/^# \{0,1\}//p' "$0"
+    sed -n '2,15s/^# \{0,1\}//p' "$0"
     exit "${1:-0}"
 }
 
@@ -40,8 +43,15 @@ bindir="$prefix/bin"
 docdir="$prefix/share/doc/trueno-ublk"
 config=/etc/trueno-ublk.conf
 modules_load=/etc/modules-load.d/trueno-ublk.conf
-units=(trueno-ublk@.service trueno-ublk-swap@.service)
+units=(trueno-ublk@.service trueno-ublk-mkswap@.service)
+# Installed by earlier versions (a oneshot that ran swapon itself); removed on uninstall.
+old_units=(trueno-ublk-swap@.service)
 example="$repo/systemd/trueno-ublk.conf.example"
+case "$prefix" in
+    /usr | /usr/local) generatordir="$prefix/lib/systemd/system-generators" ;;
+    *) generatordir=/etc/systemd/system-generators ;;
+esac
+generator="$generatordir/trueno-ublk-generator"
 
 # systemctl only for a real install on a host that runs systemd.
 with_systemd() {
@@ -50,23 +60,27 @@ with_systemd() {
 
 if [ "$uninstall" -eq 1 ]; then
     if with_systemd; then
-        # Swap first, then the daemons (which delete their devices).
-        for pattern in 'trueno-ublk-swap@*.service' 'trueno-ublk@*.service'; do
-            mapfile -t active < <(systemctl list-units --plain --no-legend --state=active "$pattern" | awk '{print $1}')
-            if [ "${#active[@]}" -gt 0 ]; then
-                echo "stopping ${active[*]}"
-                systemctl stop "${active[@]}"
-            fi
-        done
-        systemctl disable "${units[@]}" >/dev/null 2>&1 || true
+        # The swap units and the daemons in one transaction: each daemon's stop is ordered
+        # after its swap unit's swapoff. A daemon whose device is still in use (swapoff
+        # failed) refuses to stop; its device and pages stay.
+        mapfile -t active < <(systemctl list-units --plain --no-legend --state=active \
+            'dev-ublkb*.swap' 'trueno-ublk-swap@*.service' 'trueno-ublk-mkswap@*.service' \
+            'trueno-ublk@*.service' | awk '{print $1}')
+        if [ "${#active[@]}" -gt 0 ]; then
+            echo "stopping ${active[*]}"
+            systemctl stop "${active[@]}" ||
+                echo "install.sh: not everything stopped (see systemctl status above); what is still in use stays" >&2
+        fi
+        systemctl disable "${units[@]}" "${old_units[@]}" >/dev/null 2>&1 || true
     fi
     # Enablement symlinks (systemctl disable removes them too; DESTDIR installs have no systemctl).
     if [ -d "$destdir/etc/systemd/system" ]; then
         find "$destdir/etc/systemd/system" -path '*.wants/trueno-ublk*@*.service' -type l -print -delete
     fi
-    for file in "$bindir/trueno-ublk" "$unitdir/${units[0]}" "$unitdir/${units[1]}" "$modules_load" \
+    for file in "$bindir/trueno-ublk" "$generator" "$unitdir/${units[0]}" "$unitdir/${units[1]}" \
+        "$unitdir/${old_units[0]}" "$modules_load" \
         "$docdir/trueno-ublk.conf.example" "$docdir/README.md"; do
-        if [ -e "$destdir$file" ]; then
+        if [ -e "$destdir$file" ] || [ -L "$destdir$file" ]; then
             rm -f "$destdir$file"
             echo "removed $destdir$file"
         fi
@@ -110,6 +124,19 @@ for unit in "${units[@]}"; do
     mv "$destdir$unitdir/$unit.tmp" "$destdir$unitdir/$unit"
     echo "installed $destdir$unitdir/$unit"
 done
+# Earlier versions' swap service, which ran swapon itself: a second owner of the swap.
+for unit in "${old_units[@]}"; do
+    if [ -e "$destdir$unitdir/$unit" ]; then
+        find "$destdir/etc/systemd/system" -path "*.wants/${unit%@.service}@*.service" -type l -print -delete
+        rm -f "$destdir$unitdir/$unit"
+        echo "removed $destdir$unitdir/$unit (replaced by the generated dev-ublkbN.swap units)"
+    fi
+done
+# The generator is the binary itself, run under another name (systemd runs it at boot and at
+# every daemon-reload to write dev-ublkbN.swap from $config).
+install -d "$destdir$generatordir"
+ln -sfn "$bindir/trueno-ublk" "$destdir$generator"
+echo "installed $destdir$generator -> $bindir/trueno-ublk"
 echo ublk_drv >"$destdir$modules_load"
 chmod 0644 "$destdir$modules_load"
 echo "installed $destdir$modules_load"
@@ -128,9 +155,11 @@ fi
 if [ -z "$destdir" ]; then
     cat <<MSG
 
-Next: load the driver now (it loads at every boot from $modules_load) and enable swap on
-/dev/ublkb0 at boot, configured by $config:
+Next: load the driver now (it loads at every boot from $modules_load), set
+"swap = yes" in the [ublkb0] section of $config for swap on /dev/ublkb0 at boot, and
+start it now:
     modprobe ublk_drv
-    systemctl enable --now trueno-ublk-swap@0.service
+    systemctl daemon-reload
+    systemctl start dev-ublkb0.swap
 MSG
 fi

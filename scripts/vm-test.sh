@@ -2,19 +2,25 @@
 # End-to-end test of trueno-ublk in a qemu VM running Debian 12's 6.12 kernel (which ships
 # ublk_drv and zram as modules). The host needs no ublk driver and no KVM (TCG emulation).
 #
-#   scripts/vm-test.sh                 build, boot the VM, run everything (scripts/vm/test.sh)
+#   scripts/vm-test.sh                 build, boot the VM, run everything (scripts/vm/test.sh),
+#                                      then the real-systemd stage (scripts/vm/systemd-stage.sh)
 #   scripts/vm-test.sh --kernel-only   only the VM plumbing: ublk_drv loads, zram dd and swap runs
 #   scripts/vm-test.sh --bench-fio     the benchmark's fio table (scripts/vm/bench.sh; see
 #   scripts/vm-test.sh --bench-storm   scripts/vm-bench.sh, which runs both)
 #
-# What the VM test does is described at the top of scripts/vm/test.sh. Downloads (the kernel
-# package, busybox-static) are cached under .vm/; missing tools are installed with apt-get.
+# What the VM tests do is described at the top of scripts/vm/test.sh (a busybox initramfs
+# driving the daemon directly) and scripts/vm/systemd-test.sh (Debian with systemd as PID 1,
+# the project installed by scripts/install.sh). Downloads (the kernel package, busybox-static,
+# the Debian root file system made by mmdebstrap) are cached under .vm/cache; missing tools
+# are installed with apt-get.
 # Exits 0 only if every check in the VM passed. Environment knobs (defaults in brackets):
 #   VM_RAM_MIB [256]  VM_CPUS [2]  VM_TIMEOUT_S [540]  VM_KERNEL_META [linux-image-6.12-cloud-amd64]
 #   VM_STALL_S [90]   fail when no page was swapped in or out for this long during a swap run
 #   TRUENO_UBLK_BIN   use this binary instead of building target/release/trueno-ublk
 #   UBLK_RAMDISK_BIN  use this binary instead of target/release/examples/ublk_ramdisk
-#   VM_TEST_SKIP      debugging: steps to leave out ("ramdisk zram ublk-swap units"); the run then fails
+#   VM_TEST_SKIP      debugging: steps to leave out ("ramdisk zram ublk-swap systemd"); the run then fails
+#   VM_TEST_ONLY      debugging: "systemd" runs only the real-systemd stage (the run then fails)
+#   VM_SYSTEMD_RAM_MIB [768]  VM_SYSTEMD_TIMEOUT_S [900]  the real-systemd stage's VM
 #   VM_CREATE_ARGS    debugging: more options for the 1 GiB device's `create` (store options)
 set -euo pipefail
 
@@ -193,7 +199,7 @@ ln -s usr/bin "$STAGE/bin"
 ln -s usr/sbin "$STAGE/sbin"
 cp "$BUSYBOX" "$STAGE/usr/bin/busybox"
 cp "$ROOT/scripts/vm/init" "$STAGE/init"
-cp "$ROOT/scripts/vm/test.sh" "$ROOT/scripts/vm/units.sh" "$STAGE/test/"
+cp "$ROOT/scripts/vm/test.sh" "$STAGE/test/"
 cp "$VM_DIR/vmtool" "$STAGE/test/vmtool"
 cp "$KDIR"/*.ko "$STAGE/lib/modules/"
 chmod +x "$STAGE/init" "$STAGE/test/test.sh"
@@ -229,22 +235,6 @@ if [ "$MODE" != kernel-only ]; then
         objcopy --strip-debug "$RAMDISK" "$STAGE/usr/bin/ublk_ramdisk"
         copy_libs "$RAMDISK"
     fi
-    if [ -d "$ROOT/systemd" ]; then
-        cp "$ROOT"/systemd/*.service "$STAGE/etc/systemd/system/" 2>/dev/null || true
-        # The units name the binary by absolute path: put it wherever they look.
-        { grep -h '^Exec[A-Za-z]*=' "$ROOT"/systemd/*.service || true; } |
-            sed 's/^[^=]*=[-@:+!]*//' | awk '$1 ~ /^\/.*\/trueno-ublk$/ {print $1}' | sort -u |
-            while read -r p; do
-                [ "$p" = /usr/bin/trueno-ublk ] && continue
-                mkdir -p "$STAGE$(dirname "$p")"
-                ln -sf /usr/bin/trueno-ublk "$STAGE$p"
-            done
-        # The example config, installed as /etc/trueno-ublk.conf as scripts/install.sh does.
-        conf=$(find "$ROOT/systemd" -maxdepth 1 -name 'trueno-ublk*.conf*' | sort | head -n1)
-        if [ -n "$conf" ]; then
-            cp "$conf" "$STAGE/etc/trueno-ublk.conf"
-        fi
-    fi
 fi
 FILL_MIB=$((RAM_MIB * 3 / 2 + 8))
 cat >"$STAGE/test/env" <<EOF
@@ -261,7 +251,8 @@ EOF
 (cd "$STAGE" && find . | cpio -o -H newc --quiet) | gzip -1 >"$VM_DIR/initrd.cpio.gz"
 log "initramfs $(du -h "$VM_DIR/initrd.cpio.gz" | cut -f1), kernel $(basename "$KDIR"), mode $MODE"
 
-# --- 5. Boot -------------------------------------------------------------------------------
+# --- 5. Boot (the busybox VM) --------------------------------------------------------------
+run_busybox_vm() {
 CONSOLE="$VM_DIR/console.log"
 RESULT="$VM_DIR/result.log"
 : >"$CONSOLE"
@@ -304,13 +295,42 @@ echo "  vm wall time                       ${VM_S} s (qemu exit $QEMU_RC)"
 echo "  whole script                       $((SECONDS - START_S)) s"
 fails=$(tr -d '\r' <"$RESULT" | grep -c '^FAIL' || true)
 if tr -d '\r' <"$RESULT" | grep -q '^VMTEST RESULT: PASS$' && [ "$fails" -eq 0 ]; then
-    echo "================ PASS ================"
-    exit 0
+    echo "================ busybox VM: PASS ================"
+    return 0
 fi
-echo "================ FAIL ================"
+echo "================ busybox VM: FAIL ================"
 tr -d '\r' <"$RESULT" | grep '^FAIL' || true
 [ "$QEMU_RC" -eq 124 ] && echo "the VM did not finish within ${TIMEOUT_S} s (VM_TIMEOUT_S)"
 [ -s "$VM_DIR/qemu.log" ] && { echo "--- qemu ---"; tail -n 20 "$VM_DIR/qemu.log"; }
 echo "--- VM console (last 60 lines of $CONSOLE) ---"
 tr -d '\r' <"$CONSOLE" | tail -n 60
+return 1
+}
+
+# --- 7. The real-systemd stage, and the verdict ------------------------------------------
+ONLY=${VM_TEST_ONLY:-}
+[ -z "$ONLY" ] || [ "$ONLY" = systemd ] || die "VM_TEST_ONLY: unknown stage '$ONLY' (only 'systemd')"
+BUSYBOX_PASS=0
+if [ "$ONLY" = systemd ]; then
+    log "VM_TEST_ONLY=systemd: the busybox VM is left out (the run fails)"
+else
+    run_busybox_vm && BUSYBOX_PASS=1
+fi
+SYSTEMD_PASS=1
+if [ "$MODE" = full ] && [[ " ${VM_TEST_SKIP:-} " != *" systemd "* ]]; then
+    SYSTEMD_PASS=0
+    echo
+    log "real-systemd stage (scripts/vm/systemd-stage.sh)"
+    bash "$ROOT/scripts/vm/systemd-stage.sh" "$KDIR" "$BIN" "$VM_DIR/vmtool" && SYSTEMD_PASS=1
+elif [ "$MODE" = full ]; then
+    echo "FAIL: the real-systemd stage was skipped (VM_TEST_SKIP)"
+    SYSTEMD_PASS=0
+fi
+echo
+echo "  whole script                       $((SECONDS - START_S)) s"
+if [ "$BUSYBOX_PASS" -eq 1 ] && [ "$SYSTEMD_PASS" -eq 1 ]; then
+    echo "================ VM test: PASS ================"
+    exit 0
+fi
+echo "================ VM test: FAIL (busybox VM $([ "$BUSYBOX_PASS" -eq 1 ] && echo passed || echo failed), real-systemd stage $([ "$SYSTEMD_PASS" -eq 1 ] && echo passed || echo failed)) ================"
 exit 1

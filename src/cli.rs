@@ -30,15 +30,15 @@ pub enum Command {
     Create(CreateArgs),
     /// List ublk devices: id, path, size, queues, depth, state, daemon pid.
     List(ListArgs),
-    /// Stop and delete devices (refuses an active swap device unless --force).
+    /// Stop and delete devices (refuses a device in use, e.g. active swap, unless --force).
     #[command(alias = "reset")]
     Delete(DeleteArgs),
     /// Show live statistics of running devices (zramctl's columns and more).
     Stat(StatArgs),
     /// Benchmark the page store on a corpus of pages (and kernel zram with --compare-zram).
     Bench(BenchArgs),
-    /// Enable /dev/ublkbN as swap with discard and the configured priority (used by
-    /// trueno-ublk-swap@.service after mkswap).
+    /// Enable /dev/ublkbN as swap with discard and the configured priority (without systemd;
+    /// under systemd the generated dev-ublkbN.swap unit does it).
     Swapon(SwaponArgs),
 }
 
@@ -141,7 +141,7 @@ pub struct DeleteArgs {
     /// Delete every ublk device
     #[arg(long)]
     pub all: bool,
-    /// Delete even if the device is an active swap device
+    /// Run swapoff first if the device is active swap (nothing is deleted if it fails)
     #[arg(long)]
     pub force: bool,
 }

@@ -3,7 +3,6 @@
 
 #![forbid(unsafe_code)]
 
-use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -18,16 +17,41 @@ use crate::ublk::{Control, UblkError};
 const UBLK_CHAR_CLASS: &str = "/sys/class/ublk-char";
 /// How long a daemon gets to stop and delete its device after SIGTERM.
 const DAEMON_STOP_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long `delete --force` lets swapoff read the swapped-out pages back. Killing swapoff is
+/// safe (the swap area stays on); waiting without end is not what a command line should do.
+const SWAPOFF_TIMEOUT: Duration = Duration::from_secs(600);
 
 #[derive(Debug, Error)]
 pub enum DevicesError {
     #[error(transparent)]
     Ublk(#[from] UblkError),
     #[error(
-        "{path} is an active swap device (see /proc/swaps): run `swapoff {path}` first, \
-         or pass --force"
+        "{path} is in use (the kernel holds it exclusively: active swap or a mounted file \
+         system): run `swapoff {path}` or unmount it first, or pass --force to run swapoff"
     )]
-    ActiveSwap { path: String },
+    InUse { path: String },
+    #[error(
+        "could not tell whether {path} is in use ({source}); not deleting it: check \
+         /proc/swaps and mounts, then retry"
+    )]
+    InUseUnknown {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: swapoff failed ({status}); the device stays as it is")]
+    SwapoffFailed { path: String, status: String },
+    #[error("{path} is still in use after swapoff (mounted?): unmount it first; the device stays")]
+    StillInUse { path: String },
+    #[error(
+        "the daemon of {path} (pid {pid}) did not stop within {seconds} s and the device is \
+         in use; nothing was deleted (see `journalctl -u trueno-ublk@{id}` or its log)"
+    )]
+    DaemonRefused {
+        path: String,
+        pid: i32,
+        seconds: u64,
+        id: u32,
+    },
 }
 
 /// One row of `list`.
@@ -95,17 +119,13 @@ pub fn list() -> Result<Vec<DeviceRow>, DevicesError> {
         .collect())
 }
 
-/// Paths in /proc/swaps that refer to block device `path` (same device number).
-pub fn is_active_swap(path: &str, proc_swaps: &str) -> bool {
-    let device = std::fs::metadata(path).map(|m| m.rdev()).ok();
-    proc_swaps
-        .lines()
-        .skip(1)
-        .filter_map(|line| line.split_whitespace().next())
-        .any(|swap| {
-            swap == path
-                || (device.is_some() && std::fs::metadata(swap).map(|m| m.rdev()).ok() == device)
-        })
+/// Whether the block device at `path` is claimed (swap, mounted); an open error other than
+/// EBUSY is an error here, since deleting a device that is in use loses its data.
+fn in_use(path: &str) -> Result<bool, DevicesError> {
+    crate::blockdev::is_claimed(Path::new(path)).map_err(|source| DevicesError::InUseUnknown {
+        path: path.to_string(),
+        source,
+    })
 }
 
 /// `trueno-ublk delete --id N | --all [--force]`: device `id`, or every device for `None`.
@@ -121,29 +141,61 @@ pub fn delete(id: Option<u32>, force: bool) -> Result<Vec<String>, DevicesError>
         }
         None => device_ids(),
     };
-    let swaps = std::fs::read_to_string("/proc/swaps").unwrap_or_default();
     // Check every device before touching any, so `--all` does nothing if one is refused.
     for &id in &ids {
         let path = block_path(id);
-        if is_active_swap(&path, &swaps) && !force {
-            return Err(DevicesError::ActiveSwap { path });
+        if !Path::new(&path).exists() {
+            // Added but never started (or its node is gone): nothing can have claimed it.
+            continue;
+        }
+        if in_use(&path)? && !force {
+            return Err(DevicesError::InUse { path });
         }
     }
     let mut deleted = Vec::with_capacity(ids.len());
     for id in ids {
         let path = block_path(id);
-        if is_active_swap(&path, &swaps) {
-            let status = std::process::Command::new("swapoff").arg(&path).status();
-            if !matches!(status, Ok(s) if s.success()) {
-                eprintln!(
-                    "trueno-ublk: warning: swapoff {path} failed; deleting it anyway (--force)"
-                );
+        if Path::new(&path).exists() && in_use(&path)? {
+            swapoff(&path)?;
+            if in_use(&path)? {
+                return Err(DevicesError::StillInUse { path });
             }
         }
         delete_one(&mut control, id)?;
         deleted.push(path);
     }
     Ok(deleted)
+}
+
+/// `swapoff PATH`, bounded by [`SWAPOFF_TIMEOUT`]. On failure the device must stay: its swap
+/// area still holds pages that only it can give back.
+fn swapoff(path: &str) -> Result<(), DevicesError> {
+    let failed = |status: String| DevicesError::SwapoffFailed {
+        path: path.to_string(),
+        status,
+    };
+    let mut child = std::process::Command::new("swapoff")
+        .arg(path)
+        .spawn()
+        .map_err(|error| failed(format!("could not run swapoff: {error}")))?;
+    let deadline = Instant::now() + SWAPOFF_TIMEOUT;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) if status.success() => return Ok(()),
+            Ok(Some(status)) => return Err(failed(status.to_string())),
+            Ok(None) if Instant::now() > deadline => {
+                // swapoff stops where it is and the swap area stays on.
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(failed(format!(
+                    "did not finish within {} s",
+                    SWAPOFF_TIMEOUT.as_secs()
+                )));
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(100)),
+            Err(error) => return Err(failed(error.to_string())),
+        }
+    }
 }
 
 /// Ask the device's daemon to stop (it stops and deletes the device itself); if there is no
@@ -154,6 +206,17 @@ fn delete_one(control: &mut Control, id: u32) -> Result<(), DevicesError> {
         let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
         if wait_until_gone(id, DAEMON_STOP_TIMEOUT) {
             return Ok(());
+        }
+        // The daemon refuses to stop a claimed device (it logs why); someone may have run
+        // swapon after the check above. Killing it then would fail every swapped-out page.
+        let path = block_path(id);
+        if !Path::new(&path).exists() || in_use(&path)? {
+            return Err(DevicesError::DaemonRefused {
+                path,
+                pid,
+                seconds: DAEMON_STOP_TIMEOUT.as_secs(),
+                id,
+            });
         }
         eprintln!("trueno-ublk: warning: daemon {pid} did not stop in time; killing it");
         let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
@@ -193,20 +256,4 @@ fn wait_until_gone(id: u32, timeout: Duration) -> bool {
         std::thread::sleep(Duration::from_millis(20));
     }
     true
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn active_swap_is_found_by_path() {
-        let swaps = "Filename\tType\tSize\tUsed\tPriority\n/dev/ublkb0 partition 1048572 0 100\n";
-        assert!(is_active_swap("/dev/ublkb0", swaps));
-        assert!(!is_active_swap("/dev/ublkb1", swaps));
-        assert!(!is_active_swap(
-            "/dev/ublkb0",
-            "Filename\tType\tSize\tUsed\tPriority\n"
-        ));
-    }
 }

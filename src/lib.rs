@@ -7,11 +7,13 @@
 //! `devices`, `stats`, `swap` and `bench`; then `cli`, which parses and prints.
 
 pub mod bench;
+pub mod blockdev;
 pub mod cli;
 pub mod codec;
 pub mod config;
 pub mod daemon;
 pub mod devices;
+pub mod generator;
 pub mod gpu;
 pub mod mem;
 pub mod os;

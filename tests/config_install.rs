@@ -48,10 +48,11 @@ fn install_keeps_config_and_uninstall_removes_everything() {
     assert!(ok, "{log}");
     let want: Vec<PathBuf> = [
         "etc/modules-load.d/trueno-ublk.conf",
-        "etc/systemd/system/trueno-ublk-swap@.service",
+        "etc/systemd/system/trueno-ublk-mkswap@.service",
         "etc/systemd/system/trueno-ublk@.service",
         "etc/trueno-ublk.conf",
         "usr/local/bin/trueno-ublk",
+        "usr/local/lib/systemd/system-generators/trueno-ublk-generator",
         "usr/local/share/doc/trueno-ublk/README.md",
         "usr/local/share/doc/trueno-ublk/trueno-ublk.conf.example",
     ]
@@ -65,6 +66,14 @@ fn install_keeps_config_and_uninstall_removes_everything() {
         .output()
         .unwrap();
     assert!(version.status.success());
+    // The generator is the binary under another name, linked where systemd looks.
+    assert_eq!(
+        std::fs::read_link(
+            dest.join("usr/local/lib/systemd/system-generators/trueno-ublk-generator")
+        )
+        .unwrap(),
+        Path::new("/usr/local/bin/trueno-ublk")
+    );
     assert_eq!(
         std::fs::read_to_string(dest.join("etc/trueno-ublk.conf")).unwrap(),
         example
@@ -73,6 +82,18 @@ fn install_keeps_config_and_uninstall_removes_everything() {
         std::fs::read_to_string(dest.join("etc/modules-load.d/trueno-ublk.conf")).unwrap(),
         "ublk_drv\n"
     );
+
+    // An earlier version's swap service, enabled as its README said: the next install
+    // removes it (it ran swapon itself, a second owner of the swap beside dev-ublkbN.swap).
+    let old_unit = dest.join("etc/systemd/system/trueno-ublk-swap@.service");
+    std::fs::write(&old_unit, "[Unit]\n").unwrap();
+    let wants = dest.join("etc/systemd/system/swap.target.wants");
+    std::fs::create_dir_all(&wants).unwrap();
+    std::os::unix::fs::symlink(
+        "/etc/systemd/system/trueno-ublk-swap@.service",
+        wants.join("trueno-ublk-swap@0.service"),
+    )
+    .unwrap();
 
     // A second install with another prefix: units point at it, the edited config stays.
     std::fs::write(dest.join("etc/trueno-ublk.conf"), "[ublkb0]\nsize = 1G\n").unwrap();
@@ -91,13 +112,20 @@ fn install_keeps_config_and_uninstall_removes_everything() {
     );
     assert!(!unit.contains("/usr/local/bin"), "{unit}");
     assert!(dest.join("opt/tu/bin/trueno-ublk").exists());
-
-    // An enabled instance, as `systemctl enable trueno-ublk-swap@0.service` leaves it.
-    let wants = dest.join("etc/systemd/system/swap.target.wants");
-    std::fs::create_dir_all(&wants).unwrap();
+    assert!(!old_unit.exists(), "{log}");
+    assert!(std::fs::symlink_metadata(wants.join("trueno-ublk-swap@0.service")).is_err());
+    // A prefix systemd does not search for generators: /etc/systemd/system-generators.
+    assert_eq!(
+        std::fs::read_link(dest.join("etc/systemd/system-generators/trueno-ublk-generator"))
+            .unwrap(),
+        Path::new("/opt/tu/bin/trueno-ublk")
+    );
+    // An enabled daemon instance, as `systemctl enable trueno-ublk@1.service` leaves it.
+    let multi_user = dest.join("etc/systemd/system/multi-user.target.wants");
+    std::fs::create_dir_all(&multi_user).unwrap();
     std::os::unix::fs::symlink(
-        "/etc/systemd/system/trueno-ublk-swap@.service",
-        wants.join("trueno-ublk-swap@0.service"),
+        "/etc/systemd/system/trueno-ublk@.service",
+        multi_user.join("trueno-ublk@1.service"),
     )
     .unwrap();
 
@@ -108,7 +136,7 @@ fn install_keeps_config_and_uninstall_removes_everything() {
     // Only the edited config is left, and the uninstall said so.
     assert_eq!(files_under(&dest), [PathBuf::from("etc/trueno-ublk.conf")]);
     assert!(log.contains("kept"), "{log}");
-    assert!(std::fs::symlink_metadata(wants.join("trueno-ublk-swap@0.service")).is_err());
+    assert!(std::fs::symlink_metadata(multi_user.join("trueno-ublk@1.service")).is_err());
 
     // An unchanged config goes with the uninstall.
     std::fs::write(dest.join("etc/trueno-ublk.conf"), &example).unwrap();

@@ -25,8 +25,7 @@
 #      RAM with a mixed pattern and verifies every word twice; pswpout and pswpin grew;
 #      `trueno-ublk stat` while the data is swapped out; then three processes fill as much
 #      together and verify it twice in random order; swapoff; `delete --id 0`.
-#   9. The systemd units' start and stop commands, taken from the unit files (units.sh), with
-#      the configured swap priority in /proc/swaps and non-zero DATA in `stat` under pressure.
+#   9. (The systemd units run under a real systemd in a second VM: scripts/vm/systemd-stage.sh.)
 #  10. dmesg has no ublk or swap I/O errors, hung tasks, BUG, Oops, warnings or OOM kills.
 # MODE=kernel-only: steps 1, 2 and 10, plus the pattern checks of step 4 on zram.
 # A monitor prints free memory and swap counters every 20 s and, if the test is still running
@@ -34,7 +33,6 @@
 # to the console and fails the run.
 
 . /test/env
-. /test/units.sh
 VT=/test/vmtool
 UL=/usr/sbin # util-linux tools (busybox's would win for bare names in this shell)
 MIB=1048576
@@ -404,7 +402,6 @@ ublk_inspect() {
     trueno-ublk stat
     trueno-ublk stat --raw >/tmp/stat.raw 2>&1
 }
-units_inspect() { ublk_inspect; }
 
 # --- 2. kernel zram in the same VM (first: its figures do not depend on the daemon) ------
 if ! skipped zram; then
@@ -535,11 +532,6 @@ else
     zram_up
     pattern_checks /dev/zram0 $((1024 * MIB))
     discard_checks /dev/zram0 $((300 * MIB))
-fi
-
-# --- 9. systemd units ----------------------------------------------------------------------
-if [ "$MODE" = full ] && ! skipped units; then
-    units_phase
 fi
 
 # --- 10. kernel log ------------------------------------------------------------------------

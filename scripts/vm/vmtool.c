@@ -11,10 +11,12 @@
  *       Fills MIB MiB of anonymous memory with the mixed pattern, verifies every
  *       word twice, rewrites every third page with a second pattern and verifies
  *       every word once more. Prints counts; exits 1 on any mismatch. With
- *       VMTOOL_PASSES=1 or 2 in the environment: fill and that many verify
- *       passes only, no rewrite. With
+ *       VMTOOL_PASSES=0, 1 or 2 in the environment: fill and that many verify
+ *       passes only, no rewrite (0: only with the after-hold pass below). With
  *       HOLDFILE, creates it when done and keeps the memory until it is removed
- *       (so the swap device can be inspected while it holds the data).
+ *       (so the swap device can be inspected while it holds the data); with
+ *       VMTOOL_VERIFY_AFTER_HOLD=1 as well, verifies every word once more after that
+ *       and prints PRESSURE_AFTER_HOLD_* counts.
  *   vmtool scatter MIB PROCS SEED
  *       PROCS processes at once each fill MIB/PROCS MiB of anonymous memory with the
  *       mixed pattern (seed SEED + process number) and verify it twice, a page at a time
@@ -230,11 +232,16 @@ static int cmd_pressure(int argc, char **argv)
 
 	struct verify_counts total = { 0, 0, 0 };
 	const char *passes_env = getenv("VMTOOL_PASSES");
-	int passes = passes_env && *passes_env ? atoi(passes_env) : 0;
-	verify_pass("verify-1", mem, pages, seed_a, seed_b, 0, &total);
-	if (passes != 1)
+	/* 3 (the default): two passes and the rewrite; 0 only makes sense with the
+	 * after-hold pass below. */
+	int passes = passes_env && *passes_env ? atoi(passes_env) : 3;
+	if (passes < 0 || passes > 3)
+		passes = 3;
+	if (passes >= 1)
+		verify_pass("verify-1", mem, pages, seed_a, seed_b, 0, &total);
+	if (passes >= 2)
 		verify_pass("verify-2", mem, pages, seed_a, seed_b, 0, &total);
-	if (passes != 1 && passes != 2) {
+	if (passes >= 3) {
 		double t1 = now_s();
 		for (uint64_t p = 0; p < pages; p += 3)
 			make_page(mem + p * PAGE_WORDS, seed_b, p);
@@ -260,6 +267,18 @@ static int cmd_pressure(int argc, char **argv)
 		}
 		while (access(argv[2], F_OK) == 0)
 			usleep(100000);
+		/* What happened while the memory was held (a daemon restart, say) must not have
+		 * changed a word: one more pass, reported apart. */
+		const char *after_env = getenv("VMTOOL_VERIFY_AFTER_HOLD");
+		if (after_env && *after_env == '1') {
+			struct verify_counts after = { 0, 0, 0 };
+			verify_pass("after-hold", mem, pages, seed_a, seed_b, passes >= 3, &after);
+			printf("PRESSURE_AFTER_HOLD_WORDS_CHECKED=%llu\n"
+			       "PRESSURE_AFTER_HOLD_BAD_WORDS=%llu\n",
+			       (unsigned long long)after.words, (unsigned long long)after.bad_words);
+			fflush(stdout);
+			total.bad_words += after.bad_words;
+		}
 	}
 	munmap(mem, bytes);
 	return total.bad_words == 0 ? 0 : 1;

@@ -39,6 +39,8 @@ pub struct DeviceSection {
     /// `Some(None)`: `mem-limit = none`.
     pub mem_limit: Option<Setting<Option<SizeExpr>>>,
     pub swap_priority: Option<Setting<u16>>,
+    /// `swap = yes`: trueno-ublk-generator makes the device swap at boot.
+    pub swap: Option<Setting<bool>>,
 }
 
 /// A parsed configuration file.
@@ -155,6 +157,7 @@ pub const KEYS: &[&str] = &[
     "flush-timeout-ms",
     "mem-limit",
     "swap-priority",
+    "swap",
 ];
 
 enum KeyProblem {
@@ -214,6 +217,7 @@ fn set_key(
             parse_in_range(value, 0, MAX_SWAP_PRIORITY),
             line,
         ),
+        "swap" => store(&mut section.swap, parse_bool(value), line),
         _ => Err(KeyProblem::Unknown),
     }
 }

@@ -45,8 +45,17 @@ pub(super) fn make_refill_realtime() {
 /// the pages whose swap-out has completed, and the store's refill thread cannot get them.
 pub(super) fn disable_writeback_throttling(id: u32) {
     let knob = format!("/sys/block/ublkb{id}/queue/wbt_lat_usec");
-    if let Err(error) = std::fs::write(&knob, "0") {
-        tracing::warn!(%error, knob, "could not turn writeback throttling off");
+    match std::fs::write(&knob, "0") {
+        Ok(()) => {}
+        // A sandbox with a read-only /sys (systemd's ProtectKernelTunables=): the service
+        // manager sets the knob instead (trueno-ublk@.service's ExecStartPost=+...).
+        Err(error) if error.raw_os_error() == Some(libc::EROFS) => {
+            tracing::info!(
+                knob,
+                "read-only /sys here: writeback throttling is left to the service manager"
+            );
+        }
+        Err(error) => tracing::warn!(%error, knob, "could not turn writeback throttling off"),
     }
 }
 

@@ -83,6 +83,31 @@ fn check_size_against_ram(size_bytes: u64) -> Result<(), DaemonError> {
     Ok(())
 }
 
+/// Whether a stop request may stop the device: not while the kernel holds it (swap, a mount),
+/// since every I/O after STOP_DEV fails and processes with pages out die, PID 1 among them.
+/// The daemon keeps serving instead and says why; swapoff (or `systemctl stop` of the swap
+/// unit, which is ordered before this daemon's stop) first, then stop again.
+fn may_stop(path: &str) -> bool {
+    match crate::blockdev::is_claimed(Path::new(path)) {
+        Ok(false) => true,
+        Ok(true) => {
+            tracing::warn!(
+                device = path,
+                "not stopping: the device is in use (active swap or mounted); stopping it now would fail every page it holds. Run `swapoff {path}` (or stop its swap unit) first, then stop again"
+            );
+            false
+        }
+        Err(error) => {
+            tracing::warn!(
+                device = path,
+                %error,
+                "not stopping: could not tell whether the device is in use; check /proc/swaps and mounts, then use `trueno-ublk delete --force`"
+            );
+            false
+        }
+    }
+}
+
 /// The ublk side of the settings.
 fn device_spec(settings: &DeviceSettings) -> DeviceSpec {
     DeviceSpec {
@@ -254,8 +279,10 @@ fn serve(
             recv(signal_rx) -> signal => match signal {
                 Ok(SIGHUP) => tracing::info!("SIGHUP ignored"),
                 Ok(signal) => {
-                    tracing::info!(signal, "stopping");
-                    break;
+                    if may_stop(&path) {
+                        tracing::info!(signal, "stopping");
+                        break;
+                    }
                 }
                 Err(_) => break,
             },

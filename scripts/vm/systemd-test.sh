@@ -1,0 +1,229 @@
+#!/bin/bash
+# The test of the real-systemd stage (scripts/vm/systemd-stage.sh), run inside the VM by
+# trueno-test.service once multi-user.target is reached. trueno-ublk was installed by
+# scripts/install.sh and swap enabled as README.md says (`swap = yes` for [ublkb0]); systemd
+# started everything at boot. Output goes to the host through ttyS1: "ok:"/"FAIL:" lines,
+# "FIGURE name=value", and last "VMTEST RESULT: PASS|FAIL". Then it powers the VM off with
+# pages still swapped out, and the host reads the shutdown from the console log.
+#
+#   1. At boot: the generator wrote dev-ublkb0.swap; it, trueno-ublk-mkswap@0 and
+#      trueno-ublk@0 are active; /proc/swaps and `swapon --show` name /dev/ublkb0 with the
+#      configured priority; no other swap unit acts on its own for it; writeback throttling
+#      is off; `list` and `stat` work; the units' boot journal has no warning or error.
+#   2. Under pressure (a program holds more than the available memory, with every word
+#      verified): `delete --id 0` is refused at once; `systemctl restart trueno-ublk@0` leaves
+#      swap on, the same daemon serving (it logs why it does not stop) and the kernel alive;
+#      the program then verifies every word once more.
+#   3. The stop the README gives (swap unit, then the daemon), a fresh start of the swap unit
+#      (a new device gets a new signature), a second pressure run.
+#   4. Poweroff while pages (PID 1's and journald's among them) are still swapped out.
+# shellcheck disable=SC2317,SC2119,SC2120 # functions run through check; journal_units takes optional options
+set -u
+exec >/dev/ttyS1 2>&1
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+VT=/test/vmtool
+DEV=/dev/ublkb0
+ID=0
+PRIO=100
+FAILS=0
+CHECKS=0
+
+ok() {
+    CHECKS=$((CHECKS + 1))
+    echo "ok: $*"
+}
+fail() {
+    CHECKS=$((CHECKS + 1))
+    FAILS=$((FAILS + 1))
+    echo "FAIL: $*"
+}
+check() { # description command...
+    local desc=$1
+    shift
+    if "$@"; then ok "$desc"; else fail "$desc"; fi
+}
+figure() { echo "FIGURE $1=$2"; }
+section() { echo; echo "=== $* (t=$(cut -d' ' -f1 /proc/uptime) s)"; }
+vmstat_of() { awk -v k="$1" '$1 == k { print $2 }' /proc/vmstat; }
+swap_prio() { awk -v d="$DEV" '$1 == d { print $5 }' /proc/swaps; }
+swap_used_kib() { awk -v d="$DEV" '$1 == d { print $4 }' /proc/swaps; }
+avail_mib() { awk '/^MemAvailable:/ { print int($2 / 1024) }' /proc/meminfo; }
+vmswap_kib() { awk '/^VmSwap:/ { print $2 }' "/proc/$1/status" 2>/dev/null || echo 0; }
+main_pid() { systemctl show -p MainPID --value trueno-ublk@$ID.service; }
+journal_units() { journalctl -b --no-pager -o short-monotonic -u 'trueno-ublk*' -u "dev-ublkb$ID.swap" "$@"; }
+wait_for() { # SECONDS command...: polls every 0.2 s
+    local n=$(($1 * 5))
+    shift
+    while ! "$@"; do
+        n=$((n - 1))
+        [ "$n" -gt 0 ] || return 1
+        sleep 0.2
+    done
+}
+finish() {
+    section "verdict"
+    echo "$CHECKS checks, $FAILS failed"
+    if [ "$FAILS" -eq 0 ] && [ "$CHECKS" -gt 0 ]; then
+        echo "VMTEST RESULT: PASS"
+    else
+        echo "VMTEST RESULT: FAIL"
+    fi
+    sync
+    systemctl poweroff --no-block
+    exit 0
+}
+
+# pressure_start MIB PASSES: the pressure program in the background, holding its memory
+# (/tmp/hold) once filled and verified PASSES times (0: not yet), verifying every word once
+# more when released.
+pressure_start() {
+    rm -f /tmp/hold /tmp/pressure.out
+    VMTOOL_PASSES=$2 VMTOOL_VERIFY_AFTER_HOLD=1 $VT pressure "$1" "$(date +%s)" /tmp/hold >/tmp/pressure.out 2>&1 &
+    PRESSURE_PID=$!
+    PRESSURE_MIB=$1
+    PRESSURE_OUT0=$(vmstat_of pswpout)
+    PRESSURE_T0=$(date +%s)
+    wait_for 400 eval "[ -e /tmp/hold ] || ! kill -0 $PRESSURE_PID 2>/dev/null"
+}
+pressure_finish() { # NAME
+    local rc bad words after_bad after_words filled
+    rm -f /tmp/hold
+    wait "$PRESSURE_PID"
+    rc=$?
+    cat /tmp/pressure.out
+    filled=$((PRESSURE_MIB * 1048576 / 8))
+    bad=$(sed -n 's/^PRESSURE_BAD_WORDS=//p' /tmp/pressure.out)
+    words=$(sed -n 's/^PRESSURE_WORDS_CHECKED=//p' /tmp/pressure.out)
+    after_bad=$(sed -n 's/^PRESSURE_AFTER_HOLD_BAD_WORDS=//p' /tmp/pressure.out)
+    after_words=$(sed -n 's/^PRESSURE_AFTER_HOLD_WORDS_CHECKED=//p' /tmp/pressure.out)
+    check "$1: the pressure program over $PRESSURE_MIB MiB exited 0 (rc $rc)" [ "$rc" -eq 0 ]
+    check "$1: every word matched before the hold (${words:-0} checked, ${bad:-?} bad)" [ "${bad:-1}" = 0 ]
+    check "$1: every word matched again after the hold (${after_words:-0} checked, ${after_bad:-?} bad)" \
+        [ "${after_bad:-1}" = 0 -a "${after_words:-0}" -ge "$filled" ]
+    check "$1: pages were swapped out ($(($(vmstat_of pswpout) - PRESSURE_OUT0)) pages)" \
+        [ "$(vmstat_of pswpout)" -gt "$PRESSURE_OUT0" ]
+    figure "systemd_${1}_seconds" "$(($(date +%s) - PRESSURE_T0))"
+    figure "systemd_${1}_pswpout" "$(($(vmstat_of pswpout) - PRESSURE_OUT0))"
+}
+
+# --- 1. boot --------------------------------------------------------------------------------
+section "boot: kernel $(uname -r), systemd $(systemctl --version | head -n1 | cut -d' ' -f2), $(grep MemTotal /proc/meminfo | tr -s ' ')"
+systemctl is-system-running
+systemd-analyze time 2>/dev/null | head -n1
+check "trueno-ublk-generator wrote dev-ublkb$ID.swap" test -f /run/systemd/generator/dev-ublkb$ID.swap
+check "... and linked it into swap.target.wants" test -L /run/systemd/generator/swap.target.wants/dev-ublkb$ID.swap
+for unit in trueno-ublk@$ID.service trueno-ublk-mkswap@$ID.service dev-ublkb$ID.swap; do
+    check "$unit is active after boot ($(systemctl is-active "$unit"))" systemctl -q is-active "$unit"
+done
+systemctl --no-pager status trueno-ublk@$ID.service dev-ublkb$ID.swap 2>&1 | head -n 30
+swapon_us=$(systemctl show -p ActiveEnterTimestampMonotonic --value dev-ublkb$ID.swap)
+daemon_us=$(systemctl show -p ActiveEnterTimestampMonotonic --value trueno-ublk@$ID.service)
+figure systemd_boot_to_daemon_ready_s "$(awk -v u="$daemon_us" 'BEGIN { printf "%.2f", u / 1e6 }')"
+figure systemd_boot_to_swap_on_s "$(awk -v u="$swapon_us" 'BEGIN { printf "%.2f", u / 1e6 }')"
+cat /proc/swaps
+swapon --show
+check "/proc/swaps names $DEV" grep -q "^$DEV " /proc/swaps
+check "swapon --show names $DEV" eval "swapon --show=NAME --noheadings | grep -qx $DEV"
+check "swap priority is the configured $PRIO (got '$(swap_prio)')" [ "$(swap_prio)" = "$PRIO" ]
+# systemd also makes swap units for the device's other names (by-uuid ...): they must follow
+# dev-ublkb0.swap, not act on their own.
+others=$(systemctl list-units --all --type=swap --plain --no-legend | awk '{ print $1 }' | grep -vx "dev-ublkb$ID.swap" || true)
+lone=""
+for u in $others; do
+    following=$(systemctl show -p Following --value "$u")
+    echo "swap unit $u follows '${following}'"
+    [ -z "$following" ] && [ "$(systemctl is-active "$u")" = active ] && lone="$lone $u"
+done
+check "exactly one swap unit acts for $DEV (others follow it:${others:+ }$(echo "$others" | tr '\n' ' '))" [ -z "$lone" ]
+check "no service of ours runs swapon (trueno-ublk-swap@ is gone)" eval "! systemctl list-units --all --plain --no-legend 'trueno-ublk-swap@*' | grep -q ."
+check "writeback throttling is off (wbt_lat_usec $(cat /sys/block/ublkb$ID/queue/wbt_lat_usec))" \
+    [ "$(cat /sys/block/ublkb$ID/queue/wbt_lat_usec)" = 0 ]
+trueno-ublk list | tee /tmp/list.out
+check "trueno-ublk list shows $DEV" grep -q "ublkb$ID" /tmp/list.out
+trueno-ublk stat >/tmp/stat.out 2>&1
+rc=$?
+cat /tmp/stat.out
+check "trueno-ublk stat exits 0 (exit $rc)" [ "$rc" -eq 0 ]
+check "trueno-ublk stat shows ublkb$ID" grep -q "ublkb$ID" /tmp/stat.out
+echo "--- journal of the units at boot:"
+journal_units | tee /tmp/journal-boot
+check "the units' boot journal has lines" [ -s /tmp/journal-boot ]
+check "the units' boot journal has no warning or error (priority <= warning)" \
+    eval "[ -z \"\$(journal_units -p warning -q)\" ]"
+check "the units' boot journal has no line saying warn/error/fail" \
+    eval "! grep -iE 'warn|error|fail' /tmp/journal-boot"
+journalctl -b --no-pager -q | grep -i 'trueno-ublk-generator' >/tmp/gen.log
+check "the generator logged nothing ($(wc -l </tmp/gen.log) lines)" [ ! -s /tmp/gen.log ]
+
+# --- 2. delete and restart under pressure ---------------------------------------------------
+swap_kib=$(awk -v d="$DEV" '$1 == d { print $3 }' /proc/swaps)
+fill=$(($(avail_mib) + 64))
+section "pressure 1: $fill MiB (available $(avail_mib) MiB, swap $((swap_kib / 1024)) MiB)"
+pressure_start "$fill" 0
+if [ -e /tmp/hold ]; then
+    grep -E '^(MemAvailable|SwapTotal|SwapFree)' /proc/meminfo
+    check "pages are out on $DEV while the program holds its memory ($(swap_used_kib) KiB)" [ "$(swap_used_kib)" -gt 0 ]
+    t0=$(date +%s)
+    timeout 60 trueno-ublk delete --id $ID >/tmp/delete.out 2>&1
+    rc=$?
+    cat /tmp/delete.out
+    check "trueno-ublk delete --id $ID is refused while swap is on (exit $rc, $(($(date +%s) - t0)) s)" \
+        [ "$rc" -ne 0 -a "$rc" -ne 124 ]
+    check "... saying the device is in use" grep -q 'in use' /tmp/delete.out
+    check "... and swap stays on" grep -q "^$DEV " /proc/swaps
+    trueno-ublk stat
+    pid0=$(main_pid)
+    t0=$(date +%s)
+    timeout 300 systemctl restart trueno-ublk@$ID.service
+    rc=$?
+    figure systemd_refused_restart_s "$(($(date +%s) - t0))"
+    echo "systemctl restart trueno-ublk@$ID.service: exit $rc after $(($(date +%s) - t0)) s"
+    systemctl --no-pager status trueno-ublk@$ID.service 2>&1 | head -n 20
+    check "after systemctl restart: swap is still on" grep -q "^$DEV " /proc/swaps
+    check "after systemctl restart: dev-ublkb$ID.swap is still active" systemctl -q is-active dev-ublkb$ID.swap
+    check "after systemctl restart: the same daemon (pid $pid0) still serves" \
+        eval "[ -d /proc/$pid0 ] && [ \"\$(cat /proc/$pid0/comm)\" = trueno-ublk ]"
+    check "the daemon logged why it did not stop" eval "journal_units | grep -q 'not stopping: the device is in use'"
+    journal_units | grep -E 'not stopping|Skipping|timed out|left-over' | head -n 8
+    check "the kernel is alive and $DEV still reads" \
+        eval "dd if=$DEV of=/dev/null bs=4096 count=1 iflag=direct status=none"
+else
+    fail "the pressure program ended before holding its memory"
+fi
+pressure_finish pressure1
+
+# --- 3. stop as README.md says, start again ----------------------------------------------
+section "stop: systemctl stop dev-ublkb$ID.swap, then the daemon"
+t0=$(date +%s)
+check "systemctl stop dev-ublkb$ID.swap (swapoff)" systemctl stop dev-ublkb$ID.swap
+check "... took $(($(date +%s) - t0)) s and /proc/swaps no longer lists $DEV" eval "! grep -q '^$DEV ' /proc/swaps"
+# The daemon that refused to stop above is no longer the unit's main process (the restart
+# gave up on it); now that its device is free, SIGTERM stops it the normal way.
+pid=$(pgrep -x trueno-ublk | head -n1)
+[ -n "$pid" ] && kill -TERM "$pid"
+check "the daemon stops and deletes $DEV once it is unused" wait_for 30 eval "[ ! -e /sys/class/ublk-char/ublkc$ID ]"
+check "trueno-ublk-mkswap@$ID went inactive with the device" wait_for 10 eval "! systemctl -q is-active trueno-ublk-mkswap@$ID.service"
+systemctl reset-failed trueno-ublk@$ID.service 2>/dev/null
+t0=$(date +%s)
+check "systemctl start dev-ublkb$ID.swap (daemon, mkswap, swapon)" systemctl start dev-ublkb$ID.swap
+echo "start took $(($(date +%s) - t0)) s"
+check "... swap is on again with priority $PRIO" [ "$(swap_prio)" = "$PRIO" ]
+check "... trueno-ublk@$ID is active again" systemctl -q is-active trueno-ublk@$ID.service
+fill=$(($(avail_mib) + 32))
+section "pressure 2: $fill MiB (available $(avail_mib) MiB)"
+pressure_start "$fill" 0
+pressure_finish pressure2
+
+# --- 4. poweroff with pages out ----------------------------------------------------------
+section "poweroff with pages swapped out"
+journald=$(pidof systemd-journald | cut -d' ' -f1)
+cat /proc/swaps
+figure systemd_poweroff_swap_used_kib "$(swap_used_kib)"
+figure systemd_poweroff_pid1_vmswap_kib "$(vmswap_kib 1)"
+figure systemd_poweroff_journald_vmswap_kib "$(vmswap_kib "$journald")"
+check "pages are still out on $DEV at poweroff ($(swap_used_kib) KiB)" [ "$(swap_used_kib)" -gt 0 ]
+check "PID 1 or journald have pages out (PID 1 $(vmswap_kib 1) KiB, journald $(vmswap_kib "$journald") KiB)" \
+    [ $(($(vmswap_kib 1) + $(vmswap_kib "$journald"))) -gt 0 ]
+echo "--- journal of the units since boot:"
+journal_units | tail -n 40
+finish

@@ -1,0 +1,165 @@
+//! `trueno-ublk-generator`: a systemd generator (the `trueno-ublk` binary run under that
+//! name, a link that scripts/install.sh puts in a system-generators directory). At boot and
+//! at every `systemctl daemon-reload` it reads /etc/trueno-ublk.conf and, for each
+//! `[ublkbN]` section with `swap = yes`, writes `dev-ublkbN.swap` into the directory systemd
+//! gives it and links it into swap.target.wants, as zram-generator does for zram.
+//!
+//! Why a real swap unit rather than a service that runs swapon: systemd makes a
+//! `dev-ublkbN.swap` unit for every swap it sees in /proc/swaps anyway, and at poweroff runs
+//! its own swapoff for it. A service running swapon and swapoff itself is then a second swap
+//! owner without ordering against the daemon: its swapoff and systemd's race, and the daemon
+//! can be stopped while pages are still being read back. With the unit written here there is
+//! exactly one owner, ordered after the daemon both ways; systemd runs swapon outside any
+//! service sandbox, so /proc/swaps names /dev/ublkbN.
+
+#![forbid(unsafe_code)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use crate::config::{self, ConfigFile, DEFAULT_CONFIG_PATH, DEFAULT_SWAP_PRIORITY};
+
+/// The name this binary answers to as a generator (argv[0]'s file name).
+pub const GENERATOR_NAME: &str = "trueno-ublk-generator";
+
+/// `(id, priority)` of every device the file marks `swap = yes`.
+pub fn swap_devices(file: &ConfigFile) -> Vec<(u32, u16)> {
+    file.devices
+        .iter()
+        .filter(|(_, section)| section.swap.is_some_and(|s| s.value))
+        .map(|(id, section)| {
+            let priority = section
+                .swap_priority
+                .map_or(DEFAULT_SWAP_PRIORITY, |s| s.value);
+            (*id, priority)
+        })
+        .collect()
+}
+
+/// The unit file `dev-ublkb{id}.swap`.
+pub fn swap_unit(id: u32, priority: u16, config: &Path) -> String {
+    let config = config.display();
+    format!(
+        "\
+# Written by {GENERATOR_NAME} from {config} ([ublkb{id}] swap = yes); edit that file,
+# then `systemctl daemon-reload`. The only swap unit of /dev/ublkb{id}: systemd runs
+# swapon and swapoff (outside any sandbox, so /proc/swaps names /dev/ublkb{id}).
+[Unit]
+Description=trueno-ublk compressed-RAM swap on /dev/ublkb{id}
+SourcePath={config}
+# The daemon serving the device. Wants=, not Requires=/BindsTo=/PartOf=: those would
+# carry a `systemctl restart trueno-ublk@{id}` (a package upgrade) over to this unit, and
+# its swapoff then has to read every swapped-out page back into a RAM that is short, gets
+# OOM-killed, and the daemon is stopped under live swap. A stop or restart of the daemon
+# leaves this unit alone; the daemon refuses to stop while the swap is on.
+Wants=trueno-ublk@{id}.service
+# Ordered after the daemon both ways: swapon once the device is live, and on stop
+# (`systemctl stop dev-ublkb{id}.swap trueno-ublk@{id}.service`, poweroff) the daemon's
+# stop waits until swapoff has finished.
+After=trueno-ublk@{id}.service
+# A fresh swap signature on the new, empty device before every swapon.
+Requires=trueno-ublk-mkswap@{id}.service
+After=trueno-ublk-mkswap@{id}.service
+Before=swap.target
+
+[Swap]
+What=/dev/ublkb{id}
+Priority={priority}
+# A ublk device hears of freed swap slots only through DISCARD (there is no
+# swap-slot-free notification as zram has): discard gives their memory back.
+Options=discard
+# swapoff reads every swapped-out page back into RAM: give it time.
+TimeoutSec=10min
+"
+    )
+}
+
+/// Write the units for `file` into `dir` (systemd's "normal" generator directory).
+pub fn generate(file: &ConfigFile, config: &Path, dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut written = Vec::new();
+    let wants = dir.join("swap.target.wants");
+    for (id, priority) in swap_devices(file) {
+        let name = format!("dev-ublkb{id}.swap");
+        let path = dir.join(&name);
+        let mut unit = std::fs::File::create(&path)?;
+        unit.write_all(swap_unit(id, priority, config).as_bytes())?;
+        std::fs::create_dir_all(&wants)?;
+        let link = wants.join(&name);
+        match std::fs::remove_file(&link) {
+            Ok(()) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+            Err(error) => return Err(error),
+        }
+        std::os::unix::fs::symlink(Path::new("..").join(&name), &link)?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
+/// Entry point when run as `trueno-ublk-generator NORMAL_DIR [EARLY_DIR LATE_DIR]`. The
+/// config path can be overridden with TRUENO_UBLK_CONFIG (tests; systemd passes no such
+/// variable). Messages go to stderr, which systemd sends to the kernel log.
+pub fn main() -> i32 {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let Some(dir) = args.first().map(PathBuf::from) else {
+        eprintln!("{GENERATOR_NAME}: usage: {GENERATOR_NAME} NORMAL_DIR [EARLY_DIR LATE_DIR] (systemd runs it at boot)");
+        return 2;
+    };
+    let config_path = std::env::var_os("TRUENO_UBLK_CONFIG")
+        .map_or_else(|| PathBuf::from(DEFAULT_CONFIG_PATH), PathBuf::from);
+    let file = match config::load(&config_path) {
+        Ok(file) => file,
+        Err(error) => {
+            eprintln!("{GENERATOR_NAME}: {error}; no swap units written");
+            return 1;
+        }
+    };
+    match generate(&file, &config_path, &dir) {
+        Ok(_) => 0,
+        Err(error) => {
+            eprintln!(
+                "{GENERATOR_NAME}: writing units into {}: {error}",
+                dir.display()
+            );
+            1
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_sections_with_swap_yes_get_a_swap_unit() {
+        let text = "[ublkb0]\nswap = yes\n[ublkb1]\nswap-priority = 5\n[ublkb2]\nswap = yes\nswap-priority = 7\n[ublkb3]\nswap = no\n";
+        let file = config::parse(text, Path::new("t.conf")).unwrap();
+        assert_eq!(
+            swap_devices(&file),
+            vec![(0, DEFAULT_SWAP_PRIORITY), (2, 7)]
+        );
+    }
+
+    #[test]
+    fn generated_units_and_links() {
+        let dir = std::env::temp_dir().join(format!("trueno-ublk-gen-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let file =
+            config::parse("[ublkb3]\nswap = yes\nswap-priority = 42\n", Path::new("c")).unwrap();
+        // Twice: a daemon-reload runs generators into a fresh directory, but a rerun into
+        // the same one must not fail on the existing link.
+        generate(&file, Path::new("/etc/trueno-ublk.conf"), &dir).unwrap();
+        let written = generate(&file, Path::new("/etc/trueno-ublk.conf"), &dir).unwrap();
+        assert_eq!(written, vec![dir.join("dev-ublkb3.swap")]);
+        let unit = std::fs::read_to_string(dir.join("dev-ublkb3.swap")).unwrap();
+        assert!(unit.contains("\nWhat=/dev/ublkb3\n"));
+        assert!(unit.contains("\nPriority=42\n"));
+        assert!(unit.contains("\nWants=trueno-ublk@3.service\n"));
+        assert!(unit.contains("\nAfter=trueno-ublk@3.service\n"));
+        assert!(!unit.contains("Requires=trueno-ublk@"));
+        let link = std::fs::read_link(dir.join("swap.target.wants/dev-ublkb3.swap")).unwrap();
+        assert_eq!(link, Path::new("../dev-ublkb3.swap"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
