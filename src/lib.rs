@@ -17,6 +17,7 @@ pub mod generator;
 pub mod gpu;
 pub mod mem;
 pub mod os;
+pub mod procstat;
 pub mod stats;
 pub mod store;
 pub mod swap;

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use trueno_ublk::cli::StatArgs;
+use trueno_ublk::procstat::ProcessMemory;
 use trueno_ublk::stats::{
     collect, render, report_text, serve_in, socket_path, DeviceReport, Probe, StatError,
     StatFormat, COLUMNS,
@@ -55,6 +56,11 @@ fn report(id: u32, orig_bytes: u64) -> DeviceReport {
             failed_reads: 1,
             failed_writes: 2,
             ..StoreStats::default()
+        },
+        memory: ProcessMemory {
+            rss_bytes: 30 << 20,
+            idle_rss_bytes: 8 << 20,
+            ..ProcessMemory::default()
         },
         io: {
             // Reads: 98 in [1024, 2048) ns, 2 in [65536, 131072) ns; no writes.
@@ -141,8 +147,10 @@ fn table_json_and_raw_output() {
     );
     // PAGES-SIMD PAGES-PARALLEL PAGES-GPU FLUSHES READ-ERRS WRITE-ERRS GPU...
     assert_eq!(&row[11..17], ["11", "22", "33", "44", "1", "2"]);
-    // READ-P50 READ-P99 WRITE-P50 WRITE-P99: bucket upper bounds in µs, `-` without requests.
-    assert_eq!(&row[17..21], ["<=3us", "<=132us", "-", "-"]);
+    // RSS IDLE-RSS, then READ-P50 READ-P99 WRITE-P50 WRITE-P99: bucket upper bounds in µs,
+    // `-` without requests.
+    assert_eq!(&row[17..19], ["30M", "8M"]);
+    assert_eq!(&row[19..23], ["<=3us", "<=132us", "-", "-"]);
     assert!(lines[1].ends_with("unavailable: no libcuda"));
     assert!(lines[2].starts_with("/dev/ublkb7"), "sorted by id: {table}");
     // Nothing stored: no ratio.

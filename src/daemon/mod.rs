@@ -227,6 +227,8 @@ fn serve(
     let report_store = store.clone();
     let report_settings = settings.clone();
     let timing = device.timing();
+    // The idle footprint: everything set up, nothing stored yet.
+    let idle_rss = crate::procstat::ProcessMemory::now(0).rss_bytes;
     let _stats_endpoint = stats::serve(id, move || {
         let gpu = match &gpu {
             Some(codec) => {
@@ -244,6 +246,7 @@ fn serve(
         };
         let mut report = DeviceReport::new(id, &report_settings, gpu, report_store.stats());
         report.io = timing.snapshot();
+        report.memory = crate::procstat::ProcessMemory::now(idle_rss);
         report
     })
     .map_err(|error| tracing::warn!(%error, "stats endpoint unavailable: `trueno-ublk stat` will not see this device"))

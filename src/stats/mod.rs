@@ -15,6 +15,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::config::DeviceSettings;
+use crate::procstat::ProcessMemory;
 use crate::store::StoreStats;
 use crate::ublk::device::block_path;
 use crate::ublk::IoTimingReport;
@@ -52,6 +53,9 @@ pub struct DeviceReport {
     /// Where requests' time went (see `ublk::timing`); empty from a daemon that predates it.
     #[serde(default)]
     pub io: IoTimingReport,
+    /// The daemon's own resident memory, now and idle.
+    #[serde(default)]
+    pub memory: ProcessMemory,
 }
 
 impl DeviceReport {
@@ -74,6 +78,7 @@ impl DeviceReport {
             gpu: gpu.into(),
             store,
             io: IoTimingReport::default(),
+            memory: ProcessMemory::default(),
         }
     }
 
