@@ -69,6 +69,8 @@ pub(super) struct ChunkReserve {
     refilled: Condvar,
     /// Whether a refill thread is running; without one, takers commit memory themselves.
     refill_running: AtomicBool,
+    /// Surplus chunks wait for the refill thread to give their pages back.
+    surplus_waiting: AtomicBool,
     stop: AtomicBool,
 }
 
@@ -101,6 +103,7 @@ impl ChunkReserve {
             wake_lock: Mutex::new(()),
             refilled: Condvar::new(),
             refill_running: AtomicBool::new(false),
+            surplus_waiting: AtomicBool::new(false),
             stop: AtomicBool::new(false),
         })
     }
@@ -217,6 +220,12 @@ impl ChunkReserve {
         }
         if self.refill_running.load(Ordering::Acquire) {
             self.pools[k].lock().surplus.push(chunk);
+            // Memory follows the data: the refill thread punches the hole now rather than at
+            // its next period, so a discard's pages are back with the system at once. One
+            // wake-up per pass is enough; it takes every surplus chunk.
+            if !self.surplus_waiting.swap(true, Ordering::AcqRel) {
+                self.wake_refill();
+            }
             return;
         }
         self.decommit(k, chunk);
@@ -293,6 +302,7 @@ impl ChunkReserve {
     /// `refill`, running `also` before each commit: what else the refill thread provides must
     /// not wait behind commits that wait in reclaim.
     fn refill_and(&self, also: &dyn Fn()) {
+        self.surplus_waiting.store(false, Ordering::Release);
         let demand: Vec<u64> = self
             .demand
             .iter()
