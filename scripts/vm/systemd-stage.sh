@@ -55,11 +55,15 @@ DEPMOD=$(command -v depmod || echo /sbin/depmod)
 # --- 1. Root file system, cached -----------------------------------------------------------
 key=$(printf '%s minbase %s\n' "$SUITE" "$PACKAGES" | sha256sum | cut -c1-12)
 ROOTFS="$CACHE/rootfs-$SUITE-$key.tar"
-if [ ! -s "$ROOTFS" ]; then
+if [ ! -f "$ROOTFS" ] || [ ! -s "$ROOTFS" ]; then
     log "mmdebstrap --variant=minbase --include=$PACKAGES $SUITE (cached as $(basename "$ROOTFS"))"
     mkdir -p "$CACHE"
-    "${SUDO[@]}" mmdebstrap --quiet --variant=minbase --include="$PACKAGES" "$SUITE" "$ROOTFS.tmp" ||
-        die "mmdebstrap failed"
+    # A directory left by an older run in the tarball's place goes.
+    "${SUDO[@]}" rm -rf "$ROOTFS" "$ROOTFS.tmp"
+    # --format=tar: mmdebstrap picks the format by the target's extension, and ".tmp" would
+    # make it a directory.
+    "${SUDO[@]}" mmdebstrap --quiet --format=tar --variant=minbase --include="$PACKAGES" \
+        "$SUITE" "$ROOTFS.tmp" || die "mmdebstrap failed"
     "${SUDO[@]}" chmod a+r "$ROOTFS.tmp"
     mv "$ROOTFS.tmp" "$ROOTFS"
 fi
