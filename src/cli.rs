@@ -230,7 +230,8 @@ impl BenchArgs {
     }
 }
 
-/// `trueno-ublk swapon`: what `trueno-ublk-swap@.service` runs after `mkswap`.
+/// `trueno-ublk swapon`: swapon with the configured priority, for use without systemd (the
+/// units leave swapon to the generated `dev-ublkbN.swap`).
 #[derive(Clone, Debug, Args)]
 pub struct SwaponArgs {
     /// Device id N of /dev/ublkbN
