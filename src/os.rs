@@ -56,6 +56,24 @@ pub fn lock_memory() -> nix::Result<()> {
     mlockall(MlockAllFlags::from_bits_retain(flags))
 }
 
+/// Whether process `pid` has ended: no such process, or only its zombie is left (an orphan's
+/// zombie may wait long for a parent that never reaps it). A pid of 0 or less names none.
+pub fn process_exited(pid: i32) -> bool {
+    if pid <= 0 {
+        return true;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => matches!(process_state(&stat), Some('Z' | 'X') | None),
+        Err(_) => true,
+    }
+}
+
+/// The state letter of a `/proc/PID/stat` line: the field after the command name, which is
+/// in parentheses and may itself hold spaces and parentheses.
+fn process_state(stat: &str) -> Option<char> {
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
 /// Keep the OOM killer away from this process (`oom_score_adj` -1000).
 pub fn protect_from_oom_killer() -> std::io::Result<()> {
     std::fs::write("/proc/self/oom_score_adj", "-1000")
@@ -96,6 +114,16 @@ pub fn parse_mem_total(meminfo: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn process_states_are_read_past_odd_command_names() {
+        assert_eq!(process_state("42 (trueno-ublk) S 1 42 42"), Some('S'));
+        assert_eq!(process_state("42 (a) b) Z 1 42"), Some('Z'));
+        assert_eq!(process_state("garbage"), None);
+        assert!(!process_exited(i32::try_from(std::process::id()).unwrap()));
+        assert!(process_exited(0));
+        assert!(process_exited(-1));
+    }
 
     #[test]
     fn cvt_turns_minus_one_into_errno() {

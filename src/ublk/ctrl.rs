@@ -174,10 +174,45 @@ impl Control {
             .map(drop)
     }
 
-    /// DEL_DEV: waits until the device's char device is no longer open.
+    /// DEL_DEV: removes the device, then waits (interruptibly, with no time limit) until its
+    /// last user lets go of it: an active swap area keeps a deleted disk open forever.
     pub fn del_dev(&mut self, dev_id: u32) -> Result<(), UblkError> {
         self.command::<u8>(sys::UBLK_U_CMD_DEL_DEV, dev_id, None, 0)
             .map(drop)
+    }
+
+    /// DEL_DEV_ASYNC (Linux 6.9+): removes the device like DEL_DEV and returns at once; the id
+    /// is free again once its last user lets go. Drivers without it answer EOPNOTSUPP (or
+    /// EINVAL when they do not take encoded opcodes).
+    pub fn del_dev_async(&mut self, dev_id: u32) -> Result<(), UblkError> {
+        if !self.ioctl_encode {
+            return Err(UblkError::command(
+                sys::UBLK_U_CMD_DEL_DEV_ASYNC,
+                dev_id,
+                libc::EOPNOTSUPP,
+            ));
+        }
+        self.command::<u8>(sys::UBLK_U_CMD_DEL_DEV_ASYNC, dev_id, None, 0)
+            .map(drop)
+    }
+
+    /// START_USER_RECOVERY: the driver forgets the dead daemon's queues so a new one can fetch
+    /// them. EBUSY while the device is not quiesced yet or the old `/dev/ublkcN` is still open.
+    pub fn start_user_recovery(&mut self, dev_id: u32) -> Result<(), UblkError> {
+        self.command::<u8>(sys::UBLK_U_CMD_START_USER_RECOVERY, dev_id, None, 0)
+            .map(drop)
+    }
+
+    /// END_USER_RECOVERY: waits until every queue's fetches have arrived, then unquiesces the
+    /// device with `daemon_pid` as its server: requests that waited are served from here on.
+    pub fn end_user_recovery(&mut self, dev_id: u32, daemon_pid: u32) -> Result<(), UblkError> {
+        self.command::<u8>(
+            sys::UBLK_U_CMD_END_USER_RECOVERY,
+            dev_id,
+            None,
+            u64::from(daemon_pid),
+        )
+        .map(drop)
     }
 
     pub fn dev_info(&mut self, dev_id: u32) -> Result<CtrlDevInfo, UblkError> {

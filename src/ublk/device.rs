@@ -1,9 +1,26 @@
-//! One device's life on the kernel side: ADD_DEV, SET_PARAMS, a thread per queue with every
-//! tag fetched, START_DEV; and at the end STOP_DEV, the queue threads joined, DEL_DEV.
+//! One device's life on the kernel side.
+//!
+//! A new device: ADD_DEV and SET_PARAMS (`Device::add`), then a thread per queue with every tag
+//! fetched and START_DEV (`AddedDevice::start`). A device whose daemon died or handed it over:
+//! wait until the kernel has quiesced it (`Device::find_resumable`), START_USER_RECOVERY, the
+//! same queue threads, END_USER_RECOVERY (`Resumable::resume`). At the end, either STOP_DEV,
+//! the queue threads joined and DEL_DEV (`Device::shutdown`), or the queue threads ended and
+//! every file closed with the device left quiesced for the next daemon (`Device::hand_over`).
+//!
+//! What the 6.12 driver does when a daemon goes (`drivers/block/ublk_drv.c`): a queue thread's
+//! exit (or its ring's release) cancels its commands (`ublk_uring_cmd_cancel_fn`), which
+//! requeues the requests the daemon had taken (`ublk_abort_queue`, with
+//! `UBLK_F_USER_RECOVERY_REISSUE`) and schedules `ublk_quiesce_work_fn`: the queue stops and
+//! the state becomes QUIESCED. New I/O waits in the requeue list meanwhile, with no time limit.
+//! START_USER_RECOVERY needs that state and the old `/dev/ublkcN` file released
+//! (`ublk_ctrl_start_recovery`, EBUSY otherwise). Closing `/dev/ublkcN` itself does nothing
+//! (`ublk_ch_release` only clears the open bit): the cancel of the commands is what quiesces.
 
 #![forbid(unsafe_code)]
 
 use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -12,14 +29,25 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::ctrl::Control;
-use super::params::{device_params, DeviceSpec};
-use super::queue::{BlockHandler, Queue, QueueSetup};
+use super::params::{device_params, survives_daemon, DeviceSpec};
+use super::queue::{BlockHandler, Queue, QueueParts, QueueSetup};
 use super::sys::{self, CtrlDevInfo};
 use super::timing::IoTiming;
 use super::UblkError;
 
 /// How long the char device may take to appear after ADD_DEV (devtmpfs or udev).
 const CHAR_DEV_WAIT: Duration = Duration::from_secs(5);
+/// How long a resume waits for the kernel to quiesce a device whose daemon has gone, for that
+/// daemon's process to be gone entirely (it may still be closing its store after a hand-over),
+/// and for its `/dev/ublkcN` to be released. Measured in the VM: a few milliseconds.
+const QUIESCE_WAIT: Duration = Duration::from_secs(10);
+/// How long a device that is live with a live daemon gets to show that the daemon is dying
+/// (a `kill -9` a moment ago) before a resume calls it in use.
+const LIVE_DAEMON_GRACE: Duration = Duration::from_secs(2);
+/// How long a hand-over waits for the kernel to report the device quiesced.
+const HAND_OVER_WAIT: Duration = Duration::from_secs(5);
+/// Poll interval of those waits: short, since every waiting request pauses that long.
+const POLL: Duration = Duration::from_millis(2);
 
 pub fn block_path(dev_id: u32) -> String {
     format!("/dev/ublkb{dev_id}")
@@ -29,23 +57,185 @@ pub fn char_path(dev_id: u32) -> String {
     format!("/dev/ublkc{dev_id}")
 }
 
+/// `/sys/class/ublk-char/ublkcN`: present from ADD_DEV until DEL_DEV (even a DEL_DEV that
+/// still waits for the device's last user).
+pub fn char_class_path(dev_id: u32) -> String {
+    format!("/sys/class/ublk-char/ublkc{dev_id}")
+}
+
+/// A device added (ADD_DEV, SET_PARAMS) but not started: its id is known, no handler is
+/// needed yet. Dropping it deletes the device.
+pub struct AddedDevice {
+    control: Option<Control>,
+    info: CtrlDevInfo,
+    size_bytes: u64,
+}
+
+impl AddedDevice {
+    pub fn id(&self) -> u32 {
+        self.info.dev_id
+    }
+
+    /// Whether the device outlives its daemon (the driver took `USER_RECOVERY` with
+    /// `_REISSUE`): a daemon that dies leaves it quiesced, and a new one resumes it.
+    pub fn survives_daemon(&self) -> bool {
+        survives_daemon(self.info.flags)
+    }
+
+    /// Queue threads with every tag fetched, then START_DEV: returns once the block device is
+    /// live. On failure the device is deleted.
+    pub fn start(mut self, handler: Arc<dyn BlockHandler>) -> Result<Device, UblkError> {
+        let wake = wake_pair()?;
+        let control = self.control.take().ok_or(UblkError::QueueSetup(
+            "the device was already started".into(),
+        ))?;
+        // From here on a failure must undo ADD_DEV: the device's `Drop` does it, since the
+        // device has never been live and holds nothing worth keeping.
+        let mut device = Device::new(control, self.info, self.size_bytes, false, wake);
+        let go = device.spawn_queues(handler)?;
+        let char_dev = Arc::new(open_char_dev(device.id())?);
+        device.fetch_all(go, &char_dev)?;
+        // Every FETCH_REQ of every queue has entered the kernel: START_DEV can complete.
+        device.control.start_dev(device.id(), std::process::id())?;
+        device.keep_on_drop = device.survives_daemon();
+        device.info = device.control.dev_info(device.id())?;
+        Ok(device)
+    }
+}
+
+impl Drop for AddedDevice {
+    fn drop(&mut self) {
+        let Some(control) = self.control.as_mut() else {
+            return;
+        };
+        if let Err(error) = control.del_dev(self.info.dev_id) {
+            tracing::error!(id = self.info.dev_id, %error, "deleting a device that never started failed");
+        }
+    }
+}
+
+/// A device whose daemon has gone, quiesced and ready for this process to serve it: what
+/// `Device::find_resumable` found. Nothing has changed in the kernel yet.
+pub struct Resumable {
+    control: Control,
+    info: CtrlDevInfo,
+    size_bytes: u64,
+}
+
+impl Resumable {
+    pub fn id(&self) -> u32 {
+        self.info.dev_id
+    }
+
+    /// The device as the kernel has it (queues, depth, buffer size, the old daemon's pid).
+    pub fn info(&self) -> &CtrlDevInfo {
+        &self.info
+    }
+
+    /// START_USER_RECOVERY, queue threads with every tag fetched, END_USER_RECOVERY: returns
+    /// once the device is live again, served by `handler`; the requests that waited are then
+    /// on their way. On failure the device is left quiesced, never deleted.
+    ///
+    /// Everything that can be made beforehand is (threads, rings, buffers), because the
+    /// 6.12 driver has a trap here: START_USER_RECOVERY forgets every queue, and until one
+    /// queue has fetched all its tags again, a second START_USER_RECOVERY fails with EINVAL
+    /// (`ublk_ctrl_start_recovery`: `!ub->nr_queues_ready`). A daemon that dies in that
+    /// window leaves a device no daemon can resume; only DEL_DEV removes it.
+    pub fn resume(self, handler: Arc<dyn BlockHandler>) -> Result<Device, UblkError> {
+        let id = self.id();
+        let wake = wake_pair()?;
+        let mut device = Device::new(self.control, self.info, self.size_bytes, true, wake);
+        let go = device.spawn_queues(handler)?;
+        // START_USER_RECOVERY is EBUSY until the old daemon's `/dev/ublkcN` is released, which
+        // the kernel does once the last of its io_uring commands is gone.
+        let deadline = Instant::now() + QUIESCE_WAIT;
+        loop {
+            match device.control.start_user_recovery(id) {
+                Ok(()) => break,
+                Err(UblkError::Command {
+                    errno: libc::EBUSY, ..
+                }) if Instant::now() < deadline => std::thread::sleep(POLL),
+                Err(UblkError::Command {
+                    errno: libc::EBUSY, ..
+                }) => {
+                    return Err(UblkError::CannotResume {
+                        id,
+                        reason: format!(
+                            "the kernel still holds its old daemon's {} after {} s \
+                             (START_USER_RECOVERY: busy); check `trueno-ublk list` and retry",
+                            char_path(id),
+                            QUIESCE_WAIT.as_secs()
+                        ),
+                    })
+                }
+                Err(UblkError::Command {
+                    errno: libc::EINVAL,
+                    ..
+                }) => {
+                    return Err(UblkError::CannotResume {
+                        id,
+                        reason: "the kernel refuses to start a recovery (START_USER_RECOVERY: \
+                                 invalid argument): a daemon died while resuming it, before \
+                                 its queues were ready, and this kernel cannot resume it after \
+                                 that; `trueno-ublk delete --id N --lose-pages` removes it"
+                            .replace('N', &id.to_string()),
+                    })
+                }
+                Err(error) => return Err(error),
+            }
+        }
+        let char_dev = Arc::new(open_char_dev(id)?);
+        device.fetch_all(go, &char_dev)?;
+        device.control.end_user_recovery(id, std::process::id())?;
+        device.info = device.control.dev_info(id)?;
+        Ok(device)
+    }
+}
+
 /// A live device served by this process.
 pub struct Device {
     control: Control,
     info: CtrlDevInfo,
     size_bytes: u64,
     stop: Arc<AtomicBool>,
-    queues: Vec<JoinHandle<Result<(), UblkError>>>,
+    /// Written to wake every queue thread at once when `stop` is set; the other end is polled
+    /// by each queue's ring.
+    wake: UnixStream,
+    wake_rx: Arc<UnixStream>,
+    queues: Vec<JoinHandle<QueueExit>>,
+    exited_tx: Sender<u16>,
     exited: Receiver<u16>,
     char_dev: Option<Arc<File>>,
-    deleted: bool,
+    finished: bool,
+    /// What an unexpected drop does: hand the device over (it has been live, or was resumed,
+    /// and outlives its daemon: its data must stay) or stop and delete it.
+    keep_on_drop: bool,
     timing: Arc<IoTiming>,
 }
 
+/// What a queue thread leaves when it ends: its queue, still open (dropped by whoever joins
+/// the thread, after the thread has exited; see `Device::hand_over`), and how serving ended.
+type QueueExit = (Option<Queue>, Result<(), UblkError>);
+
+/// What a queue thread reports while it starts.
+enum QueueReady {
+    /// Ring and buffers made; waiting for the char device.
+    Prepared,
+    /// Every tag fetched.
+    Fetched,
+    Failed(String),
+}
+
+/// Starts each queue thread's fetches: the char device, and a channel per thread for it.
+struct Go {
+    senders: Vec<Sender<Arc<File>>>,
+    ready: Receiver<QueueReady>,
+}
+
 impl Device {
-    /// Create, configure and start a device whose requests `handler` serves. Returns once
-    /// the block device is live. On failure nothing is left behind in the kernel.
-    pub fn create(spec: DeviceSpec, handler: Arc<dyn BlockHandler>) -> Result<Self, UblkError> {
+    /// ADD_DEV and SET_PARAMS: the device exists (its id is known, `/dev/ublkcN` appears) but
+    /// serves nothing yet. On failure nothing is left behind in the kernel.
+    pub fn add(spec: DeviceSpec) -> Result<AddedDevice, UblkError> {
         spec.validate()?;
         let mut control = Control::open()?;
         let features = control.features();
@@ -66,38 +256,158 @@ impl Device {
                 ) => UblkError::IdInUse(id),
                 (error, _) => error,
             })?;
-        let (exited_tx, exited) = crossbeam_channel::unbounded();
-        let mut device = Self {
-            control,
+        let mut added = AddedDevice {
+            control: Some(control),
             info,
             size_bytes: spec.size_bytes,
-            stop: Arc::new(AtomicBool::new(false)),
-            queues: Vec::new(),
-            exited,
-            char_dev: None,
-            deleted: false,
-            timing: Arc::default(),
         };
-        // From here on a failure must undo ADD_DEV: `Drop` does it.
-        device.configure_and_start(handler, exited_tx)?;
-        Ok(device)
+        let id = added.id();
+        let params = device_params(spec.size_bytes, added.info.max_io_buf_bytes);
+        if let Some(control) = added.control.as_mut() {
+            // A failure here drops `added`, which deletes the device.
+            control.set_params(id, &params)?;
+        }
+        Ok(added)
     }
 
-    fn configure_and_start(
-        &mut self,
+    /// Create, configure and start a device whose requests `handler` serves. Returns once
+    /// the block device is live. On failure nothing is left behind in the kernel.
+    pub fn create(spec: DeviceSpec, handler: Arc<dyn BlockHandler>) -> Result<Self, UblkError> {
+        Self::add(spec)?.start(handler)
+    }
+
+    /// Device `id` as a new daemon may serve it: it exists, outlives its daemon, is
+    /// `size_bytes` long, is quiesced and its old daemon's process is gone. Waits (boundedly)
+    /// for a daemon that is dying or handing over; changes nothing in the kernel.
+    pub fn find_resumable(id: u32, size_bytes: u64) -> Result<Resumable, UblkError> {
+        let mut control = Control::open()?;
+        let started = Instant::now();
+        loop {
+            let info = match control.dev_info(id) {
+                Err(UblkError::Command {
+                    errno: libc::ENODEV,
+                    ..
+                }) => return Err(UblkError::NoSuchDevice(id)),
+                other => other?,
+            };
+            let old_daemon_gone = crate::os::process_exited(info.ublksrv_pid);
+            match info.state {
+                sys::UBLK_S_DEV_DEAD => {
+                    let reason = if std::path::Path::new(&char_class_path(id)).exists() {
+                        format!(
+                            "it is stopped (its block device is gone): delete it \
+                             (`trueno-ublk delete --id {id}`) and create it again"
+                        )
+                    } else {
+                        format!(
+                            "it was deleted but something still holds its old block device \
+                             open (a swap area shown as `{} (deleted)` in /proc/swaps?); the \
+                             id is free once that lets go",
+                            block_path(id)
+                        )
+                    };
+                    return Err(UblkError::CannotResume { id, reason });
+                }
+                sys::UBLK_S_DEV_LIVE
+                    if !old_daemon_gone && started.elapsed() > LIVE_DAEMON_GRACE =>
+                {
+                    return Err(UblkError::IdInUse(id));
+                }
+                _ if !survives_daemon(info.flags) && started.elapsed() > LIVE_DAEMON_GRACE => {
+                    return Err(UblkError::CannotResume {
+                        id,
+                        reason: "it was made without user recovery (by an older trueno-ublk, \
+                                 or on a kernel without it), so no other daemon can serve it"
+                            .into(),
+                    });
+                }
+                sys::UBLK_S_DEV_QUIESCED if old_daemon_gone => {
+                    let params = control.params(id)?;
+                    let device_bytes = params.basic.dev_sectors << 9;
+                    if device_bytes != size_bytes {
+                        return Err(UblkError::CannotResume {
+                            id,
+                            reason: format!(
+                                "it is {device_bytes} bytes and {size_bytes} were asked for; \
+                                 resume it with its own size"
+                            ),
+                        });
+                    }
+                    return Ok(Resumable {
+                        control,
+                        info,
+                        size_bytes,
+                    });
+                }
+                _ if started.elapsed() > QUIESCE_WAIT => {
+                    let state = state_name(info.state);
+                    return Err(UblkError::CannotResume {
+                        id,
+                        reason: if old_daemon_gone {
+                            format!(
+                                "its daemon (pid {}) is gone but the kernel still reports it \
+                                 {state} after {} s",
+                                info.ublksrv_pid,
+                                QUIESCE_WAIT.as_secs()
+                            )
+                        } else {
+                            format!(
+                                "its daemon (pid {}) is still running after {} s (state \
+                                 {state})",
+                                info.ublksrv_pid,
+                                QUIESCE_WAIT.as_secs()
+                            )
+                        },
+                    });
+                }
+                _ => std::thread::sleep(POLL),
+            }
+        }
+    }
+
+    /// `find_resumable` and `resume` in one: serve device `id` again with `handler`, taking
+    /// over from a daemon that died or handed it over.
+    pub fn recover(
+        id: u32,
+        size_bytes: u64,
         handler: Arc<dyn BlockHandler>,
-        exited: Sender<u16>,
-    ) -> Result<(), UblkError> {
+    ) -> Result<Self, UblkError> {
+        Self::find_resumable(id, size_bytes)?.resume(handler)
+    }
+
+    fn new(
+        control: Control,
+        info: CtrlDevInfo,
+        size_bytes: u64,
+        keep_on_drop: bool,
+        (wake, wake_rx): (UnixStream, UnixStream),
+    ) -> Self {
+        let (exited_tx, exited) = crossbeam_channel::unbounded();
+        Self {
+            control,
+            info,
+            size_bytes,
+            stop: Arc::new(AtomicBool::new(false)),
+            wake,
+            wake_rx: Arc::new(wake_rx),
+            queues: Vec::new(),
+            exited_tx,
+            exited,
+            char_dev: None,
+            finished: false,
+            keep_on_drop,
+            timing: Arc::default(),
+        }
+    }
+
+    /// A thread per queue, each with its ring and buffers made, waiting for the char device.
+    fn spawn_queues(&mut self, handler: Arc<dyn BlockHandler>) -> Result<Go, UblkError> {
         let id = self.info.dev_id;
-        self.control.set_params(
-            id,
-            &device_params(self.size_bytes, self.info.max_io_buf_bytes),
-        )?;
-        let char_dev = Arc::new(open_char_dev(id)?);
-        self.char_dev = Some(char_dev.clone());
-        let (ready_tx, ready_rx) = crossbeam_channel::bounded(self.info.nr_hw_queues as usize);
+        let queues = self.info.nr_hw_queues;
+        let (ready_tx, ready) = crossbeam_channel::bounded(2 * usize::from(queues));
         let ioctl_encode = self.info.flags & sys::UBLK_F_CMD_IOCTL_ENCODE != 0;
-        for q_id in 0..self.info.nr_hw_queues {
+        let mut senders = Vec::with_capacity(usize::from(queues));
+        for q_id in 0..queues {
             let setup = QueueSetup {
                 dev_id: id,
                 q_id,
@@ -106,50 +416,39 @@ impl Device {
                 dev_bytes: self.size_bytes,
                 ioctl_encode,
             };
-            let (char_dev, handler, stop) = (char_dev.clone(), handler.clone(), self.stop.clone());
+            let (go_tx, go_rx) = crossbeam_channel::bounded::<Arc<File>>(1);
+            let (handler, stop, wake) = (handler.clone(), self.stop.clone(), self.wake_rx.clone());
             let timing = self.timing.clone();
-            let (ready_tx, exited) = (ready_tx.clone(), exited.clone());
+            let (ready_tx, exited) = (ready_tx.clone(), self.exited_tx.clone());
             let thread = std::thread::Builder::new()
                 .name(format!("ublk{id}-q{q_id}"))
                 .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
                 .spawn(move || {
-                    crate::mem::prepare_io_thread();
-                    handler.prepare_thread();
-                    let result = match Queue::fetch_all(setup, &char_dev) {
-                        Ok(queue) => {
-                            let _ = ready_tx.send(Ok(()));
-                            queue.serve(handler.as_ref(), &stop, &timing)
-                        }
-                        Err(error) => {
-                            let _ = ready_tx.send(Err(error.to_string()));
-                            Ok(())
-                        }
-                    };
+                    let exit = run_queue(setup, &*handler, &stop, &timing, wake, &go_rx, &ready_tx);
                     let _ = exited.send(q_id);
-                    result
+                    exit
                 })
                 .map_err(|source| UblkError::Io {
                     what: "starting a queue thread",
                     source,
                 })?;
             self.queues.push(thread);
+            senders.push(go_tx);
         }
-        drop(ready_tx);
-        for _ in 0..self.info.nr_hw_queues {
-            match ready_rx.recv() {
-                Ok(Ok(())) => {}
-                Ok(Err(message)) => return Err(UblkError::QueueSetup(message)),
-                Err(_) => {
-                    return Err(UblkError::QueueSetup(
-                        "a queue thread died during setup".into(),
-                    ))
-                }
-            }
+        let go = Go { senders, ready };
+        go.wait_all(queues, |r| matches!(r, QueueReady::Prepared))?;
+        Ok(go)
+    }
+
+    /// Hand every queue thread the char device and wait until all have fetched their tags.
+    fn fetch_all(&mut self, go: Go, char_dev: &Arc<File>) -> Result<(), UblkError> {
+        self.char_dev = Some(char_dev.clone());
+        for sender in &go.senders {
+            sender
+                .send(char_dev.clone())
+                .map_err(|_| UblkError::QueueSetup("a queue thread died during setup".into()))?;
         }
-        // Every FETCH_REQ of every queue has entered the kernel: START_DEV can complete.
-        self.control.start_dev(id, std::process::id())?;
-        self.info = self.control.dev_info(id)?;
-        Ok(())
+        go.wait_all(self.info.nr_hw_queues, |r| matches!(r, QueueReady::Fetched))
     }
 
     pub fn id(&self) -> u32 {
@@ -164,27 +463,97 @@ impl Device {
         self.size_bytes
     }
 
-    /// Receives a queue id whenever a queue thread ends (the device was stopped by someone
-    /// else, or a queue failed): the daemon then shuts down.
+    /// Whether the device outlives this daemon (see `AddedDevice::survives_daemon`): then
+    /// `hand_over` leaves it to the next daemon.
+    pub fn survives_daemon(&self) -> bool {
+        survives_daemon(self.info.flags)
+    }
+
     /// Where requests' time went so far (every queue).
     pub fn timing(&self) -> Arc<IoTiming> {
         self.timing.clone()
     }
 
+    /// Receives a queue id whenever a queue thread ends (the device was stopped by someone
+    /// else, or a queue failed): the daemon then shuts down.
     pub fn queue_exits(&self) -> &Receiver<u16> {
         &self.exited
     }
 
     /// STOP_DEV, join the queue threads, DEL_DEV.
     pub fn shutdown(mut self) -> Result<(), UblkError> {
-        self.teardown()
+        self.finished = true;
+        self.delete()
     }
 
-    fn teardown(&mut self) -> Result<(), UblkError> {
-        if self.deleted {
-            return Ok(());
+    /// Stop serving without stopping the device: the queue threads end (the kernel cancels
+    /// their commands as each exits, requeues the requests this daemon had taken, and
+    /// quiesces the device), then their rings and `/dev/ublkcN` are closed. Returns once the
+    /// kernel reports the device quiesced: I/O waits from here on, with no time limit, until
+    /// the next daemon resumes it. Only for a device that `survives_daemon`; otherwise the
+    /// kernel would stop it and fail its I/O, so this refuses.
+    ///
+    /// Why the threads end before the rings close: a request the kernel hands to a queue
+    /// thread at the last moment completes to the thread only while the thread is alive;
+    /// once it is exiting, the driver requeues such a request instead
+    /// (`__ublk_rq_task_work`). Closing a ring while its thread lives could leave one
+    /// request taken by nobody, and the quiesce would wait for it forever.
+    pub fn hand_over(mut self) -> Result<(), UblkError> {
+        self.finished = true;
+        if !self.survives_daemon() {
+            return Err(UblkError::HandOver(format!(
+                "device {} was made without user recovery: it cannot outlive this daemon",
+                self.id()
+            )));
         }
-        self.deleted = true;
+        self.end_queues()?;
+        let id = self.id();
+        let deadline = Instant::now() + HAND_OVER_WAIT;
+        loop {
+            let info = self.control.dev_info(id)?;
+            if info.state == sys::UBLK_S_DEV_QUIESCED {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(UblkError::HandOver(format!(
+                    "device {id} is still {} {} s after its queues ended; the next daemon \
+                     waits for the kernel to quiesce it",
+                    state_name(info.state),
+                    HAND_OVER_WAIT.as_secs()
+                )));
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    /// Set the stop flag, wake the queue threads, join them, then drop what they left (rings
+    /// close after their threads exited) and our char device handle.
+    fn end_queues(&mut self) -> Result<(), UblkError> {
+        self.stop.store(true, Ordering::Release);
+        // One byte wakes every queue's poll (level-triggered); ignore a full or closed socket:
+        // the loop also looks at the flag once a second.
+        let _ = (&self.wake).write(&[1]);
+        let mut queue_error = None;
+        let mut left = Vec::with_capacity(self.queues.len());
+        for thread in self.queues.drain(..) {
+            match thread.join() {
+                Ok((queue, result)) => {
+                    left.push(queue);
+                    if let Err(error) = result {
+                        queue_error = Some(error);
+                    }
+                }
+                Err(_) => {
+                    queue_error = Some(UblkError::QueueSetup("a queue thread panicked".into()))
+                }
+            }
+        }
+        drop(left);
+        self.char_dev = None;
+        queue_error.map_or(Ok(()), Err)
+    }
+
+    fn delete(&mut self) -> Result<(), UblkError> {
         let id = self.info.dev_id;
         let stopped = match self.control.stop_dev(id) {
             // Already stopped, e.g. by `trueno-ublk delete` from another process.
@@ -194,19 +563,8 @@ impl Device {
             }) => Ok(()),
             other => other,
         };
-        self.stop.store(true, Ordering::Release);
-        let mut queue_error = None;
-        for thread in self.queues.drain(..) {
-            match thread.join() {
-                Ok(Ok(())) => {}
-                Ok(Err(error)) => queue_error = Some(error),
-                Err(_) => {
-                    queue_error = Some(UblkError::QueueSetup("a queue thread panicked".into()))
-                }
-            }
-        }
-        // DEL_DEV waits for the char device to be closed: drop our handle first.
-        self.char_dev = None;
+        let queues = self.end_queues();
+        // DEL_DEV waits for the char device to be closed: `end_queues` dropped our handle.
         let deleted = match self.control.del_dev(id) {
             Err(UblkError::Command {
                 errno: libc::ENODEV,
@@ -215,16 +573,95 @@ impl Device {
             other => other,
         };
         stopped.and(deleted)?;
-        queue_error.map_or(Ok(()), Err)
+        queues
     }
 }
 
 impl Drop for Device {
     fn drop(&mut self) {
-        if let Err(error) = self.teardown() {
-            tracing::error!(id = self.info.dev_id, %error, "tearing the device down failed");
+        if self.finished {
+            return;
+        }
+        self.finished = true;
+        let id = self.info.dev_id;
+        if self.keep_on_drop {
+            // Its pages may be someone's swap: leave it quiesced for the next daemon.
+            if let Err(error) = self.end_queues() {
+                tracing::error!(id, %error, "ending the queues of a device left to the next daemon failed");
+            }
+        } else if let Err(error) = self.delete() {
+            tracing::error!(id, %error, "tearing the device down failed");
         }
     }
+}
+
+/// One queue thread's life: make the ring and buffers, wait for the char device, fetch every
+/// tag, serve until stopped. Returns the queue still open (see `QueueExit`).
+fn run_queue(
+    setup: QueueSetup,
+    handler: &dyn BlockHandler,
+    stop: &AtomicBool,
+    timing: &IoTiming,
+    wake: Arc<UnixStream>,
+    go: &Receiver<Arc<File>>,
+    ready: &Sender<QueueReady>,
+) -> QueueExit {
+    crate::mem::prepare_io_thread();
+    handler.prepare_thread();
+    let parts = match QueueParts::prepare(setup) {
+        Ok(parts) => parts,
+        Err(error) => {
+            let _ = ready.send(QueueReady::Failed(error.to_string()));
+            return (None, Ok(()));
+        }
+    };
+    let _ = ready.send(QueueReady::Prepared);
+    // The device gave up before the fetches (its channel closed): nothing to serve.
+    let Ok(char_dev) = go.recv() else {
+        return (None, Ok(()));
+    };
+    match Queue::fetch_all(parts, char_dev, wake) {
+        Ok(mut queue) => {
+            let _ = ready.send(QueueReady::Fetched);
+            let result = queue.serve(handler, stop, timing);
+            (Some(queue), result)
+        }
+        Err(error) => {
+            let _ = ready.send(QueueReady::Failed(error.to_string()));
+            (None, Ok(()))
+        }
+    }
+}
+
+impl Go {
+    /// Wait for one report matching `want` from each of `queues` threads.
+    fn wait_all(&self, queues: u16, want: impl Fn(&QueueReady) -> bool) -> Result<(), UblkError> {
+        for _ in 0..queues {
+            match self.ready.recv() {
+                Ok(QueueReady::Failed(message)) => return Err(UblkError::QueueSetup(message)),
+                Ok(report) if want(&report) => {}
+                Ok(_) => {
+                    return Err(UblkError::QueueSetup(
+                        "a queue thread reported out of order".into(),
+                    ))
+                }
+                Err(_) => {
+                    return Err(UblkError::QueueSetup(
+                        "a queue thread died during setup".into(),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The queues' wake-up socket: `Device` writes one end, every queue's ring polls the other.
+fn wake_pair() -> Result<(UnixStream, UnixStream), UblkError> {
+    UnixStream::pair().map_err(|source| UblkError::Io {
+        what: "making the queues' wake-up socket",
+        source,
+    })
 }
 
 fn open_char_dev(dev_id: u32) -> Result<File, UblkError> {

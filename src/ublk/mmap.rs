@@ -34,6 +34,12 @@ pub struct DescArray {
     depth: u16,
 }
 
+// SAFETY: the mapping belongs to this value alone and has no tie to the thread that made it;
+// moving it to another thread (a queue handed over is dropped by the thread that joins it) is
+// moving the ownership of plain memory. It is not `Sync`: `get` reads it through `&self`, but
+// one owner at a time is all the queue needs.
+unsafe impl Send for DescArray {}
+
 impl DescArray {
     pub fn map(char_dev: impl AsFd, q_id: u16, depth: u16) -> std::io::Result<Self> {
         let map_len = round_up_to_page(depth as usize * std::mem::size_of::<IoDesc>());
@@ -89,6 +95,11 @@ pub struct IoBuffers {
     tag_size: usize,
     depth: u16,
 }
+
+// SAFETY: as for `DescArray`: a private anonymous mapping owned by this value alone, and
+// every slice into it borrows `&mut self`, so whichever thread owns it is the only one using
+// it.
+unsafe impl Send for IoBuffers {}
 
 impl IoBuffers {
     pub fn new(depth: u16, tag_size: usize) -> std::io::Result<Self> {

@@ -13,9 +13,9 @@ pub mod sys;
 pub mod timing;
 
 pub use ctrl::Control;
-pub use device::Device;
+pub use device::{AddedDevice, Device, Resumable};
 pub use io::{Op, Request};
-pub use params::DeviceSpec;
+pub use params::{survives_daemon, DeviceSpec};
 pub use queue::BlockHandler;
 pub use timing::{IoTiming, IoTimingReport};
 
@@ -29,8 +29,15 @@ pub enum UblkError {
     DriverMissing,
     #[error("permission denied on /dev/ublk-control: run as root (or with CAP_SYS_ADMIN)")]
     PermissionDenied,
-    #[error("device id {0} is already in use: pick another --id or delete it first")]
+    #[error(
+        "device id {0} is already in use (a running daemon serves it): pick another --id or \
+         delete it first"
+    )]
     IdInUse(u32),
+    #[error("device {id} cannot be resumed: {reason}")]
+    CannotResume { id: u32, reason: String },
+    #[error("hand-over: {0}")]
+    HandOver(String),
     #[error("no ublk device with id {0}")]
     NoSuchDevice(u32),
     #[error("{0}")]
@@ -51,7 +58,7 @@ pub enum UblkError {
 }
 
 impl UblkError {
-    fn command(encoded_op: u32, dev_id: u32, errno: i32) -> Self {
+    pub(crate) fn command(encoded_op: u32, dev_id: u32, errno: i32) -> Self {
         let command = match encoded_op & 0xff {
             0x02 => "GET_DEV_INFO",
             0x04 => "ADD_DEV",
@@ -60,7 +67,10 @@ impl UblkError {
             0x07 => "STOP_DEV",
             0x08 => "SET_PARAMS",
             0x09 => "GET_PARAMS",
+            0x10 => "START_USER_RECOVERY",
+            0x11 => "END_USER_RECOVERY",
             0x13 => "GET_FEATURES",
+            0x14 => "DEL_DEV_ASYNC",
             _ => "command",
         };
         if errno == libc::EPERM || errno == libc::EACCES {

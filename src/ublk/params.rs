@@ -68,17 +68,29 @@ impl DeviceSpec {
         Ok(())
     }
 
-    /// The `ADD_DEV` payload, asking only for features the driver reported.
+    /// The `ADD_DEV` payload, asking only for features the driver reported: encoded opcodes,
+    /// and recovery with re-issue when the driver has both (see `survives_daemon`).
     pub fn dev_info(&self, driver_features: u64) -> CtrlDevInfo {
+        let mut flags = driver_features & sys::UBLK_F_CMD_IOCTL_ENCODE;
+        if survives_daemon(driver_features) {
+            flags |= sys::UBLK_F_RECOVERY_REISSUE;
+        }
         CtrlDevInfo {
             nr_hw_queues: self.queues,
             queue_depth: self.depth,
             max_io_buf_bytes: self.max_io_bytes,
             dev_id: self.id.unwrap_or(u32::MAX),
-            flags: driver_features & sys::UBLK_F_CMD_IOCTL_ENCODE,
+            flags,
             ..Default::default()
         }
     }
+}
+
+/// Whether `flags` (a driver's features, or a device's flags) let a device outlive its daemon
+/// with no request lost: `UBLK_F_USER_RECOVERY` and `UBLK_F_USER_RECOVERY_REISSUE` (Linux 6.0+;
+/// an unprivileged device gets neither).
+pub fn survives_daemon(flags: u64) -> bool {
+    flags & sys::UBLK_F_RECOVERY_REISSUE == sys::UBLK_F_RECOVERY_REISSUE
 }
 
 /// The `SET_PARAMS` payload for a device of `size_bytes` whose tags carry `max_io_bytes`
@@ -143,7 +155,17 @@ mod tests {
     #[test]
     fn dev_info_asks_only_for_reported_features() {
         let info = spec().dev_info(0x1fe);
+        assert_eq!(
+            info.flags,
+            sys::UBLK_F_CMD_IOCTL_ENCODE
+                | sys::UBLK_F_USER_RECOVERY
+                | sys::UBLK_F_USER_RECOVERY_REISSUE
+        );
+        assert!(survives_daemon(info.flags));
+        // Recovery without re-issue would fail the requests the dead daemon held: not asked.
+        let info = spec().dev_info(sys::UBLK_F_CMD_IOCTL_ENCODE | sys::UBLK_F_USER_RECOVERY);
         assert_eq!(info.flags, sys::UBLK_F_CMD_IOCTL_ENCODE);
+        assert!(!survives_daemon(info.flags));
         assert_eq!(info.dev_id, u32::MAX);
         assert_eq!(spec().dev_info(0).flags, 0);
         let info = DeviceSpec {

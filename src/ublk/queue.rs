@@ -3,8 +3,10 @@
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use io_uring::{opcode, types, IoUring};
@@ -45,25 +47,23 @@ pub struct QueueSetup {
     pub ioctl_encode: bool,
 }
 
-/// How long the loop sleeps in the kernel before it looks at the stop flag.
+/// How long the loop sleeps in the kernel before it looks at the stop flag (a stop also wakes
+/// it at once through the wake-up socket; this is the fallback).
 const STOP_POLL: types::Timespec = types::Timespec::new().sec(1);
+/// `user_data` of the wake-up poll: above every tag, so never mistaken for one.
+const WAKE: u64 = 1 << 32;
 
-/// A queue with every tag fetched, ready for START_DEV.
-pub struct Queue<'a> {
+/// What a queue thread makes before it may touch the device: its ring and its tags' buffers.
+/// Made ahead so that a recovery, which must fetch every tag soon after START_USER_RECOVERY,
+/// only maps the descriptors and submits.
+pub struct QueueParts {
     setup: QueueSetup,
-    char_dev: &'a File,
     ring: IoUring,
-    descs: DescArray,
     buffers: IoBuffers,
-    /// Tags whose command is with the kernel.
-    in_flight: usize,
 }
 
-impl<'a> Queue<'a> {
-    /// Set the queue up on the calling thread (the driver binds a queue to the thread that
-    /// fetched its tags) and submit FETCH_REQ for every tag. When this returns Ok, every
-    /// fetch has entered the kernel, so START_DEV can complete.
-    pub fn fetch_all(setup: QueueSetup, char_dev: &'a File) -> Result<Self, UblkError> {
+impl QueueParts {
+    pub fn prepare(setup: QueueSetup) -> Result<Self, UblkError> {
         if let Err(error) = crate::os::set_io_flusher() {
             tracing::warn!(q = setup.q_id, %error, "PR_SET_IO_FLUSHER failed: swap I/O may deadlock under memory pressure");
         }
@@ -71,23 +71,72 @@ impl<'a> Queue<'a> {
             tracing::warn!(q = setup.q_id, %error, "could not raise the queue thread's priority");
         }
         let io = |what| move |source| UblkError::Io { what, source };
-        let descs = DescArray::map(char_dev, setup.q_id, setup.depth)
-            .map_err(io("mapping the descriptor array"))?;
         let buffers = IoBuffers::new(setup.depth, setup.max_io_bytes as usize)
             .map_err(io("allocating I/O buffers"))?;
         let ring = IoUring::new(u32::from(setup.depth).next_power_of_two())
             .map_err(io("creating a queue io_uring"))?;
+        Ok(Self {
+            setup,
+            ring,
+            buffers,
+        })
+    }
+}
+
+/// A queue with every tag fetched, ready for START_DEV (or END_USER_RECOVERY).
+pub struct Queue {
+    setup: QueueSetup,
+    ring: IoUring,
+    descs: DescArray,
+    buffers: IoBuffers,
+    /// Declared after the ring, so dropped after it: the ring's commands name this file.
+    char_dev: Arc<File>,
+    /// The read end of the device's wake-up socket, polled by the ring (see `Device`).
+    wake: Arc<UnixStream>,
+    /// Tags whose command is with the kernel.
+    in_flight: usize,
+}
+
+impl Queue {
+    /// Set the queue up on the calling thread (the driver binds a queue to the thread that
+    /// fetched its tags) and submit FETCH_REQ for every tag. When this returns Ok, every
+    /// fetch has entered the kernel, so START_DEV can complete.
+    pub fn fetch_all(
+        parts: QueueParts,
+        char_dev: Arc<File>,
+        wake: Arc<UnixStream>,
+    ) -> Result<Self, UblkError> {
+        let QueueParts {
+            setup,
+            ring,
+            buffers,
+        } = parts;
+        let io = |what| move |source| UblkError::Io { what, source };
+        let descs = DescArray::map(char_dev.as_ref(), setup.q_id, setup.depth)
+            .map_err(io("mapping the descriptor array"))?;
         let mut queue = Self {
             setup,
-            char_dev,
             ring,
             descs,
             buffers,
+            char_dev,
+            wake,
             in_flight: 0,
         };
         for tag in 0..setup.depth {
             queue.push_command(sys::UBLK_U_IO_FETCH_REQ, tag, 0)?;
         }
+        let poll = opcode::PollAdd::new(
+            types::Fd(queue.wake.as_raw_fd()),
+            u32::try_from(libc::POLLIN).unwrap_or(1),
+        )
+        .build()
+        .user_data(WAKE);
+        // SAFETY: a poll names no memory of ours, only the socket, which the queue holds.
+        unsafe { queue.ring.submission().push(&poll) }.map_err(|_| UblkError::Io {
+            what: "queueing the wake-up poll",
+            source: std::io::ErrorKind::OutOfMemory.into(),
+        })?;
         queue.ring.submit().map_err(io("submitting FETCH_REQ"))?;
         Ok(queue)
     }
@@ -117,11 +166,13 @@ impl<'a> Queue<'a> {
     }
 
     /// Serve requests until every tag has been aborted (the device was stopped) or `stop` is
-    /// set and the kernel has gone quiet.
+    /// set and nothing is waiting to be served. The queue (ring, mappings, commands still with
+    /// the kernel) stays as it is: its owner drops it, or keeps it open past the thread's end
+    /// for a hand-over (see `Device::hand_over`).
     /// Each request's time from its completion's arrival to its commit being queued, and each
     /// wait's number of completions, go to `timing`.
     pub fn serve(
-        mut self,
+        &mut self,
         handler: &dyn BlockHandler,
         stop: &AtomicBool,
         timing: &IoTiming,
@@ -139,9 +190,11 @@ impl<'a> Queue<'a> {
                     })
                 }
             }
+            // The wake-up poll completes once, when a stop is asked for; it is no tag.
             ready.extend(
                 self.ring
                     .completion()
+                    .filter(|cqe| cqe.user_data() != WAKE)
                     .map(|cqe| (tag_of(cqe.user_data()), cqe.result())),
             );
             let arrived = Instant::now();

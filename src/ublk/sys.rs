@@ -35,7 +35,11 @@ pub const UBLK_U_CMD_START_DEV: u32 = iowr_ctrl(0x06);
 pub const UBLK_U_CMD_STOP_DEV: u32 = iowr_ctrl(0x07);
 pub const UBLK_U_CMD_SET_PARAMS: u32 = iowr_ctrl(0x08);
 pub const UBLK_U_CMD_GET_PARAMS: u32 = ior_ctrl(0x09);
+pub const UBLK_U_CMD_START_USER_RECOVERY: u32 = iowr_ctrl(0x10);
+pub const UBLK_U_CMD_END_USER_RECOVERY: u32 = iowr_ctrl(0x11);
 pub const UBLK_U_CMD_GET_FEATURES: u32 = ior_ctrl(0x13);
+/// DEL_DEV without waiting for the device's last user (Linux 6.9+; encoded form only).
+pub const UBLK_U_CMD_DEL_DEV_ASYNC: u32 = ior_ctrl(0x14);
 
 // I/O commands, sent to /dev/ublkcN by the queue threads.
 pub const UBLK_U_IO_FETCH_REQ: u32 = iowr_io(0x20);
@@ -61,6 +65,10 @@ pub const UBLK_F_UNPRIVILEGED_DEV: u64 = 1 << 5;
 pub const UBLK_F_CMD_IOCTL_ENCODE: u64 = 1 << 6;
 pub const UBLK_F_USER_COPY: u64 = 1 << 7;
 pub const UBLK_F_ZONED: u64 = 1 << 8;
+/// What a device needs to survive its daemon with every request kept: with `USER_RECOVERY`
+/// the kernel keeps the disk and queues new I/O while no daemon serves it; with `_REISSUE` the
+/// requests the dead daemon had taken are handed to the next one instead of failing.
+pub const UBLK_F_RECOVERY_REISSUE: u64 = UBLK_F_USER_RECOVERY | UBLK_F_USER_RECOVERY_REISSUE;
 
 // Device states in `CtrlDevInfo::state`.
 pub const UBLK_S_DEV_DEAD: u16 = 0;
@@ -237,6 +245,9 @@ const _: () = {
     assert!(UBLK_U_CMD_ADD_DEV == 0xc020_7504);
     assert!(UBLK_U_CMD_GET_DEV_INFO == 0x8020_7502);
     assert!(UBLK_U_CMD_GET_FEATURES == 0x8020_7513);
+    assert!(UBLK_U_CMD_START_USER_RECOVERY == 0xc020_7510);
+    assert!(UBLK_U_CMD_END_USER_RECOVERY == 0xc020_7511);
+    assert!(UBLK_U_CMD_DEL_DEV_ASYNC == 0x8020_7514);
     assert!(UBLK_U_IO_FETCH_REQ == 0xc010_7520);
     assert!(UBLK_U_IO_COMMIT_AND_FETCH_REQ == 0xc010_7521);
 };
