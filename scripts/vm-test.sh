@@ -5,6 +5,9 @@
 #   scripts/vm-test.sh                 build, boot the VM, run everything (scripts/vm/test.sh),
 #                                      then the real-systemd stage (scripts/vm/systemd-stage.sh)
 #   scripts/vm-test.sh --kernel-only   only the VM plumbing: ublk_drv loads, zram dd and swap runs
+#   scripts/vm-test.sh --recovery      only what survives a daemon's death: the ublk layer's
+#                                      recovery (ublk_ramdisk) and the daemon's (kill -9 under
+#                                      swap pressure, create again); busybox VM only
 #   scripts/vm-test.sh --bench-fio     the benchmark's fio table (scripts/vm/bench.sh; see
 #   scripts/vm-test.sh --bench-storm   scripts/vm-bench.sh, which runs both)
 #
@@ -18,7 +21,8 @@
 #   VM_STALL_S [90]   fail when no page was swapped in or out for this long during a swap run
 #   TRUENO_UBLK_BIN   use this binary instead of building target/release/trueno-ublk
 #   UBLK_RAMDISK_BIN  use this binary instead of target/release/examples/ublk_ramdisk
-#   VM_TEST_SKIP      debugging: steps to leave out ("ramdisk zram ublk-swap systemd"); the run then fails
+#   VM_TEST_SKIP      debugging: steps to leave out ("ramdisk ramdisk-recovery zram ublk-swap
+#                     daemon-recovery systemd"); the run then fails
 #   VM_TEST_ONLY      debugging: "systemd" runs only the real-systemd stage (the run then fails)
 #   VM_SYSTEMD_RAM_MIB [768]  VM_SYSTEMD_TIMEOUT_S [900]  the real-systemd stage's VM
 #   VM_CREATE_ARGS    debugging: more options for the 1 GiB device's `create` (store options)
@@ -36,6 +40,7 @@ MODE=full
 for arg in "$@"; do
     case "$arg" in
     --kernel-only) MODE=kernel-only ;;
+    --recovery) MODE=recovery ;;
     --bench-fio) MODE=bench-fio ;;
     --bench-storm) MODE=bench-storm ;;
     -h | --help)

@@ -11,6 +11,10 @@
 #      patterns at bs 4k, 64k and 1M at the start, middle and end read back by sha256; discard
 #      and write-zeroes read back as zeros; out-of-range reads and writes fail cleanly; SIGTERM
 #      stops it and the device is gone.
+#  1c. The ublk layer's recovery alone (ublk_ramdisk, its data in /dev/shm): kill -9 while a
+#      heartbeat does I/O, a new process resumes the device; a hand-over (SIGUSR1) and a
+#      resume; every pattern reads back; the heartbeat sees no error (its longest stall is a
+#      figure); SIGTERM deletes the device.
 #   2. Kernel zram (lz4) in the same VM, for comparison: O_DIRECT 1 MiB dd write/read speed
 #      and the swap run of step 8 (with a rewrite pass).
 #   3. `trueno-ublk create --size 1G` returns once /dev/ublkb0 is live (timed), prints its path,
@@ -28,6 +32,7 @@
 #   9. (The systemd units run under a real systemd in a second VM: scripts/vm/systemd-stage.sh.)
 #  10. dmesg has no ublk or swap I/O errors, hung tasks, BUG, Oops, warnings or OOM kills.
 # MODE=kernel-only: steps 1, 2 and 10, plus the pattern checks of step 4 on zram.
+# MODE=recovery: steps 1, 1c, 8b and 10 (what survives a daemon's death, and nothing else).
 # A monitor prints free memory and swap counters every 20 s and, if the test is still running
 # at WATCHDOG_S or swap stops moving for STALL_S during a pressure run, dumps the blocked tasks
 # to the console and fails the run.
@@ -248,6 +253,105 @@ ramdisk_checks() {
         grep -q '^served:.* discard=[1-9][0-9]* write_zeroes=[1-9][0-9]* refused=0$' /tmp/ramdisk.out
 }
 
+# --- the ublk layer's recovery alone -----------------------------------------------------
+# ublk_ramdisk keeps its data in /dev/shm, so a new process can resume its device: it is
+# killed with -9 while a heartbeat does I/O on it and started again with the same id; then
+# it hands the device over (SIGUSR1) and is started again; every pattern written before reads
+# back after each, the heartbeat never sees an error, and SIGTERM finally deletes it.
+RD_ID=8
+RD_DEV=/dev/ublkb$RD_ID
+# dev_row ID: "STATE PID" of device ID as `trueno-ublk list` shows it.
+dev_row() { trueno-ublk list 2>/dev/null | awk -v id="$1" '$1 == id { print $6, $7 }'; }
+dev_state_is() { [ "$(dev_row "$1" | cut -d' ' -f1)" = "$2" ]; }
+# dev_live_with ID PID: live, served by PID.
+dev_live_with() { [ "$(dev_row "$1")" = "live $2" ]; }
+rd_start() {
+    ublk_ramdisk --size 64M --id $RD_ID --queues 2 >/tmp/rd.out 2>>/tmp/rd.err &
+    RD_PID=$!
+    wait_until 30 grep -q "^$RD_DEV\$" /tmp/rd.out
+}
+rd_patterns_intact() {
+    local tag all=0
+    for tag in rd8-start rd8-mid rd8-end; do
+        pat_read $tag || all=1
+    done
+    [ "$all" -eq 0 ]
+}
+ramdisk_recovery_checks() {
+    local t0 rc hb pid0 pause
+    if ! command -v ublk_ramdisk >/dev/null; then
+        fail "ublk_ramdisk is not in the initramfs"
+        return
+    fi
+    mkdir -p /dev/shm
+    grep -q ' /dev/shm ' /proc/mounts || mount -t tmpfs tmpfs /dev/shm
+    rm -f /tmp/rd.err /tmp/hb.stop /tmp/hb.out
+    if ! rd_start; then
+        fail "ublk_ramdisk --id $RD_ID did not print $RD_DEV within 30 s: $(cat /tmp/rd.err)"
+        return
+    fi
+    ok "ublk_ramdisk serves $RD_DEV (pid $RD_PID)"
+    check "ramdisk recovery: the device is live, served by pid $RD_PID" wait_until 5 dev_live_with $RD_ID $RD_PID
+    check "ramdisk recovery: its data file exists" test -f /dev/shm/ublk_ramdisk-$RD_ID
+    check "ramdisk recovery: O_DIRECT write bs=4k at the start" pat_write rd8-start $RD_DEV 4096 0 $MIB
+    check "ramdisk recovery: O_DIRECT write bs=1M across the middle" pat_write rd8-mid $RD_DEV $MIB $((31 * MIB)) $((2 * MIB))
+    check "ramdisk recovery: O_DIRECT write bs=64k at the end" pat_write rd8-end $RD_DEV 65536 $((63 * MIB)) $MIB
+    $VT heartbeat $RD_DEV $((48 * MIB)) /tmp/hb.stop >/tmp/hb.out 2>&1 &
+    hb=$!
+    usleep 500000
+
+    # kill -9 while the heartbeat's I/O runs: the device stays, quiesced; a new process
+    # resumes it.
+    pid0=$RD_PID
+    t0=$(now)
+    kill -9 $pid0
+    wait $pid0 2>/dev/null
+    check "ramdisk recovery: after kill -9 the device stays and is quiesced" wait_until 10 dev_state_is $RD_ID quiesced
+    check "ramdisk recovery: ... $RD_DEV is still there" test -b $RD_DEV
+    if rd_start && wait_until 10 dev_live_with $RD_ID $RD_PID; then
+        pause=$(since "$t0")
+        ok "ramdisk recovery: a new process (pid $RD_PID) resumed $RD_DEV, $pause s after the kill"
+        figure ramdisk_kill9_to_live_s "$pause"
+    else
+        fail "ramdisk recovery: no new process resumed $RD_DEV after kill -9 ($(dev_row $RD_ID); $(tail -n 3 /tmp/rd.err))"
+    fi
+    grep resumed /tmp/rd.err | tail -n 1
+    check "ramdisk recovery: every pattern reads back after kill -9 and resume" rd_patterns_intact
+
+    # A hand-over: the process leaves, the device stays quiesced, the next one resumes it.
+    pid0=$RD_PID
+    t0=$(now)
+    kill -USR1 $pid0
+    rc=0
+    wait $pid0 || rc=$?
+    check "ramdisk recovery: the hand-over (SIGUSR1) exits 0 (exit $rc, $(since "$t0") s)" [ "$rc" -eq 0 ]
+    check "ramdisk recovery: after the hand-over the device is quiesced" dev_state_is $RD_ID quiesced
+    if rd_start && wait_until 10 dev_live_with $RD_ID $RD_PID; then
+        pause=$(since "$t0")
+        ok "ramdisk recovery: a new process (pid $RD_PID) resumed $RD_DEV, $pause s after the hand-over began"
+        figure ramdisk_handover_to_live_s "$pause"
+    else
+        fail "ramdisk recovery: no new process resumed $RD_DEV after the hand-over ($(dev_row $RD_ID); $(tail -n 3 /tmp/rd.err))"
+    fi
+    check "ramdisk recovery: every pattern reads back after the hand-over and resume" rd_patterns_intact
+
+    touch /tmp/hb.stop
+    rc=0
+    wait $hb || rc=$?
+    cat /tmp/hb.out
+    check "ramdisk recovery: the heartbeat saw no I/O error or wrong data (exit $rc)" \
+        grep -q '^HEARTBEAT_BAD=0$' /tmp/hb.out
+    figure ramdisk_heartbeat_max_stall_s "$(sed -n 's/^HEARTBEAT_MAX_STALL_S=//p' /tmp/hb.out)"
+
+    kill -TERM $RD_PID
+    rc=0
+    wait $RD_PID || rc=$?
+    check "ramdisk recovery: SIGTERM stops it (exit $rc)" [ "$rc" -eq 0 ]
+    check "ramdisk recovery: $RD_DEV is gone" wait_until 5 not test -e $RD_DEV
+    check "ramdisk recovery: its data file is gone" not test -e /dev/shm/ublk_ramdisk-$RD_ID
+    [ -s /tmp/rd.err ] && sed 's/^/ramdisk stderr: /' /tmp/rd.err
+}
+
 # --- dd speed ------------------------------------------------------------------------------
 # dd_speed NAME DEV: O_DIRECT bs=1M write then read of 32 MiB of the mixed pattern (3 runs,
 # median), then a checksum of what reads back. The pattern lives in RAM only meanwhile.
@@ -391,6 +495,10 @@ if [ "$MODE" = full ] && ! skipped ramdisk; then
     section "the ublk layer alone: ublk_ramdisk --size 64M (plain memory, no store)"
     ramdisk_checks
 fi
+if { [ "$MODE" = full ] || [ "$MODE" = recovery ]; } && ! skipped ramdisk-recovery; then
+    section "the ublk layer's recovery alone: ublk_ramdisk killed, handed over and resumed"
+    ramdisk_recovery_checks
+fi
 
 zram_up() {
     echo 1 >/sys/block/zram0/reset
@@ -404,7 +512,7 @@ ublk_inspect() {
 }
 
 # --- 2. kernel zram in the same VM (first: its figures do not depend on the daemon) ------
-if ! skipped zram; then
+if [ "$MODE" != recovery ] && ! skipped zram; then
     section "kernel zram (lz4) in the same VM"
     zram_up
     dd_speed zram /dev/zram0
@@ -527,7 +635,7 @@ if [ "$MODE" = full ]; then
     cat /tmp/list.out
     check "list shows no device" not grep -q ublkb /tmp/list.out
     check "trueno-ublk stat with no device exits 0" trueno-ublk stat
-else
+elif [ "$MODE" = kernel-only ]; then
     section "pattern checks on /dev/zram0 (kernel-only dry run)"
     zram_up
     pattern_checks /dev/zram0 $((1024 * MIB))

@@ -13,6 +13,9 @@
  *       every word once more. Prints counts; exits 1 on any mismatch. With
  *       VMTOOL_PASSES=0, 1 or 2 in the environment: fill and that many verify
  *       passes only, no rewrite (0: only with the after-hold pass below). With
+ *       VMTOOL_PHASE_FILE set, writes the phase it is in ("fill", "verify-1", ...,
+ *       "done") to that file as it starts each (so a test can act while pages go out,
+ *       or while they come back). With
  *       HOLDFILE, creates it when done and keeps the memory until it is removed
  *       (so the swap device can be inspected while it holds the data); with
  *       VMTOOL_VERIFY_AFTER_HOLD=1 as well, verifies every word once more after that
@@ -29,6 +32,13 @@
  *       start, "ready SECONDS" when CMD sends READY=1, "timeout" if that takes
  *       longer than TIMEOUT_S, and "exit CODE" when CMD ends. Runs until CMD ends
  *       (start it in the background); exits 0 if CMD was ready and exited 0.
+ *   vmtool heartbeat DEV OFFSET STOPFILE
+ *       Until STOPFILE exists: writes 64 KiB at byte OFFSET of block device DEV with
+ *       O_DIRECT (a pattern made of the round number), reads it back and compares, as
+ *       fast as it can. Prints HEARTBEAT_ROUNDS, HEARTBEAT_BAD (rounds whose write or read
+ *       failed or read back wrong) and HEARTBEAT_MAX_STALL_S (the longest round: the
+ *       longest pause the device's I/O had, a daemon's death and restart included);
+ *       exits 1 if any round was bad.
  *   vmtool monitor INTERVAL_S DEADLINE_S STALL_S FLAGFILE
  *       The VM's watchdog, started first by test.sh: locked in memory, real-time
  *       priority and with every file opened up front, so it still runs when the test
@@ -170,12 +180,29 @@ static uint64_t seed_for(uint64_t page, uint64_t seed_a, uint64_t seed_b, int re
 	return rewritten && page % 3 == 0 ? seed_b : seed_a;
 }
 
+/* Tell a watching test which phase the pressure program is in (VMTOOL_PHASE_FILE). */
+static void phase(const char *name)
+{
+	const char *path = getenv("VMTOOL_PHASE_FILE");
+	if (!path || !*path)
+		return;
+	char tmp[4096];
+	snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+	FILE *f = fopen(tmp, "w");
+	if (!f)
+		return;
+	fprintf(f, "%s\n", name);
+	if (fclose(f) == 0)
+		rename(tmp, path);
+}
+
 static void verify_pass(const char *name, uint64_t *mem, uint64_t pages, uint64_t seed_a,
 			uint64_t seed_b, int rewritten, struct verify_counts *total)
 {
 	uint64_t expect[PAGE_WORDS];
 	struct verify_counts c = { 0, 0, 0 };
 	double t0 = now_s();
+	phase(name);
 	for (uint64_t p = 0; p < pages; p++) {
 		uint64_t *got = mem + p * PAGE_WORDS;
 		make_page(expect, seed_for(p, seed_a, seed_b, rewritten), p);
@@ -224,6 +251,7 @@ static int cmd_pressure(int argc, char **argv)
 	       (unsigned long long)mib, (unsigned long long)pages);
 	fflush(stdout);
 	double t0 = now_s();
+	phase("fill");
 	for (uint64_t p = 0; p < pages; p++)
 		make_page(mem + p * PAGE_WORDS, seed_a, p);
 	printf("pressure: fill: %llu words written, %.1f s\n",
@@ -256,6 +284,7 @@ static int cmd_pressure(int argc, char **argv)
 	       (unsigned long long)total.words, (double)total.words / (double)(pages * PAGE_WORDS),
 	       (unsigned long long)pages * PAGE_WORDS, (unsigned long long)total.bad_words,
 	       (unsigned long long)total.bad_pages, now_s() - t0);
+	phase("done");
 	printf("PRESSURE_WORDS_CHECKED=%llu\nPRESSURE_BAD_WORDS=%llu\n",
 	       (unsigned long long)total.words, (unsigned long long)total.bad_words);
 	fflush(stdout);
@@ -449,6 +478,49 @@ static int cmd_notify_run(int argc, char **argv)
 	}
 }
 
+static int cmd_heartbeat(int argc, char **argv)
+{
+	if (argc != 3) {
+		fprintf(stderr, "usage: vmtool heartbeat DEV OFFSET STOPFILE\n");
+		return 2;
+	}
+	const size_t len = 64 << 10;
+	off_t offset = (off_t)parse_u64(argv[1], "offset");
+	int fd = open(argv[0], O_RDWR | O_DIRECT | O_CLOEXEC);
+	void *out = NULL, *in = NULL;
+	if (fd < 0 || posix_memalign(&out, 4096, len) || posix_memalign(&in, 4096, len)) {
+		perror("vmtool heartbeat");
+		return 1;
+	}
+	uint64_t rounds = 0, bad = 0;
+	double worst = 0, worst_at = 0, t_start = now_s();
+	while (access(argv[2], F_OK) != 0) {
+		double t0 = now_s();
+		for (size_t i = 0; i < len / 8; i++)
+			((uint64_t *)out)[i] = rounds * 0x9E3779B97F4A7C15ULL + i;
+		int ok = pwrite(fd, out, len, offset) == (ssize_t)len &&
+			 pread(fd, in, len, offset) == (ssize_t)len && memcmp(in, out, len) == 0;
+		double took = now_s() - t0;
+		if (!ok) {
+			bad++;
+			if (bad <= 4)
+				printf("heartbeat: round %llu bad (%s)\n", (unsigned long long)rounds,
+				       strerror(errno));
+		}
+		if (took > worst) {
+			worst = took;
+			worst_at = t0 - t_start;
+		}
+		rounds++;
+	}
+	printf("heartbeat: longest round %.3f s, %.1f s after the start\n", worst, worst_at);
+	printf("HEARTBEAT_ROUNDS=%llu\nHEARTBEAT_BAD=%llu\nHEARTBEAT_MAX_STALL_S=%.3f\n",
+	       (unsigned long long)rounds, (unsigned long long)bad, worst);
+	fflush(stdout);
+	close(fd);
+	return bad == 0 ? 0 : 1;
+}
+
 /* The value of KEY in a "key value" or "Key:   value kB" text. */
 static long long field_of(const char *text, const char *key)
 {
@@ -580,9 +652,11 @@ int main(int argc, char **argv)
 		return cmd_monitor(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "notify-run") == 0)
 		return cmd_notify_run(argc - 2, argv + 2);
+	if (argc >= 2 && strcmp(argv[1], "heartbeat") == 0)
+		return cmd_heartbeat(argc - 2, argv + 2);
 	fprintf(stderr, "usage: vmtool now | gen BYTES SEED | pressure MIB SEED [HOLDFILE] | "
 			"scatter MIB PROCS SEED | "
-			"notify-run TIMEOUT_S STATEFILE CMD [ARGS...] | "
+			"notify-run TIMEOUT_S STATEFILE CMD [ARGS...] | heartbeat DEV OFFSET STOPFILE | "
 			"monitor INTERVAL_S DEADLINE_S STALL_S FLAGFILE\n");
 	return 2;
 }

@@ -73,7 +73,8 @@ impl QueueParts {
         let io = |what| move |source| UblkError::Io { what, source };
         let buffers = IoBuffers::new(setup.depth, setup.max_io_bytes as usize)
             .map_err(io("allocating I/O buffers"))?;
-        let ring = IoUring::new(u32::from(setup.depth).next_power_of_two())
+        // Room for a command per tag and the wake-up poll.
+        let ring = IoUring::new((u32::from(setup.depth) + 1).next_power_of_two())
             .map_err(io("creating a queue io_uring"))?;
         Ok(Self {
             setup,
