@@ -12,6 +12,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::bench::{self, BenchOptions, Progress};
 use crate::config::{AlgorithmChoice, BackendChoice, Choice, DeviceOptions, StoreOptions};
+use crate::daemon::CreateRole;
 use crate::devices::DeviceRow;
 use crate::stats::StatFormat;
 use crate::units::{human_size, parse_size};
@@ -106,6 +107,9 @@ pub struct CreateArgs {
     /// Stay attached; with NOTIFY_SOCKET set, send READY=1 once the device is live
     #[arg(long)]
     pub foreground: bool,
+    /// Internal: be the process that serves the device, started by the one that supervises it
+    #[arg(long, hide = true)]
+    pub serve_child: bool,
     /// Read device settings from this config file (section for --id)
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -144,6 +148,10 @@ pub struct DeleteArgs {
     /// Run swapoff first if the device is active swap (nothing is deleted if it fails)
     #[arg(long)]
     pub force: bool,
+    /// Delete even a device that is in use while no daemon serves it (one that cannot be
+    /// resumed): I/O waiting on it fails, and processes with pages on it may die
+    #[arg(long)]
+    pub lose_pages: bool,
 }
 
 #[derive(Clone, Debug, Args)]
@@ -253,7 +261,12 @@ pub fn main() -> i32 {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Create(args) => {
-            crate::daemon::create(&args.options(), args.foreground).map_err(Into::into)
+            let role = match (args.serve_child, args.foreground) {
+                (true, _) => CreateRole::Serve,
+                (false, true) => CreateRole::Supervise,
+                (false, false) => CreateRole::Detach,
+            };
+            crate::daemon::create(&args.options(), role).map_err(Into::into)
         }
         Command::List(args) => list(&args),
         Command::Delete(args) => delete(&args),
@@ -313,8 +326,11 @@ fn device_table(rows: &[DeviceRow]) -> String {
 
 fn delete(args: &DeleteArgs) -> CommandResult {
     let target = if args.all { None } else { args.id };
-    for path in crate::devices::delete(target, args.force)? {
+    for (path, note) in crate::devices::delete(target, args.force, args.lose_pages)? {
         println!("deleted {path}");
+        if let Some(note) = note {
+            eprintln!("trueno-ublk: note: {note}");
+        }
     }
     Ok(())
 }

@@ -11,12 +11,14 @@ use nix::unistd::Pid;
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::ublk::device::{block_path, state_name};
+use crate::ublk::device::{block_path, char_class_path, state_name};
 use crate::ublk::{Control, UblkError};
 
 const UBLK_CHAR_CLASS: &str = "/sys/class/ublk-char";
 /// How long a daemon gets to stop and delete its device after SIGTERM.
 const DAEMON_STOP_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the kernel gets to remove a device after DEL_DEV.
+const DELETE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long `delete --force` lets swapoff read the swapped-out pages back. Killing swapoff is
 /// safe (the swap area stays on); waiting without end is not what a command line should do.
 const SWAPOFF_TIMEOUT: Duration = Duration::from_secs(600);
@@ -43,8 +45,9 @@ pub enum DevicesError {
     #[error("{path} is still in use after swapoff (mounted?): unmount it first; the device stays")]
     StillInUse { path: String },
     #[error(
-        "the daemon of {path} (pid {pid}) did not stop within {seconds} s and the device is \
-         in use; nothing was deleted (see `journalctl -u trueno-ublk@{id}` or its log)"
+        "the daemon of {path} (pid {pid}) did not delete it within {seconds} s and the device \
+         is in use (it became so meanwhile?); nothing was deleted (see `journalctl -u \
+         trueno-ublk@{id}` or its log)"
     )]
     DaemonRefused {
         path: String,
@@ -52,6 +55,29 @@ pub enum DevicesError {
         seconds: u64,
         id: u32,
     },
+    #[error(
+        "{path} is in use and no daemon serves it (state {state}): its I/O waits, and swapoff \
+         would wait too. Resume it (`systemctl start trueno-ublk@{id}`, or `trueno-ublk create \
+         --id {id} --size {size}` with its other options), then delete it; or delete it anyway \
+         with --lose-pages (I/O waiting on it fails: processes with pages on it may die)"
+    )]
+    NoDaemon {
+        path: String,
+        id: u32,
+        state: &'static str,
+        size: String,
+    },
+    #[error(
+        "/proc/swaps still lists `{name}`: the device's block device was deleted while it was \
+         active swap, and the kernel keeps that swap area (and the device's id) until reboot. \
+         Pass --force to delete what is left of the device (its pages are lost already)"
+    )]
+    DeletedSwap { name: String },
+    #[error(
+        "device {id}: the kernel did not finish deleting it within {seconds} s; see \
+         `trueno-ublk list` and dmesg"
+    )]
+    DeleteTimeout { id: u32, seconds: u64 },
 }
 
 /// One row of `list`.
@@ -86,8 +112,9 @@ pub fn device_ids() -> Vec<u32> {
     ids
 }
 
+/// Whether `pid` is a process that still runs (a zombie does not).
 fn daemon_alive(pid: i32) -> bool {
-    pid > 0 && kill(Pid::from_raw(pid), None).is_ok()
+    !crate::os::process_exited(pid)
 }
 
 /// Read one device's row from the kernel.
@@ -128,13 +155,87 @@ fn in_use(path: &str) -> Result<bool, DevicesError> {
     })
 }
 
-/// `trueno-ublk delete --id N | --all [--force]`: device `id`, or every device for `None`.
-/// Returns the paths of the devices deleted.
-pub fn delete(id: Option<u32>, force: bool) -> Result<Vec<String>, DevicesError> {
+/// The name /proc/swaps gives a swap area on device `id`'s block device after that block
+/// device was deleted (`/dev/ublkbN (deleted)`, spaces written `\040`), unescaped, if any.
+/// The kernel keeps such an area (and the deleted disk, and the device's id) until swapoff,
+/// and keeps sending swap-outs to it, which fail.
+pub fn deleted_swap_name(swaps: &str, id: u32) -> Option<String> {
+    let deleted = format!("{}\\040(deleted)", block_path(id));
+    swaps
+        .lines()
+        .skip(1)
+        .filter_map(|line| line.split_whitespace().next())
+        .find(|name| *name == deleted)
+        .map(|name| name.replace("\\040", " "))
+}
+
+/// How device `id` is used, as `delete` must know before it touches anything.
+struct Usage {
+    path: String,
+    /// The kernel holds its block device (active swap, mounted).
+    claimed: bool,
+    /// /proc/swaps holds a swap area on its deleted block device (see `deleted_swap_name`).
+    deleted_swap: Option<String>,
+    /// A live daemon serves it.
+    served: bool,
+    state: &'static str,
+    size: u64,
+}
+
+fn usage(control: &mut Control, id: u32) -> Result<Usage, DevicesError> {
+    let path = block_path(id);
+    let row = device_row(control, id)?;
+    let claimed = Path::new(&path).exists() && in_use(&path)?;
+    let swaps = std::fs::read_to_string("/proc/swaps").unwrap_or_default();
+    Ok(Usage {
+        claimed,
+        deleted_swap: deleted_swap_name(&swaps, id),
+        served: row.state == "live" && row.daemon_alive,
+        state: row.state,
+        size: row.size,
+        path,
+    })
+}
+
+/// Whether `delete` may go on with a device used as `usage` says, and how.
+fn check_delete(usage: &Usage, id: u32, force: bool, lose_pages: bool) -> Result<(), DevicesError> {
+    let path = &usage.path;
+    if let Some(name) = &usage.deleted_swap {
+        if !force && !lose_pages {
+            return Err(DevicesError::DeletedSwap { name: name.clone() });
+        }
+    }
+    if !usage.claimed || lose_pages {
+        return Ok(());
+    }
+    if !usage.served {
+        // swapoff would read every page back from a device nobody serves: it would wait
+        // until one does, unkillably. Resuming it first keeps every page.
+        return Err(DevicesError::NoDaemon {
+            path: path.clone(),
+            id,
+            state: usage.state,
+            size: crate::units::human_size(usage.size),
+        });
+    }
+    if !force {
+        return Err(DevicesError::InUse { path: path.clone() });
+    }
+    Ok(())
+}
+
+/// `trueno-ublk delete --id N | --all [--force] [--lose-pages]`: device `id`, or every device
+/// for `None`. Returns the paths of the devices deleted, each with a note for the user when
+/// something is left behind (an id the kernel cannot free yet).
+pub fn delete(
+    id: Option<u32>,
+    force: bool,
+    lose_pages: bool,
+) -> Result<Vec<(String, Option<String>)>, DevicesError> {
     let mut control = Control::open()?;
     let ids = match id {
         Some(id) => {
-            if !Path::new(&format!("{UBLK_CHAR_CLASS}/ublkc{id}")).exists() {
+            if !Path::new(&char_class_path(id)).exists() {
                 return Err(UblkError::NoSuchDevice(id).into());
             }
             vec![id]
@@ -143,26 +244,37 @@ pub fn delete(id: Option<u32>, force: bool) -> Result<Vec<String>, DevicesError>
     };
     // Check every device before touching any, so `--all` does nothing if one is refused.
     for &id in &ids {
-        let path = block_path(id);
-        if !Path::new(&path).exists() {
-            // Added but never started (or its node is gone): nothing can have claimed it.
-            continue;
-        }
-        if in_use(&path)? && !force {
-            return Err(DevicesError::InUse { path });
-        }
+        check_delete(&usage(&mut control, id)?, id, force, lose_pages)?;
     }
     let mut deleted = Vec::with_capacity(ids.len());
     for id in ids {
-        let path = block_path(id);
-        if Path::new(&path).exists() && in_use(&path)? {
+        let usage = usage(&mut control, id)?;
+        check_delete(&usage, id, force, lose_pages)?;
+        let path = usage.path.clone();
+        if usage.claimed && usage.served {
             swapoff(&path)?;
             if in_use(&path)? {
                 return Err(DevicesError::StillInUse { path });
             }
         }
-        delete_one(&mut control, id)?;
-        deleted.push(path);
+        if let Some(name) = &usage.deleted_swap {
+            // The kernel cannot open a deleted block device by name, so this fails (the
+            // area stays until reboot); its pages were lost when the disk went.
+            if let Err(error) = swapoff(name) {
+                eprintln!("trueno-ublk: warning: {error}");
+            }
+        }
+        delete_one(&mut control, id, usage.served)?;
+        if let Err(error) = crate::store_shim::remove_shared(id) {
+            eprintln!("trueno-ublk: warning: device {id}'s shared memory was not freed: {error}");
+        }
+        let note = control.dev_info(id).is_ok().then(|| {
+            format!(
+                "the kernel keeps id {id} until the last user of its old block device lets go \
+                 (see /proc/swaps)"
+            )
+        });
+        deleted.push((path, note));
     }
     Ok(deleted)
 }
@@ -198,18 +310,19 @@ fn swapoff(path: &str) -> Result<(), DevicesError> {
     }
 }
 
-/// Ask the device's daemon to stop (it stops and deletes the device itself); if there is no
-/// daemon, or it does not finish in time, stop and delete the device here.
-fn delete_one(control: &mut Control, id: u32) -> Result<(), DevicesError> {
+/// Delete device `id`. A live daemon of ours is asked to (SIGTERM: it deletes an unused
+/// device itself); any other device is removed here with DEL_DEV, which also stops it and
+/// fails whatever I/O waits on it.
+fn delete_one(control: &mut Control, id: u32, served: bool) -> Result<(), DevicesError> {
+    let path = block_path(id);
     let pid = control.dev_info(id)?.ublksrv_pid;
-    if is_our_daemon(pid) {
+    if served && is_our_daemon(pid) {
         let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
         if wait_until_gone(id, DAEMON_STOP_TIMEOUT) {
             return Ok(());
         }
-        // The daemon refuses to stop a claimed device (it logs why); someone may have run
-        // swapon after the check above. Killing it then would fail every swapped-out page.
-        let path = block_path(id);
+        // The daemon hands a claimed device over instead of deleting it: someone ran swapon
+        // (or mounted it) after the check above. Deleting it now would lose its pages.
         if !Path::new(&path).exists() || in_use(&path)? {
             return Err(DevicesError::DaemonRefused {
                 path,
@@ -218,24 +331,50 @@ fn delete_one(control: &mut Control, id: u32) -> Result<(), DevicesError> {
                 id,
             });
         }
-        eprintln!("trueno-ublk: warning: daemon {pid} did not stop in time; killing it");
-        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
     }
-    match control.stop_dev(id) {
+    del_dev_bounded(control, id)
+}
+
+/// DEL_DEV without waiting for the device's last user: DEL_DEV_ASYNC where the driver has it
+/// (6.9+), else DEL_DEV on a thread of its own, given [`DELETE_TIMEOUT`]. Either way the
+/// device's node and char device are gone when this returns Ok; its id may stay taken while
+/// something (a swap area) holds its old disk.
+fn del_dev_bounded(control: &mut Control, id: u32) -> Result<(), DevicesError> {
+    match control.del_dev_async(id) {
         Ok(())
         | Err(UblkError::Command {
             errno: libc::ENODEV,
             ..
         }) => {}
+        Err(UblkError::Command {
+            errno: libc::EOPNOTSUPP | libc::EINVAL,
+            ..
+        }) => {
+            let (done_tx, done) = crossbeam_channel::bounded(1);
+            std::thread::spawn(move || {
+                let result = Control::open().and_then(|mut control| control.del_dev(id));
+                let _ = done_tx.send(result);
+            });
+            match done.recv_timeout(DELETE_TIMEOUT) {
+                Ok(Ok(()))
+                | Ok(Err(UblkError::Command {
+                    errno: libc::ENODEV,
+                    ..
+                })) => {}
+                Ok(Err(error)) => return Err(error.into()),
+                // The command stays with the kernel; this process's exit ends the wait.
+                Err(_) => {}
+            }
+        }
         Err(error) => return Err(error.into()),
     }
-    match control.del_dev(id) {
+    if wait_until_gone(id, DELETE_TIMEOUT) {
         Ok(())
-        | Err(UblkError::Command {
-            errno: libc::ENODEV,
-            ..
-        }) => Ok(()),
-        Err(error) => Err(error.into()),
+    } else {
+        Err(DevicesError::DeleteTimeout {
+            id,
+            seconds: DELETE_TIMEOUT.as_secs(),
+        })
     }
 }
 
@@ -248,7 +387,7 @@ fn is_our_daemon(pid: i32) -> bool {
 
 fn wait_until_gone(id: u32, timeout: Duration) -> bool {
     let deadline = Instant::now() + timeout;
-    let class = format!("{UBLK_CHAR_CLASS}/ublkc{id}");
+    let class = char_class_path(id);
     while Path::new(&class).exists() {
         if Instant::now() > deadline {
             return false;
@@ -256,4 +395,83 @@ fn wait_until_gone(id: u32, timeout: Duration) -> bool {
         std::thread::sleep(Duration::from_millis(20));
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SWAPS: &str = "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n\
+        /dev/ublkb0\\040(deleted)               partition\t1048572\t\t20480\t\t100\n\
+        /dev/ublkb1                             partition\t1048572\t\t0\t\t-2\n\
+        /dev/ublkb10\\040(deleted)              partition\t1048572\t\t0\t\t-3\n";
+
+    #[test]
+    fn deleted_swap_areas_are_found_by_their_exact_name() {
+        assert_eq!(
+            deleted_swap_name(SWAPS, 0).as_deref(),
+            Some("/dev/ublkb0 (deleted)")
+        );
+        assert_eq!(deleted_swap_name(SWAPS, 1), None);
+        assert_eq!(
+            deleted_swap_name(SWAPS, 10).as_deref(),
+            Some("/dev/ublkb10 (deleted)")
+        );
+        assert_eq!(deleted_swap_name(SWAPS, 2), None);
+        assert_eq!(deleted_swap_name("", 0), None);
+    }
+
+    fn usage(claimed: bool, served: bool, deleted: bool) -> Usage {
+        Usage {
+            path: "/dev/ublkb3".into(),
+            claimed,
+            deleted_swap: deleted.then(|| "/dev/ublkb3 (deleted)".into()),
+            served,
+            state: if served { "live" } else { "quiesced" },
+            size: 1 << 30,
+        }
+    }
+
+    #[test]
+    fn delete_refuses_what_would_lose_pages_unless_told() {
+        type Case = ((bool, bool, bool), (bool, bool), Result<(), &'static str>);
+        let cases: [Case; 12] = [
+            // (claimed, served, deleted swap), (force, lose_pages) -> allowed or the refusal
+            ((false, true, false), (false, false), Ok(())),
+            ((false, false, false), (false, false), Ok(())),
+            ((true, true, false), (false, false), Err("in use")),
+            ((true, true, false), (true, false), Ok(())),
+            ((true, false, false), (false, false), Err("no daemon")),
+            ((true, false, false), (true, false), Err("no daemon")),
+            ((true, false, false), (false, true), Ok(())),
+            ((true, false, false), (true, true), Ok(())),
+            ((false, false, true), (false, false), Err("deleted")),
+            ((false, false, true), (true, false), Ok(())),
+            ((false, false, true), (false, true), Ok(())),
+            ((true, true, true), (true, false), Ok(())),
+        ];
+        for ((claimed, served, deleted), (force, lose), want) in cases {
+            let got = check_delete(&usage(claimed, served, deleted), 3, force, lose);
+            let got = got.map_err(|e| match e {
+                DevicesError::InUse { .. } => "in use",
+                DevicesError::NoDaemon { .. } => "no daemon",
+                DevicesError::DeletedSwap { .. } => "deleted",
+                _ => "other",
+            });
+            assert_eq!(
+                got, want,
+                "claimed {claimed} served {served} deleted {deleted} force {force} lose {lose}"
+            );
+        }
+    }
+
+    #[test]
+    fn refusals_say_what_to_do() {
+        let no_daemon = check_delete(&usage(true, false, false), 3, true, false).unwrap_err();
+        let text = no_daemon.to_string();
+        assert!(text.contains("trueno-ublk@3"), "{text}");
+        assert!(text.contains("--lose-pages"), "{text}");
+        let deleted = check_delete(&usage(false, false, true), 3, false, false).unwrap_err();
+        assert!(deleted.to_string().contains("--force"), "{deleted}");
+    }
 }

@@ -56,6 +56,18 @@ pub fn lock_memory() -> nix::Result<()> {
     mlockall(MlockAllFlags::from_bits_retain(flags))
 }
 
+/// Name the calling thread (and, on the main thread, the process as `/proc/PID/comm` and
+/// `pidof` show it). A process started as `/proc/self/exe` would otherwise be called "exe".
+pub fn set_process_name(name: &std::ffi::CStr) -> nix::Result<()> {
+    nix::sys::prctl::set_name(name)
+}
+
+/// Have the kernel send `signal` to this process when the thread that forked it ends
+/// (`PR_SET_PDEATHSIG`): a child told so by its parent's death, which nothing else tells.
+pub fn set_parent_death_signal(signal: nix::sys::signal::Signal) -> nix::Result<()> {
+    nix::sys::prctl::set_pdeathsig(signal)
+}
+
 /// Whether process `pid` has ended: no such process, or only its zombie is left (an orphan's
 /// zombie may wait long for a parent that never reaps it). A pid of 0 or less names none.
 pub fn process_exited(pid: i32) -> bool {

@@ -33,11 +33,37 @@
 #  10. dmesg has no ublk or swap I/O errors, hung tasks, BUG, Oops, warnings or OOM kills.
 # MODE=kernel-only: steps 1, 2 and 10, plus the pattern checks of step 4 on zram.
 # MODE=recovery: steps 1, 1c, 8b and 10 (what survives a daemon's death, and nothing else).
+#  8b. (MODE full and recovery) The daemon's recovery, with the shared store (SHARED_STORE=yes):
+#      device 0 as swap under the pressure program (1.5x the RAM, every word verified twice
+#      and once more after a hold); kill -9 of the serving process while pages go out and
+#      again while they come back (the supervisor starts a new one, which resumes the
+#      device; the pause from kill to live is a figure); kill -9 of every trueno-ublk process
+#      while the memory is held: the device stays quiesced, `create` again resumes it.
+#      Without the shared store: a new serving process refuses to resume (it would serve
+#      zeros), the device stays quiesced, `delete` refuses it while in use, --lose-pages
+#      deletes it, and its id is free once its last user lets go.
 # A monitor prints free memory and swap counters every 20 s and, if the test is still running
 # at WATCHDOG_S or swap stops moving for STALL_S during a pressure run, dumps the blocked tasks
 # to the console and fails the run.
 
 . /test/env
+# Two cgroups, where the VM has cgroup2 with the memory controller: "shell" (memory.swap.max=0)
+# for this shell, its checkers and the daemons it starts, so that nothing the test needs to
+# carry on waits for swap while a device has no daemon; "work" for the programs that are meant
+# to swap (`work CMD...`). Memory stays charged to the cgroup that first touched it, so the
+# shell moves itself and then starts afresh.
+CG=/sys/fs/cgroup
+if [ -z "${TEST_IN_CGROUP:-}" ] && [ -w $CG/cgroup.subtree_control ] &&
+    echo +memory >$CG/cgroup.subtree_control 2>/dev/null &&
+    mkdir -p $CG/shell $CG/work && [ -e $CG/shell/memory.swap.max ] &&
+    echo 0 >$CG/shell/memory.swap.max && echo $$ >$CG/shell/cgroup.procs; then
+    export TEST_IN_CGROUP=1
+    exec sh "$0" "$@"
+fi
+# work CMD...: run CMD in the "work" cgroup (or here, without cgroups).
+work() {
+    sh -c 'echo $$ >/sys/fs/cgroup/work/cgroup.procs 2>/dev/null; exec "$@"' work "$@"
+}
 VT=/test/vmtool
 UL=/usr/sbin # util-linux tools (busybox's would win for bare names in this shell)
 MIB=1048576
@@ -260,11 +286,14 @@ ramdisk_checks() {
 # back after each, the heartbeat never sees an error, and SIGTERM finally deletes it.
 RD_ID=8
 RD_DEV=/dev/ublkb$RD_ID
-# dev_row ID: "STATE PID" of device ID as `trueno-ublk list` shows it.
-dev_row() { trueno-ublk list 2>/dev/null | awk -v id="$1" '$1 == id { print $6, $7 }'; }
+# dev_row ID: "STATE PID" of device ID as `trueno-ublk list` shows it ("STATE PID (gone)" when
+# that process has exited).
+dev_row() { trueno-ublk list 2>/dev/null | awk -v id="$1" '$1 == id { $1 = $2 = $3 = $4 = $5 = ""; print substr($0, 6) }'; }
 dev_state_is() { [ "$(dev_row "$1" | cut -d' ' -f1)" = "$2" ]; }
+# serving_pid ID: the live process serving device ID, empty if none.
+serving_pid() { dev_row "$1" | awk '$1 == "live" && NF == 2 { print $2 }'; }
 # dev_live_with ID PID: live, served by PID.
-dev_live_with() { [ "$(dev_row "$1")" = "live $2" ]; }
+dev_live_with() { [ "$(serving_pid "$1")" = "$2" ]; }
 rd_start() {
     ublk_ramdisk --size 64M --id $RD_ID --queues 2 >/tmp/rd.out 2>>/tmp/rd.err &
     RD_PID=$!
@@ -273,7 +302,7 @@ rd_start() {
 rd_patterns_intact() {
     local tag all=0
     for tag in rd8-start rd8-mid rd8-end; do
-        pat_read $tag || all=1
+        pat_read "$tag" || all=1
     done
     [ "$all" -eq 0 ]
 }
@@ -352,6 +381,167 @@ ramdisk_recovery_checks() {
     [ -s /tmp/rd.err ] && sed 's/^/ramdisk stderr: /' /tmp/rd.err
 }
 
+# --- the daemon's recovery ------------------------------------------------------------------
+# live_not_by ID PID: device ID is live, served by a process other than PID.
+live_not_by() {
+    local pid
+    pid=$(serving_pid "$1")
+    [ -n "$pid" ] && [ "$pid" != "$2" ]
+}
+daemon_log() { # ID: the last lines of the detached daemon's log
+    [ -e "/run/trueno-ublk/ublkb$1.log" ] && tail -n "${2:-12}" "/run/trueno-ublk/ublkb$1.log"
+}
+# kill_serving ID WHAT FIGURE: kill -9 the process serving device ID; its supervisor starts a
+# new one, which resumes the device. Checks it and records the pause (kill to live again).
+kill_serving() {
+    local id=$1 what=$2 pid t0 pause
+    pid=$(serving_pid "$id")
+    if [ -z "$pid" ]; then
+        fail "$what: no live process serves device $id ($(dev_row "$id"))"
+        return
+    fi
+    t0=$(now)
+    kill -9 "$pid"
+    if wait_until 30 live_not_by "$id" "$pid"; then
+        pause=$(since "$t0")
+        ok "$what: kill -9 of the serving process $pid; pid $(serving_pid "$id") resumed the device $pause s later"
+        figure "$3" "$pause"
+    else
+        fail "$what: nobody resumed device $id within 30 s of kill -9 of $pid ($(dev_row "$id"))"
+        daemon_log "$id"
+    fi
+}
+phase_is() { [ "$(cat /tmp/phase 2>/dev/null)" = "$1" ]; }
+# grew_by KEY N SINCE: /proc/vmstat's KEY is at least N above SINCE.
+grew_by() { [ "$(vmstat_of "$1")" -ge $(($3 + $2)) ]; }
+
+# daemon_recovery_checks: what issue #11 asks of the daemon, under swap pressure. Device 0 is
+# swap; the pressure program fills 1.5x the RAM and verifies every word twice, then holds its
+# memory and verifies it once more when released. Meanwhile: kill -9 of the serving process
+# while pages go out, and again while they come back (its supervisor starts a new one, which
+# resumes the device); then, while the memory is held, kill -9 of every trueno-ublk process:
+# the device stays quiesced, and `create` again resumes it.
+daemon_recovery_checks() {
+    local dev=/dev/ublkb0 out0 in0 rc pid sup t0 filled words bad after_bad after_words
+    # shellcheck disable=SC2086 # word splitting wanted
+    trueno-ublk create --size 1G --id 0 $CREATE_ARGS >/tmp/create.out 2>/tmp/create.err
+    rc=$?
+    check "daemon recovery: create --size 1G --id 0 (exit $rc: $(cat /tmp/create.out /tmp/create.err))" \
+        [ "$rc" -eq 0 ]
+    [ "$rc" -eq 0 ] || return
+    check "daemon recovery: mkswap" $UL/mkswap $dev >/dev/null
+    check "daemon recovery: swapon -d" $UL/swapon -d $dev
+    pid=$(serving_pid 0)
+    sup=$(awk '/^PPid:/ { print $2 }' "/proc/$pid/status" 2>/dev/null)
+    check "daemon recovery: the serving process ($pid) has a supervisor ($sup)" \
+        [ "$(cat "/proc/$sup/comm" 2>/dev/null)" = trueno-ublk ]
+    out0=$(vmstat_of pswpout)
+    in0=$(vmstat_of pswpin)
+    rm -f /tmp/hold /tmp/phase
+    touch /run/pressure-on
+    VMTOOL_PASSES=2 VMTOOL_VERIFY_AFTER_HOLD=1 VMTOOL_PHASE_FILE=/tmp/phase \
+        work timeout "$PRESSURE_TIMEOUT_S" $VT pressure "$FILL_MIB" "$(date +%s)" /tmp/hold >/tmp/pressure.out 2>&1 &
+    pid=$!
+    # 1. While pages go out: the fill, once 64 MiB went out.
+    if wait_until 300 eval "phase_is fill && grew_by pswpout 16384 $out0"; then
+        kill_serving 0 "daemon recovery, pages going out ($(($(vmstat_of pswpout) - out0)) out)" recovery_kill_out_to_live_s
+    else
+        fail "daemon recovery: the fill never pushed 64 MiB out (phase $(cat /tmp/phase), pswpout +$(($(vmstat_of pswpout) - out0)))"
+    fi
+    # 2. While pages come back: the first verify pass, once 16 MiB came in during it.
+    in0=$(vmstat_of pswpin)
+    if wait_until 300 eval "phase_is verify-1 && grew_by pswpin 4096 $in0"; then
+        kill_serving 0 "daemon recovery, pages coming back ($(($(vmstat_of pswpin) - in0)) in)" recovery_kill_in_to_live_s
+    else
+        fail "daemon recovery: verify-1 never brought 16 MiB back (phase $(cat /tmp/phase), pswpin +$(($(vmstat_of pswpin) - in0)))"
+    fi
+    # 3. While the memory is held with pages out: every trueno-ublk process killed.
+    if wait_until 300 test -e /tmp/hold; then
+        grep -E '^(SwapTotal|SwapFree)' /proc/meminfo
+        t0=$(now)
+        # shellcheck disable=SC2046 # one pid per word
+        kill -9 $(pidof trueno-ublk)
+        check "daemon recovery: no trueno-ublk process left after kill -9 of all" wait_until 10 not pidof trueno-ublk
+        check "daemon recovery: ... and the device stays, quiesced ($(dev_row 0))" wait_until 10 dev_state_is 0 quiesced
+        check "daemon recovery: ... and is still swap" in_swaps $dev
+        # shellcheck disable=SC2086 # word splitting wanted
+        trueno-ublk create --size 1G --id 0 $CREATE_ARGS >/tmp/create.out 2>/tmp/create.err
+        rc=$?
+        check "daemon recovery: create --size 1G --id 0 again resumes it (exit $rc, printed '$(cat /tmp/create.out)' $(cat /tmp/create.err))" \
+            [ "$rc" -eq 0 ] -a "$(cat /tmp/create.out)" = $dev
+        if wait_until 10 live_not_by 0 none; then
+            ok "daemon recovery: live again, served by pid $(serving_pid 0), $(since "$t0") s after the kill"
+            figure recovery_kill_all_to_live_s "$(since "$t0")"
+        else
+            fail "daemon recovery: not live after create ($(dev_row 0))"
+        fi
+        rm -f /tmp/hold
+    else
+        fail "daemon recovery: the pressure program never held its memory (phase $(cat /tmp/phase))"
+    fi
+    wait "$pid"
+    rc=$?
+    rm -f /run/pressure-on
+    cat /tmp/pressure.out
+    filled=$((FILL_MIB * MIB / 8))
+    words=$(sed -n 's/^PRESSURE_WORDS_CHECKED=//p' /tmp/pressure.out)
+    bad=$(sed -n 's/^PRESSURE_BAD_WORDS=//p' /tmp/pressure.out)
+    after_words=$(sed -n 's/^PRESSURE_AFTER_HOLD_WORDS_CHECKED=//p' /tmp/pressure.out)
+    after_bad=$(sed -n 's/^PRESSURE_AFTER_HOLD_BAD_WORDS=//p' /tmp/pressure.out)
+    check "daemon recovery: the pressure program exited 0 (rc $rc)" [ "$rc" -eq 0 ]
+    check "daemon recovery: every word matched, twice, across two kills (${words:-0} checked, ${bad:-?} bad)" \
+        [ "${bad:-1}" = 0 -a "${words:-0}" -ge $((2 * filled)) ]
+    check "daemon recovery: every word matched after kill -9 of all and create (${after_words:-0} checked, ${after_bad:-?} bad)" \
+        [ "${after_bad:-1}" = 0 -a "${after_words:-0}" -ge "$filled" ]
+    check "daemon recovery: pages went out ($(($(vmstat_of pswpout) - out0))) and came back" \
+        [ "$(vmstat_of pswpout)" -gt "$out0" -a "$(vmstat_of pswpin)" -gt "$in0" ]
+    daemon_log 0 40 | grep -E 'resumed|died|handed|WARN|ERROR' | tail -n 12
+    check "daemon recovery: swapoff $dev" $UL/swapoff $dev
+    check "daemon recovery: delete --id 0" trueno-ublk delete --id 0
+    check "daemon recovery: $dev is gone" wait_until 10 not test -e $dev
+}
+
+# daemon_refusal_checks: without the shared store (a build whose store keeps its pages in
+# private memory), a new serving process must refuse to resume a device rather than serve
+# zeros for its pages; the device stays quiesced; `delete` refuses it while it is in use and
+# no daemon serves it, and --lose-pages deletes it. The supervisor's restart is exercised on
+# the way (it starts the process that refuses, and exits with its failure).
+daemon_refusal_checks() {
+    local id=5 dev=/dev/ublkb5 pid sup rc
+    trueno-ublk create --size 64M --id $id >/tmp/create5.out 2>&1 || {
+        fail "refusal: create --size 64M --id $id: $(cat /tmp/create5.out)"
+        return
+    }
+    check "refusal: O_DIRECT write on $dev" pat_write dev5 $dev $MIB 0 $((4 * MIB))
+    check "refusal: a read-only ext2 on $dev mounts (it claims the device)" \
+        eval "mke2fs -q -b 4096 $dev 16384 >/dev/null 2>&1 && mkdir -p /mnt5 && mount -o ro $dev /mnt5"
+    pid=$(serving_pid $id)
+    sup=$(awk '/^PPid:/ { print $2 }' "/proc/$pid/status")
+    kill -9 "$pid"
+    check "refusal: the supervisor ($sup) exits once the new serving process refuses" wait_until 30 not alive "$sup"
+    check "refusal: the device stays, quiesced ($(dev_row $id))" wait_until 10 dev_state_is $id quiesced
+    check "refusal: the new process said why (no shared memory: it would serve zeros)" \
+        grep -q 'its pages are gone' /run/trueno-ublk/ublkb$id.log
+    rc=0
+    trueno-ublk create --size 64M --id $id >/tmp/create5.out 2>&1 || rc=$?
+    check "refusal: create --id $id again fails and says why (exit $rc: $(tail -n 1 /tmp/create5.out))" \
+        eval "[ $rc -ne 0 ] && grep -q 'cannot be resumed' /tmp/create5.out"
+    check "refusal: ... and leaves the device quiesced" dev_state_is $id quiesced
+    rc=0
+    trueno-ublk delete --id $id >/tmp/delete5.out 2>&1 || rc=$?
+    check "refusal: delete of a device in use that no daemon serves is refused (exit $rc: $(cat /tmp/delete5.out))" \
+        eval "[ $rc -ne 0 ] && grep -q 'no daemon serves it' /tmp/delete5.out"
+    rc=0
+    timeout 30 trueno-ublk delete --id $id --lose-pages >/tmp/delete5.out 2>&1 || rc=$?
+    cat /tmp/delete5.out
+    check "refusal: delete --lose-pages deletes it (exit $rc)" [ "$rc" -eq 0 ]
+    check "refusal: $dev is gone from list" not eval "trueno-ublk list | grep -q ublkb$id"
+    umount /mnt5
+    check "refusal: once unmounted the id is free: create --id $id works again" \
+        wait_until 10 eval "trueno-ublk create --size 64M --id $id >/dev/null 2>&1"
+    check "refusal: and delete --id $id" trueno-ublk delete --id $id
+}
+
 # --- dd speed ------------------------------------------------------------------------------
 # dd_speed NAME DEV: O_DIRECT bs=1M write then read of 32 MiB of the mixed pattern (3 runs,
 # median), then a checksum of what reads back. The pattern lives in RAM only meanwhile.
@@ -396,7 +586,7 @@ pressure_run() {
     t0=$(now)
     rm -f /tmp/hold
     touch /run/pressure-on
-    VMTOOL_PASSES=$passes timeout "$PRESSURE_TIMEOUT_S" $VT pressure "$mib" "$(date +%s)" /tmp/hold >/tmp/pressure.out 2>&1 &
+    VMTOOL_PASSES=$passes work timeout "$PRESSURE_TIMEOUT_S" $VT pressure "$mib" "$(date +%s)" /tmp/hold >/tmp/pressure.out 2>&1 &
     pid=$!
     : >/tmp/pressure.out
     tail -f /tmp/pressure.out &
@@ -440,7 +630,7 @@ scatter_run() {
     in0=$(vmstat_of pswpin)
     t0=$(now)
     touch /run/pressure-on
-    timeout "$PRESSURE_TIMEOUT_S" $VT scatter "$mib" "$procs" "$(date +%s)" >/tmp/scatter.out 2>&1
+    work timeout "$PRESSURE_TIMEOUT_S" $VT scatter "$mib" "$procs" "$(date +%s)" >/tmp/scatter.out 2>&1
     rc=$?
     rm -f /run/pressure-on
     dur=$(since "$t0")
@@ -557,10 +747,14 @@ if [ "$MODE" = full ]; then
     size=$($UL/blockdev --getsize64 $DEV)
     check "$DEV is 1 GiB ($size bytes)" [ "$size" -eq $((1024 * MIB)) ]
     check "logical block size 4096" [ "$($UL/blockdev --getss $DEV)" -eq 4096 ]
-    DAEMON=$(pidof trueno-ublk)
-    check "one daemon runs in the background (pid $DAEMON)" [ "$(echo "$DAEMON" | wc -w)" -eq 1 ]
-    grep -E '^(VmRSS|VmLck)' "/proc/$DAEMON/status"
-    check "the daemon's memory is locked (mlockall)" [ "$(awk '/^VmLck/ { print $2 }' "/proc/$DAEMON/status")" -gt 0 ]
+    DAEMON=$(serving_pid 0)
+    SUPERVISOR=$(awk '/^PPid:/ { print $2 }' "/proc/$DAEMON/status")
+    check "the daemon runs in the background: a supervisor ($SUPERVISOR) and the serving process ($DAEMON), nothing else" \
+        [ "$(pidof trueno-ublk | wc -w)" -eq 2 -a "$(cat "/proc/$SUPERVISOR/comm")" = trueno-ublk ]
+    grep -E '^(VmRSS|VmLck)' "/proc/$DAEMON/status" "/proc/$SUPERVISOR/status"
+    check "the serving process's memory is locked (mlockall)" [ "$(awk '/^VmLck/ { print $2 }' "/proc/$DAEMON/status")" -gt 0 ]
+    check "the supervisor's memory is locked (mlockall)" [ "$(awk '/^VmLck/ { print $2 }' "/proc/$SUPERVISOR/status")" -gt 0 ]
+    figure supervisor_rss_kib "$(awk '/^VmRSS/ { print $2 }' "/proc/$SUPERVISOR/status")"
     trueno-ublk list | tee /tmp/list.out
     check "trueno-ublk list shows $DEV" grep -q ublkb0 /tmp/list.out
 
@@ -630,12 +824,28 @@ if [ "$MODE" = full ]; then
     fi
     check "trueno-ublk delete --id 0" trueno-ublk delete --id 0
     check "$DEV is gone" wait_until 10 not test -e $DEV
-    check "the daemon exited" wait_until 10 not alive "$DAEMON"
+    check "the daemon exited (supervisor and serving process)" wait_until 10 eval "! alive $DAEMON && ! alive $SUPERVISOR"
     trueno-ublk list >/tmp/list.out 2>&1
     cat /tmp/list.out
     check "list shows no device" not grep -q ublkb /tmp/list.out
     check "trueno-ublk stat with no device exits 0" trueno-ublk stat
-elif [ "$MODE" = kernel-only ]; then
+fi
+if { [ "$MODE" = full ] || [ "$MODE" = recovery ]; } && ! skipped daemon-recovery; then
+    if [ "$SHARED_STORE" = yes ]; then
+        section "the daemon's recovery: kill -9 under swap pressure, and create again"
+        daemon_recovery_checks
+    else
+        echo "SKIP: the daemon's recovery under swap (this tree's store keeps pages in private"
+        echo "      memory: src/store has no remove_shared; it runs once the shared store lands)"
+    fi
+    section "the daemon refuses to resume a device whose pages are gone"
+    if [ "$SHARED_STORE" = yes ]; then
+        echo "SKIP: (needs a build without the shared store)"
+    else
+        daemon_refusal_checks
+    fi
+fi
+if [ "$MODE" = kernel-only ]; then
     section "pattern checks on /dev/zram0 (kernel-only dry run)"
     zram_up
     pattern_checks /dev/zram0 $((1024 * MIB))

@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 use std::ffi::OsString;
+use std::os::fd::AsFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
 use std::path::{Path, PathBuf};
@@ -24,8 +25,14 @@ pub(super) fn start_detached(settings: &DeviceSettings) -> Result<(), DaemonErro
     // Fail fast, in the user's terminal, on what we can check here.
     drop(crate::ublk::Control::open()?);
     if let Some(id) = settings.id {
-        if Path::new(&format!("/sys/class/ublk-char/ublkc{id}")).exists() {
-            return Err(UblkError::IdInUse(id).into());
+        // A device that exists is resumed by the daemon unless a live daemon serves it.
+        let mut control = crate::ublk::Control::open()?;
+        if let Ok(info) = control.dev_info(id) {
+            if info.state == crate::ublk::sys::UBLK_S_DEV_LIVE
+                && !crate::os::process_exited(info.ublksrv_pid)
+            {
+                return Err(UblkError::IdInUse(id).into());
+            }
         }
     }
     std::fs::create_dir_all(RUN_DIR).map_err(io_error(format!("creating {RUN_DIR}")))?;
@@ -139,29 +146,53 @@ pub(super) fn set_mode(path: &Path, mode: u32) -> Result<(), DaemonError> {
     ))
 }
 
-/// Readiness and status for the service manager, or for the `create` that started us
-/// (`NOTIFY_SOCKET`, the sd_notify protocol).
-pub(super) struct Notifier {
-    pub(super) socket: Option<String>,
+/// Readiness and status: for the service manager or the `create` that started the supervisor
+/// (`NOTIFY_SOCKET`, the sd_notify protocol), or, in the serving process, for its supervisor
+/// (a datagram socket pair whose end is the serving process's stdin: nothing on the file
+/// system, nothing another process could write to).
+pub(super) enum Notifier {
+    None,
+    Socket(String),
+    Supervisor(UnixDatagram),
 }
 
 impl Notifier {
     pub(super) fn from_env() -> Self {
-        Self {
-            socket: std::env::var_os("NOTIFY_SOCKET").map(|s| s.to_string_lossy().into_owned()),
+        match std::env::var_os("NOTIFY_SOCKET") {
+            Some(path) => Self::Socket(path.to_string_lossy().into_owned()),
+            None => Self::None,
+        }
+    }
+
+    /// The serving process's channel to its supervisor: its stdin.
+    pub(super) fn to_supervisor() -> Self {
+        match std::io::stdin().as_fd().try_clone_to_owned() {
+            Ok(fd) => Self::Supervisor(UnixDatagram::from(fd)),
+            Err(error) => {
+                tracing::warn!(%error, "no channel to the supervisor: it will not hear of readiness");
+                Self::None
+            }
         }
     }
 
     pub(super) fn send(&self, state: &str) {
-        let Some(path) = &self.socket else { return };
-        let address = match path.strip_prefix('@') {
-            Some(name) => SocketAddr::from_abstract_name(name.as_bytes()),
-            None => SocketAddr::from_pathname(path),
+        let sent = match self {
+            Self::None => return,
+            Self::Supervisor(channel) => channel.send(state.as_bytes()).map(drop),
+            Self::Socket(path) => {
+                let address = match path.strip_prefix('@') {
+                    Some(name) => SocketAddr::from_abstract_name(name.as_bytes()),
+                    None => SocketAddr::from_pathname(path),
+                };
+                address.and_then(|address| {
+                    UnixDatagram::unbound()?
+                        .send_to_addr(state.as_bytes(), &address)
+                        .map(drop)
+                })
+            }
         };
-        let sent = address
-            .and_then(|address| UnixDatagram::unbound()?.send_to_addr(state.as_bytes(), &address));
         if let Err(error) = sent {
-            tracing::warn!(%error, socket = path, "sd_notify failed");
+            tracing::warn!(%error, "readiness notification failed");
         }
     }
 }

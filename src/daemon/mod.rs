@@ -1,19 +1,26 @@
 //! Wiring one device: the page store behind a ublk device, queue threads, signals, readiness
 //! (sd_notify) and a clean stop. `create` without `--foreground` starts this same program
 //! detached and returns once the device is live.
+//!
+//! Three processes take part (`supervise` says why): `create` (which returns once the device
+//! is live, unless `--foreground`), the supervisor (`create --foreground`, what systemd runs)
+//! and the serving process it starts (`create ... --serve-child`), which owns the device and
+//! the store. A serving process that finds its device already there, left quiesced by a
+//! daemon that died or handed it over, resumes it with its pages.
 
 #![forbid(unsafe_code)]
 
 mod detach;
 mod handler;
 mod harden;
+mod supervise;
 
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
 use thiserror::Error;
 
 use crate::codec::BatchCodec;
@@ -21,8 +28,8 @@ use crate::config::{self, DeviceOptions, DeviceSettings};
 use crate::gpu::NoGpu;
 use crate::stats::{self, DeviceReport};
 use crate::store::{BatchedPageStore, StoreError, StoreThread};
-use crate::ublk::device::block_path;
-use crate::ublk::{Device, DeviceSpec, UblkError};
+use crate::ublk::device::{block_path, char_class_path};
+use crate::ublk::{AddedDevice, Device, DeviceSpec, Resumable, UblkError};
 use crate::units::human_size;
 use detach::{start_detached, Notifier};
 use handler::StoreHandler;
@@ -30,6 +37,9 @@ use harden::{
     disable_writeback_throttling, lock_memory, make_refill_realtime, protect_from_oom_killer,
     ready_store_thread,
 };
+// TEMPORARY (issue #11): the shared store's API until the store part lands; then this line
+// becomes `use crate::store::{remove_shared, Backing, Opened};` (see src/store_shim.rs).
+use crate::store_shim::{remove_shared, Backing, OpenShared as _, Opened};
 
 /// Where daemons keep their logs and endpoints (root only).
 pub const RUN_DIR: &str = stats::SOCKET_DIR;
@@ -83,29 +93,78 @@ fn check_size_against_ram(size_bytes: u64) -> Result<(), DaemonError> {
     Ok(())
 }
 
-/// Whether a stop request may stop the device: not while the kernel holds it (swap, a mount),
-/// since every I/O after STOP_DEV fails and processes with pages out die, PID 1 among them.
-/// The daemon keeps serving instead and says why; swapoff (or `systemctl stop` of the swap
-/// unit, which is ordered before this daemon's stop) first, then stop again.
-fn may_stop(path: &str) -> bool {
-    match crate::blockdev::is_claimed(Path::new(path)) {
-        Ok(false) => true,
-        Ok(true) => {
-            tracing::warn!(
-                device = path,
-                "not stopping: the device is in use (active swap or mounted); stopping it now would fail every page it holds. Run `swapoff {path}` (or stop its swap unit) first, then stop again"
-            );
-            false
-        }
-        Err(error) => {
-            tracing::warn!(
-                device = path,
-                %error,
-                "not stopping: could not tell whether the device is in use; check /proc/swaps and mounts, then use `trueno-ublk delete --force`"
-            );
-            false
-        }
+/// Why the serving process was asked to stop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StopRequest {
+    /// SIGTERM or SIGINT: `systemctl stop` or `restart`, a package upgrade, `delete`.
+    Stop,
+    /// SIGUSR1, the parent-death signal: the supervisor is gone, so nobody would restart
+    /// this process if it died; the service manager starts a new supervisor.
+    SupervisorGone,
+}
+
+/// What the serving process does with its device when it stops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StopAction {
+    /// STOP_DEV and DEL_DEV, and the store's shared memory freed: the device is gone.
+    Delete,
+    /// Leave the device quiesced with its pages kept (I/O waits), for the next daemon.
+    HandOver,
+}
+
+/// What a stop request does. A device the kernel holds (active swap, a mounted file system)
+/// must never be stopped: every I/O after STOP_DEV fails, and processes with pages on it die,
+/// PID 1 among them. With user recovery it is handed over instead: the next start resumes it
+/// (so `systemctl restart` loses nothing). Without recovery (an older kernel) nothing else can
+/// serve it, and the process keeps serving (`None`), as before.
+fn stop_action(
+    request: StopRequest,
+    claimed: &std::io::Result<bool>,
+    survives_daemon: bool,
+) -> Option<StopAction> {
+    match (request, claimed, survives_daemon) {
+        (StopRequest::SupervisorGone, _, true) => Some(StopAction::HandOver),
+        (StopRequest::SupervisorGone, _, false) => None,
+        (StopRequest::Stop, Ok(false), _) => Some(StopAction::Delete),
+        // Claimed, or unknown (then as if claimed: a wrong "no" would lose its pages).
+        (StopRequest::Stop, _, true) => Some(StopAction::HandOver),
+        (StopRequest::Stop, _, false) => None,
     }
+}
+
+/// `stop_action` for the device at `path`, with the log line that says what and why.
+fn decide_stop(request: StopRequest, path: &str, survives_daemon: bool) -> Option<StopAction> {
+    let claimed = crate::blockdev::is_claimed(Path::new(path));
+    let action = stop_action(request, &claimed, survives_daemon);
+    match (action, &claimed) {
+        (Some(StopAction::Delete), _) => {
+            tracing::info!(device = path, "stopping: the device is not in use, deleting it")
+        }
+        (Some(StopAction::HandOver), _) if request == StopRequest::SupervisorGone => {
+            tracing::warn!(device = path, "the supervisor is gone: handing the device over (quiesced, pages kept) for the next daemon")
+        }
+        (Some(StopAction::HandOver), Ok(true)) => tracing::info!(
+            device = path,
+            "stopping: the device is in use (active swap or mounted), handing it over: it stays, quiesced with its pages, and the next start resumes it; `trueno-ublk delete --id N --force` deletes it"
+        ),
+        (Some(StopAction::HandOver), _) => tracing::info!(
+            device = path,
+            "stopping: could not tell whether the device is in use, handing it over (quiesced, pages kept); the next start resumes it"
+        ),
+        (None, _) if request == StopRequest::SupervisorGone => tracing::warn!(
+            device = path,
+            "the supervisor is gone; serving on (this kernel cannot hand the device over)"
+        ),
+        (None, Ok(true)) => tracing::warn!(
+            device = path,
+            "not stopping: the device is in use (active swap or mounted) and this kernel's ublk driver has no user recovery, so stopping it would fail every page it holds. Run `swapoff {path}` (or stop its swap unit) first, then stop again"
+        ),
+        (None, _) => tracing::warn!(
+            device = path,
+            "not stopping: could not tell whether the device is in use; check /proc/swaps and mounts, then use `trueno-ublk delete --force`"
+        ),
+    }
+    action
 }
 
 /// The ublk side of the settings.
@@ -119,21 +178,31 @@ fn device_spec(settings: &DeviceSettings) -> DeviceSpec {
     }
 }
 
-/// `trueno-ublk create`: serve the device in this process (`foreground`), or start a detached
-/// daemon that does and return once the device is live.
-pub fn create(options: &DeviceOptions, foreground: bool) -> Result<(), DaemonError> {
+/// How `create` runs: see the module's comment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CreateRole {
+    /// Start a detached supervisor and return once the device is live.
+    Detach,
+    /// Be the supervisor (`--foreground`).
+    Supervise,
+    /// Be the serving process (`--serve-child`, started by the supervisor only).
+    Serve,
+}
+
+/// `trueno-ublk create`.
+pub fn create(options: &DeviceOptions, role: CreateRole) -> Result<(), DaemonError> {
     let settings = config::resolve(options).map_err(|e| DaemonError::Settings(e.to_string()))?;
     check_size_against_ram(settings.size_bytes)?;
     device_spec(&settings).validate()?;
-    if foreground {
-        run_foreground(settings)
-    } else {
-        start_detached(&settings)
+    match role {
+        CreateRole::Detach => start_detached(&settings),
+        CreateRole::Supervise => run_supervisor(&settings),
+        CreateRole::Serve => run_serving_process(settings),
     }
 }
 
-/// Serve the device in this process until SIGTERM/SIGINT or until the device is stopped.
-fn run_foreground(settings: DeviceSettings) -> Result<(), DaemonError> {
+/// The supervisor's life: start serving processes until one exits (see `supervise`).
+fn run_supervisor(settings: &DeviceSettings) -> Result<(), DaemonError> {
     // Fail before anything else on what needs no set-up: no driver, no permission.
     drop(crate::ublk::Control::open()?);
     let detached_log = std::env::var_os(DETACHED_ENV).map(PathBuf::from);
@@ -142,8 +211,36 @@ fn run_foreground(settings: DeviceSettings) -> Result<(), DaemonError> {
         let _ = nix::unistd::setsid();
     }
     let _log_writer = init_logging();
-    let mut notifier = Notifier::from_env();
-    let result = serve(settings, detached_log.as_deref(), &mut notifier);
+    let notifier = Notifier::from_env();
+    let result = supervise::supervise(settings, &notifier, detached_log.as_deref());
+    if let Err(error) = &result {
+        tracing::error!(%error, "trueno-ublk supervisor failed");
+        notifier.send(&format!("STATUS={error}\nERRNO={}", libc::EIO));
+    }
+    result
+}
+
+/// The serving process's life: serve the device until asked to stop or until it is stopped
+/// from outside; readiness and failure go to the supervisor.
+fn run_serving_process(settings: DeviceSettings) -> Result<(), DaemonError> {
+    let _log_writer = init_logging();
+    // Started as /proc/self/exe; `pidof trueno-ublk` and `list`'s checks go by this name.
+    let _ = crate::os::set_process_name(c"trueno-ublk");
+    if let Some(supervisor) = std::env::var(supervise::SUPERVISOR_ENV)
+        .ok()
+        .and_then(|pid| pid.parse::<i32>().ok())
+    {
+        if let Err(error) = crate::os::set_parent_death_signal(nix::sys::signal::Signal::SIGUSR1) {
+            tracing::warn!(%error, "PR_SET_PDEATHSIG failed: this process will not notice its supervisor's death");
+        }
+        if nix::unistd::getppid().as_raw() != supervisor {
+            // The supervisor died before the signal was armed: nobody waits for this process.
+            tracing::warn!("the supervisor is gone before the start: not starting");
+            return Ok(());
+        }
+    }
+    let notifier = Notifier::to_supervisor();
+    let result = serve(settings, &notifier);
     if let Err(error) = &result {
         tracing::error!(%error, "trueno-ublk daemon failed");
         notifier.send(&format!("STATUS={error}\nERRNO={}", libc::EIO));
@@ -172,11 +269,93 @@ fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
     guard
 }
 
-fn serve(
-    settings: DeviceSettings,
-    detached_log: Option<&Path>,
-    notifier: &mut Notifier,
-) -> Result<(), DaemonError> {
+/// The device this process will serve: one it adds, or one a previous daemon left.
+enum Target {
+    Fresh(AddedDevice),
+    Resume(Resumable),
+}
+
+impl Target {
+    fn id(&self) -> u32 {
+        match self {
+            Target::Fresh(added) => added.id(),
+            Target::Resume(resumable) => resumable.id(),
+        }
+    }
+}
+
+/// Find the device to serve: with an id whose device exists, that one, to resume (it must be
+/// quiesced with its daemon gone, which this waits for, boundedly); otherwise a new one.
+/// Nothing in the kernel changes for a resume until `Resumable::resume`.
+fn find_target(settings: &DeviceSettings) -> Result<Target, DaemonError> {
+    if let Some(id) = settings.id {
+        if Path::new(&char_class_path(id)).exists() {
+            return Ok(Target::Resume(Device::find_resumable(
+                id,
+                settings.size_bytes,
+            )?));
+        }
+    }
+    Ok(Target::Fresh(Device::add(device_spec(settings))?))
+}
+
+/// Open the store of device `id`. A new device gets an empty one (stale shared memory a
+/// deleted device of the same id left is freed first). A resumed device must find its pages:
+/// an empty store would serve zeros for every page it held, to processes that swapped them
+/// out; then this fails and the device stays as it is (quiesced: its I/O waits).
+fn open_store(
+    config: crate::store::StoreConfig,
+    gpu: Option<Arc<dyn BatchCodec>>,
+    id: u32,
+    resume: bool,
+) -> Result<Arc<BatchedPageStore>, DaemonError> {
+    if !resume && remove_shared(id)? {
+        tracing::warn!(
+            id,
+            "freed the shared memory of an earlier device {id} (deleted without it being freed)"
+        );
+    }
+    let (store, opened) = BatchedPageStore::open(config, gpu, Backing::Shared { device_id: id })?;
+    match (opened, resume) {
+        (Opened::Resumed { pages, lost }, true) => {
+            if lost > 0 {
+                tracing::error!(
+                    id,
+                    pages,
+                    lost,
+                    "resumed the store, but {lost} pages could not be recovered: reads of them fail with EIO until they are written again"
+                );
+            } else {
+                tracing::info!(id, pages, "resumed the store with every page");
+            }
+            Ok(store)
+        }
+        (Opened::Fresh, true) => {
+            store.shutdown();
+            drop(store);
+            let _ = remove_shared(id);
+            Err(DaemonError::Ublk(UblkError::CannotResume {
+                id,
+                reason: "its pages are gone (no shared memory for it: a reboot, or a binary \
+                         that keeps pages in private memory); serving it would read zeros \
+                         where data was. Delete it (`trueno-ublk delete --id N --lose-pages` if \
+                         it is in use) and create it again"
+                    .replace("--id N", &format!("--id {id}")),
+            }))
+        }
+        (Opened::Resumed { pages, .. }, false) => {
+            // Freed just above, so this is another process's store: never serve it.
+            store.shutdown();
+            Err(DaemonError::Daemon(format!(
+                "device {id} is new but its store already holds {pages} pages (another process \
+                 made it meanwhile?); not serving it"
+            )))
+        }
+        (Opened::Fresh, false) => Ok(store),
+    }
+}
+
+fn serve(settings: DeviceSettings, notifier: &Notifier) -> Result<(), DaemonError> {
     // The daemon serves swap, so none of its own memory may ever need swap to come back:
     // lock what is mapped now and every page faulted in later. What the I/O path uses is
     // written, and so faulted in and locked, when it is set up (page table, pending batches,
@@ -191,12 +370,21 @@ fn serve(
         .build_global();
 
     // Signals first, so a SIGTERM during start-up is not lost.
-    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1])
         .map_err(io_error("installing signal handlers"))?;
+    let started = Instant::now();
+    let target = find_target(&settings)?;
+    let id = target.id();
+    let resume = matches!(target, Target::Resume(_));
     let (gpu, gpu_state) = crate::gpu::open_for_store(algorithm, settings.store.forced_backend)?;
     tracing::info!(gpu = gpu_state, "GPU backend");
     let store_config = settings.store_config(gpu.is_some(), config::ram_bytes().unwrap_or(0));
-    let store = BatchedPageStore::new(store_config, gpu.clone().map(|g| g as Arc<dyn BatchCodec>))?;
+    let store = open_store(
+        store_config,
+        gpu.clone().map(|g| g as Arc<dyn BatchCodec>),
+        id,
+        resume,
+    )?;
     let flusher = store
         .start_flusher(move |role| {
             ready_store_thread(algorithm);
@@ -207,13 +395,21 @@ fn serve(
         .map_err(io_error("starting the flusher"))?;
     let handler = Arc::new(StoreHandler::new(store.clone(), algorithm));
 
-    let started = Instant::now();
-    let device = Device::create(device_spec(&settings), handler)?;
-    let id = device.id();
+    let device = match target {
+        Target::Fresh(added) => {
+            if !added.survives_daemon() {
+                tracing::warn!(
+                    id,
+                    "this kernel's ublk driver has no user recovery (UBLK_F_USER_RECOVERY with _REISSUE, Linux 6.0+): the device will not survive this daemon; if it dies, every page on the device is lost"
+                );
+            }
+            added.start(handler)?
+        }
+        Target::Resume(resumable) => resumable.resume(handler)?,
+    };
     let path = block_path(id);
-    disable_writeback_throttling(id);
-    if let Some(log) = detached_log {
-        let _ = std::fs::rename(log, format!("{RUN_DIR}/ublkb{id}.log"));
+    if !resume {
+        disable_writeback_throttling(id);
     }
     tracing::info!(
         device = path,
@@ -221,7 +417,12 @@ fn serve(
         queues = device.info().nr_hw_queues,
         depth = device.info().queue_depth,
         ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
-        "device live"
+        "{}",
+        if resume {
+            "device resumed"
+        } else {
+            "device live"
+        }
     );
     // Only root can read the endpoint; `stat` still works for the device if it fails.
     let report_store = store.clone();
@@ -251,18 +452,10 @@ fn serve(
     })
     .map_err(|error| tracing::warn!(%error, "stats endpoint unavailable: `trueno-ublk stat` will not see this device"))
     .ok();
-    if detached_log.is_none() {
-        println!("{path}");
-        let _ = std::io::stdout().flush();
-    }
     notifier.send(&format!(
-        "READY=1\nSTATUS={path}\nMAINPID={}",
+        "READY=1\nDEVICE={id}\nSTATUS={path}\nPID={}",
         std::process::id()
     ));
-    if detached_log.is_some() {
-        // `create` has printed the path and exited: nobody listens any more.
-        notifier.socket = None;
-    }
 
     let (signal_tx, signal_rx) = crossbeam_channel::bounded(4);
     let signal_handle = signals.handle();
@@ -277,31 +470,120 @@ fn serve(
             }
         })
         .map_err(io_error("starting the signal thread"))?;
-    loop {
+    let survives = device.survives_daemon();
+    // What to do with the device, and whether the stop was unexpected (a failure to report).
+    let (action, unexpected) = loop {
         crossbeam_channel::select! {
-            recv(signal_rx) -> signal => match signal {
-                Ok(SIGHUP) => tracing::info!("SIGHUP ignored"),
-                Ok(signal) => {
-                    if may_stop(&path) {
-                        tracing::info!(signal, "stopping");
-                        break;
+            recv(signal_rx) -> signal => {
+                let request = match signal {
+                    Ok(SIGHUP) => {
+                        tracing::info!("SIGHUP ignored");
+                        continue;
                     }
+                    Ok(SIGUSR1) => StopRequest::SupervisorGone,
+                    Ok(_) => StopRequest::Stop,
+                    Err(_) if survives => break (StopAction::HandOver, true),
+                    Err(_) => {
+                        // No signals any more (cannot happen: the thread ends only when told):
+                        // serve until the device is stopped from outside.
+                        let _ = device.queue_exits().recv();
+                        break (StopAction::Delete, true);
+                    }
+                };
+                if let Some(action) = decide_stop(request, &path, survives) {
+                    break (action, false);
                 }
-                Err(_) => break,
             },
             recv(device.queue_exits()) -> _ => {
-                tracing::warn!("a queue ended (device stopped from outside?); shutting down");
-                break;
+                // Stopped from outside (every tag aborted), or a queue failed. A device that
+                // still exists and can outlive us is handed over and the failure reported:
+                // the supervisor exits with it, and the service manager's restart resumes it.
+                let exists = matches!(
+                    device_state(id),
+                    Some(crate::ublk::sys::UBLK_S_DEV_LIVE | crate::ublk::sys::UBLK_S_DEV_QUIESCED)
+                );
+                if survives && exists {
+                    tracing::error!(device = path, "a queue ended while the device is live: handing it over");
+                    break (StopAction::HandOver, true);
+                }
+                tracing::warn!(device = path, "a queue ended (device stopped from outside?); shutting down");
+                break (StopAction::Delete, false);
             }
         }
-    }
+    };
     notifier.send("STOPPING=1");
-    let stopped = device.shutdown();
+    let stopped = match action {
+        StopAction::Delete => device.shutdown(),
+        StopAction::HandOver => device.hand_over(),
+    };
     signal_handle.close();
     let _ = signal_thread.join();
     store.shutdown();
     drop(flusher);
     stopped?;
-    tracing::info!(device = path, "device deleted");
+    match action {
+        StopAction::Delete => {
+            drop(store);
+            if let Err(error) = remove_shared(id) {
+                tracing::warn!(%error, id, "could not free the store's shared memory");
+            }
+            tracing::info!(device = path, "device deleted");
+        }
+        StopAction::HandOver => tracing::info!(
+            device = path,
+            "device handed over: quiesced with its pages kept; the next `create --id {id}` (or unit start) resumes it"
+        ),
+    }
+    if unexpected {
+        return Err(DaemonError::Daemon(format!(
+            "serving {path} ended unexpectedly; the device was {}",
+            match action {
+                StopAction::Delete => "deleted",
+                StopAction::HandOver => "handed over",
+            }
+        )));
+    }
     Ok(())
+}
+
+/// The kernel's state of device `id` (`UBLK_S_DEV_*`), or None if it is gone or unreadable.
+fn device_state(id: u32) -> Option<u16> {
+    crate::ublk::Control::open()
+        .and_then(|mut control| control.dev_info(id))
+        .ok()
+        .map(|info| info.state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stop_never_stops_a_device_in_use() {
+        use StopAction::{Delete, HandOver};
+        use StopRequest::{Stop, SupervisorGone};
+        let unknown = || Err(std::io::Error::from_raw_os_error(libc::EACCES));
+        let cases: [(StopRequest, std::io::Result<bool>, bool, Option<StopAction>); 10] = [
+            // Unused: deleted, with or without recovery.
+            (Stop, Ok(false), true, Some(Delete)),
+            (Stop, Ok(false), false, Some(Delete)),
+            // In use, or unknown: handed over when it can outlive us, else kept serving.
+            (Stop, Ok(true), true, Some(HandOver)),
+            (Stop, Ok(true), false, None),
+            (Stop, unknown(), true, Some(HandOver)),
+            (Stop, unknown(), false, None),
+            // The supervisor gone: handed over whatever the use, never deleted.
+            (SupervisorGone, Ok(false), true, Some(HandOver)),
+            (SupervisorGone, Ok(true), true, Some(HandOver)),
+            (SupervisorGone, Ok(false), false, None),
+            (SupervisorGone, Ok(true), false, None),
+        ];
+        for (request, claimed, survives, want) in cases {
+            assert_eq!(
+                stop_action(request, &claimed, survives),
+                want,
+                "{request:?} claimed {claimed:?} survives {survives}"
+            );
+        }
+    }
 }
