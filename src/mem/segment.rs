@@ -199,6 +199,11 @@ impl Segment {
         self.len
     }
 
+    /// Whether ranges are committed through a file descriptor (without the mmap lock).
+    pub fn commits_through_file(&self) -> bool {
+        self.fd.is_some()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
