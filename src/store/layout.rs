@@ -138,10 +138,23 @@ impl Shape {
     }
 }
 
+/// This process's claim on a store's memory (the header's owner word), given up when the
+/// store is dropped; a process that dies leaves its pid, which no live process has.
+pub(super) struct Ownership {
+    header: Words<AtomicU64>,
+}
+
+impl Drop for Ownership {
+    fn drop(&mut self) {
+        let me = u64::from(std::process::id());
+        let _ = self.header[H_OWNER].compare_exchange(me, 0, Ordering::AcqRel, Ordering::Acquire);
+    }
+}
+
 /// A store's memory, mapped, with views of its regions.
 pub(super) struct Regions {
     pub(super) shape: Shape,
-    header: Words<AtomicU64>,
+    pub(super) owner: Ownership,
     pub(super) table: Words<AtomicU64>,
     pub(super) batches: Vec<(PageSlots, Words<AtomicU64>)>,
     pub(super) arena: Arc<Arena>,
@@ -175,7 +188,7 @@ impl Regions {
 
     fn fresh(segment: &Arc<Segment>, shape: Shape) -> Result<Self, StoreError> {
         let regions = Self::map(segment, shape, false)?;
-        let header = &regions.header;
+        let header = &regions.owner.header;
         for (word, value) in [
             (H_VERSION, LAYOUT_VERSION),
             (H_PAGES, shape.pages as u64),
@@ -252,7 +265,7 @@ impl Regions {
         }
         drop(header);
         let regions = Self::map(segment, shape, true)?;
-        regions.header[H_OWNER].store(u64::from(std::process::id()), Ordering::Release);
+        regions.owner.header[H_OWNER].store(u64::from(std::process::id()), Ordering::Release);
         Ok(regions)
     }
 
@@ -277,7 +290,9 @@ impl Regions {
             .collect::<Result<Vec<_>, StoreError>>()?;
         Ok(Self {
             shape,
-            header: view(segment.words(0, HEADER_WORDS))?,
+            owner: Ownership {
+                header: view(segment.words(0, HEADER_WORDS))?,
+            },
             table: view(segment.words(o.table, shape.pages))?,
             batches,
             arena: view(Arena::new(

@@ -58,7 +58,7 @@ use counters::{add, sub, Counters};
 pub use error::StoreError;
 pub use flusher::{FlusherHandle, StoreThread};
 pub use layout::{remove_shared, shared_exists, Backing, Opened, LAYOUT_VERSION};
-use layout::{Regions, Shape};
+use layout::{Ownership, Regions, Shape};
 use pending::PendingBatch;
 use table::{PageState, PageTable};
 
@@ -99,6 +99,8 @@ pub struct BatchedPageStore {
     shut_down: AtomicBool,
     epoch: Instant,
     counters: Counters,
+    /// This process's claim on the store's memory (a second process must not serve it).
+    _owner: Ownership,
 }
 
 /// Check `config` (for a store with a GPU codec if `has_gpu`); returns the device's pages.
@@ -210,6 +212,7 @@ impl BatchedPageStore {
         }
         .max(1);
         let resumed = regions.resumed;
+        let owner = regions.owner;
         let batches: Box<[PendingBatch]> = regions
             .batches
             .into_iter()
@@ -243,6 +246,7 @@ impl BatchedPageStore {
             epoch: Instant::now(),
             counters: Counters::default(),
             config,
+            _owner: owner,
         };
         let opened = if resumed {
             store.resume()?
