@@ -5,7 +5,7 @@
 use nix::sys::mman::{mlockall, MlockAllFlags};
 
 /// The result of a libc call that returns -1 and sets errno on failure.
-fn cvt(rc: libc::c_int) -> std::io::Result<()> {
+pub fn cvt(rc: libc::c_int) -> std::io::Result<()> {
     if rc == -1 {
         Err(std::io::Error::last_os_error())
     } else {

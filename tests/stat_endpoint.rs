@@ -55,6 +55,7 @@ fn report(id: u32, orig_bytes: u64) -> DeviceReport {
             batch_flushes: 44,
             failed_reads: 1,
             failed_writes: 2,
+            lost_pages: 3,
             ..StoreStats::default()
         },
         memory: ProcessMemory {
@@ -145,12 +146,12 @@ fn table_json_and_raw_output() {
             "4.00"
         ]
     );
-    // PAGES-SIMD PAGES-PARALLEL PAGES-GPU FLUSHES READ-ERRS WRITE-ERRS GPU...
-    assert_eq!(&row[11..17], ["11", "22", "33", "44", "1", "2"]);
+    // PAGES-SIMD PAGES-PARALLEL PAGES-GPU FLUSHES READ-ERRS WRITE-ERRS LOST GPU...
+    assert_eq!(&row[11..18], ["11", "22", "33", "44", "1", "2", "3"]);
     // RSS IDLE-RSS, then READ-P50 READ-P99 WRITE-P50 WRITE-P99: bucket upper bounds in µs,
     // `-` without requests.
-    assert_eq!(&row[17..19], ["30M", "8M"]);
-    assert_eq!(&row[19..23], ["<=3us", "<=132us", "-", "-"]);
+    assert_eq!(&row[18..20], ["30M", "8M"]);
+    assert_eq!(&row[20..24], ["<=3us", "<=132us", "-", "-"]);
     assert!(lines[1].ends_with("unavailable: no libcuda"));
     assert!(lines[2].starts_with("/dev/ublkb7"), "sorted by id: {table}");
     // Nothing stored: no ratio.

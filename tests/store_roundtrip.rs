@@ -12,7 +12,7 @@ mod store_common;
 
 use std::time::Duration;
 
-use store_common::{page_of_kind, random_page, text_page};
+use store_common::{page_of_kind, random_page, same_page, text_page};
 use trueno_ublk::codec::{Algorithm, PAGE_SIZE};
 use trueno_ublk::store::{BatchedPageStore, StoreConfig, StoreError};
 
@@ -77,6 +77,24 @@ fn every_kind_round_trips_in_every_mode() {
             Algorithm::Adaptive => assert_eq!(s.pages_zstd + s.pages_lz4, 200, "{label}"),
         }
     }
+}
+
+#[test]
+fn same_filled_pages_whose_word_the_entry_cannot_hold_are_compressed() {
+    let config = trueno_ublk::config::StoreSettings::default().store_config(8 * PAGE, false);
+    let store = BatchedPageStore::new(config, None).unwrap();
+    let words = [0x8000_0000_0000_0001u64, 0x1234_5678_9abc_def0, u64::MAX, 7];
+    for (i, &word) in words.iter().enumerate() {
+        store.write(i as u64 * PAGE, &same_page(word)[..]).unwrap();
+    }
+    store.flush_pending().unwrap();
+    for (i, &word) in words.iter().enumerate() {
+        let mut got = vec![0u8; PAGE_SIZE];
+        store.read(i as u64 * PAGE, &mut got).unwrap();
+        assert!(got[..] == same_page(word)[..], "word {word:#x}");
+    }
+    let s = store.stats();
+    assert_eq!((s.same_pages, s.pages_stored), (2, 2));
 }
 
 #[test]

@@ -1,5 +1,11 @@
 //! Compressed-page memory: a size-class allocator in the manner of the kernel's zsmalloc.
 //!
+//! An object is named by its position alone (`Handle`: the arena page its chunk starts at and
+//! its index there; the class follows from its length), so a page-table entry is one word and
+//! means the same to the next process: a store resumed after a crash rebuilds the bookkeeping
+//! here from its table (`rebuild`). Each chunk's first page carries a tag (see `mem::Arena`)
+//! naming the chunk's id in its class.
+//!
 //! Objects are rounded up to 16 bytes and packed into chunks of 1 to `MAX_CHUNK_PAGES` pages,
 //! the chunk size chosen per class to waste the least tail. Neighbouring sizes that pack the
 //! same number of objects into the same chunk size share one class (as in zsmalloc): that
@@ -15,12 +21,13 @@
 #![forbid(unsafe_code)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 
 use super::reserve::ChunkReserve;
 use crate::codec::PAGE_SIZE;
-use crate::mem::{faulted_in_vec, ArenaChunk};
+use crate::mem::{faulted_in_vec, Arena, ArenaChunk};
 
 /// Object sizes are multiples of this.
 const GRANULE: usize = 16;
@@ -38,23 +45,25 @@ const BITMAP_WORDS: usize = MAX_OBJS_PER_CHUNK / 64;
 /// Chunks a class can add before its bookkeeping must grow (see `provision`).
 const PROVISION_MIN_SLACK: usize = 64;
 
-/// Where one object lives: class, chunk and object index packed into a `u64` so that the page
-/// table can hold it in one word.
+/// Where one object lives: the arena page its chunk starts at and its index in the chunk,
+/// packed into the low 45 bits of a `u64` (the page table keeps them in its entry word).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Handle(u64);
 
+/// Bits of a handle for the object index (a chunk holds at most 256 objects).
+const OBJ_BITS: u32 = 8;
+/// Arena pages a handle can name: 2^37 (an arena of up to 512 TiB).
+pub(super) const MAX_ARENA_PAGES: u64 = 1 << 37;
+
 impl Handle {
-    fn new(class: usize, chunk: u32, obj: u16) -> Self {
-        Handle(((class as u64) << 48) | (u64::from(chunk) << 16) | u64::from(obj))
+    fn new(page: usize, obj: usize) -> Self {
+        Handle(((page as u64) << OBJ_BITS) | obj as u64)
     }
-    fn class(self) -> usize {
-        ((self.0 >> 48) & 0xff) as usize
-    }
-    fn chunk(self) -> usize {
-        ((self.0 >> 16) & 0xffff_ffff) as usize
+    fn page(self) -> usize {
+        (self.0 >> OBJ_BITS) as usize
     }
     fn obj(self) -> usize {
-        (self.0 & 0xffff) as usize
+        (self.0 & ((1 << OBJ_BITS) - 1)) as usize
     }
     pub(super) fn to_bits(self) -> u64 {
         self.0
@@ -119,42 +128,79 @@ fn chunk_pages(obj_size: usize) -> usize {
         .unwrap_or(1)
 }
 
-impl ZsAllocator {
-    /// An allocator for up to `max_bytes` of chunks that keeps about `reserve_bytes` of them
-    /// ready (see `reserve`).
-    pub(super) fn new(reserve_bytes: u64, max_bytes: usize) -> std::io::Result<Self> {
-        let mut classes: Vec<SizeClass> = Vec::new();
-        let mut class_of = vec![0u8; GRANULES];
-        // From the largest size down, so that a merged class takes its largest member's size.
-        for granule in (0..GRANULES).rev() {
-            let obj_size = (granule + 1) * GRANULE;
-            let chunk_bytes = chunk_pages(obj_size) * PAGE_SIZE;
-            let objs_per_chunk = chunk_bytes / obj_size;
-            let same_packing = classes.last().is_some_and(|c: &SizeClass| {
-                c.chunk_bytes == chunk_bytes && c.objs_per_chunk == objs_per_chunk
+/// The size classes, and the class of an object of `(i + 1) * GRANULE` bytes.
+fn size_classes() -> (Box<[SizeClass]>, Box<[u8]>) {
+    let mut classes: Vec<SizeClass> = Vec::new();
+    let mut class_of = vec![0u8; GRANULES];
+    // From the largest size down, so that a merged class takes its largest member's size.
+    for granule in (0..GRANULES).rev() {
+        let obj_size = (granule + 1) * GRANULE;
+        let chunk_bytes = chunk_pages(obj_size) * PAGE_SIZE;
+        let objs_per_chunk = chunk_bytes / obj_size;
+        let same_packing = classes.last().is_some_and(|c: &SizeClass| {
+            c.chunk_bytes == chunk_bytes && c.objs_per_chunk == objs_per_chunk
+        });
+        if !same_packing {
+            classes.push(SizeClass {
+                obj_size,
+                objs_per_chunk,
+                chunk_bytes,
+                chunks: RwLock::new(Vec::new()),
+                state: Mutex::new(ClassState::default()),
             });
-            if !same_packing {
-                classes.push(SizeClass {
-                    obj_size,
-                    objs_per_chunk,
-                    chunk_bytes,
-                    chunks: RwLock::new(Vec::new()),
-                    state: Mutex::new(ClassState::default()),
-                });
-            }
-            // At most GRANULES (256) classes: the index fits a u8.
-            class_of[granule] = (classes.len() - 1) as u8;
         }
+        // At most GRANULES (256) classes: the index fits a u8.
+        class_of[granule] = (classes.len() - 1) as u8;
+    }
+    (classes.into_boxed_slice(), class_of.into_boxed_slice())
+}
+
+/// A fingerprint of the class table: objects are found by their length's class, so a store is
+/// only readable by a binary whose classes pack the same (see `layout`).
+pub(super) fn class_fingerprint() -> u64 {
+    let (classes, class_of) = size_classes();
+    // FNV-1a over every class's object size and chunk size, by member size.
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    let mut mix = |v: u64| {
+        hash ^= v;
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    };
+    for (granule, &class) in class_of.iter().enumerate() {
+        let c = &classes[usize::from(class)];
+        mix(granule as u64);
+        mix(c.obj_size as u64);
+        mix(c.chunk_bytes as u64);
+    }
+    hash
+}
+
+impl ZsAllocator {
+    /// An allocator of chunks from `arena` that keeps about `reserve_bytes` of them ready (see
+    /// `reserve`).
+    pub(super) fn new(reserve_bytes: u64, arena: Arc<Arena>) -> Self {
+        let (classes, class_of) = size_classes();
         let mut classes_per_size = [0u64; MAX_CHUNK_PAGES];
         for class in &classes {
             classes_per_size[class.chunk_bytes / PAGE_SIZE - 1] += 1;
         }
-        Ok(Self {
-            classes: classes.into_boxed_slice(),
-            class_of: class_of.into_boxed_slice(),
+        Self {
+            classes,
+            class_of,
             chunk_bytes: AtomicU64::new(0),
-            reserve: ChunkReserve::new(reserve_bytes, max_bytes, &classes_per_size)?,
-        })
+            reserve: ChunkReserve::new(reserve_bytes, arena, &classes_per_size),
+        }
+    }
+
+    /// The class of an object of `len` bytes.
+    fn class_index(&self, len: usize) -> usize {
+        let granule = len.clamp(1, PAGE_SIZE).div_ceil(GRANULE) - 1;
+        usize::from(self.class_of[granule])
+    }
+
+    /// The id, in class `class`, of the live chunk starting at arena page `page`.
+    fn chunk_id(&self, page: usize) -> Option<usize> {
+        let tag = self.reserve.arena().tag(page)?.load(Ordering::Acquire);
+        (tag as usize).checked_sub(1)
     }
 
     /// Bytes of memory in chunks.
@@ -217,24 +263,24 @@ impl ZsAllocator {
         }
     }
 
-    /// Copy `bytes` (1 to `PAGE_SIZE` of them) into a new object.
-    pub(super) fn store(&self, bytes: &[u8]) -> Handle {
-        let granule = bytes.len().clamp(1, PAGE_SIZE).div_ceil(GRANULE) - 1;
-        let class_idx = usize::from(self.class_of[granule]);
+    /// Copy `bytes` (1 to `PAGE_SIZE` of them) into a new object; `None` only if the arena's
+    /// address space is used up, which its size rules out (see `BatchedPageStore::open`).
+    pub(super) fn store(&self, bytes: &[u8]) -> Option<Handle> {
+        let class_idx = self.class_index(bytes.len());
         let class = &self.classes[class_idx];
-        let (chunk, obj) = self.take_object(class_idx);
+        let (chunk, obj) = self.take_object(class_idx)?;
         let dir = class.chunks.read();
-        if let Some(Some(lock)) = dir.get(chunk as usize) {
-            let off = usize::from(obj) * class.obj_size;
-            // Objects are at most PAGE_SIZE (every caller's slot size), so this always fits.
-            if let Some(dst) = lock.write().get_mut(off..off + bytes.len()) {
-                dst.copy_from_slice(bytes);
-            }
-        }
-        Handle::new(class_idx, chunk, obj)
+        let Some(Some(lock)) = dir.get(chunk as usize) else {
+            return None;
+        };
+        let mut data = lock.write();
+        let off = usize::from(obj) * class.obj_size;
+        // Objects are at most PAGE_SIZE (every caller's slot size), so this always fits.
+        data.get_mut(off..off + bytes.len())?.copy_from_slice(bytes);
+        Some(Handle::new(data.page(), usize::from(obj)))
     }
 
-    fn take_object(&self, class_idx: usize) -> (u32, u16) {
+    fn take_object(&self, class_idx: usize) -> Option<(u32, u16)> {
         let class = &self.classes[class_idx];
         let mut st = class.state.lock();
         loop {
@@ -246,7 +292,7 @@ impl ZsAllocator {
                     // free memory the refill may be waiting for (seen in the VM: a discard
                     // stuck behind a flush that waited for the refill).
                     drop(st);
-                    let data = self.reserve.take(class.chunk_bytes / PAGE_SIZE);
+                    let data = self.reserve.take(class.chunk_bytes / PAGE_SIZE)?;
                     st = class.state.lock();
                     // No push here may grow a list (see `provision`): wait for the refill
                     // thread to make room, as for the chunk itself.
@@ -285,7 +331,7 @@ impl ZsAllocator {
                 u.partial_pos = None;
                 remove_partial(partial, usage, pos);
             }
-            return (chunk, (word * 64 + bit) as u16);
+            return Some((chunk, (word * 64 + bit) as u16));
         }
     }
 
@@ -295,6 +341,7 @@ impl ZsAllocator {
         for i in 0..class.objs_per_chunk {
             free[i / 64] |= 1 << (i % 64);
         }
+        let page = data.page();
         let data = RwLock::new(data);
         let mut dir = class.chunks.write();
         let id = match st.free_ids.pop() {
@@ -314,23 +361,28 @@ impl ZsAllocator {
             partial_pos: Some(st.partial.len() as u32),
         });
         st.partial.push(id);
+        if let Some(tag) = self.reserve.arena().tag(page) {
+            tag.store(id + 1, Ordering::Release);
+        }
         self.chunk_bytes
             .fetch_add(class.chunk_bytes as u64, Ordering::Relaxed);
         id
     }
 
-    /// Free an object; frees its chunk if it was the chunk's last.
-    pub(super) fn free(&self, handle: Handle) {
-        let Some(class) = self.classes.get(handle.class()) else {
+    /// Free the object of `len` bytes at `handle`; frees its chunk if it was the chunk's last.
+    pub(super) fn free(&self, handle: Handle, len: usize) {
+        let class = &self.classes[self.class_index(len)];
+        let mut st = class.state.lock();
+        let Some(id) = self.chunk_id(handle.page()) else {
+            tracing::error!(?handle, "free of an object in no live chunk ignored");
             return;
         };
-        let mut st = class.state.lock();
         let ClassState {
             usage,
             partial,
             free_ids,
         } = &mut *st;
-        let Some(Some(u)) = usage.get_mut(handle.chunk()) else {
+        let Some(Some(u)) = usage.get_mut(id) else {
             tracing::error!(?handle, "free of an object in no live chunk ignored");
             return;
         };
@@ -349,17 +401,20 @@ impl ZsAllocator {
             if let Some(pos) = u.partial_pos.take() {
                 remove_partial(partial, usage, pos);
             }
-            usage[handle.chunk()] = None;
-            let chunk = class.chunks.write()[handle.chunk()].take();
+            usage[id] = None;
+            if let Some(tag) = self.reserve.arena().tag(handle.page()) {
+                tag.store(0, Ordering::Release);
+            }
+            let chunk = class.chunks.write()[id].take();
             if let Some(chunk) = chunk {
                 self.reserve.give_back(chunk.into_inner());
             }
-            free_ids.push(handle.chunk() as u32);
+            free_ids.push(id as u32);
             self.chunk_bytes
                 .fetch_sub(class.chunk_bytes as u64, Ordering::Relaxed);
         } else if u.partial_pos.is_none() {
             u.partial_pos = Some(partial.len() as u32);
-            partial.push(handle.chunk() as u32);
+            partial.push(id as u32);
         }
     }
 
@@ -371,25 +426,129 @@ impl ZsAllocator {
         len: usize,
         f: impl FnOnce(&[u8]) -> R,
     ) -> Option<R> {
-        let class = self.classes.get(handle.class())?;
-        if len > class.obj_size || handle.obj() >= class.objs_per_chunk {
+        let class = &self.classes[self.class_index(len)];
+        if handle.obj() >= class.objs_per_chunk {
             return None;
         }
+        let id = self.chunk_id(handle.page())?;
         let dir = class.chunks.read();
-        let chunk = dir.get(handle.chunk())?.as_ref()?.read();
+        let chunk = dir.get(id)?.as_ref()?.read();
+        if chunk.page() != handle.page() {
+            return None;
+        }
         let off = handle.obj() * class.obj_size;
         Some(f(&chunk[off..off + len]))
     }
 
     /// Test hook: let `f` change an object's bytes in place.
     #[cfg(test)]
-    pub(super) fn with_object_mut(&self, handle: Handle, f: impl FnOnce(&mut [u8])) {
-        let class = &self.classes[handle.class()];
+    pub(super) fn with_object_mut(&self, handle: Handle, len: usize, f: impl FnOnce(&mut [u8])) {
+        let class = &self.classes[self.class_index(len)];
         let dir = class.chunks.read();
-        if let Some(Some(lock)) = dir.get(handle.chunk()) {
+        if let Some(Some(lock)) = self.chunk_id(handle.page()).and_then(|id| dir.get(id)) {
             let off = handle.obj() * class.obj_size;
             f(&mut lock.write()[off..off + class.obj_size]);
         }
+    }
+}
+
+/// Pages of the carved arena as a resumed store finds them in its table: 0 for pages no live
+/// chunk covers, else the class index + 1 of the chunk covering it.
+pub(super) struct Occupancy(Vec<u16>);
+
+impl ZsAllocator {
+    /// Start a rebuild (a store resumed after its process died): every tag of the carved arena
+    /// cleared, nothing live yet.
+    pub(super) fn begin_rebuild(&self) -> std::io::Result<Occupancy> {
+        let arena = self.reserve.arena();
+        let carved = arena.carved().min(arena.len());
+        arena.commit_tags(0, carved)?;
+        let pages = carved / PAGE_SIZE;
+        for page in 0..pages {
+            if let Some(tag) = arena.tag(page) {
+                tag.store(0, Ordering::Relaxed);
+            }
+        }
+        Ok(Occupancy(vec![0; pages]))
+    }
+
+    /// Take the object of `len` bytes at `handle` as live (a stored entry of the resumed
+    /// table). False if it cannot be: outside the carved arena, overlapping a chunk of another
+    /// class or at another start, or an object some other entry already holds.
+    pub(super) fn adopt(&self, handle: Handle, len: usize, occupancy: &mut Occupancy) -> bool {
+        let class_idx = self.class_index(len);
+        let class = &self.classes[class_idx];
+        if handle.obj() >= class.objs_per_chunk {
+            return false;
+        }
+        let first = handle.page();
+        let pages = class.chunk_bytes / PAGE_SIZE;
+        let Some(span) = occupancy.0.get_mut(first..first + pages) else {
+            return false;
+        };
+        let mark = class_idx as u16 + 1;
+        let mut st = class.state.lock();
+        let id = if span.iter().all(|&c| c == 0) {
+            let Ok(chunk) = self
+                .reserve
+                .arena()
+                .chunk_at(first * PAGE_SIZE, class.chunk_bytes)
+            else {
+                return false;
+            };
+            span.fill(mark);
+            self.add_chunk(class, &mut st, chunk) as usize
+        } else {
+            match self.chunk_id(first) {
+                Some(id) if span.iter().all(|&c| c == mark) => id,
+                _ => return false,
+            }
+        };
+        let ClassState { usage, partial, .. } = &mut *st;
+        let Some(Some(u)) = usage.get_mut(id) else {
+            return false;
+        };
+        let (word, bit) = (handle.obj() / 64, handle.obj() % 64);
+        if u.free[word] & (1 << bit) == 0 {
+            return false; // another entry holds this object
+        }
+        u.free[word] &= !(1u64 << bit);
+        u.used += 1;
+        if u.used as usize == class.objs_per_chunk {
+            if let Some(pos) = u.partial_pos.take() {
+                remove_partial(partial, usage, pos);
+            }
+        }
+        true
+    }
+
+    /// End a rebuild: every carved page no live chunk covers goes back to the system and into
+    /// the reserve as free chunks.
+    pub(super) fn finish_rebuild(&self, occupancy: Occupancy) -> std::io::Result<()> {
+        let arena = self.reserve.arena();
+        let pages = occupancy.0.len();
+        let mut page = 0;
+        while page < pages {
+            if occupancy.0[page] != 0 {
+                page += 1;
+                continue;
+            }
+            let run = occupancy.0[page..].iter().take_while(|&&c| c == 0).count();
+            arena
+                .chunk_at(page * PAGE_SIZE, run * PAGE_SIZE)?
+                .decommit()?;
+            let mut left = run;
+            while left > 0 {
+                let n = left.min(MAX_CHUNK_PAGES);
+                let at = page + run - left;
+                self.reserve
+                    .adopt_cold(arena.chunk_at(at * PAGE_SIZE, n * PAGE_SIZE)?);
+                left -= n;
+            }
+            page += run;
+        }
+        self.provision();
+        Ok(())
     }
 }
 
@@ -433,7 +592,7 @@ mod tests {
 
     #[test]
     fn merged_classes_pack_like_their_members() {
-        let a = ZsAllocator::new(0, 64 << 20).unwrap();
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap());
         assert!(
             a.classes.len() < GRANULES / 2,
             "{} classes",
@@ -458,12 +617,12 @@ mod tests {
 
     #[test]
     fn store_read_free_and_chunk_release() {
-        let a = ZsAllocator::new(0, 64 << 20).unwrap();
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap());
         let mut handles = Vec::new();
         for i in 0..1000usize {
             let len = 1 + (i * 37) % PAGE_SIZE;
             let bytes: Vec<u8> = (0..len).map(|j| (i + j) as u8).collect();
-            handles.push((a.store(&bytes), bytes));
+            handles.push((a.store(&bytes).unwrap(), bytes));
         }
         assert!(a.chunk_bytes() > 0);
         for (h, bytes) in &handles {
@@ -471,30 +630,69 @@ mod tests {
             assert_eq!(&got, bytes);
         }
         // Free every other one, then the rest; memory must come back to zero.
-        for (h, _) in handles.iter().step_by(2) {
-            a.free(*h);
+        for (h, bytes) in handles.iter().step_by(2) {
+            a.free(*h, bytes.len());
         }
         for (h, bytes) in handles.iter().skip(1).step_by(2) {
             let got = a.with_object(*h, bytes.len(), |b| b.to_vec()).unwrap();
             assert_eq!(&got, bytes);
         }
-        for (h, _) in handles.iter().skip(1).step_by(2) {
-            a.free(*h);
+        for (h, bytes) in handles.iter().skip(1).step_by(2) {
+            a.free(*h, bytes.len());
         }
         assert_eq!(a.chunk_bytes(), 0);
     }
 
     #[test]
     fn freed_slots_are_reused() {
-        let a = ZsAllocator::new(0, 64 << 20).unwrap();
-        let hs: Vec<_> = (0..100).map(|_| a.store(&[1u8; 1000])).collect();
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap());
+        let hs: Vec<_> = (0..100).map(|_| a.store(&[1u8; 1000]).unwrap()).collect();
         let used = a.chunk_bytes();
         for h in &hs[..50] {
-            a.free(*h);
+            a.free(*h, 1000);
         }
         for _ in 0..50 {
             a.store(&[2u8; 1000]);
         }
         assert_eq!(a.chunk_bytes(), used);
+    }
+
+    #[test]
+    fn rebuild_takes_live_objects_and_refuses_conflicts() {
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap());
+        let objects: Vec<(Handle, Vec<u8>)> = (0..300usize)
+            .map(|i| {
+                let bytes = vec![i as u8; 1 + (i * 53) % 3000];
+                (a.store(&bytes).unwrap(), bytes)
+            })
+            .collect();
+        // The next process: same arena, bookkeeping rebuilt from the objects alone.
+        let b = ZsAllocator::new(0, Arc::clone(a.reserve.arena()));
+        drop(a);
+        let mut occupancy = b.begin_rebuild().unwrap();
+        for (h, bytes) in objects.iter().step_by(2) {
+            assert!(b.adopt(*h, bytes.len(), &mut occupancy));
+        }
+        let (h, bytes) = &objects[0];
+        assert!(!b.adopt(*h, bytes.len(), &mut occupancy), "held twice");
+        assert!(
+            !b.adopt(*h, 4096, &mut occupancy),
+            "the same place as another class"
+        );
+        b.finish_rebuild(occupancy).unwrap();
+        for (h, bytes) in objects.iter().step_by(2) {
+            let got = b.with_object(*h, bytes.len(), <[u8]>::to_vec).unwrap();
+            assert_eq!(&got, bytes);
+        }
+        for (h, bytes) in objects.iter().step_by(2) {
+            b.free(*h, bytes.len());
+        }
+        assert_eq!(b.chunk_bytes(), 0);
+        // Space freed by the rebuild is used again.
+        let again = b.store(&[7u8; 100]).unwrap();
+        assert_eq!(
+            b.with_object(again, 100, <[u8]>::to_vec).unwrap(),
+            vec![7u8; 100]
+        );
     }
 }

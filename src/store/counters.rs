@@ -60,6 +60,10 @@ pub struct StoreStats {
     /// Chunks allocated on the I/O path because the reserve was empty.
     #[serde(default)]
     pub reserve_misses: u64,
+    /// Pages a resumed store could not find whole: reads of them fail with EIO until they
+    /// are written or discarded.
+    #[serde(default)]
+    pub lost_pages: u64,
 }
 
 /// Live counters behind `StoreStats`.
@@ -84,6 +88,7 @@ pub(super) struct Counters {
     pub(super) discarded_pages: AtomicU64,
     pub(super) mem_limit_hits: AtomicU64,
     pub(super) starved_writes: AtomicU64,
+    pub(super) lost_pages: AtomicU64,
 }
 
 pub(super) fn add(c: &AtomicU64, n: u64) {
@@ -124,6 +129,7 @@ impl Counters {
                     Encoding::Raw => op(&self.huge_pages, 1),
                 }
             }
+            PageState::Lost => op(&self.lost_pages, 1),
             PageState::Empty | PageState::Pending { .. } => {}
         }
     }

@@ -26,15 +26,30 @@ pub enum StoreError {
     },
     #[error("invalid store configuration: {0}")]
     Config(String),
+    #[error("page {page} was lost when the store was resumed (its entry did not hold together); it reads as an error until it is written again")]
+    Lost { page: u64 },
+    #[error("the page arena's address space is used up (a bug: please report it)")]
+    ArenaFull,
+    #[error("{0}")]
+    Layout(String),
+    #[error("{what}: {source}")]
+    Memory {
+        what: String,
+        source: std::io::Error,
+    },
 }
 
 impl StoreError {
     /// The negative errno a block request fails with.
     pub fn errno(&self) -> i32 {
         match self {
-            StoreError::OutOfRange { .. } | StoreError::Corrupt { .. } => -libc::EIO,
+            StoreError::OutOfRange { .. }
+            | StoreError::Corrupt { .. }
+            | StoreError::Lost { .. }
+            | StoreError::Layout(_)
+            | StoreError::Memory { .. } => -libc::EIO,
             StoreError::Misaligned { .. } | StoreError::Config(_) => -libc::EINVAL,
-            StoreError::NoSpace { .. } => -libc::ENOSPC,
+            StoreError::NoSpace { .. } | StoreError::ArenaFull => -libc::ENOSPC,
             StoreError::OutOfMemory { .. } => -libc::ENOMEM,
         }
     }

@@ -6,7 +6,6 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use parking_lot::RwLockReadGuard;
 use rayon::prelude::*;
 
 use super::counters::{add, sub};
@@ -40,10 +39,7 @@ impl BatchedPageStore {
             self.writers_wake.notify_all();
         }
         let n = self.batches[b].seal();
-        let slots: Vec<RwLockReadGuard<'_, PendingSlot>> = self.batches[b].slots[..n]
-            .iter()
-            .map(|s| s.read())
-            .collect();
+        let slots: Vec<PendingSlot<'_>> = (0..n).map(|i| self.batches[b].slot(i)).collect();
         add(&self.counters.batch_flushes, 1);
         for (part_index, part) in slots.chunks(self.flush_part_pages).enumerate() {
             let first = part_index * self.flush_part_pages;
@@ -61,7 +57,7 @@ impl BatchedPageStore {
                 );
                 for (i, s) in part.iter().enumerate() {
                     if !resolved[i].load(Ordering::Acquire) {
-                        self.install(b, first + i, s, Encoding::Raw, &s.page);
+                        self.install(b, first + i, s, Encoding::Raw, &s.page[..]);
                     }
                 }
             }
@@ -74,18 +70,18 @@ impl BatchedPageStore {
         &self,
         b: usize,
         first: usize,
-        part: &[RwLockReadGuard<'_, PendingSlot>],
+        part: &[PendingSlot<'_>],
         out: &mut CompressedBatch,
         resolved: &[AtomicBool],
     ) {
-        let pages: Vec<&Page> = part.iter().map(|s| &s.page).collect();
+        let pages: Vec<&Page> = part.iter().map(|s| &*s.page).collect();
         let done = self.compressor.compress(&pages, out);
         if done.fell_back {
             add(&self.counters.gpu_fallback_batches, 1);
         }
         add(self.counters.backend(done.backend), part.len() as u64);
         let out = &*out;
-        let install = |(i, s): (usize, &RwLockReadGuard<'_, PendingSlot>)| {
+        let install = |(i, s): (usize, &PendingSlot<'_>)| {
             let (encoding, bytes) = match out.page(i) {
                 // The huge-page rule holds whichever backend compressed (the GPU codec may
                 // not apply it): such a page costs less, and reads faster, as itself.
@@ -112,20 +108,29 @@ impl BatchedPageStore {
         &self,
         batch: usize,
         slot: usize,
-        pending: &PendingSlot,
+        pending: &PendingSlot<'_>,
         encoding: Encoding,
         bytes: &[u8],
     ) {
         let index = pending.index;
         let handle = self.alloc.store(bytes);
+        let len = crate::codec::page_len(bytes.len());
         let installed = {
             let mut entry = self.table.lock(index);
             let expected = PageState::pending(batch, slot);
             if entry.state() == expected {
-                let new = PageState::Stored {
-                    handle,
-                    len: crate::codec::page_len(bytes.len()),
-                    encoding,
+                let new = match handle {
+                    Some(handle) => PageState::Stored {
+                        handle,
+                        len,
+                        encoding,
+                    },
+                    // Cannot happen (see `ZsAllocator::store`); the batch is reopened after
+                    // this, so the entry must not keep pointing at the slot.
+                    None => {
+                        tracing::error!(page = index, "no memory to store a pending page: lost");
+                        PageState::Lost
+                    }
                 };
                 entry.replace(new);
                 self.counters.transition(expected, new);
@@ -134,8 +139,8 @@ impl BatchedPageStore {
                 false
             }
         };
-        if !installed {
-            self.alloc.free(handle);
+        if let (false, Some(handle)) = (installed, handle) {
+            self.alloc.free(handle, usize::from(len));
         }
         sub(&self.counters.pending_pages, 1);
         sub(&self.reserved_bytes, PAGE_SIZE as u64);

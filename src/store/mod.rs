@@ -33,8 +33,10 @@ mod counters;
 mod error;
 mod flush;
 mod flusher;
+mod layout;
 mod pending;
 mod reserve;
+mod resume;
 mod table;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -55,7 +57,9 @@ pub use counters::StoreStats;
 use counters::{add, sub, Counters};
 pub use error::StoreError;
 pub use flusher::{FlusherHandle, StoreThread};
-use pending::{PendingBatch, PendingSlot};
+pub use layout::{remove_shared, shared_exists, Backing, Opened, LAYOUT_VERSION};
+use layout::{Ownership, Regions, Shape};
+use pending::PendingBatch;
 use table::{PageState, PageTable};
 
 /// Pending batches: one fills while the flusher compresses the other.
@@ -95,90 +99,129 @@ pub struct BatchedPageStore {
     shut_down: AtomicBool,
     epoch: Instant,
     counters: Counters,
+    /// This process's claim on the store's memory (a second process must not serve it).
+    _owner: Ownership,
+}
+
+/// Check `config` (for a store with a GPU codec if `has_gpu`); returns the device's pages.
+fn check_config(config: &StoreConfig, has_gpu: bool) -> Result<usize, StoreError> {
+    if config.size_bytes == 0 || config.size_bytes % PAGE_SIZE as u64 != 0 {
+        return Err(StoreError::Config(format!(
+            "device size {} is not a positive multiple of {PAGE_SIZE} bytes",
+            config.size_bytes
+        )));
+    }
+    let pages = config.size_bytes / PAGE_SIZE as u64;
+    let table_pages = usize::try_from(pages)
+        .ok()
+        .filter(|&p| u32::try_from(p).is_ok())
+        .ok_or_else(|| {
+            StoreError::Config(format!(
+                "device size {} bytes is too large (at most 16 TiB)",
+                config.size_bytes
+            ))
+        })?;
+    if config.batched && !(1..=1 << 20).contains(&config.batch_threshold) {
+        return Err(StoreError::Config(format!(
+            "batch threshold {} must be between 1 and {} pages",
+            config.batch_threshold,
+            1 << 20
+        )));
+    }
+    if let Algorithm::Zstd { level } = config.algorithm {
+        let range = zstd::compression_level_range();
+        if !range.contains(&level) {
+            return Err(StoreError::Config(format!(
+                "zstd level {level} is outside {}..={}",
+                range.start(),
+                range.end()
+            )));
+        }
+    }
+    if config.forced_backend == Some(Backend::Gpu) {
+        if !has_gpu {
+            return Err(StoreError::Config(
+                "backend gpu was asked for but no GPU is available; use simd or simd-parallel"
+                    .into(),
+            ));
+        }
+        if config.algorithm != Algorithm::Lz4 {
+            return Err(StoreError::Config(
+                "the GPU backend compresses LZ4 only; use --algorithm lz4".into(),
+            ));
+        }
+    }
+    Ok(table_pages)
 }
 
 impl BatchedPageStore {
-    /// Build a store; allocates the page table and the pending batches up front.
+    /// Build a store in this process's own memory (tests, bench).
     pub fn new(
         config: StoreConfig,
         gpu: Option<Arc<dyn BatchCodec>>,
     ) -> Result<Arc<Self>, StoreError> {
-        if config.size_bytes == 0 || config.size_bytes % PAGE_SIZE as u64 != 0 {
-            return Err(StoreError::Config(format!(
-                "device size {} is not a positive multiple of {PAGE_SIZE} bytes",
-                config.size_bytes
-            )));
-        }
-        let pages = config.size_bytes / PAGE_SIZE as u64;
-        let table_pages = usize::try_from(pages)
-            .ok()
-            .filter(|&p| u32::try_from(p).is_ok())
-            .ok_or_else(|| {
-                StoreError::Config(format!(
-                    "device size {} bytes is too large (at most 16 TiB)",
-                    config.size_bytes
-                ))
-            })?;
-        if config.batched && !(1..=1 << 20).contains(&config.batch_threshold) {
-            return Err(StoreError::Config(format!(
-                "batch threshold {} must be between 1 and {} pages",
-                config.batch_threshold,
-                1 << 20
-            )));
-        }
-        if let Algorithm::Zstd { level } = config.algorithm {
-            let range = zstd::compression_level_range();
-            if !range.contains(&level) {
-                return Err(StoreError::Config(format!(
-                    "zstd level {level} is outside {}..={}",
-                    range.start(),
-                    range.end()
-                )));
-            }
-        }
-        if config.forced_backend == Some(Backend::Gpu) {
-            if gpu.is_none() {
-                return Err(StoreError::Config(
-                    "backend gpu was asked for but no GPU is available; use simd or simd-parallel"
-                        .into(),
-                ));
-            }
-            if config.algorithm != Algorithm::Lz4 {
-                return Err(StoreError::Config(
-                    "the GPU backend compresses LZ4 only; use --algorithm lz4".into(),
-                ));
-            }
-        }
+        Self::open(config, gpu, Backing::Private).map(|(store, _)| store)
+    }
+
+    /// Open a store in the memory `backing` names: a fresh one, or (shared backing) the one a
+    /// previous process left for the same device, resumed with every page it held (see
+    /// `resume`). The page table and the pending batches are committed up front.
+    pub fn open(
+        mut config: StoreConfig,
+        gpu: Option<Arc<dyn BatchCodec>>,
+        backing: Backing,
+    ) -> Result<(Arc<Self>, Opened), StoreError> {
+        let pages = check_config(&config, gpu.is_some())?;
         let batch_pages = if config.batched {
             config.batch_threshold
         } else {
             0
         };
-        let flush_part_pages = if gpu.is_some() {
-            batch_pages
-        } else {
-            batch_pages.min(flush::FLUSH_PART_PAGES)
-        }
-        .max(1);
-        let batches: Box<[PendingBatch]> = (0..PENDING_BATCHES)
-            .map(|_| PendingBatch::new(batch_pages))
-            .collect();
-        batches[0].open();
         // Address space only: stored pages never take more than the device's pages plus
-        // partly used chunks, and churn between chunk sizes leaves room to spare.
+        // partly used chunks, and since chunks are recycled by size, the arena holds every
+        // size's peak at once (at most 8 sizes) with room to spare.
         let arena_bytes = config
             .size_bytes
             .saturating_mul(16)
             .saturating_add(1 << 30)
-            .min(1 << 45);
-        let alloc = ZsAllocator::new(config.reserve_bytes, arena_bytes as usize)
-            .map_err(|e| StoreError::Config(format!("cannot reserve page memory: {e}")))?;
-        alloc.reserve.refill();
-        alloc.provision();
-        Ok(Arc::new(Self {
+            .min(alloc::MAX_ARENA_PAGES * PAGE_SIZE as u64);
+        let regions = Regions::open(
+            backing,
+            Shape {
+                pages,
+                slots_per_batch: batch_pages,
+                arena_bytes: usize::try_from(arena_bytes).unwrap_or(usize::MAX),
+                class_fingerprint: alloc::class_fingerprint(),
+            },
+        )?;
+        // A resumed store keeps the batch size it was made with.
+        let slots = regions.shape.slots_per_batch;
+        if config.batched && slots != config.batch_threshold {
+            tracing::warn!(
+                asked = config.batch_threshold,
+                kept = slots,
+                "the resumed store keeps its batch size"
+            );
+            config.batched = slots > 0;
+            config.batch_threshold = slots.max(1);
+        }
+        let flush_part_pages = if gpu.is_some() {
+            slots
+        } else {
+            slots.min(flush::FLUSH_PART_PAGES)
+        }
+        .max(1);
+        let resumed = regions.resumed;
+        let owner = regions.owner;
+        let batches: Box<[PendingBatch]> = regions
+            .batches
+            .into_iter()
+            .map(|(slots, indexes)| PendingBatch::new(slots, indexes))
+            .collect();
+        let store = Self {
             compressor: config.compressor(gpu),
-            table: PageTable::new(table_pages),
-            alloc,
+            table: PageTable::new(regions.table),
+            alloc: ZsAllocator::new(config.reserve_bytes, regions.arena),
             batches,
             current: AtomicUsize::new(0),
             control: Mutex::new(Control {
@@ -203,7 +246,17 @@ impl BatchedPageStore {
             epoch: Instant::now(),
             counters: Counters::default(),
             config,
-        }))
+            _owner: owner,
+        };
+        let opened = if resumed {
+            store.resume()?
+        } else {
+            Opened::Fresh
+        };
+        store.alloc.reserve.refill();
+        store.alloc.provision();
+        store.batches[0].open();
+        Ok((Arc::new(store), opened))
     }
 
     /// Check that `[offset, offset + len)` is whole pages inside the device; returns the first
@@ -246,8 +299,10 @@ impl BatchedPageStore {
 
     fn write_page(&self, index: u64, page: &Page) -> Result<(), StoreError> {
         if let PageClass::SameFilled(word) = classify(page) {
-            self.set_state(index, PageState::Same(word));
-            return Ok(());
+            if let Some(same) = PageState::same(word) {
+                self.set_state(index, same);
+                return Ok(());
+            }
         }
         self.admit()?;
         if self.config.batched {
@@ -259,7 +314,10 @@ impl BatchedPageStore {
             let mut out = [0u8; PAGE_SIZE];
             let (encoding, len) = compress_page(self.config.algorithm, page, &mut out);
             add(&self.counters.pages_simd, 1);
-            let handle = self.alloc.store(&out[..len]);
+            let Some(handle) = self.alloc.store(&out[..len]) else {
+                sub(&self.reserved_bytes, PAGE_SIZE as u64);
+                return Err(StoreError::ArenaFull);
+            };
             self.set_state(
                 index,
                 PageState::Stored {
@@ -277,17 +335,15 @@ impl BatchedPageStore {
     fn write_pending(&self, index: u64, page: &Page) -> Result<(), StoreError> {
         let reserved = self.reserve_slot()?;
         let (batch, slot) = (reserved.batch(), reserved.slot);
-        {
-            let mut s = batch.slots[slot].write();
-            s.page.copy_from_slice(page);
-            s.index = index;
-        }
+        // Data and index first, then the entry: a process that dies in between leaves the
+        // entry as it was (the write was never acknowledged).
+        batch.fill(slot, index, page);
         add(&self.counters.pending_pages, 1);
         self.set_state(index, PageState::pending(reserved.batch_index, slot));
         if slot == 0 {
             batch.note_first_write(self.now_ns());
         }
-        let wake = slot == 0 || slot + 1 == batch.slots.len();
+        let wake = slot == 0 || slot + 1 == batch.capacity();
         drop(reserved);
         if wake {
             self.wake_flusher();
@@ -303,8 +359,8 @@ impl BatchedPageStore {
             self.counters.transition(old, state);
             old
         };
-        if let PageState::Stored { handle, .. } = old {
-            self.alloc.free(handle);
+        if let PageState::Stored { handle, len, .. } = old {
+            self.alloc.free(handle, usize::from(len));
         }
     }
 
@@ -339,8 +395,15 @@ impl BatchedPageStore {
             PageState::Empty => out.fill(0),
             PageState::Same(word) => fill_page(out, word),
             PageState::Pending { batch, slot } => {
-                let s = self.batches[batch as usize].slots[slot as usize].read();
-                out.copy_from_slice(&s.page);
+                let s = self.batches[batch as usize].slot(slot as usize);
+                out.copy_from_slice(&*s.page);
+            }
+            PageState::Lost => {
+                tracing::error!(
+                    page = index,
+                    "read of a page lost when the store was resumed"
+                );
+                return Err(StoreError::Lost { page: index });
             }
             PageState::Stored {
                 handle,
@@ -381,8 +444,8 @@ impl BatchedPageStore {
                 old
             };
             add(&self.counters.discarded_pages, 1);
-            if let PageState::Stored { handle, .. } = old {
-                self.alloc.free(handle);
+            if let PageState::Stored { handle, len, .. } = old {
+                self.alloc.free(handle, usize::from(len));
             }
         }
         Ok(())
@@ -423,9 +486,7 @@ impl BatchedPageStore {
             batch_buffer_bytes: self
                 .batches
                 .iter()
-                .map(|b| {
-                    (b.slots.len() * std::mem::size_of::<parking_lot::RwLock<PendingSlot>>()) as u64
-                })
+                .map(|b| (b.capacity() * (PAGE_SIZE + 8)) as u64)
                 .sum(),
             mem_limit: self.config.mem_limit.unwrap_or(0),
             pages_stored: get(&c.pages_stored),
@@ -445,6 +506,7 @@ impl BatchedPageStore {
             discarded_pages: get(&c.discarded_pages),
             mem_limit_hits: get(&c.mem_limit_hits),
             starved_writes: get(&c.starved_writes),
+            lost_pages: get(&c.lost_pages),
             reserve_bytes: self.alloc.reserve.held_bytes(),
             reserve_misses: self.alloc.reserve.misses(),
         }
@@ -458,8 +520,9 @@ impl BatchedPageStore {
     #[cfg(test)]
     fn corrupt_stored_page(&self, index: u64, byte: u8) -> bool {
         let entry = self.table.lock(index);
-        if let PageState::Stored { handle, .. } = entry.state() {
-            self.alloc.with_object_mut(handle, |b| b.fill(byte));
+        if let PageState::Stored { handle, len, .. } = entry.state() {
+            self.alloc
+                .with_object_mut(handle, usize::from(len), |b| b.fill(byte));
             true
         } else {
             false

@@ -5,14 +5,18 @@
 //! open bit), waits until every writer that reserved a slot has finished copying (`committed`),
 //! compresses the slots and only then lets the batch be opened again. So while a page-table
 //! entry says `Pending { batch, slot }`, that slot holds that page's data.
+//!
+//! The slots' pages and the page index each holds are in the store's memory (see `layout`),
+//! so a write acknowledged before the process died is found by the next one: an entry that
+//! says `Pending { batch, slot }` whose slot names the same page is that page's data. The
+//! reservation state is the process's own: a resumed store installs every pending page and
+//! starts with empty batches.
 
 #![forbid(unsafe_code)]
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use parking_lot::RwLock;
-
-use crate::codec::{Page, PAGE_SIZE};
+use crate::mem::{PageSlots, SlotRead, Words};
 
 const OPEN: u64 = 1 << 63;
 const COUNT_MASK: u64 = (1 << 32) - 1;
@@ -20,8 +24,8 @@ const COUNT_MASK: u64 = (1 << 32) - 1;
 const NO_WRITE: u64 = u64::MAX;
 
 /// One page waiting for compression, and the device page it belongs to.
-pub(super) struct PendingSlot {
-    pub(super) page: Page,
+pub(super) struct PendingSlot<'a> {
+    pub(super) page: SlotRead<'a>,
     pub(super) index: u64,
 }
 
@@ -34,7 +38,9 @@ pub(super) enum Reserve {
 }
 
 pub(super) struct PendingBatch {
-    pub(super) slots: Box<[RwLock<PendingSlot>]>,
+    slots: PageSlots,
+    /// The page index each slot holds.
+    indexes: Words<AtomicU64>,
     state: AtomicU64,
     committed: AtomicUsize,
     /// When the first page was written, in ns since the store's epoch.
@@ -42,22 +48,40 @@ pub(super) struct PendingBatch {
 }
 
 impl PendingBatch {
-    pub(super) fn new(capacity: usize) -> Self {
-        let slots: Box<[RwLock<PendingSlot>]> = (0..capacity)
-            .map(|_| {
-                RwLock::new(PendingSlot {
-                    page: [0; PAGE_SIZE],
-                    index: 0,
-                })
-            })
-            .collect();
-        crate::mem::populate(&slots);
+    /// A batch of the slots and index words given (committed by the caller), closed.
+    pub(super) fn new(slots: PageSlots, indexes: Words<AtomicU64>) -> Self {
         Self {
             slots,
+            indexes,
             state: AtomicU64::new(0),
             committed: AtomicUsize::new(0),
             first_write_ns: AtomicU64::new(NO_WRITE),
         }
+    }
+
+    pub(super) fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Copy `page`, the data of device page `index`, into slot `slot` (reserved by the caller).
+    pub(super) fn fill(&self, slot: usize, index: u64, page: &[u8; crate::codec::PAGE_SIZE]) {
+        let mut data = self.slots.write(slot);
+        data.copy_from_slice(page);
+        self.indexes[slot].store(index, Ordering::Release);
+    }
+
+    /// Slot `slot`'s page and index, read-locked.
+    pub(super) fn slot(&self, slot: usize) -> PendingSlot<'_> {
+        let page = self.slots.read(slot);
+        PendingSlot {
+            index: self.indexes[slot].load(Ordering::Acquire),
+            page,
+        }
+    }
+
+    /// The page index slot `slot` names, if the slot exists (a resumed store's check).
+    pub(super) fn index_of(&self, slot: usize) -> Option<u64> {
+        self.indexes.get(slot).map(|i| i.load(Ordering::Acquire))
     }
 
     pub(super) fn reserve(&self) -> Reserve {

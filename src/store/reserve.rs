@@ -78,13 +78,9 @@ impl ChunkReserve {
     /// A reserve of about `target_bytes` in an arena of `arena_bytes` of address space;
     /// `classes_per_size[k]` is how many size classes use chunks of `k + 1` pages. A zero
     /// target keeps nothing ready beyond one commit group.
-    pub(super) fn new(
-        target_bytes: u64,
-        arena_bytes: usize,
-        classes_per_size: &[u64],
-    ) -> std::io::Result<Self> {
-        Ok(Self {
-            arena: Arena::new(arena_bytes)?,
+    pub(super) fn new(target_bytes: u64, arena: Arc<Arena>, classes_per_size: &[u64]) -> Self {
+        Self {
+            arena,
             pools: classes_per_size
                 .iter()
                 .map(|_| Mutex::new(Pool::default()))
@@ -105,7 +101,17 @@ impl ChunkReserve {
             refill_running: AtomicBool::new(false),
             surplus_waiting: AtomicBool::new(false),
             stop: AtomicBool::new(false),
-        })
+        }
+    }
+
+    pub(super) fn arena(&self) -> &Arc<Arena> {
+        &self.arena
+    }
+
+    /// A free chunk whose pages were given back already (a resumed store's free space).
+    pub(super) fn adopt_cold(&self, chunk: ArenaChunk) {
+        let k = chunk.len() / PAGE_SIZE - 1;
+        self.pools[k].lock().cold.push(chunk);
     }
 
     pub(super) fn enabled(&self) -> bool {
@@ -149,11 +155,12 @@ impl ChunkReserve {
     }
 
     /// A chunk of `pages` pages: from the reserve, or committed now if the reserve has none.
-    pub(super) fn take(&self, pages: usize) -> ArenaChunk {
+    /// `None` only once the arena's address space is used up.
+    pub(super) fn take(&self, pages: usize) -> Option<ArenaChunk> {
         let k = pages - 1;
         self.demand[k].fetch_add(1, Ordering::Relaxed);
         if let Some(chunk) = self.pop_committed(k) {
-            return chunk;
+            return Some(chunk);
         }
         if self.enabled() && self.refill_running.load(Ordering::Acquire) {
             // The I/O path must not commit memory itself: under memory pressure that waits in
@@ -170,7 +177,7 @@ impl ChunkReserve {
             loop {
                 if let Some(chunk) = self.pop_committed(k) {
                     self.served(k);
-                    return chunk;
+                    return Some(chunk);
                 }
                 if self.stop.load(Ordering::Acquire) {
                     self.served(k);
@@ -183,11 +190,17 @@ impl ChunkReserve {
                 self.refilled.wait_for(&mut guard, REFILL_PERIOD);
             }
         }
-        self.commit_more(k);
-        self.pop_committed(k).unwrap_or_else(|| {
-            tracing::error!(pages, "page arena exhausted: chunk taken from the heap");
-            ArenaChunk::on_heap(&self.arena, pages * PAGE_SIZE)
-        })
+        // Another taker of this size may pop what this one committed: commit again then.
+        loop {
+            let committed = self.commit_more(k);
+            if let Some(chunk) = self.pop_committed(k) {
+                return Some(chunk);
+            }
+            if !committed {
+                tracing::error!(pages, "no chunk could be committed (page arena used up?)");
+                return None;
+            }
+        }
     }
 
     /// A committed chunk of `k + 1` pages, if the pool has one: a ready chunk (waking the
@@ -239,8 +252,8 @@ impl ChunkReserve {
     }
 
     /// Make at least one more chunk of `k + 1` pages ready: a cold one committed again, or a
-    /// group carved from the arena.
-    fn commit_more(&self, k: usize) {
+    /// group carved from the arena. False if none could be.
+    fn commit_more(&self, k: usize) -> bool {
         let chunk_bytes = (k + 1) * PAGE_SIZE;
         let cold = self.pools[k].lock().cold.pop();
         let fresh = match cold {
@@ -249,7 +262,7 @@ impl ChunkReserve {
                 let count = (COMMIT_GROUP_BYTES / chunk_bytes).max(1);
                 match self.arena.carve(chunk_bytes, count) {
                     Ok(Some(chunks)) => Ok(chunks),
-                    Ok(None) => return,
+                    Ok(None) => return false,
                     Err(error) => Err(error),
                 }
             }
@@ -260,8 +273,12 @@ impl ChunkReserve {
                 self.held_bytes
                     .fetch_add((chunks.len() * chunk_bytes) as u64, Ordering::Relaxed);
                 self.pools[k].lock().ready.extend(chunks);
+                true
             }
-            Err(error) => tracing::warn!(%error, "committing chunk memory failed"),
+            Err(error) => {
+                tracing::warn!(%error, "committing chunk memory failed");
+                false
+            }
         }
     }
 
@@ -404,15 +421,17 @@ impl ChunkReserve {
 mod tests {
     use super::*;
 
-    const ARENA: usize = 64 << 20;
+    fn arena() -> Arc<Arena> {
+        Arena::private(64 << 20).unwrap()
+    }
 
     #[test]
     fn takers_are_served_from_the_pool_and_by_the_refill_thread() {
-        let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, ARENA, &[1, 1]).unwrap();
+        let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, arena(), &[1, 1]);
         reserve.refill();
         assert!(reserve.held_bytes() > 0 && reserve.held_bytes() <= 512 * PAGE_SIZE as u64);
         for _ in 0..20 {
-            assert_eq!(reserve.take(2).len(), 2 * PAGE_SIZE);
+            assert_eq!(reserve.take(2).unwrap().len(), 2 * PAGE_SIZE);
         }
         assert_eq!(reserve.misses(), 0, "the first chunks came from the pool");
         let reserve = Arc::new(reserve);
@@ -426,7 +445,7 @@ mod tests {
         // Far more than the pool held: takers are served by the refill thread (waiting for it
         // when the pool runs dry), never left hanging.
         for _ in 0..300 {
-            assert_eq!(reserve.take(2).len(), 2 * PAGE_SIZE);
+            assert_eq!(reserve.take(2).unwrap().len(), 2 * PAGE_SIZE);
         }
         reserve.stop();
         refill.join().unwrap();
@@ -434,13 +453,17 @@ mod tests {
 
     #[test]
     fn a_taker_left_waiting_by_the_refill_thread_shows_as_starvation() {
-        let reserve = Arc::new(ChunkReserve::new(8 * PAGE_SIZE as u64, ARENA, &[1]).unwrap());
+        let reserve = Arc::new(ChunkReserve::new(8 * PAGE_SIZE as u64, arena(), &[1]));
         assert!(!reserve.starving());
         // A refill thread that never commits anything: the system has no memory to give.
         reserve.refill_running.store(true, Ordering::Release);
         let taker = {
             let reserve = Arc::clone(&reserve);
-            std::thread::spawn(move || (0..64).map(|_| reserve.take(1).len()).sum::<usize>())
+            std::thread::spawn(move || {
+                (0..64)
+                    .map(|_| reserve.take(1).unwrap().len())
+                    .sum::<usize>()
+            })
         };
         while !reserve.starving() {
             std::thread::sleep(Duration::from_millis(5));
@@ -453,9 +476,9 @@ mod tests {
 
     #[test]
     fn demand_steers_the_refill() {
-        let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, ARENA, &[1, 1]).unwrap();
+        let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, arena(), &[1, 1]);
         for _ in 0..200 {
-            reserve.take(2);
+            reserve.take(2).unwrap();
         }
         reserve.refill();
         let two_page = reserve.pools[1].lock().ready.len() * 2;
@@ -465,20 +488,20 @@ mod tests {
 
     #[test]
     fn without_a_target_chunks_still_come_and_go_back_to_the_system() {
-        let reserve = ChunkReserve::new(0, ARENA, &[1; 8]).unwrap();
-        let chunk = reserve.take(3);
+        let reserve = ChunkReserve::new(0, arena(), &[1; 8]);
+        let chunk = reserve.take(3).unwrap();
         assert_eq!(chunk.len(), 3 * PAGE_SIZE);
         assert_eq!(reserve.misses(), 0);
         reserve.give_back(chunk);
         assert_eq!(reserve.pools[2].lock().cold.len(), 1);
-        let again = reserve.take(3);
+        let again = reserve.take(3).unwrap();
         assert!(again.iter().all(|&b| b == 0));
     }
 
     #[test]
     fn given_back_chunks_are_kept_up_to_the_target() {
-        let reserve = ChunkReserve::new(4 * PAGE_SIZE as u64, ARENA, &[1]).unwrap();
-        let chunks: Vec<ArenaChunk> = (0..10).map(|_| reserve.take(1)).collect();
+        let reserve = ChunkReserve::new(4 * PAGE_SIZE as u64, arena(), &[1]);
+        let chunks: Vec<ArenaChunk> = (0..10).map(|_| reserve.take(1).unwrap()).collect();
         let held_before = reserve.held_bytes();
         for chunk in chunks {
             reserve.give_back(chunk);

@@ -109,7 +109,9 @@ pub fn partly_random_page(seed: u64, random: usize) -> Box<Page> {
 pub fn page_of_kind(kind: u64, seed: u64) -> Box<Page> {
     match kind % 5 {
         0 => zero_page(),
-        1 => same_page(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1),
+        // A fill word the page table holds in the entry (sign-extended 60 bits); other fill
+        // words are compressed like any page (see `store_roundtrip`).
+        1 => same_page((seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1) >> 5),
         2 => text_page(seed),
         3 => random_page(seed),
         _ => mixed_page(seed),

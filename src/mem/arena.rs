@@ -1,0 +1,206 @@
+//! The arena compressed pages live in: a region of a segment, carved into chunks as they are
+//! needed, with one 32-bit tag word per arena page for the owner's bookkeeping (the allocator
+//! notes there which of its chunks starts at that page, so that a page-table entry can name
+//! an object by its position alone).
+//!
+//! How far the arena is carved is a word of the segment, not of the process: a store resumed
+//! after a crash knows which part of the arena may hold data.
+
+#![forbid(unsafe_code)]
+
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::segment::{Chunk, Segment, Words};
+use super::HOST_PAGE;
+
+/// A region of a segment handed out as chunks.
+pub struct Arena {
+    segment: Arc<Segment>,
+    /// Where the arena starts in the segment, and its length.
+    start: usize,
+    len: usize,
+    /// Bytes carved so far (chunks are recycled, never re-carved): one word of the segment.
+    carved: Words<AtomicU64>,
+    /// One tag word per arena page, at `tags_offset` in the segment.
+    tags: Words<AtomicU32>,
+    tags_offset: usize,
+}
+
+impl Arena {
+    /// The arena at `[start, start + len)` of `segment`, its carve cursor the word at
+    /// `carved_offset`, its tags at `tags_offset` (4 bytes per arena page). Commits nothing.
+    pub fn new(
+        segment: &Arc<Segment>,
+        start: usize,
+        len: usize,
+        carved_offset: usize,
+        tags_offset: usize,
+    ) -> std::io::Result<Arc<Self>> {
+        if start % HOST_PAGE != 0 || len % HOST_PAGE != 0 {
+            return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        Ok(Arc::new(Self {
+            segment: Arc::clone(segment),
+            start,
+            len,
+            carved: segment.words(carved_offset, 1)?,
+            tags: segment.words32(tags_offset, len / HOST_PAGE)?,
+            tags_offset,
+        }))
+    }
+
+    /// An arena of `max_bytes` in a private segment of its own (tests).
+    pub fn private(max_bytes: usize) -> std::io::Result<Arc<Self>> {
+        let len = max_bytes.div_ceil(HOST_PAGE).max(1) * HOST_PAGE;
+        let tags_bytes = (len / HOST_PAGE * 4).div_ceil(HOST_PAGE) * HOST_PAGE;
+        let segment = Segment::private(HOST_PAGE + tags_bytes + len)?;
+        segment.commit(0, HOST_PAGE)?;
+        Self::new(&segment, HOST_PAGE + tags_bytes, len, 0, HOST_PAGE)
+    }
+
+    /// Bytes carved so far.
+    pub fn carved(&self) -> usize {
+        usize::try_from(self.carved[0].load(Ordering::Acquire)).unwrap_or(usize::MAX)
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Hand out `count` adjacent chunks of `chunk_bytes` each, committed. `None` once the
+    /// arena is used up.
+    pub fn carve(
+        self: &Arc<Self>,
+        chunk_bytes: usize,
+        count: usize,
+    ) -> std::io::Result<Option<Vec<ArenaChunk>>> {
+        let total = (chunk_bytes * count) as u64;
+        let start = self.carved[0].fetch_add(total, Ordering::AcqRel);
+        let end = start.saturating_add(total);
+        if end > self.len as u64 {
+            self.carved[0].fetch_sub(total, Ordering::AcqRel);
+            return Ok(None);
+        }
+        // Below `len`, so it fits a usize.
+        let start = usize::try_from(start).unwrap_or(usize::MAX);
+        let total = chunk_bytes * count;
+        self.commit_tags(start, start + total)?;
+        self.segment.commit(self.start + start, total)?;
+        (0..count)
+            .map(|i| self.chunk_at(start + i * chunk_bytes, chunk_bytes))
+            .collect::<std::io::Result<Vec<_>>>()
+            .map(Some)
+    }
+
+    /// The chunk of `len` bytes at arena offset `offset` (inside the carved part), as it is:
+    /// for a store resumed after a crash, which finds its live chunks in its page table. The
+    /// caller hands each range to one holder.
+    pub fn chunk_at(self: &Arc<Self>, offset: usize, len: usize) -> std::io::Result<ArenaChunk> {
+        if !offset.checked_add(len).is_some_and(|end| end <= self.len) || offset % HOST_PAGE != 0 {
+            return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        Ok(ArenaChunk {
+            chunk: Chunk::new(&self.segment, self.start + offset, len)?,
+            arena: Arc::clone(self),
+        })
+    }
+
+    /// Make sure the tag words of arena bytes `[from, to)` are committed (a resumed store
+    /// calls it for the whole carved part).
+    pub fn commit_tags(&self, from: usize, to: usize) -> std::io::Result<()> {
+        let first = (self.tags_offset + from / HOST_PAGE * 4) / HOST_PAGE * HOST_PAGE;
+        let last = (self.tags_offset + to.div_ceil(HOST_PAGE) * 4).div_ceil(HOST_PAGE) * HOST_PAGE;
+        if last > first {
+            self.segment.commit(first, last - first)?;
+        }
+        Ok(())
+    }
+
+    /// The tag word of arena page `page`; `None` past the arena.
+    pub fn tag(&self, page: usize) -> Option<&AtomicU32> {
+        self.tags.get(page)
+    }
+}
+
+/// One chunk of the arena: like a `Box<[u8]>` whose memory is a range of the arena.
+pub struct ArenaChunk {
+    arena: Arc<Arena>,
+    chunk: Chunk,
+}
+
+impl ArenaChunk {
+    /// The arena page the chunk starts at.
+    pub fn page(&self) -> usize {
+        (self.chunk.offset() - self.arena.start) / HOST_PAGE
+    }
+
+    /// Return the chunk's pages to the system; `recommit` brings them back (zeroed).
+    pub fn decommit(&self) -> std::io::Result<()> {
+        self.chunk.decommit()
+    }
+
+    pub fn recommit(&self) -> std::io::Result<()> {
+        self.chunk.recommit()
+    }
+}
+
+impl std::fmt::Debug for ArenaChunk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ArenaChunk(page {}, {:?})", self.page(), self.chunk)
+    }
+}
+
+impl Deref for ArenaChunk {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.chunk
+    }
+}
+
+impl DerefMut for ArenaChunk {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.chunk
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_are_disjoint_committed_and_recyclable() {
+        let arena = Arena::private(16 * HOST_PAGE).unwrap();
+        let mut chunks = arena.carve(2 * HOST_PAGE, 3).unwrap().unwrap();
+        for (i, chunk) in chunks.iter_mut().enumerate() {
+            assert_eq!(chunk.len(), 2 * HOST_PAGE);
+            assert_eq!(chunk.page(), 2 * i);
+            chunk.fill(u8::try_from(i).unwrap() + 1);
+        }
+        for (i, chunk) in chunks.iter().enumerate() {
+            assert!(chunk.iter().all(|&b| usize::from(b) == i + 1));
+        }
+        chunks[1].decommit().unwrap();
+        chunks[1].recommit().unwrap();
+        assert!(
+            chunks[1].iter().all(|&b| b == 0),
+            "a punched hole reads back as zeros"
+        );
+        assert!(chunks[0].iter().all(|&b| b == 1));
+        assert_eq!(arena.carved(), 6 * HOST_PAGE);
+        assert!(
+            arena.carve(4 * HOST_PAGE, 3).unwrap().is_none(),
+            "16 pages hold no 6+12"
+        );
+        assert_eq!(arena.carve(4 * HOST_PAGE, 2).unwrap().unwrap().len(), 2);
+        arena.tag(15).unwrap().store(3, Ordering::Relaxed);
+        assert!(arena.tag(16).is_none());
+        let again = arena.chunk_at(2 * HOST_PAGE, 2 * HOST_PAGE).unwrap();
+        assert_eq!(again.page(), 2);
+    }
+}

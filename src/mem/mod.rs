@@ -1,0 +1,122 @@
+//! Memory the I/O path uses: the segment page data lives in (`segment`: a private memfd or a
+//! SysV segment that outlives the process), the arena of compressed-page chunks carved from it
+//! (`arena`), and the rules for everything else the I/O path touches (prefaulted stacks and
+//! heap, `populate`). All `unsafe` for memory lives in this module.
+//!
+//! Why not the heap for page data: the daemon serves swap. When memory runs short, the kernel
+//! frees memory by swapping out through this daemon, and whatever gets the daemon more memory
+//! may have to wait for that swap-out. Growing the heap (brk, mmap, mprotect) or faulting in
+//! fresh pages does that wait while holding the process's mmap lock, which every other thread
+//! of the daemon, the queue threads included, may need: a deadlock. `fallocate` on the
+//! segment's file allocates pages holding only that file's lock, so a thread committing memory
+//! can wait in reclaim while the queue threads carry on. Committed pages are then faulted into
+//! the mapping (they already exist, so no allocation waits) and locked. Freed chunks give
+//! their pages back with a hole punch.
+
+use std::ptr::NonNull;
+
+use nix::sys::mman::{madvise, MmapAdvise};
+
+mod arena;
+mod segment;
+
+pub use arena::{Arena, ArenaChunk};
+pub use segment::{PageSlots, Segment, SlotRead, SlotWrite, Words};
+
+const HOST_PAGE: usize = 4096;
+
+/// Stack every I/O-path thread (queue, flusher, rayon worker) is given.
+pub const IO_THREAD_STACK_BYTES: usize = 1 << 20;
+/// How much of it is faulted in up front: far deeper than any I/O path goes (liblz4's
+/// compressor, the deepest frame, takes 16 KiB).
+const IO_STACK_PREFAULT_BYTES: usize = 256 << 10;
+/// Free heap each I/O-path thread faults in for its own malloc arena.
+const IO_HEAP_WARM_BYTES: usize = 256 << 10;
+
+/// Ready the calling thread for the I/O path: fault in (and so, under `mlockall`, lock) the
+/// next 256 KiB of its stack and 256 KiB of free space in its malloc arena.
+///
+/// Why: under `MCL_ONFAULT` pages are only faulted in when first written. A thread serving
+/// swap I/O that touches a fresh page under memory pressure waits in reclaim for the very
+/// swap-out it is serving, and with it every bio in flight (seen in the VM: a rayon worker
+/// stuck in a page fault while kswapd and every allocating task waited for a free bio).
+/// The I/O path allocates little (batch bookkeeping, codec contexts) and frees what it
+/// allocates, so with trimming off (`configure_heap`) it is served from pages it already has.
+/// Call it first thing on every such thread.
+pub fn prepare_io_thread() {
+    prefault_stack();
+    // Many blocks rather than one, so that they come from this thread's arena (not mmap) and,
+    // once freed, coalesce into free space any later allocation can use.
+    const BLOCK: usize = 32 << 10;
+    let blocks: Vec<Vec<u8>> = (0..IO_HEAP_WARM_BYTES / BLOCK)
+        .map(|_| vec![1u8; BLOCK])
+        .collect();
+    std::hint::black_box(&blocks);
+}
+
+#[inline(never)]
+fn prefault_stack() {
+    let mut probe = [0u8; IO_STACK_PREFAULT_BYTES];
+    std::hint::black_box(&mut probe);
+}
+
+/// An empty vector with room for `capacity` entries, that room faulted in (see `populate`):
+/// pushes up to `capacity` touch no fresh page.
+pub fn faulted_in_vec<T>(capacity: usize) -> Vec<T> {
+    let mut v = Vec::with_capacity(capacity);
+    populate(v.spare_capacity_mut());
+    v
+}
+
+/// Fault in (and so, under `mlockall`, lock) the pages under `items`, without changing them.
+///
+/// Why: memory that is only allocated is not there yet. Zeroed allocations in particular
+/// (the compiler turns a zero-filled `collect` into one) come from the kernel untouched, and
+/// the first write to each page under memory pressure, from a thread serving swap, waits in
+/// reclaim for the swap-out it is serving (seen in the VM: the page table's pages faulted in
+/// by the queue thread). Call it on everything the I/O path writes, before the device is live.
+pub fn populate<T>(items: &[T]) {
+    let bytes = std::mem::size_of_val(items);
+    if bytes == 0 {
+        return;
+    }
+    let start = items.as_ptr() as usize & !(HOST_PAGE - 1);
+    let end = (items.as_ptr() as usize + bytes).div_ceil(HOST_PAGE) * HOST_PAGE;
+    let Some(ptr) = NonNull::new(start as *mut std::ffi::c_void) else {
+        return;
+    };
+    // SAFETY: `[start, end)` covers only whole pages that hold part of `items`, which are
+    // mapped for as long as `items` is borrowed; MADV_POPULATE_WRITE makes them present
+    // without changing a byte, so no Rust value, ours or a neighbour's, sees any change.
+    if let Err(error) = unsafe { madvise(ptr, end - start, MmapAdvise::MADV_POPULATE_WRITE) } {
+        tracing::warn!(%error, bytes, "faulting in I/O-path memory failed");
+    }
+}
+
+/// Keep freed heap memory in the process: glibc's malloc never trims its arenas and serves
+/// everything under 32 MiB from them rather than from fresh mmaps. Without this, memory an
+/// I/O-path thread freed goes back to the kernel and its next allocation faults fresh pages
+/// in (see `prepare_io_thread`). Call it before other threads start.
+pub fn configure_heap() {
+    #[cfg(target_env = "gnu")]
+    {
+        /// glibc's largest mmap threshold on 64-bit targets (DEFAULT_MMAP_THRESHOLD_MAX).
+        const MMAP_THRESHOLD_MAX: libc::c_int = 32 << 20;
+        for (param, value, what) in [
+            (libc::M_TRIM_THRESHOLD, libc::c_int::MAX, "M_TRIM_THRESHOLD"),
+            (
+                libc::M_MMAP_THRESHOLD,
+                MMAP_THRESHOLD_MAX,
+                "M_MMAP_THRESHOLD",
+            ),
+        ] {
+            // SAFETY: mallopt only changes glibc's malloc tunables; it takes no pointers.
+            if unsafe { libc::mallopt(param, value) } != 1 {
+                tracing::warn!(
+                    param = what,
+                    "mallopt failed: the heap may need fresh pages under memory pressure"
+                );
+            }
+        }
+    }
+}

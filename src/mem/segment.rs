@@ -1,0 +1,580 @@
+//! One mapping of memory that pages live in: a private memfd, or a SysV shared-memory segment
+//! that outlives every process of ours. Committing and giving back ranges, and typed views of
+//! it (atomic words, page slots). All `unsafe` for it lives here.
+//!
+//! Why SysV for the shared case: the memory must stay resident and unswappable while no
+//! process of ours maps it (between a crash and the restart). A segment locked with
+//! `SHM_LOCK` is exactly that, with no process to keep it; a memfd is only as locked as the
+//! mappings that have faulted its pages in, and a page swapped out in that gap would have to
+//! come back through the very device that waits for us. See ../shared/RECOVERY.md.
+//!
+//! Why commit through a file descriptor when there is one: `fallocate` allocates pages holding
+//! only the file's lock, while faulting them in through the mapping holds the process's mmap
+//! lock, which every thread of the daemon may need, during reclaim (see `mem`'s module
+//! comment). A SysV segment has no descriptor of its own; `/proc/self/map_files` gives one for
+//! its mapping to a process with CAP_SYS_ADMIN (the daemon). Without it, ranges are committed
+//! by faulting them in (MADV_POPULATE_WRITE) and given back with MADV_REMOVE.
+
+use std::num::NonZeroUsize;
+use std::ops::{Deref, DerefMut};
+use std::os::fd::OwnedFd;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::Arc;
+
+use nix::fcntl::{fallocate, FallocateFlags};
+use nix::sys::memfd::{memfd_create, MFdFlags};
+use nix::sys::mman::{madvise, mmap, munmap, MapFlags, MmapAdvise, ProtFlags};
+use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use super::HOST_PAGE;
+use crate::os::cvt;
+
+/// Where a segment's memory comes from.
+#[derive(Debug)]
+enum Backing {
+    Memfd,
+    SysV,
+}
+
+/// A mapping of `len` bytes (whole pages) of memfd or SysV shared memory; nothing committed
+/// until `commit`.
+#[derive(Debug)]
+pub struct Segment {
+    base: NonNull<u8>,
+    len: usize,
+    /// For `fallocate`: the memfd, or the SysV segment's file through /proc/self/map_files.
+    fd: Option<OwnedFd>,
+    backing: Backing,
+}
+
+// SAFETY: a segment is a mapping plus descriptors; it hands out typed views (atomics, page
+// slots behind locks, disjoint arena chunks) and never a plain `&mut` to shared bytes, so
+// sharing it between threads shares no unsynchronised state.
+unsafe impl Send for Segment {}
+// SAFETY: see `Send`.
+unsafe impl Sync for Segment {}
+
+/// A byte count or position as the `off_t` that ftruncate and fallocate take.
+pub(super) fn file_offset(bytes: usize) -> std::io::Result<i64> {
+    i64::try_from(bytes).map_err(|_| std::io::Error::from_raw_os_error(libc::EFBIG))
+}
+
+/// Why a shared segment cannot be used.
+fn foreign_segment(key: i32, what: &str) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::PermissionDenied,
+        format!(
+            "the shared-memory segment with key {key:#x} {what}: it is not one this daemon made; \
+             check `ipcs -m` and remove it (`ipcrm -M {key:#x}`) if nothing uses it"
+        ),
+    )
+}
+
+impl Segment {
+    /// Private memory of this process: a memfd mapping of `len` bytes.
+    pub fn private(len: usize) -> std::io::Result<Arc<Self>> {
+        let len = round_to_pages(len);
+        let fd = memfd_create("trueno-ublk-pages", MFdFlags::MFD_CLOEXEC)?;
+        nix::unistd::ftruncate(&fd, file_offset(len)?)?;
+        let length = NonZeroUsize::new(len).ok_or(std::io::ErrorKind::InvalidInput)?;
+        // SAFETY: a fresh shared mapping of our own memfd; it aliases no Rust object, and all
+        // access goes through the typed views below.
+        let base = unsafe {
+            mmap(
+                None,
+                length,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED | MapFlags::MAP_NORESERVE,
+                &fd,
+                0,
+            )
+        }?;
+        Ok(Arc::new(Self {
+            base: base.cast(),
+            len,
+            fd: Some(fd),
+            backing: Backing::Memfd,
+        }))
+    }
+
+    /// Create the SysV segment `key` of `len` bytes (owner-only, swap space not reserved),
+    /// locked in memory (`SHM_LOCK`) unless `lock` is false (tests without CAP_IPC_LOCK).
+    /// Fails with `AlreadyExists` if it exists.
+    pub fn create_shared(key: i32, len: usize, lock: bool) -> std::io::Result<Arc<Self>> {
+        let len = round_to_pages(len);
+        let flags = libc::IPC_CREAT | libc::IPC_EXCL | libc::SHM_NORESERVE | 0o600;
+        // SAFETY: shmget takes no pointers.
+        let id = unsafe { libc::shmget(key, len, flags) };
+        if id < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let locked = if lock {
+            // SAFETY: SHM_LOCK takes no buffer.
+            cvt(unsafe { libc::shmctl(id, libc::SHM_LOCK, std::ptr::null_mut()) })
+        } else {
+            Ok(())
+        };
+        match locked.and_then(|()| Self::attach(id, len)) {
+            Ok(segment) => Ok(segment),
+            Err(error) => {
+                remove_id(id);
+                Err(error)
+            }
+        }
+    }
+
+    /// Attach the existing SysV segment `key`; `None` if there is none. Refuses a segment
+    /// that another user could have made or can read (a local user must not be able to hand
+    /// the daemon page data).
+    pub fn attach_shared(key: i32) -> std::io::Result<Option<Arc<Self>>> {
+        // SAFETY: shmget takes no pointers.
+        let id = unsafe { libc::shmget(key, 0, 0) };
+        if id < 0 {
+            let error = std::io::Error::last_os_error();
+            return match error.raw_os_error() {
+                Some(libc::ENOENT) => Ok(None),
+                _ => Err(error),
+            };
+        }
+        let stat = stat(id)?;
+        // SAFETY: geteuid cannot fail.
+        let me = unsafe { libc::geteuid() };
+        if stat.shm_perm.uid != me || stat.shm_perm.cuid != me {
+            return Err(foreign_segment(key, "belongs to another user"));
+        }
+        if stat.shm_perm.mode & 0o077 != 0 {
+            return Err(foreign_segment(key, "is open to other users"));
+        }
+        Self::attach(id, stat.shm_segsz).map(Some)
+    }
+
+    /// Remove the SysV segment `key` (freed once no process maps it); false if there was none.
+    pub fn remove_shared(key: i32) -> std::io::Result<bool> {
+        // SAFETY: shmget takes no pointers.
+        let id = unsafe { libc::shmget(key, 0, 0) };
+        if id < 0 {
+            let error = std::io::Error::last_os_error();
+            return match error.raw_os_error() {
+                Some(libc::ENOENT) => Ok(false),
+                _ => Err(error),
+            };
+        }
+        // SAFETY: IPC_RMID takes no buffer.
+        cvt(unsafe { libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()) })?;
+        Ok(true)
+    }
+
+    /// Whether the SysV segment `key` exists.
+    pub fn shared_exists(key: i32) -> bool {
+        // SAFETY: shmget takes no pointers.
+        unsafe { libc::shmget(key, 0, 0) >= 0 }
+    }
+
+    fn attach(id: libc::c_int, len: usize) -> std::io::Result<Arc<Self>> {
+        // SAFETY: attaching a segment at an address the kernel picks; the mapping aliases no
+        // Rust object and is only reached through the views below.
+        let base = unsafe { libc::shmat(id, std::ptr::null(), 0) };
+        if base as isize == -1 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let base = NonNull::new(base.cast::<u8>()).ok_or(std::io::ErrorKind::InvalidData)?;
+        let start = base.as_ptr() as usize;
+        // The segment's file: lets `commit` allocate without the mmap lock (module comment).
+        let fd = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/self/map_files/{start:x}-{:x}", start + len))
+            .ok()
+            .map(OwnedFd::from);
+        Ok(Arc::new(Self {
+            base,
+            len,
+            fd,
+            backing: Backing::SysV,
+        }))
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether ranges are committed through a file descriptor (without the mmap lock).
+    pub fn commits_through_file(&self) -> bool {
+        self.fd.is_some()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Allocate the pages of `[offset, offset + len)` and fault them into the mapping.
+    pub fn commit(&self, offset: usize, len: usize) -> std::io::Result<()> {
+        self.check(offset, len)?;
+        if let Some(fd) = &self.fd {
+            fallocate(
+                fd,
+                FallocateFlags::empty(),
+                file_offset(offset)?,
+                file_offset(len)?,
+            )?;
+        }
+        // SAFETY: the range lies inside our mapping (checked); populating changes no
+        // contents, it only makes the pages present.
+        unsafe { madvise(self.ptr(offset), len, MmapAdvise::MADV_POPULATE_WRITE) }?;
+        Ok(())
+    }
+
+    /// Give the pages of `[offset, offset + len)` back to the system; they read as zeros after.
+    pub fn decommit(&self, offset: usize, len: usize) -> std::io::Result<()> {
+        self.check(offset, len)?;
+        if let Some(fd) = &self.fd {
+            let punch = FallocateFlags::FALLOC_FL_PUNCH_HOLE | FallocateFlags::FALLOC_FL_KEEP_SIZE;
+            fallocate(fd, punch, file_offset(offset)?, file_offset(len)?)?;
+            return Ok(());
+        }
+        // SAFETY: the range lies inside our mapping (checked); callers give back only ranges
+        // no live view reads (free chunks), and MADV_REMOVE only makes them read as zeros.
+        unsafe { madvise(self.ptr(offset), len, MmapAdvise::MADV_REMOVE) }?;
+        Ok(())
+    }
+
+    fn check(&self, offset: usize, len: usize) -> std::io::Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len && offset % HOST_PAGE == 0 && len % HOST_PAGE == 0 => {
+                Ok(())
+            }
+            _ => Err(std::io::Error::from_raw_os_error(libc::EINVAL)),
+        }
+    }
+
+    fn ptr(&self, offset: usize) -> NonNull<std::ffi::c_void> {
+        // SAFETY: callers pass offsets inside the mapping, so the pointer stays in bounds.
+        unsafe { self.base.add(offset) }.cast()
+    }
+
+    /// `count` atomic 64-bit words at `offset` (8-byte aligned, inside the segment).
+    pub fn words(
+        self: &Arc<Self>,
+        offset: usize,
+        count: usize,
+    ) -> std::io::Result<Words<AtomicU64>> {
+        Words::new(self, offset, count)
+    }
+
+    /// `count` atomic 32-bit words at `offset`.
+    pub fn words32(
+        self: &Arc<Self>,
+        offset: usize,
+        count: usize,
+    ) -> std::io::Result<Words<AtomicU32>> {
+        Words::new(self, offset, count)
+    }
+
+    /// `count` page slots of `HOST_PAGE` bytes at `offset`, each behind its own lock.
+    pub fn page_slots(self: &Arc<Self>, offset: usize, count: usize) -> std::io::Result<PageSlots> {
+        let bytes = count
+            .checked_mul(HOST_PAGE)
+            .ok_or(std::io::ErrorKind::InvalidInput)?;
+        self.check(offset, bytes)?;
+        Ok(PageSlots {
+            segment: Arc::clone(self),
+            offset,
+            locks: (0..count).map(|_| RwLock::new(())).collect(),
+        })
+    }
+
+    /// Bytes `[offset, offset + len)`, shared. The caller makes sure nobody writes them
+    /// meanwhile (see `Chunk`).
+    fn bytes(&self, offset: usize, len: usize) -> &[u8] {
+        // SAFETY: callers pass ranges inside the mapping (checked when their view was made),
+        // which lives as long as `&self`; exclusion of writers is the view's contract.
+        unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(offset), len) }
+    }
+
+    #[allow(
+        clippy::mut_from_ref,
+        reason = "views hand out disjoint ranges under their own locks"
+    )]
+    fn bytes_mut(&self, offset: usize, len: usize) -> &mut [u8] {
+        // SAFETY: as for `bytes`; the view holding the range's exclusive lock (or owning the
+        // range outright) is the only one that reaches it.
+        unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(offset), len) }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        let result = match self.backing {
+            // SAFETY: detaching exactly our attachment; every view holds an `Arc` to the
+            // segment, so none is alive when this runs.
+            Backing::SysV => cvt(unsafe { libc::shmdt(self.base.as_ptr().cast()) }),
+            // SAFETY: as above, for our own mapping.
+            Backing::Memfd => unsafe { munmap(self.base.cast(), self.len) }.map_err(Into::into),
+        };
+        if let Err(error) = result {
+            tracing::warn!(%error, "unmapping page memory failed");
+        }
+    }
+}
+
+fn round_to_pages(len: usize) -> usize {
+    len.div_ceil(HOST_PAGE).max(1) * HOST_PAGE
+}
+
+fn stat(id: libc::c_int) -> std::io::Result<libc::shmid_ds> {
+    let mut ds = std::mem::MaybeUninit::<libc::shmid_ds>::zeroed();
+    // SAFETY: IPC_STAT writes one shmid_ds into the buffer we own.
+    cvt(unsafe { libc::shmctl(id, libc::IPC_STAT, ds.as_mut_ptr()) })?;
+    // SAFETY: initialised: zeroed, then filled by the kernel.
+    Ok(unsafe { ds.assume_init() })
+}
+
+fn remove_id(id: libc::c_int) {
+    // SAFETY: IPC_RMID takes no buffer.
+    let _ = unsafe { libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()) };
+}
+
+/// Atomic words in a segment: like a `&[AtomicU64]` (or `AtomicU32`) that keeps the
+/// segment mapped. Other processes of ours may have written them before (a resumed store).
+pub struct Words<T> {
+    segment: Arc<Segment>,
+    ptr: NonNull<T>,
+    len: usize,
+}
+
+// SAFETY: the words are atomics; sharing them between threads is what atomics are for.
+unsafe impl<T: Sync> Send for Words<T> {}
+// SAFETY: see `Send`.
+unsafe impl<T: Sync> Sync for Words<T> {}
+
+/// The atomics `Words` may hold: their layout is that of the plain integer.
+pub trait AtomicWord: Sync {}
+impl AtomicWord for AtomicU64 {}
+impl AtomicWord for AtomicU32 {}
+
+impl<T: AtomicWord> Words<T> {
+    fn new(segment: &Arc<Segment>, offset: usize, count: usize) -> std::io::Result<Self> {
+        let size = std::mem::size_of::<T>();
+        let bytes = count
+            .checked_mul(size)
+            .ok_or(std::io::ErrorKind::InvalidInput)?;
+        if offset % size != 0
+            || !offset
+                .checked_add(bytes)
+                .is_some_and(|end| end <= segment.len)
+        {
+            return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        let ptr = NonNull::new(segment.ptr(offset).as_ptr().cast::<T>())
+            .ok_or(std::io::ErrorKind::InvalidInput)?;
+        Ok(Self {
+            segment: Arc::clone(segment),
+            ptr,
+            len: count,
+        })
+    }
+}
+
+impl<T: AtomicWord> Deref for Words<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: the range is inside the mapping (checked in `new`) and aligned for `T`; the
+        // mapping lives as long as `self.segment`; `T` is an atomic integer, valid for any bit
+        // pattern and meant to be shared, so other threads' (and earlier processes') writes
+        // through the same memory are fine.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T> std::fmt::Debug for Words<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Words({} in {:?})", self.len, self.segment.backing)
+    }
+}
+
+/// Page-sized slots in a segment, each behind its own (process-local) read-write lock.
+pub struct PageSlots {
+    segment: Arc<Segment>,
+    offset: usize,
+    locks: Box<[RwLock<()>]>,
+}
+
+impl PageSlots {
+    pub fn len(&self) -> usize {
+        self.locks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.locks.is_empty()
+    }
+
+    /// Slot `i`, shared.
+    pub fn read(&self, i: usize) -> SlotRead<'_> {
+        let guard = self.locks[i].read();
+        SlotRead {
+            _guard: guard,
+            bytes: page_array(self.segment.bytes(self.offset + i * HOST_PAGE, HOST_PAGE)),
+        }
+    }
+
+    /// Slot `i`, exclusive.
+    pub fn write(&self, i: usize) -> SlotWrite<'_> {
+        let guard = self.locks[i].write();
+        SlotWrite {
+            _guard: guard,
+            bytes: page_array_mut(
+                self.segment
+                    .bytes_mut(self.offset + i * HOST_PAGE, HOST_PAGE),
+            ),
+        }
+    }
+}
+
+fn page_array(bytes: &[u8]) -> &[u8; HOST_PAGE] {
+    // SAFETY: callers pass slices of exactly HOST_PAGE bytes; an array of bytes has the
+    // alignment of a byte.
+    unsafe { &*bytes.as_ptr().cast::<[u8; HOST_PAGE]>() }
+}
+
+fn page_array_mut(bytes: &mut [u8]) -> &mut [u8; HOST_PAGE] {
+    // SAFETY: as for `page_array`, and the `&mut` is moved into the result.
+    unsafe { &mut *bytes.as_mut_ptr().cast::<[u8; HOST_PAGE]>() }
+}
+
+/// A slot's bytes under its read lock.
+pub struct SlotRead<'a> {
+    _guard: RwLockReadGuard<'a, ()>,
+    bytes: &'a [u8; HOST_PAGE],
+}
+
+impl Deref for SlotRead<'_> {
+    type Target = [u8; HOST_PAGE];
+    fn deref(&self) -> &[u8; HOST_PAGE] {
+        self.bytes
+    }
+}
+
+/// A slot's bytes under its write lock.
+pub struct SlotWrite<'a> {
+    _guard: RwLockWriteGuard<'a, ()>,
+    bytes: &'a mut [u8; HOST_PAGE],
+}
+
+impl Deref for SlotWrite<'_> {
+    type Target = [u8; HOST_PAGE];
+    fn deref(&self) -> &[u8; HOST_PAGE] {
+        self.bytes
+    }
+}
+
+impl DerefMut for SlotWrite<'_> {
+    fn deref_mut(&mut self) -> &mut [u8; HOST_PAGE] {
+        self.bytes
+    }
+}
+
+/// A range of a segment owned by one holder (an arena chunk): read through `&`, written
+/// through `&mut`, like a `Box<[u8]>` whose memory is in the segment.
+pub struct Chunk {
+    segment: Arc<Segment>,
+    offset: usize,
+    len: usize,
+}
+
+impl Chunk {
+    /// The range `[offset, offset + len)` as a chunk. The caller (the arena) hands out each
+    /// range to one holder at a time.
+    pub(super) fn new(segment: &Arc<Segment>, offset: usize, len: usize) -> std::io::Result<Self> {
+        segment.check(offset, len)?;
+        Ok(Self {
+            segment: Arc::clone(segment),
+            offset,
+            len,
+        })
+    }
+
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    pub fn decommit(&self) -> std::io::Result<()> {
+        self.segment.decommit(self.offset, self.len)
+    }
+
+    pub fn recommit(&self) -> std::io::Result<()> {
+        self.segment.commit(self.offset, self.len)
+    }
+}
+
+impl std::fmt::Debug for Chunk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Chunk({}+{})", self.offset, self.len)
+    }
+}
+
+impl Deref for Chunk {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.segment.bytes(self.offset, self.len)
+    }
+}
+
+impl DerefMut for Chunk {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // `&mut self`: this holder is the only one reaching the range.
+        self.segment.bytes_mut(self.offset, self.len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn private_segment_words_slots_and_chunks() {
+        let seg = Segment::private(8 * HOST_PAGE).unwrap();
+        seg.commit(0, 8 * HOST_PAGE).unwrap();
+        let words = seg.words(0, 4).unwrap();
+        words[3].store(7, Ordering::Relaxed);
+        assert_eq!(seg.words(24, 1).unwrap()[0].load(Ordering::Relaxed), 7);
+        assert!(seg.words(4, 1).is_err(), "misaligned");
+        assert!(seg.words(8 * HOST_PAGE, 1).is_err(), "past the end");
+        let slots = seg.page_slots(HOST_PAGE, 2).unwrap();
+        slots.write(1).fill(9);
+        assert!(slots.read(1).iter().all(|&b| b == 9));
+        let mut chunk = Chunk::new(&seg, 4 * HOST_PAGE, 2 * HOST_PAGE).unwrap();
+        chunk.fill(5);
+        chunk.decommit().unwrap();
+        chunk.recommit().unwrap();
+        assert!(
+            chunk.iter().all(|&b| b == 0),
+            "a given-back range reads as zeros"
+        );
+        assert!(slots.read(1).iter().all(|&b| b == 9));
+    }
+
+    #[test]
+    fn shared_segment_outlives_its_mapping() {
+        // A key no daemon uses (device keys are 0x7400_0000 + id).
+        let key = 0x7e00_0000 | i32::try_from(std::process::id() & 0xffff).unwrap();
+        let _ = Segment::remove_shared(key);
+        let seg = match Segment::create_shared(key, 4 * HOST_PAGE, false) {
+            Ok(seg) => seg,
+            // Containers without SysV IPC: nothing to test here.
+            Err(error) if error.raw_os_error() == Some(libc::ENOSYS) => return,
+            Err(error) => panic!("{error}"),
+        };
+        seg.commit(0, HOST_PAGE).unwrap();
+        seg.words(8, 1).unwrap()[0].store(42, Ordering::Relaxed);
+        drop(seg);
+        let again = Segment::attach_shared(key).unwrap().expect("still there");
+        assert_eq!(again.words(8, 1).unwrap()[0].load(Ordering::Relaxed), 42);
+        assert!(Segment::create_shared(key, HOST_PAGE, false).is_err());
+        assert!(Segment::remove_shared(key).unwrap());
+        drop(again);
+        assert!(!Segment::shared_exists(key));
+        assert!(!Segment::remove_shared(key).unwrap());
+    }
+}

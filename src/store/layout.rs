@@ -1,0 +1,318 @@
+//! The store's memory: one segment holding everything a store needs to be found again by the
+//! next process after this one dies (kill -9, a crash, a hand-over to a newer binary):
+//!
+//! | region | what |
+//! | --- | --- |
+//! | header (one page) | magic, layout version, device pages, slots per batch, arena size, the allocator's class fingerprint, the arena's carve cursor, the pid of the process using it |
+//! | table | one word per device page (see `table`) |
+//! | slot indexes | the page index each pending slot holds |
+//! | slot pages | the pending batches' pages |
+//! | arena tags | a word per arena page (see `mem::Arena`) |
+//! | arena | compressed pages |
+//!
+//! A private store (tests, bench, `Backing::Private`) has the same layout in a memfd. A shared
+//! one is the SysV segment of its device id, locked in memory; what the kernel frees it on is
+//! `remove_shared` (`trueno-ublk delete`, or a daemon stopping an unused device), never a
+//! process's death. Everything else a store has (locks, reservations, the allocator's lists,
+//! counters) is rebuilt from the table by `resume`.
+
+#![forbid(unsafe_code)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::{StoreError, PENDING_BATCHES};
+use crate::codec::PAGE_SIZE;
+use crate::mem::{Arena, PageSlots, Segment, Words};
+
+/// Version of this layout and of the meaning of its words. A binary refuses a segment of
+/// another version, and leaves it untouched for a binary that reads it.
+pub const LAYOUT_VERSION: u64 = 1;
+const MAGIC: u64 = u64::from_le_bytes(*b"trueublk");
+/// SysV keys of device stores: this plus the device id (ublk ids are below 2^20).
+const DEVICE_KEY_BASE: i32 = 0x7400_0000;
+const MAX_DEVICE_ID: u32 = (1 << 20) - 1;
+
+/// Header words.
+const H_MAGIC: usize = 0;
+const H_VERSION: usize = 1;
+const H_PAGES: usize = 2;
+const H_SLOTS: usize = 3;
+const H_ARENA: usize = 4;
+const H_CLASSES: usize = 5;
+const H_CARVED: usize = 6;
+const H_OWNER: usize = 7;
+const HEADER_WORDS: usize = 8;
+
+/// Where a store keeps its pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backing {
+    /// Memory of this process only (tests, bench).
+    Private,
+    /// The shared segment of device `device_id`: kept, locked in memory, when the process
+    /// dies; the next store opened for the device resumes it.
+    Shared { device_id: u32 },
+    /// A shared segment under `key`, not locked in memory (no CAP_IPC_LOCK needed): for tests
+    /// of resuming only, never for serving swap.
+    SharedUnlocked { key: i32 },
+}
+
+/// What `BatchedPageStore::open` found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Opened {
+    /// A new, empty store.
+    Fresh,
+    /// The store a previous process left: `pages` pages held, `lost` of them unreadable
+    /// (their entries could not be validated; they read as EIO until written).
+    Resumed { pages: u64, lost: u64 },
+}
+
+/// The SysV key of device `id`'s store.
+fn device_key(id: u32) -> Result<i32, StoreError> {
+    if id > MAX_DEVICE_ID {
+        return Err(StoreError::Config(format!(
+            "device id {id} is above {MAX_DEVICE_ID}"
+        )));
+    }
+    // At most 2^20 - 1: fits.
+    Ok(DEVICE_KEY_BASE | i32::try_from(id).unwrap_or(0))
+}
+
+fn memory_error(what: &str) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
+    move |source| StoreError::Memory {
+        what: what.to_string(),
+        source,
+    }
+}
+
+/// Free device `device_id`'s shared store (once no process maps it). False if it had none.
+pub fn remove_shared(device_id: u32) -> Result<bool, StoreError> {
+    Segment::remove_shared(device_key(device_id)?)
+        .map_err(memory_error("removing the store's shared memory"))
+}
+
+/// Whether device `device_id` has a shared store.
+pub fn shared_exists(device_id: u32) -> bool {
+    device_key(device_id).is_ok_and(Segment::shared_exists)
+}
+
+/// The sizes a store's memory is made from.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Shape {
+    pub(super) pages: usize,
+    pub(super) slots_per_batch: usize,
+    pub(super) arena_bytes: usize,
+    pub(super) class_fingerprint: u64,
+}
+
+/// Byte offsets of the regions.
+struct Offsets {
+    table: usize,
+    indexes: usize,
+    slots: usize,
+    tags: usize,
+    arena: usize,
+    total: usize,
+}
+
+fn page_round(bytes: usize) -> usize {
+    bytes.div_ceil(PAGE_SIZE) * PAGE_SIZE
+}
+
+impl Shape {
+    fn offsets(&self) -> Offsets {
+        let table = PAGE_SIZE;
+        let indexes = table + page_round(self.pages * 8);
+        let slots_total = PENDING_BATCHES * self.slots_per_batch;
+        let slots = indexes + page_round(slots_total * 8);
+        let tags = slots + slots_total * PAGE_SIZE;
+        let arena = tags + page_round(self.arena_bytes / PAGE_SIZE * 4);
+        Offsets {
+            table,
+            indexes,
+            slots,
+            tags,
+            arena,
+            total: arena + self.arena_bytes,
+        }
+    }
+}
+
+/// This process's claim on a store's memory (the header's owner word), given up when the
+/// store is dropped; a process that dies leaves its pid, which no live process has.
+pub(super) struct Ownership {
+    header: Words<AtomicU64>,
+}
+
+impl Drop for Ownership {
+    fn drop(&mut self) {
+        let me = u64::from(std::process::id());
+        let _ = self.header[H_OWNER].compare_exchange(me, 0, Ordering::AcqRel, Ordering::Acquire);
+    }
+}
+
+/// A store's memory, mapped, with views of its regions.
+pub(super) struct Regions {
+    pub(super) shape: Shape,
+    pub(super) owner: Ownership,
+    pub(super) table: Words<AtomicU64>,
+    pub(super) batches: Vec<(PageSlots, Words<AtomicU64>)>,
+    pub(super) arena: Arc<Arena>,
+    pub(super) resumed: bool,
+}
+
+impl Regions {
+    /// Open the memory of `backing` for a store of `shape`: a fresh one, or the one a previous
+    /// process left (whose own slots-per-batch and arena size then apply).
+    pub(super) fn open(backing: Backing, shape: Shape) -> Result<Self, StoreError> {
+        let (key, lock) = match backing {
+            Backing::Private => {
+                let segment = Segment::private(shape.offsets().total)
+                    .map_err(memory_error("reserving the store's memory"))?;
+                return Self::fresh(&segment, shape);
+            }
+            Backing::Shared { device_id } => (device_key(device_id)?, true),
+            Backing::SharedUnlocked { key } => (key, false),
+        };
+        if let Some(segment) = Segment::attach_shared(key)
+            .map_err(memory_error("attaching the store's shared memory"))?
+        {
+            return Self::resume(&segment, shape, key);
+        }
+        let segment =
+            Segment::create_shared(key, shape.offsets().total, lock).map_err(memory_error(
+                "creating the store's shared memory (SysV shm, locked: needs CAP_IPC_LOCK)",
+            ))?;
+        Self::fresh(&segment, shape)
+    }
+
+    fn fresh(segment: &Arc<Segment>, shape: Shape) -> Result<Self, StoreError> {
+        let regions = Self::map(segment, shape, false)?;
+        let header = &regions.owner.header;
+        for (word, value) in [
+            (H_VERSION, LAYOUT_VERSION),
+            (H_PAGES, shape.pages as u64),
+            (H_SLOTS, shape.slots_per_batch as u64),
+            (H_ARENA, shape.arena_bytes as u64),
+            (H_CLASSES, shape.class_fingerprint),
+            (H_CARVED, 0),
+            (H_OWNER, u64::from(std::process::id())),
+        ] {
+            header[word].store(value, Ordering::Relaxed);
+        }
+        // Last: a segment whose creator died before this is not taken for a store.
+        header[H_MAGIC].store(MAGIC, Ordering::Release);
+        Ok(regions)
+    }
+
+    fn resume(segment: &Arc<Segment>, wanted: Shape, key: i32) -> Result<Self, StoreError> {
+        segment
+            .commit(0, PAGE_SIZE)
+            .map_err(memory_error("mapping the store's header"))?;
+        let header = segment
+            .words(0, HEADER_WORDS)
+            .map_err(memory_error("mapping the store's header"))?;
+        let word = |i: usize| header[i].load(Ordering::Acquire);
+        let layout_error = |what: String| {
+            StoreError::Layout(format!(
+                "the shared memory of this device (SysV key {key:#x}) {what}; it was left \
+                 untouched: start the trueno-ublk that made it, or `trueno-ublk delete` the \
+                 device (its pages are lost then)"
+            ))
+        };
+        if word(H_MAGIC) != MAGIC {
+            return Err(layout_error("is not a trueno-ublk store".into()));
+        }
+        if word(H_VERSION) != LAYOUT_VERSION {
+            return Err(layout_error(format!(
+                "has layout version {}, and this binary reads version {LAYOUT_VERSION}",
+                word(H_VERSION)
+            )));
+        }
+        if word(H_PAGES) != wanted.pages as u64 {
+            return Err(layout_error(format!(
+                "holds {} pages, not the {} of the size asked for",
+                word(H_PAGES),
+                wanted.pages
+            )));
+        }
+        if word(H_CLASSES) != wanted.class_fingerprint {
+            return Err(layout_error(
+                "packs compressed pages in other size classes than this binary".into(),
+            ));
+        }
+        let owner = word(H_OWNER);
+        if let Some(pid) = i32::try_from(owner).ok().filter(|&p| p > 0) {
+            if pid != i32::try_from(std::process::id()).unwrap_or(0) && same_program_alive(pid) {
+                return Err(StoreError::Config(format!(
+                    "the shared memory of this device is in use by process {pid}"
+                )));
+            }
+        }
+        let shape = Shape {
+            pages: wanted.pages,
+            slots_per_batch: usize::try_from(word(H_SLOTS)).unwrap_or(usize::MAX),
+            arena_bytes: usize::try_from(word(H_ARENA)).unwrap_or(usize::MAX),
+            class_fingerprint: wanted.class_fingerprint,
+        };
+        if shape.slots_per_batch > 1 << 20
+            || shape.arena_bytes % PAGE_SIZE != 0
+            || shape.offsets().total > segment.len()
+        {
+            return Err(layout_error(
+                "has a header that does not fit the segment".into(),
+            ));
+        }
+        drop(header);
+        let regions = Self::map(segment, shape, true)?;
+        regions.owner.header[H_OWNER].store(u64::from(std::process::id()), Ordering::Release);
+        Ok(regions)
+    }
+
+    /// Views of every region, the fixed ones committed.
+    fn map(segment: &Arc<Segment>, shape: Shape, resumed: bool) -> Result<Self, StoreError> {
+        let o = shape.offsets();
+        let mapping = memory_error("mapping the store's memory");
+        // Header, table, slot indexes and slot pages: everything but the tags and the arena,
+        // which are committed as chunks are carved.
+        segment.commit(0, o.tags).map_err(mapping)?;
+        fn view<T>(r: std::io::Result<T>) -> Result<T, StoreError> {
+            r.map_err(memory_error("mapping the store's memory"))
+        }
+        let batches = (0..PENDING_BATCHES)
+            .map(|b| {
+                let first = b * shape.slots_per_batch;
+                Ok((
+                    view(segment.page_slots(o.slots + first * PAGE_SIZE, shape.slots_per_batch))?,
+                    view(segment.words(o.indexes + first * 8, shape.slots_per_batch))?,
+                ))
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        Ok(Self {
+            shape,
+            owner: Ownership {
+                header: view(segment.words(0, HEADER_WORDS))?,
+            },
+            table: view(segment.words(o.table, shape.pages))?,
+            batches,
+            arena: view(Arena::new(
+                segment,
+                o.arena,
+                shape.arena_bytes,
+                H_CARVED * 8,
+                o.tags,
+            ))?,
+            resumed,
+        })
+    }
+}
+
+/// Whether `pid` is a live process running the same program as this one (so not a recycled
+/// pid of something else).
+fn same_program_alive(pid: i32) -> bool {
+    let comm = |p: &str| std::fs::read_to_string(format!("/proc/{p}/comm")).ok();
+    match (comm(&pid.to_string()), comm("self")) {
+        (Some(theirs), Some(ours)) => theirs == ours,
+        _ => false,
+    }
+}

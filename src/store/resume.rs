@@ -1,0 +1,116 @@
+//! Resuming the store a previous process left in shared memory (see `layout`): it died at some
+//! instruction (kill -9, a crash) or handed over. What it left is whole entry by entry (each
+//! change is one atomic store); everything else is rebuilt here, before the store serves:
+//!
+//! - lock bits left by dead threads are cleared;
+//! - the allocator's bookkeeping is rebuilt from the stored entries, and carved memory no
+//!   entry holds (objects copied in before an entry named them, chunks in the reserve) goes
+//!   back to the system;
+//! - pending pages (acknowledged writes not yet compressed) are installed: an entry
+//!   `Pending { batch, slot }` is valid only if the slot says it holds the same page;
+//! - an entry that does not hold together (an object outside the arena, two entries naming
+//!   one object, an unknown kind) is marked `Lost`: its reads fail with EIO, never zeros.
+
+#![forbid(unsafe_code)]
+
+use super::counters::add;
+use super::table::PageState;
+use super::{BatchedPageStore, Opened, StoreError};
+use crate::codec::{compress_page, Encoding, PAGE_SIZE};
+
+/// Lost pages named one by one in the log; the rest are counted.
+const LOST_PAGES_LOGGED: u64 = 16;
+
+impl BatchedPageStore {
+    /// Rebuild this store's process-local state from the table it was opened on.
+    pub(super) fn resume(&self) -> Result<Opened, StoreError> {
+        let memory = |source| StoreError::Memory {
+            what: "rebuilding the resumed store's allocator".into(),
+            source,
+        };
+        let mut occupancy = self.alloc.begin_rebuild().map_err(memory)?;
+        let mut pending = Vec::new();
+        let (mut held, mut lost) = (0u64, 0u64);
+        for index in 0..self.table.len() {
+            let found = self.table.recover(index);
+            let state = match found {
+                PageState::Pending { batch, slot } => {
+                    let names_this_page = self
+                        .batches
+                        .get(batch as usize)
+                        .and_then(|b| b.index_of(slot as usize))
+                        == Some(index as u64);
+                    if names_this_page {
+                        pending.push(index as u64);
+                        continue;
+                    }
+                    PageState::Lost
+                }
+                PageState::Stored {
+                    handle,
+                    len,
+                    encoding,
+                } => {
+                    let whole = len > 0
+                        && (encoding != Encoding::Raw || usize::from(len) == PAGE_SIZE)
+                        && self.alloc.adopt(handle, usize::from(len), &mut occupancy);
+                    if whole {
+                        found
+                    } else {
+                        PageState::Lost
+                    }
+                }
+                other => other,
+            };
+            if state == PageState::Lost {
+                lost += 1;
+                if found != PageState::Lost {
+                    self.table.lock(index as u64).replace(PageState::Lost);
+                }
+                if lost <= LOST_PAGES_LOGGED {
+                    tracing::error!(page = index, entry = ?found, "page lost: its entry does not hold together");
+                }
+            }
+            if state != PageState::Empty {
+                held += 1;
+            }
+            self.counters.transition(PageState::Empty, state);
+        }
+        self.alloc.finish_rebuild(occupancy).map_err(memory)?;
+        for &index in &pending {
+            self.install_resumed(index);
+        }
+        held += pending.len() as u64;
+        if lost > 0 {
+            tracing::error!(
+                lost,
+                "pages lost on resume: reads of them fail with EIO until they are written again"
+            );
+        }
+        tracing::info!(pages = held, pending = pending.len(), lost, "store resumed");
+        Ok(Opened::Resumed { pages: held, lost })
+    }
+
+    /// Compress and store a pending page of the resumed store (its batch is not reopened:
+    /// every batch starts empty).
+    fn install_resumed(&self, index: u64) {
+        let mut entry = self.table.lock(index);
+        let PageState::Pending { batch, slot } = entry.state() else {
+            return;
+        };
+        let source = self.batches[batch as usize].slot(slot as usize);
+        let mut out = [0u8; PAGE_SIZE];
+        let (encoding, len) = compress_page(self.config.algorithm, &source.page, &mut out);
+        let new = match self.alloc.store(&out[..len]) {
+            Some(handle) => PageState::Stored {
+                handle,
+                len: crate::codec::page_len(len),
+                encoding,
+            },
+            None => PageState::Lost,
+        };
+        entry.replace(new);
+        self.counters.transition(PageState::Empty, new);
+        add(&self.counters.pages_simd, 1);
+    }
+}

@@ -1,0 +1,232 @@
+//! A store survives its process's death at any instruction: a child process writes, flushes
+//! and discards in a shared store and is SIGKILLed at a random moment; this process then
+//! resumes the store and checks every page against a model of what the child had done, and
+//! the next child resumes it again and goes on. No page may be lost, torn or wrong.
+//!
+//! The child logs each operation before (`B`) and after (`E`) it: a page of an operation the
+//! kill interrupted may hold its old or its new data (as a block device's would; the kernel
+//! re-issues such a request after a recovery), every other page exactly what was last written.
+
+mod store_common;
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use store_common::{random_page, same_page, text_page, zero_page};
+use trueno_ublk::codec::PAGE_SIZE;
+use trueno_ublk::store::{Backing, BatchedPageStore, Opened, StoreConfig};
+
+const PAGES: u64 = 1024;
+const PAGE: u64 = PAGE_SIZE as u64;
+const ROUNDS: u64 = 24;
+const CHILD_ENV: &str = "TRUENO_STORE_CRASH_CHILD";
+
+fn config() -> StoreConfig {
+    let mut c = trueno_ublk::config::StoreSettings::default().store_config(PAGES * PAGE, false);
+    c.batch_threshold = 32;
+    c.flush_timeout = Duration::from_millis(2);
+    c
+}
+
+/// What page `index` holds after operation `version` wrote it: every kind of entry in turn
+/// (zero, same-filled, compressible, incompressible).
+fn content(index: u64, version: u64) -> Vec<u8> {
+    match version % 4 {
+        0 => zero_page().to_vec(),
+        1 => same_page((index << 20) | version).to_vec(),
+        2 => text_page(index * 1_000_003 + version).to_vec(),
+        _ => random_page(index * 7_000_003 + version).to_vec(),
+    }
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// The child: random writes and discards until killed, logging each to stdout unbuffered.
+/// Run by `survives_kill9_at_random_points` only (ignored otherwise).
+#[test]
+#[ignore = "the child process of survives_kill9_at_random_points"]
+fn crash_child() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let mut fields = spec.split(',').map(|f| f.parse::<u64>().unwrap());
+    let (key, seed, first_version) = (
+        i32::try_from(fields.next().unwrap()).unwrap(),
+        fields.next().unwrap(),
+        fields.next().unwrap(),
+    );
+    let (store, _) =
+        BatchedPageStore::open(config(), None, Backing::SharedUnlocked { key }).unwrap();
+    let _flusher = store.start_flusher(|_| {}).unwrap();
+    let mut out = std::io::stdout().lock();
+    let mut rng = Rng(seed | 1);
+    for version in first_version.. {
+        let first = rng.below(PAGES);
+        let count = (1 + rng.below(4)).min(PAGES - first);
+        if rng.below(8) == 0 {
+            writeln!(out, "B D {first} {count} {version}").unwrap();
+            store.discard(first * PAGE, count * PAGE).unwrap();
+        } else {
+            writeln!(out, "B W {first} {count} {version}").unwrap();
+            let data: Vec<u8> = (first..first + count)
+                .flat_map(|i| content(i, version))
+                .collect();
+            store.write(first * PAGE, &data).unwrap();
+        }
+        writeln!(out, "E").unwrap();
+        out.flush().unwrap();
+        if rng.below(64) == 0 {
+            store.flush_pending().unwrap();
+        }
+    }
+}
+
+/// Page index → version that last wrote it (`None`: zeros), and the pages of an interrupted
+/// operation with the version they may hold instead.
+#[derive(Default)]
+struct Model {
+    pages: HashMap<u64, Option<u64>>,
+    maybe: HashMap<u64, Option<u64>>,
+    last_version: u64,
+}
+
+impl Model {
+    fn apply(&mut self, log: &str) {
+        self.maybe.clear();
+        let mut open: Option<(bool, u64, u64, u64)> = None;
+        for line in log.lines() {
+            let f: Vec<&str> = line.split(' ').collect();
+            match f[0] {
+                "B" => {
+                    let n = |i: usize| f[i].parse::<u64>().unwrap();
+                    open = Some((f[1] == "W", n(2), n(3), n(4)));
+                }
+                "E" => {
+                    let (write, first, count, version) = open.take().unwrap();
+                    for i in first..first + count {
+                        self.pages.insert(i, write.then_some(version));
+                    }
+                    self.last_version = version;
+                }
+                _ => {} // a line cut by the kill
+            }
+        }
+        if let Some((write, first, count, version)) = open {
+            for i in first..first + count {
+                self.maybe.insert(i, write.then_some(version));
+            }
+            self.last_version = version;
+        }
+    }
+
+    fn expected(v: Option<u64>, index: u64) -> Vec<u8> {
+        v.map_or_else(|| vec![0u8; PAGE_SIZE], |v| content(index, v))
+    }
+
+    /// Check every page of `store`; returns how many differ. A page of the interrupted
+    /// operation holds its old or its new data, and keeps what it holds from now on.
+    fn check(&mut self, store: &BatchedPageStore) -> usize {
+        let mut bad = 0;
+        let mut buf = vec![0u8; PAGE_SIZE];
+        for index in 0..PAGES {
+            store.read(index * PAGE, &mut buf).unwrap();
+            let want = Self::expected(self.pages.get(&index).copied().flatten(), index);
+            let maybe = self.maybe.get(&index).copied();
+            let took_new = maybe.is_some_and(|v| buf == Self::expected(v, index));
+            if took_new {
+                self.pages.insert(index, maybe.flatten());
+            }
+            let ok = buf == want || took_new;
+            if !ok {
+                let held = (1..=self.last_version + 50).find(|&v| buf == content(index, v));
+                eprintln!(
+                    "page {index} differs from the model: want {:?} (or {:?}), holds version {held:?}, zeros {}",
+                    self.pages.get(&index),
+                    self.maybe.get(&index),
+                    buf.iter().all(|&b| b == 0)
+                );
+                bad += 1;
+            }
+        }
+        bad
+    }
+}
+
+#[test]
+fn survives_kill9_at_random_points() {
+    let key = 0x7d00_0000 | i32::try_from(std::process::id() & 0xffff).unwrap();
+    let _ = trueno_ublk::mem::Segment::remove_shared(key);
+    let exe = std::env::current_exe().unwrap();
+    let mut model = Model::default();
+    let mut rng = Rng(0x5eed_1234_5678_9abc);
+    let mut mismatches = 0;
+    for round in 0..ROUNDS {
+        let mut child = Command::new(&exe)
+            .args(["--exact", "crash_child", "--ignored", "--nocapture", "-q"])
+            .env(
+                CHILD_ENV,
+                format!("{key},{},{}", rng.next(), model.last_version + 1),
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        // Kill after a random number of finished operations (a slow machine must not turn
+        // rounds into kills during start-up), then a random moment more.
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let kill_after = 1 + rng.below(400);
+        let reader = std::thread::spawn(move || {
+            let mut log = String::new();
+            let mut finished = 0;
+            for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
+                let Ok(line) = line else { break };
+                if line == "E" {
+                    finished += 1;
+                    if finished == kill_after {
+                        let _ = done_tx.send(());
+                    }
+                }
+                log.push_str(&line);
+                log.push('\n');
+            }
+            log
+        });
+        let _ = done_rx.recv_timeout(Duration::from_secs(20));
+        std::thread::sleep(Duration::from_micros(rng.below(20_000)));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        model.apply(&reader.join().unwrap());
+        let (store, opened) =
+            BatchedPageStore::open(config(), None, Backing::SharedUnlocked { key }).unwrap();
+        assert!(
+            matches!(opened, Opened::Resumed { lost: 0, .. }),
+            "round {round}: {opened:?}"
+        );
+        mismatches += model.check(&store);
+        store.shutdown();
+    }
+    assert!(trueno_ublk::mem::Segment::remove_shared(key).unwrap());
+    assert_eq!(mismatches, 0, "pages differing from the model");
+    assert!(
+        model.last_version > ROUNDS * 20,
+        "the children did too little work: {}",
+        model.last_version
+    );
+}
