@@ -242,10 +242,6 @@ if [ "$MODE" != kernel-only ]; then
     fi
 fi
 FILL_MIB=$((RAM_MIB * 3 / 2 + 8))
-# Whether the build keeps its store in shared memory that outlives the daemon (issue #11's
-# store part): only then can a resumed daemon serve the pages it held.
-SHARED_STORE=no
-grep -qs 'pub fn remove_shared' "$ROOT"/src/store/*.rs && SHARED_STORE=yes
 cat >"$STAGE/test/env" <<EOF
 MODE=$MODE
 RAM_MIB=$RAM_MIB
@@ -254,7 +250,6 @@ WATCHDOG_S=$((TIMEOUT_S - 30))
 PRESSURE_TIMEOUT_S=300
 STALL_S=${VM_STALL_S:-90}
 SKIP="${VM_TEST_SKIP:-}"
-SHARED_STORE=$SHARED_STORE
 CREATE_ARGS="${VM_CREATE_ARGS:-}"
 FIO_RUNTIME_S=${VM_FIO_RUNTIME_S:-5}
 EOF

@@ -265,7 +265,7 @@ pub fn delete(
             }
         }
         delete_one(&mut control, id, usage.served)?;
-        if let Err(error) = crate::store_shim::remove_shared(id) {
+        if let Err(error) = crate::store::remove_shared(id) {
             eprintln!("trueno-ublk: warning: device {id}'s shared memory was not freed: {error}");
         }
         let note = control.dev_info(id).is_ok().then(|| {

@@ -20,8 +20,6 @@ pub mod os;
 pub mod procstat;
 pub mod stats;
 pub mod store;
-// TEMPORARY (issue #11): the shared store's API until the store part lands (see the file).
-pub(crate) mod store_shim;
 pub mod swap;
 pub mod ublk;
 pub mod units;

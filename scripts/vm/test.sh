@@ -33,15 +33,15 @@
 #  10. dmesg has no ublk or swap I/O errors, hung tasks, BUG, Oops, warnings or OOM kills.
 # MODE=kernel-only: steps 1, 2 and 10, plus the pattern checks of step 4 on zram.
 # MODE=recovery: steps 1, 1c, 8b and 10 (what survives a daemon's death, and nothing else).
-#  8b. (MODE full and recovery) The daemon's recovery, with the shared store (SHARED_STORE=yes):
-#      device 0 as swap under the pressure program (1.5x the RAM, every word verified twice
+#  8b. (MODE full and recovery) The daemon's recovery: device 0 as swap under the pressure program (1.5x the RAM, every word verified twice
 #      and once more after a hold); kill -9 of the serving process while pages go out and
 #      again while they come back (the supervisor starts a new one, which resumes the
 #      device; the pause from kill to live is a figure); kill -9 of every trueno-ublk process
 #      while the memory is held: the device stays quiesced, `create` again resumes it.
-#      Without the shared store: a new serving process refuses to resume (it would serve
-#      zeros), the device stays quiesced, `delete` refuses it while in use, --lose-pages
-#      deletes it, and its id is free once its last user lets go.
+#      Then a device whose store's shared memory is gone (removed with every daemon dead):
+#      `create` refuses to resume it (it would serve zeros), the device stays quiesced,
+#      `delete` refuses it while it is in use (mounted), --lose-pages deletes it, and its id
+#      is free once its last user lets go.
 # A monitor prints free memory and swap counters every 20 s and, if the test is still running
 # at WATCHDOG_S or swap stops moving for STALL_S during a pressure run, dumps the blocked tasks
 # to the console and fails the run.
@@ -501,13 +501,13 @@ daemon_recovery_checks() {
     check "daemon recovery: $dev is gone" wait_until 10 not test -e $dev
 }
 
-# daemon_refusal_checks: without the shared store (a build whose store keeps its pages in
-# private memory), a new serving process must refuse to resume a device rather than serve
-# zeros for its pages; the device stays quiesced; `delete` refuses it while it is in use and
-# no daemon serves it, and --lose-pages deletes it. The supervisor's restart is exercised on
-# the way (it starts the process that refuses, and exits with its failure).
+# daemon_refusal_checks: a device whose pages are gone (its store's shared memory removed
+# while no daemon ran) must not be resumed: an empty store would serve zeros where data was.
+# The device stays quiesced; `delete` refuses it while it is in use (a read-only mount claims
+# it) and no daemon serves it, --lose-pages deletes it, and its id is free again once the
+# mount, its last user, lets go.
 daemon_refusal_checks() {
-    local id=5 dev=/dev/ublkb5 pid sup rc
+    local id=5 dev=/dev/ublkb5 rc
     trueno-ublk create --size 64M --id $id >/tmp/create5.out 2>&1 || {
         fail "refusal: create --size 64M --id $id: $(cat /tmp/create5.out)"
         return
@@ -515,17 +515,16 @@ daemon_refusal_checks() {
     check "refusal: O_DIRECT write on $dev" pat_write dev5 $dev $MIB 0 $((4 * MIB))
     check "refusal: a read-only ext2 on $dev mounts (it claims the device)" \
         eval "mke2fs -q -b 4096 $dev 16384 >/dev/null 2>&1 && mkdir -p /mnt5 && mount -o ro $dev /mnt5"
-    pid=$(serving_pid $id)
-    sup=$(awk '/^PPid:/ { print $2 }' "/proc/$pid/status")
-    kill -9 "$pid"
-    check "refusal: the supervisor ($sup) exits once the new serving process refuses" wait_until 30 not alive "$sup"
+    # shellcheck disable=SC2046 # one pid per word
+    kill -9 $(pidof trueno-ublk)
+    check "refusal: every trueno-ublk process is gone" wait_until 10 not pidof trueno-ublk
     check "refusal: the device stays, quiesced ($(dev_row $id))" wait_until 10 dev_state_is $id quiesced
-    check "refusal: the new process said why (no shared memory: it would serve zeros)" \
-        grep -q 'its pages are gone' /run/trueno-ublk/ublkb$id.log
+    # The store's SysV key for device N is 0x74000000 + N (src/store/layout.rs).
+    check "refusal: its store's shared memory is removed" $VT shm-remove $((0x74000000 + id))
     rc=0
     trueno-ublk create --size 64M --id $id >/tmp/create5.out 2>&1 || rc=$?
-    check "refusal: create --id $id again fails and says why (exit $rc: $(tail -n 1 /tmp/create5.out))" \
-        eval "[ $rc -ne 0 ] && grep -q 'cannot be resumed' /tmp/create5.out"
+    check "refusal: create --id $id fails and says why (exit $rc: $(tail -n 1 /tmp/create5.out))" \
+        eval "[ $rc -ne 0 ] && grep -q 'its pages are gone' /tmp/create5.out"
     check "refusal: ... and leaves the device quiesced" dev_state_is $id quiesced
     rc=0
     trueno-ublk delete --id $id >/tmp/delete5.out 2>&1 || rc=$?
@@ -831,19 +830,10 @@ if [ "$MODE" = full ]; then
     check "trueno-ublk stat with no device exits 0" trueno-ublk stat
 fi
 if { [ "$MODE" = full ] || [ "$MODE" = recovery ]; } && ! skipped daemon-recovery; then
-    if [ "$SHARED_STORE" = yes ]; then
-        section "the daemon's recovery: kill -9 under swap pressure, and create again"
-        daemon_recovery_checks
-    else
-        echo "SKIP: the daemon's recovery under swap (this tree's store keeps pages in private"
-        echo "      memory: src/store has no remove_shared; it runs once the shared store lands)"
-    fi
+    section "the daemon's recovery: kill -9 under swap pressure, and create again"
+    daemon_recovery_checks
     section "the daemon refuses to resume a device whose pages are gone"
-    if [ "$SHARED_STORE" = yes ]; then
-        echo "SKIP: (needs a build without the shared store)"
-    else
-        daemon_refusal_checks
-    fi
+    daemon_refusal_checks
 fi
 if [ "$MODE" = kernel-only ]; then
     section "pattern checks on /dev/zram0 (kernel-only dry run)"

@@ -39,6 +39,9 @@
  *       failed or read back wrong) and HEARTBEAT_MAX_STALL_S (the longest round: the
  *       longest pause the device's I/O had, a daemon's death and restart included);
  *       exits 1 if any round was bad.
+ *   vmtool shm-remove KEY
+ *       Removes the SysV shared memory segment with KEY (busybox has no ipcrm); exits 1
+ *       if there is none.
  *   vmtool monitor INTERVAL_S DEADLINE_S STALL_S FLAGFILE
  *       The VM's watchdog, started first by test.sh: locked in memory, real-time
  *       priority and with every file opened up front, so it still runs when the test
@@ -67,6 +70,7 @@
 #include <string.h>
 #include <dirent.h>
 #include <sys/mman.h>
+#include <sys/shm.h>
 #include <sys/reboot.h>
 #include <sched.h>
 #include <fcntl.h>
@@ -521,6 +525,20 @@ static int cmd_heartbeat(int argc, char **argv)
 	return bad == 0 ? 0 : 1;
 }
 
+static int cmd_shm_remove(int argc, char **argv)
+{
+	if (argc != 1) {
+		fprintf(stderr, "usage: vmtool shm-remove KEY\n");
+		return 2;
+	}
+	int id = shmget((key_t)parse_u64(argv[0], "key"), 0, 0);
+	if (id < 0 || shmctl(id, IPC_RMID, NULL) < 0) {
+		perror("vmtool shm-remove");
+		return 1;
+	}
+	return 0;
+}
+
 /* The value of KEY in a "key value" or "Key:   value kB" text. */
 static long long field_of(const char *text, const char *key)
 {
@@ -654,9 +672,12 @@ int main(int argc, char **argv)
 		return cmd_notify_run(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "heartbeat") == 0)
 		return cmd_heartbeat(argc - 2, argv + 2);
+	if (argc >= 2 && strcmp(argv[1], "shm-remove") == 0)
+		return cmd_shm_remove(argc - 2, argv + 2);
 	fprintf(stderr, "usage: vmtool now | gen BYTES SEED | pressure MIB SEED [HOLDFILE] | "
 			"scatter MIB PROCS SEED | "
 			"notify-run TIMEOUT_S STATEFILE CMD [ARGS...] | heartbeat DEV OFFSET STOPFILE | "
+			"shm-remove KEY | "
 			"monitor INTERVAL_S DEADLINE_S STALL_S FLAGFILE\n");
 	return 2;
 }

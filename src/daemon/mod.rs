@@ -27,7 +27,7 @@ use crate::codec::BatchCodec;
 use crate::config::{self, DeviceOptions, DeviceSettings};
 use crate::gpu::NoGpu;
 use crate::stats::{self, DeviceReport};
-use crate::store::{BatchedPageStore, StoreError, StoreThread};
+use crate::store::{remove_shared, Backing, BatchedPageStore, Opened, StoreError, StoreThread};
 use crate::ublk::device::{block_path, char_class_path};
 use crate::ublk::{AddedDevice, Device, DeviceSpec, Resumable, UblkError};
 use crate::units::human_size;
@@ -37,9 +37,6 @@ use harden::{
     disable_writeback_throttling, lock_memory, make_refill_realtime, protect_from_oom_killer,
     ready_store_thread,
 };
-// TEMPORARY (issue #11): the shared store's API until the store part lands; then this line
-// becomes `use crate::store::{remove_shared, Backing, Opened};` (see src/store_shim.rs).
-use crate::store_shim::{remove_shared, Backing, OpenShared as _, Opened};
 
 /// Where daemons keep their logs and endpoints (root only).
 pub const RUN_DIR: &str = stats::SOCKET_DIR;
@@ -336,10 +333,9 @@ fn open_store(
             let _ = remove_shared(id);
             Err(DaemonError::Ublk(UblkError::CannotResume {
                 id,
-                reason: "its pages are gone (no shared memory for it: a reboot, or a binary \
-                         that keeps pages in private memory); serving it would read zeros \
-                         where data was. Delete it (`trueno-ublk delete --id N --lose-pages` if \
-                         it is in use) and create it again"
+                reason: "its pages are gone (its shared memory was removed); serving it \
+                         would read zeros where data was. Delete it (`trueno-ublk delete --id \
+                         N --lose-pages` if it is in use) and create it again"
                     .replace("--id N", &format!("--id {id}")),
             }))
         }

@@ -244,18 +244,29 @@ impl Device {
             "ublk driver features"
         );
         let mut info = spec.dev_info(features);
-        control
-            .add_dev(&mut info)
-            .map_err(|error| match (error, spec.id) {
-                (
-                    UblkError::Command {
-                        errno: libc::EEXIST,
-                        ..
-                    },
-                    Some(id),
-                ) => UblkError::IdInUse(id),
-                (error, _) => error,
-            })?;
+        match (control.add_dev(&mut info), spec.id) {
+            (Ok(()), _) => {}
+            (
+                Err(UblkError::Command {
+                    errno: libc::EEXIST,
+                    ..
+                }),
+                Some(id),
+            ) => {
+                // A deleted device keeps its id while its disk is held open; it has no char
+                // device any more.
+                let deleted = !std::path::Path::new(&char_class_path(id)).exists()
+                    && control
+                        .dev_info(id)
+                        .is_ok_and(|info| info.state == sys::UBLK_S_DEV_DEAD);
+                return Err(if deleted {
+                    UblkError::IdHeld(id)
+                } else {
+                    UblkError::IdInUse(id)
+                });
+            }
+            (Err(error), _) => return Err(error),
+        }
         let mut added = AddedDevice {
             control: Some(control),
             info,

@@ -34,6 +34,12 @@ pub enum UblkError {
          delete it first"
     )]
     IdInUse(u32),
+    #[error(
+        "device id {0} is still taken by a deleted device whose block device something holds \
+         open (a swap area `/dev/ublkb{0} (deleted)` in /proc/swaps, or a mount): it is free \
+         once that lets go; pick another --id meanwhile"
+    )]
+    IdHeld(u32),
     #[error("device {id} cannot be resumed: {reason}")]
     CannotResume { id: u32, reason: String },
     #[error("hand-over: {0}")]
