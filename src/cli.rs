@@ -110,6 +110,9 @@ pub struct CreateArgs {
     /// Internal: be the process that serves the device, started by the one that supervises it
     #[arg(long, hide = true)]
     pub serve_child: bool,
+    /// Internal: with --serve-child, be ready to take the device over when told
+    #[arg(long, hide = true, requires = "serve_child")]
+    pub standby: bool,
     /// Read device settings from this config file (section for --id)
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -261,10 +264,11 @@ pub fn main() -> i32 {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Create(args) => {
-            let role = match (args.serve_child, args.foreground) {
-                (true, _) => CreateRole::Serve,
-                (false, true) => CreateRole::Supervise,
-                (false, false) => CreateRole::Detach,
+            let role = match (args.serve_child, args.standby, args.foreground) {
+                (true, true, _) => CreateRole::Standby,
+                (true, false, _) => CreateRole::Serve,
+                (false, _, true) => CreateRole::Supervise,
+                (false, _, false) => CreateRole::Detach,
             };
             crate::daemon::create(&args.options(), role).map_err(Into::into)
         }

@@ -45,6 +45,14 @@ pub fn make_thread_realtime() -> std::io::Result<()> {
     cvt(unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) })
 }
 
+/// Run the calling thread under the normal scheduler again (`SCHED_OTHER`), after
+/// `make_thread_realtime`.
+pub fn make_thread_normal() -> std::io::Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: as in `make_thread_realtime`: `param` outlives the call, which only reads it.
+    cvt(unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) })
+}
+
 /// `mlockall(MCL_CURRENT | MCL_FUTURE | MCL_ONFAULT)`: lock every page the process has and
 /// every page it faults in later. On fault, not up front: with plain `MCL_FUTURE` every new
 /// mapping is populated on the spot, the page arena's whole address space included, and a

@@ -406,12 +406,21 @@ kill_serving() {
         pause=$(since "$t0")
         ok "$what: kill -9 of the serving process $pid; pid $(serving_pid "$id") resumed the device $pause s later"
         figure "$3" "$pause"
+        daemon_log "$id" 30 | grep -E 'died|device resumed|takes the device' | tail -n 3
     else
         fail "$what: nobody resumed device $id within 30 s of kill -9 of $pid ($(dev_row "$id"))"
         daemon_log "$id"
     fi
 }
 phase_is() { [ "$(cat /tmp/phase 2>/dev/null)" = "$1" ]; }
+# no_daemon_runs: no trueno-ublk process but zombies (orphans this VM's init never reaps).
+no_daemon_runs() {
+    local pid
+    for pid in $(pidof trueno-ublk); do
+        alive "$pid" && return 1
+    done
+    return 0
+}
 # grew_by KEY N SINCE: /proc/vmstat's KEY is at least N above SINCE.
 grew_by() { [ "$(vmstat_of "$1")" -ge $(($3 + $2)) ]; }
 
@@ -435,6 +444,10 @@ daemon_recovery_checks() {
     sup=$(awk '/^PPid:/ { print $2 }' "/proc/$pid/status" 2>/dev/null)
     check "daemon recovery: the serving process ($pid) has a supervisor ($sup)" \
         [ "$(cat "/proc/$sup/comm" 2>/dev/null)" = trueno-ublk ]
+    check "daemon recovery: a standby is ready" wait_until 20 grep -q 'standby ready' /run/trueno-ublk/ublkb0.log
+    for p in $(pidof trueno-ublk); do
+        echo "daemon recovery: pid $p: $(grep -E '^VmRSS' "/proc/$p/status" | tr -s ' ')"
+    done
     out0=$(vmstat_of pswpout)
     in0=$(vmstat_of pswpin)
     rm -f /tmp/hold /tmp/phase
@@ -461,14 +474,14 @@ daemon_recovery_checks() {
         t0=$(now)
         # shellcheck disable=SC2046 # one pid per word
         kill -9 $(pidof trueno-ublk)
-        check "daemon recovery: no trueno-ublk process left after kill -9 of all" wait_until 10 not pidof trueno-ublk
+        check "daemon recovery: no trueno-ublk process left after kill -9 of all" wait_until 10 no_daemon_runs
         check "daemon recovery: ... and the device stays, quiesced ($(dev_row 0))" wait_until 10 dev_state_is 0 quiesced
         check "daemon recovery: ... and is still swap" in_swaps $dev
         # shellcheck disable=SC2086 # word splitting wanted
         trueno-ublk create --size 1G --id 0 $CREATE_ARGS >/tmp/create.out 2>/tmp/create.err
         rc=$?
         check "daemon recovery: create --size 1G --id 0 again resumes it (exit $rc, printed '$(cat /tmp/create.out)' $(cat /tmp/create.err))" \
-            [ "$rc" -eq 0 ] -a "$(cat /tmp/create.out)" = $dev
+            [ "$rc" -eq 0 -a "$(cat /tmp/create.out)" = $dev ]
         if wait_until 10 live_not_by 0 none; then
             ok "daemon recovery: live again, served by pid $(serving_pid 0), $(since "$t0") s after the kill"
             figure recovery_kill_all_to_live_s "$(since "$t0")"
@@ -517,7 +530,7 @@ daemon_refusal_checks() {
         eval "mke2fs -q -b 4096 $dev 16384 >/dev/null 2>&1 && mkdir -p /mnt5 && mount -o ro $dev /mnt5"
     # shellcheck disable=SC2046 # one pid per word
     kill -9 $(pidof trueno-ublk)
-    check "refusal: every trueno-ublk process is gone" wait_until 10 not pidof trueno-ublk
+    check "refusal: every trueno-ublk process is gone" wait_until 10 no_daemon_runs
     check "refusal: the device stays, quiesced ($(dev_row $id))" wait_until 10 dev_state_is $id quiesced
     # The store's SysV key for device N is 0x74000000 + N (src/store/layout.rs).
     check "refusal: its store's shared memory is removed" $VT shm-remove $((0x74000000 + id))
@@ -748,12 +761,16 @@ if [ "$MODE" = full ]; then
     check "logical block size 4096" [ "$($UL/blockdev --getss $DEV)" -eq 4096 ]
     DAEMON=$(serving_pid 0)
     SUPERVISOR=$(awk '/^PPid:/ { print $2 }' "/proc/$DAEMON/status")
-    check "the daemon runs in the background: a supervisor ($SUPERVISOR) and the serving process ($DAEMON), nothing else" \
-        [ "$(pidof trueno-ublk | wc -w)" -eq 2 -a "$(cat "/proc/$SUPERVISOR/comm")" = trueno-ublk ]
-    grep -E '^(VmRSS|VmLck)' "/proc/$DAEMON/status" "/proc/$SUPERVISOR/status"
+    check "the daemon runs in the background: a supervisor ($SUPERVISOR), the serving process ($DAEMON) and a standby" \
+        wait_until 20 eval "[ \$(pidof trueno-ublk | wc -w) -eq 3 ] && grep -q 'standby ready' /run/trueno-ublk/ublkb0.log"
+    STANDBY=$(for p in $(pidof trueno-ublk); do [ "$p" != "$DAEMON" ] && [ "$p" != "$SUPERVISOR" ] && echo "$p"; done)
+    grep -E '^(VmRSS|VmLck)' "/proc/$DAEMON/status" "/proc/$SUPERVISOR/status" "/proc/$STANDBY/status"
     check "the serving process's memory is locked (mlockall)" [ "$(awk '/^VmLck/ { print $2 }' "/proc/$DAEMON/status")" -gt 0 ]
     check "the supervisor's memory is locked (mlockall)" [ "$(awk '/^VmLck/ { print $2 }' "/proc/$SUPERVISOR/status")" -gt 0 ]
+    check "the standby's memory is locked (mlockall)" [ "$(awk '/^VmLck/ { print $2 }' "/proc/$STANDBY/status")" -gt 0 ]
     figure supervisor_rss_kib "$(awk '/^VmRSS/ { print $2 }' "/proc/$SUPERVISOR/status")"
+    figure standby_rss_kib "$(awk '/^VmRSS/ { print $2 }' "/proc/$STANDBY/status")"
+    figure serving_rss_kib "$(awk '/^VmRSS/ { print $2 }' "/proc/$DAEMON/status")"
     trueno-ublk list | tee /tmp/list.out
     check "trueno-ublk list shows $DEV" grep -q ublkb0 /tmp/list.out
 
@@ -823,7 +840,7 @@ if [ "$MODE" = full ]; then
     fi
     check "trueno-ublk delete --id 0" trueno-ublk delete --id 0
     check "$DEV is gone" wait_until 10 not test -e $DEV
-    check "the daemon exited (supervisor and serving process)" wait_until 10 eval "! alive $DAEMON && ! alive $SUPERVISOR"
+    check "the daemon exited (supervisor, serving process and standby)" wait_until 10 eval "! alive $DAEMON && ! alive $SUPERVISOR && ! alive $STANDBY"
     trueno-ublk list >/tmp/list.out 2>&1
     cat /tmp/list.out
     check "list shows no device" not grep -q ublkb /tmp/list.out

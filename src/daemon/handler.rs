@@ -3,25 +3,34 @@
 #![forbid(unsafe_code)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::codec::Algorithm;
 use crate::store::BatchedPageStore;
 use crate::ublk::{BlockHandler, Op, Request};
 
-/// Serves block requests from the page store.
+/// Serves block requests from the page store. The store comes after the handler: a standby's
+/// queue threads are made (and call `prepare_thread`) before the store may be opened, which
+/// is only once the daemon it replaces is gone; it is set before the device goes live.
 pub(super) struct StoreHandler {
-    store: Arc<BatchedPageStore>,
+    store: OnceLock<Arc<BatchedPageStore>>,
     algorithm: Algorithm,
     errors: AtomicU64,
 }
 
 impl StoreHandler {
-    pub(super) fn new(store: Arc<BatchedPageStore>, algorithm: Algorithm) -> Self {
+    pub(super) fn new(algorithm: Algorithm) -> Self {
         Self {
-            store,
+            store: OnceLock::new(),
             algorithm,
             errors: AtomicU64::new(0),
+        }
+    }
+
+    /// The store requests go to; set once, before the device goes live.
+    pub(super) fn set_store(&self, store: Arc<BatchedPageStore>) {
+        if self.store.set(store).is_err() {
+            tracing::error!("the handler's store was set twice; the first one stays");
         }
     }
 }
@@ -32,12 +41,16 @@ impl BlockHandler for StoreHandler {
     }
 
     fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32> {
+        // Set before the device goes live, so never missing here.
+        let Some(store) = self.store.get() else {
+            return Err(-libc::EIO);
+        };
         let result = match request.op {
-            Op::Read => self.store.read(request.offset, data),
-            Op::Write => self.store.write(request.offset, data),
+            Op::Read => store.read(request.offset, data),
+            Op::Write => store.write(request.offset, data),
             // Pages are in daemon memory as soon as a write is acknowledged: nothing to flush.
             Op::Flush => Ok(()),
-            Op::Discard | Op::WriteZeroes => self.store.discard(request.offset, request.len),
+            Op::Discard | Op::WriteZeroes => store.discard(request.offset, request.len),
             Op::Unsupported(_) => return Err(-libc::EOPNOTSUPP),
         };
         result.map_err(|error| {

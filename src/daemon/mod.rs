@@ -29,7 +29,7 @@ use crate::gpu::NoGpu;
 use crate::stats::{self, DeviceReport};
 use crate::store::{remove_shared, Backing, BatchedPageStore, Opened, StoreError, StoreThread};
 use crate::ublk::device::{block_path, char_class_path};
-use crate::ublk::{AddedDevice, Device, DeviceSpec, Resumable, UblkError};
+use crate::ublk::{AddedDevice, Device, DeviceSpec, Standby, UblkError};
 use crate::units::human_size;
 use detach::{start_detached, Notifier};
 use handler::StoreHandler;
@@ -45,6 +45,14 @@ const DETACHED_ENV: &str = "TRUENO_UBLK_DETACHED_LOG";
 
 /// Log lines waiting for the writer thread before new ones are dropped.
 const LOG_BACKLOG_LINES: usize = 1024;
+/// How often a standby asks the kernel for its device's state (see `Standby::ping`); well
+/// under io_uring's idle time for a worker thread (5 s).
+const STANDBY_PING: std::time::Duration = std::time::Duration::from_secs(1);
+/// Heap a standby faults in for its takeover (opening the store).
+const STANDBY_HEAP_BYTES: usize = 4 << 20;
+/// Pages a standby holds and frees just before its takeover, for the kernel memory the
+/// takeover needs (page tables of the store's mapping, the descriptor arrays' mappings).
+const STANDBY_SPARE_BYTES: usize = 8 << 20;
 /// Bytes of buffer per tag: the largest READ or WRITE the kernel sends us.
 pub const DEFAULT_MAX_IO_BYTES: u32 = 64 << 10;
 
@@ -184,6 +192,9 @@ pub enum CreateRole {
     Supervise,
     /// Be the serving process (`--serve-child`, started by the supervisor only).
     Serve,
+    /// Be the standby serving process (`--serve-child --standby`): made ready while another
+    /// serves the device, it takes the device over when the supervisor says so.
+    Standby,
 }
 
 /// `trueno-ublk create`.
@@ -194,7 +205,8 @@ pub fn create(options: &DeviceOptions, role: CreateRole) -> Result<(), DaemonErr
     match role {
         CreateRole::Detach => start_detached(&settings),
         CreateRole::Supervise => run_supervisor(&settings),
-        CreateRole::Serve => run_serving_process(settings),
+        CreateRole::Serve => run_serving_process(settings, false),
+        CreateRole::Standby => run_serving_process(settings, true),
     }
 }
 
@@ -219,7 +231,8 @@ fn run_supervisor(settings: &DeviceSettings) -> Result<(), DaemonError> {
 
 /// The serving process's life: serve the device until asked to stop or until it is stopped
 /// from outside; readiness and failure go to the supervisor.
-fn run_serving_process(settings: DeviceSettings) -> Result<(), DaemonError> {
+fn run_serving_process(settings: DeviceSettings, standby: bool) -> Result<(), DaemonError> {
+    let started = Instant::now();
     let _log_writer = init_logging();
     // Started as /proc/self/exe; `pidof trueno-ublk` and `list`'s checks go by this name.
     let _ = crate::os::set_process_name(c"trueno-ublk");
@@ -237,7 +250,7 @@ fn run_serving_process(settings: DeviceSettings) -> Result<(), DaemonError> {
         }
     }
     let notifier = Notifier::to_supervisor();
-    let result = serve(settings, &notifier);
+    let result = serve(settings, &notifier, started, standby);
     if let Err(error) = &result {
         tracing::error!(%error, "trueno-ublk daemon failed");
         notifier.send(&format!("STATUS={error}\nERRNO={}", libc::EIO));
@@ -266,34 +279,83 @@ fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
     guard
 }
 
-/// The device this process will serve: one it adds, or one a previous daemon left.
+/// The device this process will serve: one it adds, or one another daemon served.
 enum Target {
     Fresh(AddedDevice),
-    Resume(Resumable),
+    Resume(Standby),
 }
 
 impl Target {
     fn id(&self) -> u32 {
         match self {
             Target::Fresh(added) => added.id(),
-            Target::Resume(resumable) => resumable.id(),
+            Target::Resume(standby) => standby.id(),
         }
     }
 }
 
-/// Find the device to serve: with an id whose device exists, that one, to resume (it must be
-/// quiesced with its daemon gone, which this waits for, boundedly); otherwise a new one.
-/// Nothing in the kernel changes for a resume until `Resumable::resume`.
-fn find_target(settings: &DeviceSettings) -> Result<Target, DaemonError> {
+/// Find the device to serve: with an id whose device exists, that one, to resume; otherwise a
+/// new one. Nothing in the kernel changes for a resume until `Standby::resume`.
+fn find_target(
+    settings: &DeviceSettings,
+    handler: Arc<dyn crate::ublk::BlockHandler>,
+) -> Result<Target, DaemonError> {
     if let Some(id) = settings.id {
         if Path::new(&char_class_path(id)).exists() {
-            return Ok(Target::Resume(Device::find_resumable(
-                id,
-                settings.size_bytes,
-            )?));
+            return Ok(Target::Resume(Device::standby(id, handler)?));
         }
     }
     Ok(Target::Fresh(Device::add(device_spec(settings))?))
+}
+
+/// A standby's wait for the supervisor's word to take the device over: true on `TAKEOVER=1`,
+/// false when told to go (SIGTERM, SIGINT, or SIGUSR1: the supervisor died) or when the
+/// device is gone. It pings the device every second (see `Standby::ping`).
+fn wait_for_takeover(
+    notifier: &Notifier,
+    signals: &mut signal_hook::iterator::Signals,
+    standby: &mut Standby,
+) -> Result<bool, DaemonError> {
+    let Notifier::Supervisor(channel) = notifier else {
+        return Err(DaemonError::Daemon(
+            "a standby needs a supervisor (it is started by one)".into(),
+        ));
+    };
+    let mut buffer = [0u8; 256];
+    let mut pinged = Instant::now();
+    loop {
+        if pinged.elapsed() >= STANDBY_PING {
+            pinged = Instant::now();
+            if let Err(error) = standby.ping() {
+                tracing::info!(%error, "standby: the device is gone; nothing to take over");
+                return Ok(false);
+            }
+        }
+        let mut fds = [nix::poll::PollFd::new(
+            std::os::fd::AsFd::as_fd(channel),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        // Signals are looked at between polls; the channel wakes the poll at once.
+        match nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u8)) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(errno) => return Err(io_error("waiting for the supervisor")(errno.into())),
+        }
+        if signals.pending().any(|signal| signal != SIGHUP) {
+            return Ok(false);
+        }
+        if fds[0]
+            .revents()
+            .is_some_and(|events| events.contains(nix::poll::PollFlags::POLLIN))
+        {
+            let n = channel
+                .recv(&mut buffer)
+                .map_err(io_error("reading from the supervisor"))?;
+            let message = std::str::from_utf8(&buffer[..n]).unwrap_or_default();
+            if message.lines().any(|line| line == "TAKEOVER=1") {
+                return Ok(true);
+            }
+        }
+    }
 }
 
 /// Open the store of device `id`. A new device gets an empty one (stale shared memory a
@@ -351,7 +413,15 @@ fn open_store(
     }
 }
 
-fn serve(settings: DeviceSettings, notifier: &Notifier) -> Result<(), DaemonError> {
+/// Serve the device of `settings`; `started` is when this process started, for the log line
+/// that says how long the device waited for it. A `standby` first makes everything it can
+/// and waits for the supervisor's word (see `Standby`).
+fn serve(
+    settings: DeviceSettings,
+    notifier: &Notifier,
+    started: Instant,
+    standby: bool,
+) -> Result<(), DaemonError> {
     // The daemon serves swap, so none of its own memory may ever need swap to come back:
     // lock what is mapped now and every page faulted in later. What the I/O path uses is
     // written, and so faulted in and locked, when it is set up (page table, pending batches,
@@ -359,6 +429,9 @@ fn serve(settings: DeviceSettings, notifier: &Notifier) -> Result<(), DaemonErro
     lock_memory();
     protect_from_oom_killer();
     crate::mem::configure_heap();
+    // The main thread opens the store (for a standby: after the word to take over, when
+    // the device waits): its stack and heap are faulted in now.
+    crate::mem::prepare_io_thread();
     let algorithm = settings.store.algorithm;
     let _ = rayon::ThreadPoolBuilder::new()
         .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
@@ -368,30 +441,56 @@ fn serve(settings: DeviceSettings, notifier: &Notifier) -> Result<(), DaemonErro
     // Signals first, so a SIGTERM during start-up is not lost.
     let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1])
         .map_err(io_error("installing signal handlers"))?;
-    let started = Instant::now();
-    let target = find_target(&settings)?;
-    let id = target.id();
-    let resume = matches!(target, Target::Resume(_));
     let (gpu, gpu_state) = crate::gpu::open_for_store(algorithm, settings.store.forced_backend)?;
     tracing::info!(gpu = gpu_state, "GPU backend");
     let store_config = settings.store_config(gpu.is_some(), config::ram_bytes().unwrap_or(0));
-    let store = open_store(
-        store_config,
-        gpu.clone().map(|g| g as Arc<dyn BatchCodec>),
-        id,
-        resume,
-    )?;
-    let flusher = store
-        .start_flusher(move |role| {
-            ready_store_thread(algorithm);
-            if role == StoreThread::Refill {
-                make_refill_realtime();
-            }
-        })
-        .map_err(io_error("starting the flusher"))?;
-    let handler = Arc::new(StoreHandler::new(store.clone(), algorithm));
-
-    let device = match target {
+    let handler = Arc::new(StoreHandler::new(algorithm));
+    let (target, started) = if standby {
+        let id = settings.id.ok_or_else(|| {
+            DaemonError::Daemon("a standby is started with the device's --id".into())
+        })?;
+        let mut standby = Device::standby(id, handler.clone())?;
+        // What the takeover allocates, kept ready (see `SparePages`): heap in this thread's
+        // arena, and pages for the kernel, given back just before the takeover.
+        crate::mem::warm_heap(STANDBY_HEAP_BYTES);
+        let spare = crate::mem::SparePages::new(STANDBY_SPARE_BYTES)
+            .map_err(io_error("reserving the standby's spare pages"))?;
+        tracing::info!(
+            id,
+            ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(0),
+            spare = spare.len(),
+            "standby ready to take the device over"
+        );
+        notifier.send(&format!("STANDBY=1\nPID={}", std::process::id()));
+        if !wait_for_takeover(notifier, &mut signals, &mut standby)? {
+            tracing::info!(id, "standby told to go; the device was not touched");
+            return Ok(());
+        }
+        // From here on the device waits for this process. Real-time until it is live: the
+        // kernel lets a real-time task allocate below the min watermark, and runs it first.
+        drop(spare);
+        if let Err(error) = crate::os::make_thread_realtime() {
+            tracing::warn!(%error, "could not make the takeover real-time");
+        }
+        (Target::Resume(standby), Instant::now())
+    } else {
+        (find_target(&settings, handler.clone())?, started)
+    };
+    let setup_done = Instant::now();
+    let id = target.id();
+    let resume = matches!(target, Target::Resume(_));
+    let start_flusher = |store: &Arc<BatchedPageStore>| {
+        store
+            .start_flusher(move |role| {
+                ready_store_thread(algorithm);
+                if role == StoreThread::Refill {
+                    make_refill_realtime();
+                }
+            })
+            .map_err(io_error("starting the flusher"))
+    };
+    let gpu_codec = gpu.clone().map(|g| g as Arc<dyn BatchCodec>);
+    let (device, store, flusher, found, store_opened, live) = match target {
         Target::Fresh(added) => {
             if !added.survives_daemon() {
                 tracing::warn!(
@@ -399,20 +498,53 @@ fn serve(settings: DeviceSettings, notifier: &Notifier) -> Result<(), DaemonErro
                     "this kernel's ublk driver has no user recovery (UBLK_F_USER_RECOVERY with _REISSUE, Linux 6.0+): the device will not survive this daemon; if it dies, every page on the device is lost"
                 );
             }
-            added.start(handler)?
+            let found = Instant::now();
+            let store = open_store(store_config, gpu_codec, id, false)?;
+            handler.set_store(store.clone());
+            let store_opened = Instant::now();
+            let flusher = start_flusher(&store)?;
+            let device = added.start(handler)?;
+            (device, store, flusher, found, store_opened, Instant::now())
         }
-        Target::Resume(resumable) => resumable.resume(handler)?,
+        Target::Resume(mut standby) => {
+            standby.wait_resumable(settings.size_bytes)?;
+            let found = Instant::now();
+            let store = open_store(store_config, gpu_codec, id, true)?;
+            handler.set_store(store.clone());
+            let store_opened = Instant::now();
+            let device = standby.resume()?;
+            let live = Instant::now();
+            if let Err(error) = crate::os::make_thread_normal() {
+                tracing::warn!(%error, "could not end the takeover's real-time priority");
+            }
+            // The flusher's threads once the device is live: what they fault in is then found
+            // the usual way, by reclaim that may swap again. Writes meanwhile go to pending
+            // slots, which the resumed store has ready.
+            let flusher = start_flusher(&store)?;
+            (device, store, flusher, found, store_opened, live)
+        }
     };
     let path = block_path(id);
     if !resume {
         disable_writeback_throttling(id);
     }
+    let ms = |from: Instant, to: Instant| u64::try_from((to - from).as_millis()).unwrap_or(0);
+    // Where the time from this process's start (a standby's: from the word to take over) to
+    // a live device went: set-up (memory locked, thread pool, GPU probe, queue threads), the
+    // device found (for a resume: the wait for the kernel to quiesce it and for the old daemon
+    // to be gone), the store opened (a resume checks every page's entry), the queues started
+    // (START_DEV, or the recovery commands).
     tracing::info!(
         device = path,
         size = settings.size_bytes,
         queues = device.info().nr_hw_queues,
         depth = device.info().queue_depth,
-        ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+        standby,
+        ms = ms(started, live),
+        setup_ms = ms(started, setup_done),
+        find_ms = ms(setup_done, found),
+        store_ms = ms(found, store_opened),
+        queues_ms = ms(store_opened, live),
         "{}",
         if resume {
             "device resumed"

@@ -1,13 +1,23 @@
 //! The supervisor: the process `create` runs (in the foreground under systemd, or the one
 //! `create` detaches). It serves nothing itself: it starts the serving process (this program
 //! again, `create ... --serve-child`), passes its readiness on (sd_notify, once), forwards
-//! SIGTERM and SIGINT to it, and starts a new one at once when it dies by a signal (`kill -9`,
-//! a crash): the new one resumes the device, which the kernel keeps quiesced meanwhile.
+//! SIGTERM and SIGINT to it, and keeps a standby (`--serve-child --standby`) ready beside it:
+//! when the serving process dies by a signal (`kill -9`, a crash), the standby takes the
+//! device over at once, which the kernel keeps quiesced meanwhile, and a new standby is made.
+//!
+//! Why a standby made in advance: while the device has no daemon, every task that reclaims
+//! memory by swapping to it blocks until it has one again (for a tag of the quiesced queue).
+//! A process started only then must fault in its memory (program, heap, stacks, buffers) in
+//! that state; under memory pressure its own reclaim blocks on the device it is about to
+//! serve, and nothing ever moves again (seen in the VM). The standby has everything in place;
+//! taking over costs it next to no memory.
 //!
 //! Why a process of its own: whatever restarts the daemon must not itself need swap while the
 //! device waits for a daemon, and systemd (PID 1) may have pages out on this very device. The
-//! supervisor locks its memory, faults in its stack and heap at start, and afterwards only
-//! waits in poll(2), reaps its child and starts the next from a command made in advance.
+//! supervisor locks its memory, faults in its stack and heap at start, is an I/O flusher (its
+//! reclaim, and its children's from their first instruction on, never waits for swap-out),
+//! and afterwards only waits in poll(2), reaps its children and starts the next from a
+//! command made in advance.
 //!
 //! Why exec and not fork: the serving process is multi-threaded and owns everything the I/O
 //! path needs; a fresh program image starts clean, and `/proc/self/exe` names the binary this
@@ -41,12 +51,14 @@ pub(super) const SUPERVISOR_ENV: &str = "TRUENO_UBLK_SUPERVISOR";
 const MAX_RESTARTS: usize = 5;
 const RESTART_WINDOW: Duration = Duration::from_secs(60);
 
-/// What the serving process tells the supervisor, one datagram per event: `READY=1` with
+/// What a serving process tells the supervisor, one datagram per event: `READY=1` with
 /// `DEVICE=N`, `STATUS=/dev/ublkbN` and `PID=P` once the device is live (at start and after
-/// each resume), `STATUS=...` with `ERRNO=...` when it fails.
+/// each resume), `STANDBY=1` when a standby is ready, `STATUS=...` with `ERRNO=...` when it
+/// fails. The supervisor answers a standby `TAKEOVER=1` when it is to take the device over.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(super) struct ChildMessage<'a> {
     pub ready: bool,
+    pub standby: bool,
     pub device: Option<u32>,
     pub status: Option<&'a str>,
     pub errno: Option<&'a str>,
@@ -59,6 +71,7 @@ impl<'a> ChildMessage<'a> {
         for line in text.lines() {
             match line.split_once('=') {
                 Some(("READY", "1")) => message.ready = true,
+                Some(("STANDBY", "1")) => message.standby = true,
                 Some(("DEVICE", id)) => message.device = id.parse().ok(),
                 Some(("STATUS", status)) => message.status = Some(status),
                 Some(("ERRNO", errno)) => message.errno = Some(errno),
@@ -95,6 +108,38 @@ impl RestartLog {
     }
 }
 
+/// A serving process (or a standby) and the supervisor's end of its channel.
+struct ServingProcess {
+    child: Child,
+    channel: UnixDatagram,
+}
+
+impl ServingProcess {
+    /// Start one from `command`; its stdin is its end of a new channel.
+    fn spawn(command: &mut Command) -> Result<Self, DaemonError> {
+        let (channel, theirs) =
+            UnixDatagram::pair().map_err(io_error("making the serving process's channel"))?;
+        channel
+            .set_nonblocking(true)
+            .map_err(io_error("making the serving process's channel"))?;
+        let child = command
+            .stdin(Stdio::from(OwnedFd::from(theirs)))
+            .spawn()
+            .map_err(io_error("starting the serving process"))?;
+        Ok(Self { child, channel })
+    }
+
+    fn signal(&self, signal: Signal) {
+        let _ = kill(child_pid(&self.child), signal);
+    }
+
+    /// A standby that never took the device over holds nothing: kill it and reap it.
+    fn dismiss(mut self) {
+        self.signal(Signal::SIGKILL);
+        let _ = self.child.wait();
+    }
+}
+
 /// Supervise serving processes for the device of `settings` until one exits: 0 when it
 /// exited 0 (the device was deleted, or handed over), a failure otherwise.
 pub(super) fn supervise(
@@ -106,12 +151,12 @@ pub(super) fn supervise(
     crate::mem::configure_heap();
     // Fault in (and so lock) the stack and heap the restart path will use.
     crate::mem::prepare_io_thread();
+    // Inherited by the children from their start: exec and a program's start-up fault in
+    // memory, and a reclaim that swaps out to a device waiting for its daemon waits forever.
+    if let Err(error) = crate::os::set_io_flusher() {
+        tracing::warn!(%error, "PR_SET_IO_FLUSHER failed: a serving process starting under memory pressure may wait on its own device");
+    }
 
-    let (to_child, from_child) =
-        UnixDatagram::pair().map_err(io_error("making the serving process's channel"))?;
-    from_child
-        .set_nonblocking(true)
-        .map_err(io_error("making the serving process's channel"))?;
     // Signals wake poll(2) through a socket; `Signals` then says which arrived.
     let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP, SIGCHLD])
         .map_err(io_error("installing signal handlers"))?;
@@ -130,24 +175,36 @@ pub(super) fn supervise(
             .map_err(io_error("installing signal handlers"))?;
     }
 
-    // `--id` is in the arguments when the user gave it; otherwise it is learnt below.
+    // `--id` is in the arguments when the user gave it; otherwise it is learnt below, and a
+    // standby (which must know the device) is made only then.
     let mut device = settings.id;
-    let mut command = child_command(None);
-    let mut child = spawn(&mut command, &to_child)?;
+    let mut serving_command = child_command(None, false);
+    let mut standby_command = device.map(|_| child_command(None, true));
+    let mut serving = ServingProcess::spawn(&mut serving_command)?;
+    let mut standby: Option<ServingProcess> = None;
     let mut ready = false;
     let mut stopping = false;
     let mut restarts = RestartLog::default();
     let mut buffer = [0u8; 2048];
-    loop {
+    let result = loop {
         {
             let mut fds = [
                 PollFd::new(std::os::fd::AsFd::as_fd(&wake_rx), PollFlags::POLLIN),
-                PollFd::new(std::os::fd::AsFd::as_fd(&from_child), PollFlags::POLLIN),
+                PollFd::new(
+                    std::os::fd::AsFd::as_fd(&serving.channel),
+                    PollFlags::POLLIN,
+                ),
+                PollFd::new(
+                    std::os::fd::AsFd::as_fd(
+                        standby.as_ref().map_or(&serving.channel, |s| &s.channel),
+                    ),
+                    PollFlags::POLLIN,
+                ),
             ];
             match poll(&mut fds, PollTimeout::NONE) {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
                 Err(errno) => {
-                    return Err(DaemonError::Io {
+                    break Err(DaemonError::Io {
                         what: "waiting for the serving process".into(),
                         source: errno.into(),
                     })
@@ -162,14 +219,17 @@ pub(super) fn supervise(
                     notifier.send("STOPPING=1");
                     tracing::info!(
                         signal,
-                        pid = child.id(),
+                        pid = serving.child.id(),
                         "stopping: passing the signal on to the serving process"
                     );
                 }
-                let _ = kill(child_pid(&child), Signal::SIGTERM);
+                serving.signal(Signal::SIGTERM);
+                if let Some(standby) = standby.take() {
+                    standby.dismiss();
+                }
             }
         }
-        while let Ok(n) = from_child.recv(&mut buffer) {
+        while let Ok(n) = serving.channel.recv(&mut buffer) {
             let Ok(text) = std::str::from_utf8(&buffer[..n]) else {
                 continue;
             };
@@ -187,7 +247,8 @@ pub(super) fn supervise(
                 if device.is_none() {
                     // The kernel picked the id: every later serving process resumes that one.
                     device = message.device;
-                    command = child_command(device);
+                    serving_command = child_command(device, false);
+                    standby_command = device.map(|id| child_command(Some(id), true));
                 }
                 if let (Some(log), Some(id)) = (detached_log, message.device) {
                     let _ = std::fs::rename(log, format!("{RUN_DIR}/ublkb{id}.log"));
@@ -205,53 +266,102 @@ pub(super) fn supervise(
                     message.pid.unwrap_or(0)
                 ));
             }
+            // The device is live: the moment to make the next standby.
+            if standby.is_none() && !stopping {
+                if let Some(command) = standby_command.as_mut() {
+                    standby = Some(ServingProcess::spawn(command)?);
+                }
+            }
         }
-        let Some(status) = child
+        if let Some(process) = standby.as_mut() {
+            while let Ok(n) = process.channel.recv(&mut buffer) {
+                if ChildMessage::parse(std::str::from_utf8(&buffer[..n]).unwrap_or_default())
+                    .standby
+                {
+                    tracing::info!(pid = process.child.id(), "standby ready");
+                }
+            }
+            if let Ok(Some(status)) = process.child.try_wait() {
+                tracing::warn!(pid = process.child.id(), %status, "the standby ended; a crash of the serving process now waits for a new process to start");
+                standby = None;
+                if !stopping && restarts.allow(Instant::now()) {
+                    if let Some(command) = standby_command.as_mut() {
+                        standby = Some(ServingProcess::spawn(command)?);
+                    }
+                }
+            }
+        }
+        let Some(status) = serving
+            .child
             .try_wait()
             .map_err(io_error("waiting for the serving process"))?
         else {
             continue;
         };
         match (status.code(), status.signal()) {
-            (Some(0), _) => return Ok(()),
+            (Some(0), _) => break Ok(()),
             (Some(code), _) => {
-                return Err(DaemonError::Daemon(format!(
+                break Err(DaemonError::Daemon(format!(
                     "the serving process failed (exit status {code}); its log says why"
                 )))
             }
             (_, Some(signal)) if stopping => {
-                return Err(DaemonError::Daemon(format!(
+                break Err(DaemonError::Daemon(format!(
                     "the serving process was killed by signal {signal} while stopping"
                 )))
             }
             (_, signal) => {
                 if !restarts.allow(Instant::now()) {
-                    return Err(DaemonError::Daemon(format!(
+                    break Err(DaemonError::Daemon(format!(
                         "the serving process died by a signal {} times within {} s; giving up",
                         MAX_RESTARTS + 1,
                         RESTART_WINDOW.as_secs()
                     )));
                 }
-                tracing::warn!(
-                    pid = child.id(),
-                    signal = signal.unwrap_or(0),
-                    "the serving process died; starting a new one to resume the device"
-                );
-                child = spawn(&mut command, &to_child)?;
+                let dead = serving.child.id();
+                serving = match standby.take() {
+                    Some(process) => {
+                        // It takes over as soon as it has its ring ready; if it is still
+                        // making it, as soon as that is done.
+                        let _ = process.channel.send(b"TAKEOVER=1");
+                        tracing::warn!(
+                            pid = dead,
+                            signal = signal.unwrap_or(0),
+                            standby = process.child.id(),
+                            "the serving process died; the standby takes the device over"
+                        );
+                        process
+                    }
+                    None => {
+                        tracing::warn!(
+                            pid = dead,
+                            signal = signal.unwrap_or(0),
+                            "the serving process died and no standby is ready; starting a new one to resume the device"
+                        );
+                        ServingProcess::spawn(&mut serving_command)?
+                    }
+                };
             }
         }
+    };
+    if let Some(standby) = standby.take() {
+        standby.dismiss();
     }
+    result
 }
 
-/// The serving process's command, made once (and again when the device's id is learnt) so
-/// that a restart has nothing to build: this program with the supervisor's arguments and
-/// `--serve-child`, and `--id learnt_id` when the kernel picked the id.
-fn child_command(learnt_id: Option<u32>) -> Command {
+/// A serving process's command, made once (and again when the device's id is learnt) so
+/// that a restart has nothing to build: this program with the supervisor's arguments,
+/// `--serve-child` (and `--standby`), and `--id learnt_id` when the kernel picked the id.
+fn child_command(learnt_id: Option<u32>, standby: bool) -> Command {
     let mut command = Command::new("/proc/self/exe");
     command
         .arg0("trueno-ublk")
         .args(std::env::args_os().skip(1))
         .arg("--serve-child");
+    if standby {
+        command.arg("--standby");
+    }
     if let Some(id) = learnt_id {
         command.arg("--id").arg(id.to_string());
     }
@@ -262,17 +372,6 @@ fn child_command(learnt_id: Option<u32>) -> Command {
         .stdout(Stdio::inherit())
         .stderr(Stdio::inherit());
     command
-}
-
-/// Start a serving process whose stdin is its end of the channel.
-fn spawn(command: &mut Command, to_child: &UnixDatagram) -> Result<Child, DaemonError> {
-    let end = to_child
-        .try_clone()
-        .map_err(io_error("passing the channel to the serving process"))?;
-    command
-        .stdin(Stdio::from(OwnedFd::from(end)))
-        .spawn()
-        .map_err(io_error("starting the serving process"))
 }
 
 fn child_pid(child: &Child) -> Pid {
@@ -290,6 +389,7 @@ mod tests {
             ready,
             ChildMessage {
                 ready: true,
+                standby: false,
                 device: Some(3),
                 status: Some("/dev/ublkb3"),
                 errno: None,

@@ -120,3 +120,67 @@ pub fn configure_heap() {
         }
     }
 }
+
+/// Pages held only to be given back: faulted in (and, under `mlockall`, locked) when made,
+/// returned to the kernel when dropped.
+///
+/// Why: a standby serving process takes a device over while the device waits for a daemon,
+/// and then every task that reclaims memory by swapping to it waits too; memory is then only
+/// to be had from what is free. The kernel memory the takeover itself needs (page tables of
+/// the store's mapping, the descriptor arrays' mappings) must come from somewhere: the
+/// standby frees these pages just before, for the kernel to hand out again.
+pub struct SparePages {
+    base: NonNull<std::ffi::c_void>,
+    len: usize,
+}
+
+impl SparePages {
+    pub fn new(bytes: usize) -> std::io::Result<Self> {
+        let len = bytes.div_ceil(HOST_PAGE).max(1) * HOST_PAGE;
+        let length = std::num::NonZeroUsize::new(len).ok_or(std::io::ErrorKind::InvalidInput)?;
+        // SAFETY: a fresh private anonymous mapping; it aliases no Rust object.
+        let base = unsafe {
+            nix::sys::mman::mmap_anonymous(
+                None,
+                length,
+                nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
+                nix::sys::mman::MapFlags::MAP_PRIVATE,
+            )
+        }?;
+        // SAFETY: exactly the mapping just made, which nothing reads; populating it changes
+        // no byte anyone sees.
+        unsafe { madvise(base, len, MmapAdvise::MADV_POPULATE_WRITE) }?;
+        Ok(Self { base, len })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for SparePages {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the mapping made in `new`; no reference into it exists.
+        if let Err(error) = unsafe { nix::sys::mman::munmap(self.base, self.len) } {
+            tracing::warn!(%error, "returning spare pages failed");
+        }
+    }
+}
+
+// SAFETY: the mapping is owned by this value alone and never read through it; which thread
+// unmaps it does not matter.
+unsafe impl Send for SparePages {}
+
+/// Fault in (and, under `mlockall`, lock) `bytes` of free space in the calling thread's heap
+/// arena: with trimming off (`configure_heap`), later allocations up to that much are served
+/// from pages the process already has. For a thread that will allocate while memory cannot
+/// be had (a standby taking a device over).
+pub fn warm_heap(bytes: usize) {
+    const BLOCK: usize = 64 << 10;
+    let blocks: Vec<Vec<u8>> = (0..bytes / BLOCK).map(|_| vec![1u8; BLOCK]).collect();
+    std::hint::black_box(&blocks);
+}

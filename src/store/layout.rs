@@ -310,6 +310,11 @@ impl Regions {
 /// Whether `pid` is a live process running the same program as this one (so not a recycled
 /// pid of something else).
 fn same_program_alive(pid: i32) -> bool {
+    // A zombie has exited (its memory is gone) but keeps its comm until its parent reaps
+    // it, which an orphan's init may never do (the VM test's busybox init does not).
+    if crate::os::process_exited(pid) {
+        return false;
+    }
     let comm = |p: &str| std::fs::read_to_string(format!("/proc/{p}/comm")).ok();
     match (comm(&pid.to_string()), comm("self")) {
         (Some(theirs), Some(ours)) => theirs == ours,

@@ -2,8 +2,9 @@
 //!
 //! A new device: ADD_DEV and SET_PARAMS (`Device::add`), then a thread per queue with every tag
 //! fetched and START_DEV (`AddedDevice::start`). A device whose daemon died or handed it over:
-//! wait until the kernel has quiesced it (`Device::find_resumable`), START_USER_RECOVERY, the
-//! same queue threads, END_USER_RECOVERY (`Resumable::resume`). At the end, either STOP_DEV,
+//! queue threads made in advance (`Device::standby`), a wait until the kernel has quiesced it
+//! (`Standby::wait_resumable`), START_USER_RECOVERY, the fetches, END_USER_RECOVERY
+//! (`Standby::resume`). At the end, either STOP_DEV,
 //! the queue threads joined and DEL_DEV (`Device::shutdown`), or the queue threads ended and
 //! every file closed with the device left quiesced for the next daemon (`Device::hand_over`).
 //!
@@ -114,38 +115,134 @@ impl Drop for AddedDevice {
     }
 }
 
-/// A device whose daemon has gone, quiesced and ready for this process to serve it: what
-/// `Device::find_resumable` found. Nothing has changed in the kernel yet.
-pub struct Resumable {
-    control: Control,
-    info: CtrlDevInfo,
-    size_bytes: u64,
+/// A device another daemon serves (or served), and this process ready to take it over: its
+/// queue threads made, with their rings and buffers, waiting. Nothing in the kernel has
+/// changed. `wait_resumable` waits until the other daemon is gone and the kernel has
+/// quiesced the device; `resume` then takes it over.
+///
+/// Why everything is made beforehand: while a device waits for a daemon, any task that
+/// reclaims memory by swapping to it blocks (for a tag of the quiesced queue, in
+/// `blk_mq_get_tag`), the new daemon included if it still has memory to fault in. A standby
+/// made while the device was served resumes it with next to nothing left to allocate.
+/// And a trap of the 6.12 driver: START_USER_RECOVERY forgets every queue, and until one queue
+/// has fetched all its tags again, a second START_USER_RECOVERY fails with EINVAL
+/// (`ublk_ctrl_start_recovery`: `!ub->nr_queues_ready`); a daemon that died in that window
+/// would leave a device no daemon can resume (only DEL_DEV removes it). Having the threads
+/// ready keeps that window to the fetches themselves.
+pub struct Standby {
+    // Declared first, so dropped first: queue threads still waiting for the char device see
+    // their channel close and end before `device`'s drop joins them.
+    go: Go,
+    device: Device,
 }
 
-impl Resumable {
+impl Standby {
     pub fn id(&self) -> u32 {
-        self.info.dev_id
+        self.device.id()
     }
 
-    /// The device as the kernel has it (queues, depth, buffer size, the old daemon's pid).
+    /// The device as the kernel had it when the standby was made.
     pub fn info(&self) -> &CtrlDevInfo {
-        &self.info
+        &self.device.info
     }
 
-    /// START_USER_RECOVERY, queue threads with every tag fetched, END_USER_RECOVERY: returns
-    /// once the device is live again, served by `handler`; the requests that waited are then
-    /// on their way. On failure the device is left quiesced, never deleted.
-    ///
-    /// Everything that can be made beforehand is (threads, rings, buffers), because the
-    /// 6.12 driver has a trap here: START_USER_RECOVERY forgets every queue, and until one
-    /// queue has fetched all its tags again, a second START_USER_RECOVERY fails with EINVAL
-    /// (`ublk_ctrl_start_recovery`: `!ub->nr_queues_ready`). A daemon that dies in that
-    /// window leaves a device no daemon can resume; only DEL_DEV removes it.
-    pub fn resume(self, handler: Arc<dyn BlockHandler>) -> Result<Device, UblkError> {
+    /// Ask the kernel for the device's state (GET_DEV_INFO), as a standby does now and then
+    /// while it waits: the driver runs every control command on an io_uring worker thread
+    /// (it refuses the inline, non-blocking try), and the worker exits after some idle
+    /// seconds; kept busy, the worker is there when the takeover's commands come, and no
+    /// thread is made (its kernel stack allocated) while the device waits. Also says whether
+    /// the device still exists.
+    pub fn ping(&mut self) -> Result<u16, UblkError> {
         let id = self.id();
-        let wake = wake_pair()?;
-        let mut device = Device::new(self.control, self.info, self.size_bytes, true, wake);
-        let go = device.spawn_queues(handler)?;
+        Ok(self.device.control.dev_info(id)?.state)
+    }
+
+    /// Wait until the device can be resumed by this process: it outlives its daemon, is
+    /// `size_bytes` long, is quiesced, and the daemon that served it has exited (so nothing of
+    /// that process still touches what it shared). Waits boundedly for a daemon that is dying
+    /// or handing over; changes nothing in the kernel.
+    pub fn wait_resumable(&mut self, size_bytes: u64) -> Result<(), UblkError> {
+        let id = self.id();
+        let control = &mut self.device.control;
+        let started = Instant::now();
+        loop {
+            let info = match control.dev_info(id) {
+                Err(UblkError::Command {
+                    errno: libc::ENODEV,
+                    ..
+                }) => return Err(UblkError::NoSuchDevice(id)),
+                other => other?,
+            };
+            let old_daemon_gone = crate::os::process_exited(info.ublksrv_pid);
+            match info.state {
+                sys::UBLK_S_DEV_DEAD => {
+                    let reason = if std::path::Path::new(&char_class_path(id)).exists() {
+                        format!(
+                            "it is stopped (its block device is gone): delete it \
+                             (`trueno-ublk delete --id {id}`) and create it again"
+                        )
+                    } else {
+                        format!(
+                            "it was deleted but something still holds its old block device \
+                             open (a swap area shown as `{} (deleted)` in /proc/swaps?); the \
+                             id is free once that lets go",
+                            block_path(id)
+                        )
+                    };
+                    return Err(UblkError::CannotResume { id, reason });
+                }
+                sys::UBLK_S_DEV_LIVE
+                    if !old_daemon_gone && started.elapsed() > LIVE_DAEMON_GRACE =>
+                {
+                    return Err(UblkError::IdInUse(id));
+                }
+                sys::UBLK_S_DEV_QUIESCED if old_daemon_gone => {
+                    let device_bytes = control.params(id)?.basic.dev_sectors << 9;
+                    if device_bytes != size_bytes {
+                        return Err(UblkError::CannotResume {
+                            id,
+                            reason: format!(
+                                "it is {device_bytes} bytes and {size_bytes} were asked for; \
+                                 resume it with its own size"
+                            ),
+                        });
+                    }
+                    self.device.info = info;
+                    return Ok(());
+                }
+                _ if started.elapsed() > QUIESCE_WAIT => {
+                    let state = state_name(info.state);
+                    return Err(UblkError::CannotResume {
+                        id,
+                        reason: if old_daemon_gone {
+                            format!(
+                                "its daemon (pid {}) is gone but the kernel still reports it \
+                                 {state} after {} s",
+                                info.ublksrv_pid,
+                                QUIESCE_WAIT.as_secs()
+                            )
+                        } else {
+                            format!(
+                                "its daemon (pid {}) is still running after {} s (state \
+                                 {state})",
+                                info.ublksrv_pid,
+                                QUIESCE_WAIT.as_secs()
+                            )
+                        },
+                    });
+                }
+                _ => std::thread::sleep(POLL),
+            }
+        }
+    }
+
+    /// START_USER_RECOVERY, every tag fetched, END_USER_RECOVERY: returns once the device is
+    /// live again, served by this process's handler; the requests that waited are then on
+    /// their way. Call after `wait_resumable`. On failure the device is left quiesced, never
+    /// deleted.
+    pub fn resume(self) -> Result<Device, UblkError> {
+        let Standby { go, mut device } = self;
+        let id = device.id();
         // START_USER_RECOVERY is EBUSY until the old daemon's `/dev/ublkcN` is released, which
         // the kernel does once the last of its io_uring commands is gone.
         let deadline = Instant::now() + QUIESCE_WAIT;
@@ -174,11 +271,12 @@ impl Resumable {
                 }) => {
                     return Err(UblkError::CannotResume {
                         id,
-                        reason: "the kernel refuses to start a recovery (START_USER_RECOVERY: \
-                                 invalid argument): a daemon died while resuming it, before \
-                                 its queues were ready, and this kernel cannot resume it after \
-                                 that; `trueno-ublk delete --id N --lose-pages` removes it"
-                            .replace('N', &id.to_string()),
+                        reason: format!(
+                            "the kernel refuses to start a recovery (START_USER_RECOVERY: \
+                             invalid argument): a daemon died while resuming it, before its \
+                             queues were ready, and this kernel cannot resume it after that; \
+                             `trueno-ublk delete --id {id} --lose-pages` removes it"
+                        ),
                     })
                 }
                 Err(error) => return Err(error),
@@ -287,103 +385,51 @@ impl Device {
         Self::add(spec)?.start(handler)
     }
 
-    /// Device `id` as a new daemon may serve it: it exists, outlives its daemon, is
-    /// `size_bytes` long, is quiesced and its old daemon's process is gone. Waits (boundedly)
-    /// for a daemon that is dying or handing over; changes nothing in the kernel.
-    pub fn find_resumable(id: u32, size_bytes: u64) -> Result<Resumable, UblkError> {
+    /// A standby for device `id`, which exists (served by another daemon, or left quiesced by
+    /// one): queue threads made for its queues and depth, waiting; `handler` serves its
+    /// requests once it is resumed. Changes nothing in the kernel.
+    pub fn standby(id: u32, handler: Arc<dyn BlockHandler>) -> Result<Standby, UblkError> {
+        let wake = wake_pair()?;
         let mut control = Control::open()?;
-        let started = Instant::now();
-        loop {
-            let info = match control.dev_info(id) {
-                Err(UblkError::Command {
-                    errno: libc::ENODEV,
-                    ..
-                }) => return Err(UblkError::NoSuchDevice(id)),
-                other => other?,
-            };
-            let old_daemon_gone = crate::os::process_exited(info.ublksrv_pid);
-            match info.state {
-                sys::UBLK_S_DEV_DEAD => {
-                    let reason = if std::path::Path::new(&char_class_path(id)).exists() {
-                        format!(
-                            "it is stopped (its block device is gone): delete it \
-                             (`trueno-ublk delete --id {id}`) and create it again"
-                        )
-                    } else {
-                        format!(
-                            "it was deleted but something still holds its old block device \
-                             open (a swap area shown as `{} (deleted)` in /proc/swaps?); the \
-                             id is free once that lets go",
-                            block_path(id)
-                        )
-                    };
-                    return Err(UblkError::CannotResume { id, reason });
-                }
-                sys::UBLK_S_DEV_LIVE
-                    if !old_daemon_gone && started.elapsed() > LIVE_DAEMON_GRACE =>
+        let info = match control.dev_info(id) {
+            Err(UblkError::Command {
+                errno: libc::ENODEV,
+                ..
+            }) => return Err(UblkError::NoSuchDevice(id)),
+            other => other?,
+        };
+        if !survives_daemon(info.flags) {
+            return Err(
+                if info.state == sys::UBLK_S_DEV_LIVE
+                    && !crate::os::process_exited(info.ublksrv_pid)
                 {
-                    return Err(UblkError::IdInUse(id));
-                }
-                _ if !survives_daemon(info.flags) && started.elapsed() > LIVE_DAEMON_GRACE => {
-                    return Err(UblkError::CannotResume {
+                    UblkError::IdInUse(id)
+                } else {
+                    UblkError::CannotResume {
                         id,
-                        reason: "it was made without user recovery (by an older trueno-ublk, \
-                                 or on a kernel without it), so no other daemon can serve it"
+                        reason: "it was made without user recovery (by an older trueno-ublk, or \
+                             on a kernel without it), so no other daemon can serve it"
                             .into(),
-                    });
-                }
-                sys::UBLK_S_DEV_QUIESCED if old_daemon_gone => {
-                    let params = control.params(id)?;
-                    let device_bytes = params.basic.dev_sectors << 9;
-                    if device_bytes != size_bytes {
-                        return Err(UblkError::CannotResume {
-                            id,
-                            reason: format!(
-                                "it is {device_bytes} bytes and {size_bytes} were asked for; \
-                                 resume it with its own size"
-                            ),
-                        });
                     }
-                    return Ok(Resumable {
-                        control,
-                        info,
-                        size_bytes,
-                    });
-                }
-                _ if started.elapsed() > QUIESCE_WAIT => {
-                    let state = state_name(info.state);
-                    return Err(UblkError::CannotResume {
-                        id,
-                        reason: if old_daemon_gone {
-                            format!(
-                                "its daemon (pid {}) is gone but the kernel still reports it \
-                                 {state} after {} s",
-                                info.ublksrv_pid,
-                                QUIESCE_WAIT.as_secs()
-                            )
-                        } else {
-                            format!(
-                                "its daemon (pid {}) is still running after {} s (state \
-                                 {state})",
-                                info.ublksrv_pid,
-                                QUIESCE_WAIT.as_secs()
-                            )
-                        },
-                    });
-                }
-                _ => std::thread::sleep(POLL),
-            }
+                },
+            );
         }
+        let size_bytes = control.params(id)?.basic.dev_sectors << 9;
+        let mut device = Device::new(control, info, size_bytes, true, wake);
+        let go = device.spawn_queues(handler)?;
+        Ok(Standby { go, device })
     }
 
-    /// `find_resumable` and `resume` in one: serve device `id` again with `handler`, taking
-    /// over from a daemon that died or handed it over.
+    /// Serve device `id` (of `size_bytes`) again with `handler`, taking over from a daemon
+    /// that died or handed it over: `standby`, `wait_resumable` and `resume` in one.
     pub fn recover(
         id: u32,
         size_bytes: u64,
         handler: Arc<dyn BlockHandler>,
     ) -> Result<Self, UblkError> {
-        Self::find_resumable(id, size_bytes)?.resume(handler)
+        let mut standby = Self::standby(id, handler)?;
+        standby.wait_resumable(size_bytes)?;
+        standby.resume()
     }
 
     fn new(

@@ -13,7 +13,7 @@ pub mod sys;
 pub mod timing;
 
 pub use ctrl::Control;
-pub use device::{AddedDevice, Device, Resumable};
+pub use device::{AddedDevice, Device, Standby};
 pub use io::{Op, Request};
 pub use params::{survives_daemon, DeviceSpec};
 pub use queue::BlockHandler;
