@@ -62,7 +62,7 @@ if [ "$uninstall" -eq 1 ]; then
     if with_systemd; then
         # The swap units and the daemons in one transaction: each daemon's stop is ordered
         # after its swap unit's swapoff. A daemon whose device is still in use (swapoff
-        # failed) refuses to stop; its device and pages stay.
+        # failed) hands it over instead of deleting it: its device and pages stay.
         mapfile -t active < <(systemctl list-units --plain --no-legend --state=active \
             'dev-ublkb*.swap' 'trueno-ublk-swap@*.service' 'trueno-ublk-mkswap@*.service' \
             'trueno-ublk@*.service' | awk '{print $1}')

@@ -51,7 +51,8 @@ SourcePath={config}
 # carry a `systemctl restart trueno-ublk@{id}` (a package upgrade) over to this unit, and
 # its swapoff then has to read every swapped-out page back into a RAM that is short, gets
 # OOM-killed, and the daemon is stopped under live swap. A stop or restart of the daemon
-# leaves this unit alone; the daemon refuses to stop while the swap is on.
+# leaves this unit alone; the daemon hands the device over (its pages kept) while the swap
+# is on, and the next start resumes it.
 Wants=trueno-ublk@{id}.service
 # Ordered after the daemon both ways: swapon once the device is live, and on stop
 # (`systemctl stop dev-ublkb{id}.swap trueno-ublk@{id}.service`, poweroff) the daemon's

@@ -104,6 +104,9 @@ After=multi-user.target
 Type=oneshot
 ExecStart=/bin/bash /test/systemd-test.sh
 TimeoutStartSec=infinity
+# The test's own pages never wait for a device that waits for its daemon (its pressure
+# programs run in scopes of their own, which may swap).
+MemorySwapMax=0
 
 [Install]
 WantedBy=multi-user.target

@@ -11,11 +11,16 @@
 #      configured priority; no other swap unit acts on its own for it; writeback throttling
 #      is off; `list` and `stat` work; the units' boot journal has no warning or error.
 #   2. Under pressure (a program holds more than the available memory, with every word
-#      verified): `delete --id 0` is refused at once; `systemctl restart trueno-ublk@0` leaves
-#      swap on, the same daemon serving (it logs why it does not stop) and the kernel alive;
-#      the program then verifies every word once more.
-#   3. The stop the README gives (swap unit, then the daemon), a fresh start of the swap unit
-#      (a new device gets a new signature), a second pressure run.
+#      verified): `delete --id 0` is refused at once; kill -9 of the serving process (the
+#      supervisor's standby takes the device over; the unit's main process stays);
+#      `systemctl restart trueno-ublk@0` (the daemon hands the device over, the new one
+#      resumes it: swap stays on, no new mkswap); kill -9 of every process of the unit
+#      (systemd restarts it, and the start resumes the device); the program then verifies
+#      every word once more. The pause of each is a figure.
+#   3. The stop the README gives (swap unit, then the daemon: the device is deleted), a fresh
+#      start of the swap unit (a new device gets a new signature), a second pressure run.
+# The test runs with MemorySwapMax=0 (its unit), so that its own pages never wait for a
+# device that waits for its daemon; the pressure programs run in a scope of their own.
 #   4. Poweroff while pages (PID 1's and journald's among them) are still swapped out.
 # shellcheck disable=SC2317,SC2119,SC2120 # functions run through check; journal_units takes optional options
 set -u
@@ -50,6 +55,10 @@ swap_used_kib() { awk -v d="$DEV" '$1 == d { print $4 }' /proc/swaps; }
 avail_mib() { awk '/^MemAvailable:/ { print int($2 / 1024) }' /proc/meminfo; }
 vmswap_kib() { awk '/^VmSwap:/ { print $2 }' "/proc/$1/status" 2>/dev/null || echo 0; }
 main_pid() { systemctl show -p MainPID --value trueno-ublk@$ID.service; }
+# serving_pid: the live process serving the device (`list`), empty if none.
+serving_pid() { trueno-ublk list 2>/dev/null | awk -v id=$ID '$1 == id && $6 == "live" && NF == 7 { print $7 }'; }
+now() { cut -d' ' -f1 /proc/uptime; }
+since() { awk -v a="$(now)" -v b="$1" 'BEGIN { printf "%.2f", a - b }'; }
 journal_units() { journalctl -b --no-pager -o short-monotonic -u 'trueno-ublk*' -u "dev-ublkb$ID.swap" "$@"; }
 wait_for() { # SECONDS command...: polls every 0.2 s
     local n=$(($1 * 5))
@@ -78,7 +87,8 @@ finish() {
 # more when released.
 pressure_start() {
     rm -f /tmp/hold /tmp/pressure.out
-    VMTOOL_PASSES=$2 VMTOOL_VERIFY_AFTER_HOLD=1 $VT pressure "$1" "$(date +%s)" /tmp/hold >/tmp/pressure.out 2>&1 &
+    VMTOOL_PASSES=$2 VMTOOL_VERIFY_AFTER_HOLD=1 systemd-run --scope --quiet --collect \
+        -p MemorySwapMax=infinity $VT pressure "$1" "$(date +%s)" /tmp/hold >/tmp/pressure.out 2>&1 &
     PRESSURE_PID=$!
     PRESSURE_MIB=$1
     PRESSURE_OUT0=$(vmstat_of pswpout)
@@ -172,19 +182,51 @@ if [ -e /tmp/hold ]; then
     check "... saying the device is in use" grep -q 'in use' /tmp/delete.out
     check "... and swap stays on" grep -q "^$DEV " /proc/swaps
     trueno-ublk stat
-    pid0=$(main_pid)
-    t0=$(date +%s)
-    timeout 300 systemctl restart trueno-ublk@$ID.service
+    # a. kill -9 of the serving process: the standby takes over; systemd sees nothing.
+    main0=$(main_pid)
+    check "a standby is ready beside the serving process" \
+        wait_for 30 eval "journal_units | grep -q 'standby ready'"
+    serving0=$(serving_pid)
+    t0=$(now)
+    kill -9 "$serving0"
+    if wait_for 30 eval "[ -n \"\$(serving_pid)\" ] && [ \"\$(serving_pid)\" != $serving0 ]"; then
+        ok "kill -9 of the serving process $serving0: pid $(serving_pid) resumed $DEV $(since "$t0") s later"
+        figure systemd_kill_serving_to_live_s "$(since "$t0")"
+    else
+        fail "kill -9 of the serving process $serving0: nobody resumed $DEV ($(trueno-ublk list | tail -n +2))"
+    fi
+    check "... the unit's main process (the supervisor, $main0) stayed" [ "$(main_pid)" = "$main0" ]
+    check "... and the unit stayed active" systemctl -q is-active trueno-ublk@$ID.service
+    # b. systemctl restart: the daemon hands the device over, the new one resumes it.
+    serving0=$(serving_pid)
+    t0=$(now)
+    timeout 120 systemctl restart trueno-ublk@$ID.service
     rc=$?
-    figure systemd_refused_restart_s "$(($(date +%s) - t0))"
-    echo "systemctl restart trueno-ublk@$ID.service: exit $rc after $(($(date +%s) - t0)) s"
+    echo "systemctl restart trueno-ublk@$ID.service: exit $rc after $(since "$t0") s"
     systemctl --no-pager status trueno-ublk@$ID.service 2>&1 | head -n 20
-    check "after systemctl restart: swap is still on" grep -q "^$DEV " /proc/swaps
-    check "after systemctl restart: dev-ublkb$ID.swap is still active" systemctl -q is-active dev-ublkb$ID.swap
-    check "after systemctl restart: the same daemon (pid $pid0) still serves" \
-        eval "[ -d /proc/$pid0 ] && [ \"\$(cat /proc/$pid0/comm)\" = trueno-ublk ]"
-    check "the daemon logged why it did not stop" eval "journal_units | grep -q 'not stopping: the device is in use'"
-    journal_units | grep -E 'not stopping|Skipping|timed out|left-over' | head -n 8
+    check "systemctl restart trueno-ublk@$ID with swap on: exit 0 (exit $rc, $(since "$t0") s)" [ "$rc" -eq 0 ]
+    check "... a new supervisor ($(main_pid), was $main0) and serving process ($(serving_pid), was $serving0)" \
+        [ "$(main_pid)" != "$main0" -a -n "$(serving_pid)" -a "$(serving_pid)" != "$serving0" ]
+    figure systemd_restart_s "$(since "$t0")"
+    check "... the old daemon handed the device over" eval "journal_units | grep -q 'device handed over'"
+    check "... and the new one resumed it with every page" eval "journal_units | grep -q 'resumed the store with every page'"
+    check "... swap is still on" grep -q "^$DEV " /proc/swaps
+    check "... dev-ublkb$ID.swap is still active" systemctl -q is-active dev-ublkb$ID.swap
+    check "... trueno-ublk-mkswap@$ID did not run again" \
+        [ "$(journalctl -b --no-pager -q -u trueno-ublk-mkswap@$ID.service | grep -c 'Setting up swapspace')" -le 1 ]
+    # c. kill -9 of every process of the unit: systemd restarts it, the start resumes.
+    main0=$(main_pid)
+    serving0=$(serving_pid)
+    t0=$(now)
+    systemctl kill --signal=SIGKILL trueno-ublk@$ID.service
+    if wait_for 60 eval "[ -n \"\$(serving_pid)\" ] && [ \"\$(serving_pid)\" != $serving0 ] && systemctl -q is-active trueno-ublk@$ID.service"; then
+        ok "kill -9 of every process of trueno-ublk@$ID: systemd restarted it and pid $(serving_pid) resumed $DEV $(since "$t0") s later"
+        figure systemd_kill_all_to_live_s "$(since "$t0")"
+    else
+        fail "kill -9 of every process of trueno-ublk@$ID: not resumed ($(systemctl is-active trueno-ublk@$ID.service); $(trueno-ublk list | tail -n +2))"
+    fi
+    check "... with a new supervisor ($(main_pid), was $main0)" [ "$(main_pid)" != "$main0" ]
+    journal_units | grep -E 'handed over|resumed|died|takes the device|Scheduled restart' | tail -n 12
     check "the kernel is alive and $DEV still reads" \
         eval "dd if=$DEV of=/dev/null bs=4096 count=1 iflag=direct status=none"
 else
@@ -193,15 +235,16 @@ fi
 pressure_finish pressure1
 
 # --- 3. stop as README.md says, start again ----------------------------------------------
-section "stop: systemctl stop dev-ublkb$ID.swap, then the daemon"
+section "stop: systemctl stop dev-ublkb$ID.swap, then the daemon (deletes the device)"
 t0=$(date +%s)
 check "systemctl stop dev-ublkb$ID.swap (swapoff)" systemctl stop dev-ublkb$ID.swap
 check "... took $(($(date +%s) - t0)) s and /proc/swaps no longer lists $DEV" eval "! grep -q '^$DEV ' /proc/swaps"
-# The daemon that refused to stop above is no longer the unit's main process (the restart
-# gave up on it); now that its device is free, SIGTERM stops it the normal way.
-pid=$(pgrep -x trueno-ublk | head -n1)
-[ -n "$pid" ] && kill -TERM "$pid"
-check "the daemon stops and deletes $DEV once it is unused" wait_for 30 eval "[ ! -e /sys/class/ublk-char/ublkc$ID ]"
+t0=$(date +%s)
+check "systemctl stop trueno-ublk@$ID (the device unused now: deleted)" systemctl stop trueno-ublk@$ID.service
+check "... took $(($(date +%s) - t0)) s and $DEV is gone" wait_for 10 eval "[ ! -e /sys/class/ublk-char/ublkc$ID ]"
+check "... and no trueno-ublk process is left" wait_for 10 eval "! pgrep -x trueno-ublk >/dev/null"
+check "... and the unit is inactive, not failed ($(systemctl is-active trueno-ublk@$ID.service))" \
+    eval "[ \"\$(systemctl is-active trueno-ublk@$ID.service)\" = inactive ]"
 check "trueno-ublk-mkswap@$ID went inactive with the device" wait_for 10 eval "! systemctl -q is-active trueno-ublk-mkswap@$ID.service"
 systemctl reset-failed trueno-ublk@$ID.service 2>/dev/null
 t0=$(date +%s)
