@@ -11,10 +11,12 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
 
 use crate::bench::{self, BenchOptions, Progress};
-use crate::config::{AlgorithmChoice, BackendChoice, Choice, DeviceOptions, StoreOptions};
+use crate::config::{
+    AlgorithmChoice, BackendChoice, Choice, DeviceOptions, RecompressChoice, StoreOptions,
+};
 use crate::devices::DeviceRow;
 use crate::stats::StatFormat;
-use crate::units::{human_size, parse_size};
+use crate::units::{human_size, parse_duration, parse_size};
 
 /// trueno-ublk: a compressed-RAM block device for swap, served in user space through ublk.
 #[derive(Debug, Parser)]
@@ -52,7 +54,7 @@ fn choice<T: Choice>() -> impl TypedValueParser<Value = T> {
 /// file, else the default", so a config file can fill what the command line leaves out.
 #[derive(Clone, Debug, Default, Args)]
 pub struct StoreArgs {
-    /// Compression algorithm [default: zstd]
+    /// Compression algorithm of new pages [default: lz4]
     #[arg(long, value_parser = choice::<AlgorithmChoice>())]
     pub algorithm: Option<AlgorithmChoice>,
     /// zstd level when the algorithm is zstd or adaptive [default: 1]
@@ -73,6 +75,13 @@ pub struct StoreArgs {
     /// Memory limit for stored pages (K/M/G/T suffixes); writes beyond it fail with ENOSPC
     #[arg(long, value_parser = parse_size)]
     pub mem_limit: Option<u64>,
+    /// Recompress idle pages in the background: zstd, zstd:LEVEL, or off [default: zstd:3]
+    #[arg(long, value_name = "CODEC", value_parser = RecompressChoice::parse)]
+    pub recompress: Option<RecompressChoice>,
+    /// How long a page goes unread and unwritten before it is recompressed (ms, s, m, h, d)
+    /// [default: 30s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub recompress_idle: Option<std::time::Duration>,
 }
 
 impl StoreArgs {
@@ -85,6 +94,8 @@ impl StoreArgs {
             flush_timeout_ms: self.flush_timeout_ms,
             no_batched: self.no_batched,
             mem_limit: self.mem_limit,
+            recompress: self.recompress,
+            recompress_idle: self.recompress_idle,
         }
     }
 }
@@ -386,6 +397,10 @@ mod tests {
             "1G",
             "--backend",
             "simd-parallel",
+            "--recompress",
+            "zstd:5",
+            "--recompress-idle",
+            "2m",
         ])
         .unwrap();
         let Command::Create(args) = cli.command else {
@@ -401,6 +416,14 @@ mod tests {
         assert_eq!(args.store.flush_timeout_ms, Some(5));
         assert_eq!(args.store.mem_limit, Some(1 << 30));
         assert_eq!(args.store.backend, Some(BackendChoice::SimdParallel));
+        assert_eq!(
+            args.store.recompress,
+            Some(RecompressChoice::Zstd { level: 5 })
+        );
+        assert_eq!(
+            args.store.recompress_idle,
+            Some(std::time::Duration::from_secs(120))
+        );
     }
 
     #[test]

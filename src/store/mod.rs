@@ -35,6 +35,7 @@ mod flush;
 mod flusher;
 mod layout;
 mod pending;
+mod recompress;
 mod reserve;
 mod resume;
 mod table;
@@ -52,7 +53,7 @@ use crate::codec::{
     CompressedBatch, Compressor, Page, PageClass, PAGE_SIZE,
 };
 use alloc::ZsAllocator;
-pub use config::StoreConfig;
+pub use config::{RecompressConfig, StoreConfig};
 pub use counters::StoreStats;
 use counters::{add, sub, Counters};
 pub use error::StoreError;
@@ -60,7 +61,7 @@ pub use flusher::{FlusherHandle, StoreThread};
 pub use layout::{remove_shared, shared_exists, Backing, Opened, LAYOUT_VERSION};
 use layout::{Ownership, Regions, Shape};
 use pending::PendingBatch;
-use table::{PageState, PageTable};
+use table::{IdleClock, PageState, PageTable};
 
 /// Pending batches: one fills while the flusher compresses the other.
 const PENDING_BATCHES: usize = 2;
@@ -88,6 +89,8 @@ pub struct BatchedPageStore {
     control: Mutex<Control>,
     flusher_wake: Condvar,
     writers_wake: Condvar,
+    /// Wakes the recompressor early: only to stop it.
+    recompress_wake: Condvar,
     /// Held for a whole flush; holds the reused output buffer, of `flush_part_pages` pages.
     flush: Mutex<CompressedBatch>,
     flush_part_pages: usize,
@@ -98,6 +101,8 @@ pub struct BatchedPageStore {
     fail_fast_until: AtomicU64,
     shut_down: AtomicBool,
     epoch: Instant,
+    /// The epoch pages' idle hints are stamped with (see `table::Hint`).
+    idle_clock: IdleClock,
     counters: Counters,
     /// This process's claim on the store's memory (a second process must not serve it).
     _owner: Ownership,
@@ -220,7 +225,7 @@ impl BatchedPageStore {
             .collect();
         let store = Self {
             compressor: config.compressor(gpu),
-            table: PageTable::new(regions.table),
+            table: PageTable::new(regions.table, regions.hints),
             alloc: ZsAllocator::new(config.reserve_bytes, regions.arena),
             batches,
             current: AtomicUsize::new(0),
@@ -230,6 +235,7 @@ impl BatchedPageStore {
             }),
             flusher_wake: Condvar::new(),
             writers_wake: Condvar::new(),
+            recompress_wake: Condvar::new(),
             // Sized (and so faulted in) now: the first flush may come under memory pressure.
             flush_part_pages,
             flush: Mutex::new({
@@ -244,6 +250,7 @@ impl BatchedPageStore {
             fail_fast_until: AtomicU64::new(0),
             shut_down: AtomicBool::new(false),
             epoch: Instant::now(),
+            idle_clock: IdleClock::default(),
             counters: Counters::default(),
             config,
             _owner: owner,
@@ -351,10 +358,11 @@ impl BatchedPageStore {
         Ok(())
     }
 
-    /// Set a page's state; frees what it held before.
+    /// Set a page's state (it was written now); frees what it held before.
     fn set_state(&self, index: u64, state: PageState) {
         let old = {
             let mut entry = self.table.lock(index);
+            entry.written(self.idle_clock.now());
             let old = entry.replace(state);
             self.counters.transition(old, state);
             old
@@ -391,6 +399,7 @@ impl BatchedPageStore {
 
     fn read_page(&self, index: u64, out: &mut Page) -> Result<(), StoreError> {
         let entry = self.table.lock(index);
+        entry.touch(self.idle_clock.now());
         match entry.state() {
             PageState::Empty => out.fill(0),
             PageState::Same(word) => fill_page(out, word),
@@ -439,6 +448,7 @@ impl BatchedPageStore {
                 if entry.state() == PageState::Empty {
                     continue;
                 }
+                entry.written(self.idle_clock.now());
                 let old = entry.replace(PageState::Empty);
                 self.counters.transition(old, PageState::Empty);
                 old
@@ -468,6 +478,7 @@ impl BatchedPageStore {
             let mut ctl = self.control.lock();
             ctl.stop = true;
             self.flusher_wake.notify_all();
+            self.recompress_wake.notify_all();
         }
         self.flush_open_batch();
         self.alloc.reserve.stop();
@@ -509,6 +520,13 @@ impl BatchedPageStore {
             lost_pages: get(&c.lost_pages),
             reserve_bytes: self.alloc.reserve.held_bytes(),
             reserve_misses: self.alloc.reserve.misses(),
+            recompressed_pages: get(&c.recompressed_pages),
+            recompress_saved_bytes: get(&c.recompress_saved_bytes),
+            recompress_rejected_pages: get(&c.recompress_rejected_pages),
+            recompress_dropped_pages: get(&c.recompress_dropped_pages),
+            recompress_cpu_ns: get(&c.recompress_cpu_ns),
+            recompress_backlog: get(&c.recompress_backlog),
+            recompress_passes: get(&c.recompress_passes),
         }
     }
 
