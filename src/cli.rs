@@ -37,7 +37,9 @@ pub enum Command {
     Delete(DeleteArgs),
     /// Show live statistics of running devices (zramctl's columns and more).
     Stat(StatArgs),
-    /// Benchmark the page store on a corpus of pages (and kernel zram with --compare-zram).
+    /// Benchmark the page store on a corpus of pages (and kernel zram with --compare-zram). With
+    /// recompression on, it then waits for every page to go idle and be recompressed (bounded)
+    /// and reports the memory ratio then and right after the writes.
     Bench(BenchArgs),
     /// Enable /dev/ublkbN as swap with discard and the configured priority (without systemd;
     /// under systemd the generated dev-ublkbN.swap unit does it).
@@ -212,10 +214,14 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the text report
     #[arg(long)]
     pub json: bool,
-    /// Also run kernel zram (lz4) on the same pages: needs root and /sys/block/zram0, and
-    /// resets zram0 before and after
+    /// Also run kernel zram on the same pages: needs root and /sys/block/zram0, and resets
+    /// zram0 before and after
     #[arg(long)]
     pub compare_zram: bool,
+    /// zram's compression algorithm for --compare-zram (one of /sys/block/zram0/comp_algorithm:
+    /// lzo-rle is the kernel's default)
+    #[arg(long, default_value = bench::DEFAULT_ZRAM_ALGORITHM)]
+    pub zram_algorithm: String,
     /// Parallel O_DIRECT streams for zram (1 = one dd)
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
     pub zram_streams: u16,
@@ -236,6 +242,7 @@ impl BenchArgs {
             seed: self.seed,
             compare_zram: self.compare_zram,
             zram_streams: self.zram_streams,
+            zram_algorithm: self.zram_algorithm.clone(),
             store: self.store.options(),
         }
     }
