@@ -56,7 +56,7 @@ fn choice<T: Choice>() -> impl TypedValueParser<Value = T> {
 /// file, else the default", so a config file can fill what the command line leaves out.
 #[derive(Clone, Debug, Default, Args)]
 pub struct StoreArgs {
-    /// Compression algorithm of new pages [default: lz4]
+    /// Compression algorithm of new pages [default: zstd]
     #[arg(long, value_parser = choice::<AlgorithmChoice>())]
     pub algorithm: Option<AlgorithmChoice>,
     /// zstd level when the algorithm is zstd or adaptive [default: 1]
@@ -77,7 +77,8 @@ pub struct StoreArgs {
     /// Memory limit for stored pages (K/M/G/T suffixes); writes beyond it fail with ENOSPC
     #[arg(long, value_parser = parse_size)]
     pub mem_limit: Option<u64>,
-    /// Recompress idle pages in the background: zstd, zstd:LEVEL, or off [default: zstd:3]
+    /// Recompress idle pages in the background: zstd, zstd:LEVEL, or off [default: zstd:3 for
+    /// lz4 and adaptive, off for zstd]
     #[arg(long, value_name = "CODEC", value_parser = RecompressChoice::parse)]
     pub recompress: Option<RecompressChoice>,
     /// How long a page goes unread and unwritten before it is recompressed (ms, s, m, h, d)

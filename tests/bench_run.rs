@@ -31,12 +31,14 @@ fn batched_run_round_trips_every_page_and_reports_figures() {
         "200",
         "--overwrites",
         "2",
+        "--algorithm",
+        "lz4",
         "--recompress-idle",
         "100ms",
     ]);
     let pages = 8 << 20 >> 12;
     assert!(report.verified);
-    // The default recompression (LZ4 pages to zstd:3 once idle) settled after the read pass.
+    // LZ4's default recompression (to zstd:3 once idle) settled after the read pass.
     assert_eq!(report.recompress, "zstd:3,idle=100ms");
     let settle = report.settle.as_ref().unwrap();
     assert!(settle.settled, "{settle:?}");
@@ -141,6 +143,8 @@ fn json_report_has_the_required_keys() {
         "10",
         "--overwrites",
         "0",
+        "--algorithm",
+        "lz4",
         "--recompress-idle",
         "100ms",
     ]);
@@ -178,8 +182,6 @@ fn the_binary_prints_one_json_object() {
             "10",
             "--overwrites",
             "1",
-            "--recompress-idle",
-            "100ms",
             "--json",
         ])
         .output()

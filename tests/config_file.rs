@@ -67,10 +67,19 @@ fn defaults_follow_zram_generator() {
     assert_eq!(settings.queues, 1);
     assert_eq!(settings.depth, 32);
     assert_eq!(settings.swap_priority, 100);
-    // LZ4 for new pages, zstd:3 for pages idle 30 s.
-    assert_eq!(settings.store.algorithm, Algorithm::Lz4);
+    // zstd for new pages, and so no recompression.
+    assert_eq!(settings.store.algorithm, Algorithm::Zstd { level: 1 });
+    assert_eq!(settings.store.recompress, None);
+    assert_eq!(settings.store.recompress_name(), "off");
+    // LZ4 gets zstd:3 for pages idle 30 s.
+    let lz4 = resolve_with(
+        &create_args(&["--algorithm", "lz4"]),
+        &ConfigFile::default(),
+        8 * GIB,
+    )
+    .unwrap();
     assert_eq!(
-        settings.store.recompress,
+        lz4.store.recompress,
         Some(RecompressConfig {
             algorithm: Algorithm::Zstd { level: 3 },
             idle: Duration::from_secs(30),
@@ -78,7 +87,7 @@ fn defaults_follow_zram_generator() {
             cpu_percent: 50,
         })
     );
-    assert_eq!(settings.store.recompress_name(), "zstd:3,idle=30s");
+    assert_eq!(lz4.store.recompress_name(), "zstd:3,idle=30s");
     assert_eq!(settings.store.forced_backend, None);
     assert!(settings.store.batched);
     assert_eq!(settings.store.batch_threshold, None);
@@ -261,22 +270,32 @@ fn recompression_from_file_and_command_line() {
         "zstd:12,idle=5s"
     );
     assert_eq!(
-        recompress(&["--recompress-idle", "500ms"], "recompress-idle = 1h\n").0,
+        recompress(
+            &["--recompress-idle", "500ms"],
+            "algorithm = lz4\nrecompress-idle = 1h\n"
+        )
+        .0,
         "zstd:3,idle=500ms"
+    );
+    assert_eq!(
+        recompress(&[], "algorithm = lz4\nrecompress-idle = 1h\n").0,
+        "zstd:3,idle=1h"
     );
     assert_eq!(
         recompress(&["--recompress", "off"], "recompress = zstd:5\n").1,
         None
     );
-    // The default recompression is off where it cannot help; zstd at a higher level helps.
+    // Without a recompress setting, zstd pages stay as they are; asked for, a higher level
+    // is allowed.
     assert_eq!(
         recompress(&[], "algorithm = zstd\nzstd-level = 3\n").1,
         None
     );
+    assert_eq!(recompress(&[], "recompress-idle = 5s\n").0, "off");
     assert_eq!(
-        recompress(&[], "algorithm = zstd\n").0,
+        recompress(&["--recompress", "zstd"], "algorithm = zstd\n").0,
         "zstd:3,idle=30s",
-        "zstd:1 pages recompress to zstd:3"
+        "zstd:1 pages recompress to zstd:3 when asked"
     );
     assert_eq!(
         recompress(&["--algorithm", "adaptive"], "").0,

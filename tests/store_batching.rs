@@ -209,6 +209,13 @@ fn g106_zero_pages_bypass_the_batch() {
 fn thread_init_runs_on_the_flusher_refill_and_recompress_threads_and_names_them() {
     let mut c = config(16, 8, Duration::from_millis(1));
     c.reserve_bytes = 1 << 20;
+    c.algorithm = trueno_ublk::codec::Algorithm::Lz4;
+    c.recompress = Some(trueno_ublk::store::RecompressConfig {
+        algorithm: trueno_ublk::codec::Algorithm::Zstd { level: 3 },
+        idle: Duration::from_secs(30),
+        min_saving_divisor: 8,
+        cpu_percent: 50,
+    });
     let store = BatchedPageStore::new(c, None).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     let flusher = store

@@ -11,7 +11,7 @@
 //! size = ram / 2          # or 8G; relative sizes are capped by max-size
 //! max-size = 4G
 //! algorithm = lz4
-//! recompress = zstd:3     # idle pages, in the background; or off
+//! recompress = zstd:3
 //! recompress-idle = 30s
 //! swap-priority = 100
 //! ```
@@ -45,12 +45,16 @@ pub const DEFAULT_QUEUES: u16 = 1;
 /// Tags per queue: each holds a locked 64 KiB buffer, and one queue thread serves them in turn,
 /// so more tags mostly lock more memory.
 pub const DEFAULT_DEPTH: u16 = 32;
-/// New pages get LZ4: writes and reads of hot pages at LZ4's speed. Pages left idle are
-/// recompressed in the background (`DEFAULT_RECOMPRESS`), so cold pages take zstd's memory.
-pub const DEFAULT_ALGORITHM: AlgorithmChoice = AlgorithmChoice::Lz4;
+/// New pages get zstd by default: swap is there to hold more pages in less RAM, and the VM
+/// test's 256 MiB swap storm passes with zstd where LZ4 ran out of memory (README, Limits).
+/// `--algorithm lz4` trades memory for speed on the hot path, and then gets idle pages
+/// recompressed with zstd in the background (`DEFAULT_RECOMPRESS`).
+pub const DEFAULT_ALGORITHM: AlgorithmChoice = AlgorithmChoice::Zstd;
 /// The zstd level of `--algorithm zstd` and `adaptive`.
 pub const DEFAULT_ZSTD_LEVEL: i32 = 1;
-/// Idle pages are recompressed with zstd at this level by default. On real memory pages
+/// Idle pages of an LZ4 or adaptive store are recompressed with zstd at this level unless
+/// `recompress` says otherwise; a zstd store's are left as they are unless it says so (zstd at
+/// a higher level rarely saves the 1/8 a page must save). On real memory pages
 /// (scripts/make-corpus.sh) level 3 compresses about as fast as level 1 and 3% smaller; level
 /// 5 saves 3% more at half the speed, level 9 4% more at a sixth.
 pub const DEFAULT_RECOMPRESS: RecompressChoice = RecompressChoice::Zstd {
@@ -211,7 +215,7 @@ impl RecompressChoice {
 
     /// Whether recompressing pages stored with `algorithm` can make them smaller: zstd at a
     /// level no higher than the write path's gains nothing.
-    fn improves_on(self, algorithm: Algorithm) -> bool {
+    fn can_improve(self, algorithm: Algorithm) -> bool {
         match (self, algorithm) {
             (Self::Off, _) => false,
             (Self::Zstd { .. }, Algorithm::Lz4 | Algorithm::Adaptive) => true,
@@ -366,7 +370,18 @@ fn recompress_config(
             min_saving_divisor: RECOMPRESS_MIN_SAVING_DIVISOR,
             cpu_percent: RECOMPRESS_CPU_PERCENT,
         })
-        .filter(|_| choice.improves_on(algorithm)),
+        .filter(|_| choice.can_improve(algorithm)),
+    }
+}
+
+/// The recompression a store of `algorithm` gets when nobody asks for one: `DEFAULT_RECOMPRESS`
+/// for LZ4 and adaptive pages, none for zstd pages.
+fn default_recompress(algorithm: Algorithm, idle: Duration) -> Option<RecompressConfig> {
+    match algorithm {
+        Algorithm::Lz4 | Algorithm::Adaptive => {
+            recompress_config(DEFAULT_RECOMPRESS, idle, algorithm)
+        }
+        Algorithm::Zstd { .. } => None,
     }
 }
 
@@ -393,10 +408,9 @@ impl Default for StoreSettings {
             batch_threshold: None,
             flush_timeout: Duration::from_millis(DEFAULT_FLUSH_TIMEOUT_MS),
             mem_limit: None,
-            recompress: recompress_config(
-                DEFAULT_RECOMPRESS,
-                DEFAULT_RECOMPRESS_IDLE,
+            recompress: default_recompress(
                 DEFAULT_ALGORITHM.with_level(DEFAULT_ZSTD_LEVEL),
+                DEFAULT_RECOMPRESS_IDLE,
             ),
         }
     }
@@ -636,7 +650,7 @@ fn merge_store(
 }
 
 /// `recompress` and `recompress-idle`. Asked for explicitly, a recompression that cannot make
-/// pages of `algorithm` smaller is an error; the default one is then simply off.
+/// pages of `algorithm` smaller is an error; without it, `default_recompress`.
 fn merge_recompress(
     args: &StoreOptions,
     section: &DeviceSection,
@@ -664,26 +678,23 @@ fn merge_recompress(
             ),
         });
     }
-    let choice = pick(args.recompress, section.recompress, DEFAULT_RECOMPRESS);
-    let explicit = match (args.recompress, section.recompress) {
-        (Some(_), _) => Some("command line (--recompress)".to_string()),
-        (None, Some(setting)) => Some(file.origin(setting.line)),
-        (None, None) => None,
+    let (choice, origin) = match (args.recompress, section.recompress) {
+        (Some(choice), _) => (choice, "command line (--recompress)".to_string()),
+        (None, Some(setting)) => (setting.value, file.origin(setting.line)),
+        (None, None) => return Ok(default_recompress(algorithm, idle)),
     };
     let config = recompress_config(choice, idle, algorithm);
-    match explicit {
-        Some(origin) if config.is_none() && choice != RecompressChoice::Off => {
-            Err(ConfigError::OutOfRange {
-                origin,
-                key: "recompress",
-                reason: format!(
-                    "is {}, which cannot make pages stored with {} smaller: use a higher zstd \
+    match config {
+        None if choice != RecompressChoice::Off => Err(ConfigError::OutOfRange {
+            origin,
+            key: "recompress",
+            reason: format!(
+                "is {}, which cannot make pages stored with {} smaller: use a higher zstd \
                      level, or off",
-                    choice.name(),
-                    algorithm_name(algorithm)
-                ),
-            })
-        }
+                choice.name(),
+                algorithm_name(algorithm)
+            ),
+        }),
         _ => Ok(config),
     }
 }
