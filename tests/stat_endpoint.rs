@@ -58,6 +58,7 @@ fn report(id: u32, orig_bytes: u64) -> DeviceReport {
             recompressed_pages: 7,
             recompress_saved_bytes: 3 << 20,
             recompress_cpu_ns: 2_500_000_000,
+            checksum_failures: 4,
             batch_flushes: 44,
             failed_reads: 1,
             failed_writes: 2,
@@ -159,12 +160,12 @@ fn table_json_and_raw_output() {
         &row[14..20],
         ["zstd:3,idle=30s", "5", "6", "7", "3M", "2.5s"]
     );
-    // FLUSHES READ-ERRS WRITE-ERRS LOST
-    assert_eq!(&row[20..24], ["44", "1", "2", "3"]);
+    // FLUSHES READ-ERRS WRITE-ERRS LOST CSUM-ERRS
+    assert_eq!(&row[20..25], ["44", "1", "2", "3", "4"]);
     // RSS IDLE-RSS, then READ-P50 READ-P99 WRITE-P50 WRITE-P99: bucket upper bounds in µs,
     // `-` without requests.
-    assert_eq!(&row[24..26], ["30M", "8M"]);
-    assert_eq!(&row[26..30], ["<=3us", "<=132us", "-", "-"]);
+    assert_eq!(&row[25..27], ["30M", "8M"]);
+    assert_eq!(&row[27..31], ["<=3us", "<=132us", "-", "-"]);
     assert!(lines[1].ends_with("unavailable: no libcuda"));
     assert!(lines[2].starts_with("/dev/ublkb7"), "sorted by id: {table}");
     // Nothing stored: no ratio.

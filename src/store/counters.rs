@@ -64,6 +64,13 @@ pub struct StoreStats {
     /// are written or discarded.
     #[serde(default)]
     pub lost_pages: u64,
+    /// Stored pages whose data did not match their checksum when read (or when the
+    /// recompressor read them): each such read failed with EIO.
+    #[serde(default)]
+    pub checksum_failures: u64,
+    /// Pages the GPU compressed into something that did not decode back to them (stored raw).
+    #[serde(default)]
+    pub gpu_mismatched_pages: u64,
     /// Pages the recompressor (see `store::recompress`) stored again with its stronger codec.
     #[serde(default)]
     pub recompressed_pages: u64,
@@ -111,6 +118,8 @@ pub(super) struct Counters {
     pub(super) mem_limit_hits: AtomicU64,
     pub(super) starved_writes: AtomicU64,
     pub(super) lost_pages: AtomicU64,
+    pub(super) checksum_failures: AtomicU64,
+    pub(super) gpu_mismatched_pages: AtomicU64,
     pub(super) recompressed_pages: AtomicU64,
     pub(super) recompress_saved_bytes: AtomicU64,
     pub(super) recompress_rejected_pages: AtomicU64,

@@ -49,7 +49,7 @@ use rayon::prelude::*;
 
 pub use crate::codec::BackendThresholds;
 use crate::codec::{
-    classify, compress_page, decompress_page, fill_page, Algorithm, Backend, BatchCodec,
+    checksum, classify, compress_page, decompress_page, fill_page, Algorithm, Backend, BatchCodec,
     CompressedBatch, Compressor, Page, PageClass, PAGE_SIZE,
 };
 use alloc::ZsAllocator;
@@ -225,7 +225,7 @@ impl BatchedPageStore {
             .collect();
         let store = Self {
             compressor: config.compressor(gpu),
-            table: PageTable::new(regions.table, regions.hints),
+            table: PageTable::new(regions.table, regions.hints, regions.checksums),
             alloc: ZsAllocator::new(config.reserve_bytes, regions.arena),
             batches,
             current: AtomicUsize::new(0),
@@ -325,13 +325,14 @@ impl BatchedPageStore {
                 sub(&self.reserved_bytes, PAGE_SIZE as u64);
                 return Err(StoreError::ArenaFull);
             };
-            self.set_state(
+            self.set_stored(
                 index,
                 PageState::Stored {
                     handle,
                     len: crate::codec::page_len(len),
                     encoding,
                 },
+                checksum(page),
             );
             sub(&self.reserved_bytes, PAGE_SIZE as u64);
         }
@@ -360,9 +361,21 @@ impl BatchedPageStore {
 
     /// Set a page's state (it was written now); frees what it held before.
     fn set_state(&self, index: u64, state: PageState) {
+        self.set_written(index, state, None);
+    }
+
+    /// `set_state` to a stored object holding data of CRC32C `checksum`.
+    fn set_stored(&self, index: u64, state: PageState, checksum: u32) {
+        self.set_written(index, state, Some(checksum));
+    }
+
+    fn set_written(&self, index: u64, state: PageState, checksum: Option<u32>) {
         let old = {
             let mut entry = self.table.lock(index);
             entry.written(self.idle_clock.now());
+            if let Some(checksum) = checksum {
+                entry.set_checksum(checksum);
+            }
             let old = entry.replace(state);
             self.counters.transition(old, state);
             old
@@ -431,6 +444,19 @@ impl BatchedPageStore {
                         page: index,
                         source,
                     });
+                }
+                let (stored, found) = (entry.checksum(), checksum(out));
+                if found != stored {
+                    add(&self.counters.checksum_failures, 1);
+                    tracing::error!(
+                        page = index,
+                        ?encoding,
+                        len,
+                        stored = format_args!("{stored:#010x}"),
+                        found = format_args!("{found:#010x}"),
+                        "stored page fails its checksum"
+                    );
+                    return Err(StoreError::ChecksumMismatch { page: index });
                 }
             }
         }
@@ -518,6 +544,8 @@ impl BatchedPageStore {
             mem_limit_hits: get(&c.mem_limit_hits),
             starved_writes: get(&c.starved_writes),
             lost_pages: get(&c.lost_pages),
+            checksum_failures: get(&c.checksum_failures),
+            gpu_mismatched_pages: get(&c.gpu_mismatched_pages),
             reserve_bytes: self.alloc.reserve.held_bytes(),
             reserve_misses: self.alloc.reserve.misses(),
             recompressed_pages: get(&c.recompressed_pages),
@@ -532,6 +560,28 @@ impl BatchedPageStore {
 
     pub fn size_bytes(&self) -> u64 {
         self.config.size_bytes
+    }
+
+    /// Test hook: flip the lowest bit of byte `at` of a stored page's object.
+    #[cfg(test)]
+    fn flip_stored_bit(&self, index: u64, at: usize) -> bool {
+        let entry = self.table.lock(index);
+        if let PageState::Stored { handle, len, .. } = entry.state() {
+            self.alloc
+                .with_object_mut(handle, usize::from(len), |b| b[at] ^= 1);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Test hook: the stored length of page `index`, if it is stored.
+    #[cfg(test)]
+    fn stored_len(&self, index: u64) -> Option<usize> {
+        match self.table.lock(index).state() {
+            PageState::Stored { len, .. } => Some(usize::from(len)),
+            _ => None,
+        }
     }
 
     /// Test hook: overwrite a stored page's compressed bytes with `byte`.

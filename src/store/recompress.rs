@@ -28,7 +28,7 @@ use super::config::RecompressConfig;
 use super::counters::add;
 use super::table::{EntryGuard, Hint, PageState};
 use super::BatchedPageStore;
-use crate::codec::{compress_page, decompress_page, page_len, Encoding, Page, PAGE_SIZE};
+use crate::codec::{checksum, compress_page, decompress_page, page_len, Encoding, Page, PAGE_SIZE};
 
 /// Ticks of the idle clock per idle threshold: a page counts as idle once its hint is this many
 /// ticks old, so it is recompressed between 15/16 and 17/16 of the threshold after its last
@@ -224,6 +224,7 @@ impl BatchedPageStore {
             index,
             word: entry.word(),
             hint: claimed,
+            checksum: entry.checksum(),
             handle,
             len: len_bytes,
             encoding,
@@ -240,12 +241,29 @@ impl BatchedPageStore {
         scratch: &mut Scratch,
     ) -> Outcome {
         let old_len = claim.len;
-        let result = decompress_page(
+        let decoded = decompress_page(
             claim.encoding,
             &scratch.compressed[..old_len],
             &mut scratch.page,
-        )
-        .map(|()| compress_page(config.algorithm, &scratch.page, &mut scratch.out));
+        );
+        let intact = decoded.is_ok() && checksum(&scratch.page) == claim.checksum;
+        if decoded.is_ok() && !intact {
+            // Its reads fail with EIO and log it; the data must not be stored again as good.
+            add(&self.counters.checksum_failures, 1);
+            tracing::error!(
+                page = claim.index,
+                "stored page fails its checksum (found by the recompressor)"
+            );
+        }
+        let result = if intact {
+            Ok(compress_page(
+                config.algorithm,
+                &scratch.page,
+                &mut scratch.out,
+            ))
+        } else {
+            Err(())
+        };
         let worth_it = match result {
             Ok((new_encoding, new_len)) => {
                 let limit = old_len - old_len / config.min_saving_divisor.max(1);
@@ -253,7 +271,7 @@ impl BatchedPageStore {
                     .then_some((new_encoding, new_len))
             }
             // A corrupt page: its reads report it (EIO); settled as it is.
-            Err(_) => None,
+            Err(()) => None,
         };
         let Some((new_encoding, new_len)) = worth_it else {
             let entry = self.table.lock(claim.index);
@@ -300,6 +318,8 @@ pub(super) struct Claim {
     index: u64,
     word: u64,
     hint: Hint,
+    /// Of the page's data: the same whatever codec stores it.
+    checksum: u32,
     handle: Handle,
     len: usize,
     encoding: Encoding,

@@ -1,5 +1,5 @@
 //! The page table: one 8-byte word per device page, each with its own lock bit, and beside it
-//! one 16-bit idle hint per page (`Hint`).
+//! one 16-bit idle hint per page (`Hint`) and the CRC32C of a stored page's data.
 //!
 //! Every change of a page's state is one atomic store of its word, so a process that dies at
 //! any instruction leaves every entry whole: the old state or the new one (the store's memory
@@ -14,10 +14,15 @@
 //! read and written under the entry's lock, so it costs the I/O path no lock and no atomic
 //! read-modify-write of its own: a load, and a store only when it changes. It needs no crash
 //! consistency: a resumed store starts every hint afresh.
+//!
+//! The checksum belongs to the data, not to the object holding it: it is set under the entry's
+//! lock before the entry names a stored object (so a process that dies in between leaves an
+//! entry that does not name it yet), stays when the recompressor stores the same data again,
+//! and means nothing while the entry is not `Stored`.
 
 #![forbid(unsafe_code)]
 
-use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 
 use super::alloc::Handle;
 use crate::codec::Encoding;
@@ -223,6 +228,7 @@ fn sign_extend(value: u64) -> u64 {
 pub(super) struct EntryGuard<'a> {
     entry: &'a AtomicU64,
     hint: &'a AtomicU16,
+    checksum: &'a AtomicU32,
     word: u64,
     state: PageState,
     changed: bool,
@@ -237,6 +243,17 @@ impl EntryGuard<'_> {
     /// compares to tell whether an entry is still the one it read.
     pub(super) fn word(&self) -> u64 {
         self.word
+    }
+
+    /// The CRC32C of the data of the stored object the entry names.
+    pub(super) fn checksum(&self) -> u32 {
+        self.checksum.load(Ordering::Relaxed)
+    }
+
+    /// Set the checksum of the data the entry is about to name (before `replace`: the entry's
+    /// word is stored, with Release, when the guard drops).
+    pub(super) fn set_checksum(&self, checksum: u32) {
+        self.checksum.store(checksum, Ordering::Relaxed);
     }
 
     pub(super) fn hint(&self) -> Hint {
@@ -290,18 +307,31 @@ pub(super) struct PageTable {
     entries: Words<AtomicU64>,
     /// One per entry.
     hints: Words<AtomicU16>,
+    /// One per entry.
+    checksums: Words<AtomicU32>,
 }
 
 impl PageTable {
-    /// The table in `entries` with its `hints` (as many, committed by the caller), as a fresh
-    /// or a resumed store left them.
-    pub(super) fn new(entries: Words<AtomicU64>, hints: Words<AtomicU16>) -> Self {
+    /// The table in `entries` with its `hints` and `checksums` (as many, committed by the
+    /// caller), as a fresh or a resumed store left them.
+    pub(super) fn new(
+        entries: Words<AtomicU64>,
+        hints: Words<AtomicU16>,
+        checksums: Words<AtomicU32>,
+    ) -> Self {
         debug_assert_eq!(entries.len(), hints.len(), "one hint per entry");
-        Self { entries, hints }
+        debug_assert_eq!(entries.len(), checksums.len(), "one checksum per entry");
+        Self {
+            entries,
+            hints,
+            checksums,
+        }
     }
 
     pub(super) fn bytes(&self) -> u64 {
-        (std::mem::size_of_val(&*self.entries) + std::mem::size_of_val(&*self.hints)) as u64
+        (std::mem::size_of_val(&*self.entries)
+            + std::mem::size_of_val(&*self.hints)
+            + std::mem::size_of_val(&*self.checksums)) as u64
     }
 
     pub(super) fn len(&self) -> usize {
@@ -334,7 +364,11 @@ impl PageTable {
     pub(super) fn lock(&self, index: u64) -> EntryGuard<'_> {
         // An index past the table (impossible: requests are range-checked) fails the lookup.
         let index = usize::try_from(index).unwrap_or(usize::MAX);
-        let (entry, hint) = (&self.entries[index], &self.hints[index]);
+        let (entry, hint, checksum) = (
+            &self.entries[index],
+            &self.hints[index],
+            &self.checksums[index],
+        );
         let mut spins = 0u32;
         let word = loop {
             let cur = entry.load(Ordering::Relaxed);
@@ -355,6 +389,7 @@ impl PageTable {
         EntryGuard {
             entry,
             hint,
+            checksum,
             word,
             state: PageState::decode(word),
             changed: false,
@@ -367,10 +402,11 @@ mod tests {
     use super::*;
 
     fn table(pages: usize) -> PageTable {
-        let segment = crate::mem::Segment::private(pages * 10).unwrap();
+        let segment = crate::mem::Segment::private(pages * 14).unwrap();
         PageTable::new(
             segment.words(0, pages).unwrap(),
-            segment.words16(pages * 8, pages).unwrap(),
+            segment.words16(pages * 12, pages).unwrap(),
+            segment.words32(pages * 8, pages).unwrap(),
         )
     }
 
@@ -398,7 +434,7 @@ mod tests {
             assert_eq!(t.lock(2).state(), s);
         }
         assert_eq!(t.lock(3).state(), PageState::Empty);
-        assert_eq!(t.bytes(), 40);
+        assert_eq!(t.bytes(), 4 * (8 + 2 + 4));
         assert_eq!(PageState::same(0x8000_0000_0000_0000), None);
         assert_eq!(PageState::same(0x0fff_ffff_ffff_ffff), None);
         assert_eq!(PageState::same(0x1234_5678_9abc_def0), None);

@@ -410,3 +410,111 @@ fn writers_and_readers_racing_the_recompressor_keep_their_data() {
     }
     drop(flusher);
 }
+
+#[test]
+fn a_flipped_bit_in_a_stored_page_fails_its_read_with_eio_and_is_counted() {
+    let mut c = crate::config::StoreSettings::default().store_config(16 * PAGE_SIZE as u64, false);
+    c.algorithm = Algorithm::Lz4;
+    let s = store(c);
+    s.write(0, &noise(1)[..]).unwrap();
+    s.write(PAGE_SIZE as u64, &text(2)[..]).unwrap();
+    s.write(2 * PAGE_SIZE as u64, &text(3)[..]).unwrap();
+    s.flush_pending().unwrap();
+    assert_eq!((s.stats().huge_pages, s.stats().pages_lz4), (1, 2));
+    // A raw page: the copy succeeds, the checksum does not. An LZ4 page: its last bytes are
+    // literals, so it still decodes, to a page one bit off.
+    assert!(s.flip_stored_bit(0, 1234));
+    let lz4_len = s.stored_len(1).unwrap();
+    assert!(s.flip_stored_bit(1, lz4_len - 1));
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for page in [0u64, 1] {
+        let err = s.read(page * PAGE_SIZE as u64, &mut buf).unwrap_err();
+        assert!(
+            matches!(err, StoreError::ChecksumMismatch { page: p } if p == page),
+            "{err}"
+        );
+        assert_eq!(err.errno(), -libc::EIO);
+    }
+    let st = s.stats();
+    assert_eq!((st.checksum_failures, st.failed_reads), (2, 2));
+    assert_eq!(&read_page_back(&s, 2)[..], &text(3)[..], "other pages read");
+    // Writing the page again heals it.
+    s.write(0, &noise(5)[..]).unwrap();
+    s.flush_pending().unwrap();
+    assert_eq!(&read_page_back(&s, 0)[..], &noise(5)[..]);
+}
+
+#[test]
+fn the_recompressor_does_not_store_a_page_that_fails_its_checksum_again() {
+    let (s, config) = recompressing_store(8);
+    s.write(0, &text(1)[..]).unwrap();
+    s.write(PAGE_SIZE as u64, &text(2)[..]).unwrap();
+    s.flush_pending().unwrap();
+    let len = s.stored_len(0).unwrap();
+    assert!(s.flip_stored_bit(0, len - 1));
+    let_time_pass(&s);
+    pass(&s, &config);
+    let st = s.stats();
+    assert_eq!(st.checksum_failures, 1);
+    assert_eq!(
+        (st.recompressed_pages, st.recompress_rejected_pages),
+        (1, 1)
+    );
+    let mut buf = vec![0u8; PAGE_SIZE];
+    assert!(matches!(
+        s.read(0, &mut buf),
+        Err(StoreError::ChecksumMismatch { page: 0 })
+    ));
+    assert_eq!(&read_page_back(&s, 1)[..], &text(2)[..]);
+    s.shutdown();
+}
+
+/// A GPU stand-in whose output is well formed but wrong: pages 0 and 1 of each batch swapped.
+struct SwappingGpu;
+
+impl BatchCodec for SwappingGpu {
+    fn compress_batch(
+        &self,
+        pages: &[&Page],
+        out: &mut CompressedBatch,
+    ) -> Result<(), crate::codec::CodecError> {
+        crate::codec::CpuCodec::single(Algorithm::Lz4).compress_batch(pages, out)?;
+        if pages.len() >= 2 {
+            let (first, rest) = out.data.split_at_mut(PAGE_SIZE);
+            first.swap_with_slice(&mut rest[..PAGE_SIZE]);
+            out.lens.swap(0, 1);
+            out.encodings.swap(0, 1);
+        }
+        Ok(())
+    }
+
+    fn decompress_batch(
+        &self,
+        inputs: &[(crate::codec::Encoding, &[u8])],
+        out: &mut [Page],
+        status: &mut [Result<(), crate::codec::CodecError>],
+    ) {
+        crate::codec::CpuCodec::single(Algorithm::Lz4).decompress_batch(inputs, out, status);
+    }
+}
+
+#[test]
+fn gpu_output_that_does_not_decode_to_its_page_is_stored_raw() {
+    let mut c = crate::config::StoreSettings::default().store_config(64 * PAGE_SIZE as u64, false);
+    c.algorithm = Algorithm::Lz4;
+    c.batch_threshold = 8;
+    c.forced_backend = Some(Backend::Gpu);
+    let s = BatchedPageStore::new(c, Some(Arc::new(SwappingGpu) as Arc<dyn BatchCodec>)).unwrap();
+    // (`text` seeds 2k and 2k + 1 make the same page.)
+    for i in 0..8u64 {
+        s.write(i * PAGE_SIZE as u64, &text(2 * i + 1)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    let st = s.stats();
+    assert_eq!(st.gpu_mismatched_pages, 2, "{st:?}");
+    assert_eq!((st.huge_pages, st.pages_lz4), (2, 6));
+    for i in 0..8u64 {
+        assert_eq!(&read_page_back(&s, i)[..], &text(2 * i + 1)[..], "page {i}");
+    }
+    assert_eq!(s.stats().checksum_failures, 0);
+}
