@@ -1,5 +1,5 @@
-//! Codec benchmarks: classification, the two LZ4 libraries, per-page codecs, and batch
-//! compression per backend for batch sizes 1 to 10 000.
+//! Codec benchmarks: classification, the page checksum, the two LZ4 libraries, per-page
+//! codecs, and batch compression per backend for batch sizes 1 to 10 000.
 //!
 //! Pages come from `TRUENO_BENCH_CORPUS` (a file of 4 KiB pages, e.g. from
 //! `scripts/make-corpus.sh`) or else from a synthetic heap-like mix. The default run is short;
@@ -19,8 +19,8 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use trueno_ublk::codec::{
-    classify, compress_page, decompress_page, Algorithm, BatchCodec, CompressedBatch, CpuCodec,
-    Encoding, Page, PageClass, PAGE_SIZE,
+    checksum, classify, compress_page, decompress_page, Algorithm, BatchCodec, CompressedBatch,
+    CpuCodec, Encoding, Page, PageClass, PAGE_SIZE,
 };
 
 /// `n` data pages (same-filled pages never reach a codec).
@@ -60,6 +60,22 @@ fn bench_classify(c: &mut Criterion) {
     });
     g.bench_function("zero_page", |b| {
         b.iter(|| classify(std::hint::black_box(&zero)))
+    });
+    g.finish();
+}
+
+/// The CRC32C the store takes of every page it stores and checks on every read of one: its
+/// cost against `page_codec`'s figures for the same pages.
+fn bench_checksum(c: &mut Criterion) {
+    let pages = corpus(256);
+    let mut g = c.benchmark_group("checksum");
+    g.throughput(Throughput::Bytes((pages.len() * PAGE_SIZE) as u64));
+    g.bench_function("crc32c_page", |b| {
+        b.iter(|| {
+            pages
+                .iter()
+                .fold(0u32, |acc, p| acc ^ checksum(std::hint::black_box(p)))
+        })
     });
     g.finish();
 }
@@ -192,6 +208,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = bench_classify, bench_lz4_library, bench_page_codecs, bench_batches
+    targets = bench_classify, bench_checksum, bench_lz4_library, bench_page_codecs, bench_batches
 }
 criterion_main!(benches);

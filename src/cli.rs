@@ -11,11 +11,13 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
 
 use crate::bench::{self, BenchOptions, Progress};
-use crate::config::{AlgorithmChoice, BackendChoice, Choice, DeviceOptions, StoreOptions};
+use crate::config::{
+    AlgorithmChoice, BackendChoice, Choice, DeviceOptions, RecompressChoice, StoreOptions,
+};
 use crate::daemon::CreateRole;
 use crate::devices::DeviceRow;
 use crate::stats::StatFormat;
-use crate::units::{human_size, parse_size};
+use crate::units::{human_size, parse_duration, parse_size};
 
 /// trueno-ublk: a compressed-RAM block device for swap, served in user space through ublk.
 #[derive(Debug, Parser)]
@@ -36,7 +38,9 @@ pub enum Command {
     Delete(DeleteArgs),
     /// Show live statistics of running devices (zramctl's columns and more).
     Stat(StatArgs),
-    /// Benchmark the page store on a corpus of pages (and kernel zram with --compare-zram).
+    /// Benchmark the page store on a corpus of pages (and kernel zram with --compare-zram). With
+    /// recompression on, it then waits for every page to go idle and be recompressed (bounded)
+    /// and reports the memory ratio then and right after the writes.
     Bench(BenchArgs),
     /// Enable /dev/ublkbN as swap with discard and the configured priority (without systemd;
     /// under systemd the generated dev-ublkbN.swap unit does it).
@@ -53,7 +57,7 @@ fn choice<T: Choice>() -> impl TypedValueParser<Value = T> {
 /// file, else the default", so a config file can fill what the command line leaves out.
 #[derive(Clone, Debug, Default, Args)]
 pub struct StoreArgs {
-    /// Compression algorithm [default: zstd]
+    /// Compression algorithm of new pages [default: zstd]
     #[arg(long, value_parser = choice::<AlgorithmChoice>())]
     pub algorithm: Option<AlgorithmChoice>,
     /// zstd level when the algorithm is zstd or adaptive [default: 1]
@@ -74,6 +78,14 @@ pub struct StoreArgs {
     /// Memory limit for stored pages (K/M/G/T suffixes); writes beyond it fail with ENOSPC
     #[arg(long, value_parser = parse_size)]
     pub mem_limit: Option<u64>,
+    /// Recompress idle pages in the background: zstd, zstd:LEVEL, or off [default: zstd:3 for
+    /// lz4 and adaptive, off for zstd]
+    #[arg(long, value_name = "CODEC", value_parser = RecompressChoice::parse)]
+    pub recompress: Option<RecompressChoice>,
+    /// How long a page goes unread and unwritten before it is recompressed (ms, s, m, h, d)
+    /// [default: 30s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub recompress_idle: Option<std::time::Duration>,
 }
 
 impl StoreArgs {
@@ -86,6 +98,8 @@ impl StoreArgs {
             flush_timeout_ms: self.flush_timeout_ms,
             no_batched: self.no_batched,
             mem_limit: self.mem_limit,
+            recompress: self.recompress,
+            recompress_idle: self.recompress_idle,
         }
     }
 }
@@ -212,10 +226,14 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the text report
     #[arg(long)]
     pub json: bool,
-    /// Also run kernel zram (lz4) on the same pages: needs root and /sys/block/zram0, and
-    /// resets zram0 before and after
+    /// Also run kernel zram on the same pages: needs root and /sys/block/zram0, and resets
+    /// zram0 before and after
     #[arg(long)]
     pub compare_zram: bool,
+    /// zram's compression algorithm for --compare-zram (one of /sys/block/zram0/comp_algorithm:
+    /// lzo-rle is the kernel's default)
+    #[arg(long, default_value = bench::DEFAULT_ZRAM_ALGORITHM)]
+    pub zram_algorithm: String,
     /// Parallel O_DIRECT streams for zram (1 = one dd)
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
     pub zram_streams: u16,
@@ -236,6 +254,7 @@ impl BenchArgs {
             seed: self.seed,
             compare_zram: self.compare_zram,
             zram_streams: self.zram_streams,
+            zram_algorithm: self.zram_algorithm.clone(),
             store: self.store.options(),
         }
     }
@@ -406,6 +425,10 @@ mod tests {
             "1G",
             "--backend",
             "simd-parallel",
+            "--recompress",
+            "zstd:5",
+            "--recompress-idle",
+            "2m",
         ])
         .unwrap();
         let Command::Create(args) = cli.command else {
@@ -421,6 +444,14 @@ mod tests {
         assert_eq!(args.store.flush_timeout_ms, Some(5));
         assert_eq!(args.store.mem_limit, Some(1 << 30));
         assert_eq!(args.store.backend, Some(BackendChoice::SimdParallel));
+        assert_eq!(
+            args.store.recompress,
+            Some(RecompressChoice::Zstd { level: 5 })
+        );
+        assert_eq!(
+            args.store.recompress_idle,
+            Some(std::time::Duration::from_secs(120))
+        );
     }
 
     #[test]

@@ -28,11 +28,32 @@ pub fn set_io_flusher() -> std::io::Result<()> {
 /// competes with the very tasks whose memory it swaps out: when it loses, their faults wait
 /// on it for longer. Needs CAP_SYS_NICE.
 pub fn raise_thread_priority() -> std::io::Result<()> {
+    set_thread_nice(-20)
+}
+
+/// Set the calling thread's nice value (Linux keeps one per thread). Lowering a thread's
+/// priority needs no privilege; raising it needs CAP_SYS_NICE.
+pub fn set_thread_nice(nice: libc::c_int) -> std::io::Result<()> {
     let tid = libc::id_t::try_from(nix::unistd::gettid().as_raw())
         .map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
     // SAFETY: setpriority takes no pointers; for PRIO_PROCESS with a thread id (Linux) it only
     // changes that thread's nice value.
-    cvt(unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, -20) })
+    cvt(unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) })
+}
+
+/// CPU time the calling thread has used (`CLOCK_THREAD_CPUTIME_ID`); zero if it cannot be read.
+pub fn thread_cpu_time() -> std::time::Duration {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into `now`, which we own and which outlives
+    // the call.
+    let read = cvt(unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) });
+    match (read, u64::try_from(now.tv_sec), u32::try_from(now.tv_nsec)) {
+        (Ok(()), Ok(secs), Ok(nanos)) => std::time::Duration::new(secs, nanos),
+        _ => std::time::Duration::ZERO,
+    }
 }
 
 /// Run the calling thread under `SCHED_FIFO` at the lowest real-time priority. The kernel's

@@ -1,5 +1,5 @@
-//! Sizes as users write and read them: `8G`, `512M`, `1.5G`. A leaf: it knows nothing else of
-//! the program.
+//! Sizes and durations as users write and read them: `8G`, `512M`, `1.5G`, `30s`, `5m`. A
+//! leaf: it knows nothing else of the program.
 
 #![forbid(unsafe_code)]
 
@@ -42,6 +42,46 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     Ok(bytes)
 }
 
+/// Parse a duration: a whole number with a unit `ms`, `s`, `m`, `h` or `d` (`30s`, `5m`,
+/// `500ms`); a bare number is seconds.
+pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    let text = text.trim();
+    let digits_end = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (digits, unit) = text.split_at(digits_end);
+    let number: u64 = digits
+        .parse()
+        .map_err(|_| format!("bad duration '{text}': expected a number like 30s or 5m"))?;
+    let millis_per_unit: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "ms" => 1,
+        "" | "s" => 1000,
+        "m" | "min" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        other => {
+            return Err(format!(
+                "bad duration '{text}': unknown unit '{other}' (use ms, s, m, h or d)"
+            ))
+        }
+    };
+    number
+        .checked_mul(millis_per_unit)
+        .map(std::time::Duration::from_millis)
+        .ok_or_else(|| format!("bad duration '{text}': too long"))
+}
+
+/// A duration the way `parse_duration` reads it: `30s`, `5m`, `1500ms`.
+pub fn human_duration(duration: std::time::Duration) -> String {
+    let millis = duration.as_millis();
+    match millis {
+        m if m % 3_600_000 == 0 && m > 0 => format!("{}h", m / 3_600_000),
+        m if m % 60_000 == 0 && m > 0 => format!("{}m", m / 60_000),
+        m if m % 1000 == 0 => format!("{}s", m / 1000),
+        m => format!("{m}ms"),
+    }
+}
+
 /// Format bytes the way zramctl does: 1.5G, 256M, 4K, 0B.
 pub fn human_size(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "K", "M", "G", "T"];
@@ -61,6 +101,28 @@ pub fn human_size(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_parse_with_units_and_print_back() {
+        use std::time::Duration;
+        for (text, want) in [
+            ("30s", Duration::from_secs(30)),
+            ("30", Duration::from_secs(30)),
+            ("5m", Duration::from_secs(300)),
+            ("2h", Duration::from_secs(7200)),
+            ("1d", Duration::from_secs(86_400)),
+            ("500ms", Duration::from_millis(500)),
+            (" 10 s ", Duration::from_secs(10)),
+        ] {
+            assert_eq!(parse_duration(text), Ok(want), "{text}");
+        }
+        for bad in ["", "s", "1.5s", "10x", "-3s", "99999999999999999999d"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+        for text in ["30s", "5m", "2h", "1500ms", "0s"] {
+            assert_eq!(human_duration(parse_duration(text).unwrap()), text);
+        }
+    }
 
     #[test]
     fn sizes_parse_with_suffixes_and_round_to_pages() {

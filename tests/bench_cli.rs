@@ -6,7 +6,7 @@ use trueno_ublk::bench::corpus::Corpus;
 use trueno_ublk::bench::{load_corpus, verify, BenchError};
 use trueno_ublk::cli::{BenchArgs, Cli, Command};
 use trueno_ublk::codec::PAGE_SIZE;
-use trueno_ublk::config::{AlgorithmChoice, BackendChoice};
+use trueno_ublk::config::{AlgorithmChoice, BackendChoice, RecompressChoice};
 
 fn bench_args(extra: &[&str]) -> Result<BenchArgs, clap::Error> {
     let cli = Cli::try_parse_from(["trueno-ublk", "bench"].iter().chain(extra))?;
@@ -39,6 +39,8 @@ fn bench_parses_its_flags_and_the_store_options() {
         "--compare-zram",
         "--zram-streams",
         "2",
+        "--zram-algorithm",
+        "lzo-rle",
         "--algorithm",
         "adaptive",
         "--backend",
@@ -49,6 +51,10 @@ fn bench_parses_its_flags_and_the_store_options() {
         "3",
         "--mem-limit",
         "1G",
+        "--recompress",
+        "zstd:9",
+        "--recompress-idle",
+        "5s",
     ])
     .unwrap();
     assert_eq!(args.input.as_deref(), Some("/tmp/pages.corpus".as_ref()));
@@ -61,11 +67,20 @@ fn bench_parses_its_flags_and_the_store_options() {
     assert_eq!(args.repeat, 3);
     assert!(args.json && args.compare_zram);
     assert_eq!(args.zram_streams, 2);
+    assert_eq!(args.zram_algorithm, "lzo-rle");
     assert_eq!(args.store.algorithm, Some(AlgorithmChoice::Adaptive));
     assert_eq!(args.store.backend, Some(BackendChoice::SimdParallel));
     assert_eq!(args.store.batch_threshold, Some(256));
     assert_eq!(args.store.flush_timeout_ms, Some(3));
     assert_eq!(args.store.mem_limit, Some(1 << 30));
+    assert_eq!(
+        args.store.recompress,
+        Some(RecompressChoice::Zstd { level: 9 })
+    );
+    assert_eq!(
+        args.store.recompress_idle,
+        Some(std::time::Duration::from_secs(5))
+    );
 }
 
 #[test]
@@ -80,6 +95,11 @@ fn bench_defaults_are_the_documented_ones() {
     assert_eq!(args.repeat, 1);
     assert!(!args.json && !args.compare_zram && !args.store.no_batched);
     assert_eq!(args.store.algorithm, None);
+    assert_eq!(args.zram_algorithm, "lz4");
+    assert_eq!(
+        (args.store.recompress, args.store.recompress_idle),
+        (None, None)
+    );
 }
 
 #[test]
@@ -93,6 +113,8 @@ fn bench_rejects_bad_values() {
         &["--repeat", "0"],
         &["--algorithm", "lzo"],
         &["--backend", "fpga"],
+        &["--recompress", "lz4"],
+        &["--recompress-idle", "later"],
     ] {
         assert!(bench_args(bad).is_err(), "{bad:?} was accepted");
     }

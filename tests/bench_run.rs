@@ -31,9 +31,26 @@ fn batched_run_round_trips_every_page_and_reports_figures() {
         "200",
         "--overwrites",
         "2",
+        "--algorithm",
+        "lz4",
+        "--recompress-idle",
+        "100ms",
     ]);
     let pages = 8 << 20 >> 12;
     assert!(report.verified);
+    // LZ4's default recompression (to zstd:3 once idle) settled after the read pass.
+    assert_eq!(report.recompress, "zstd:3,idle=100ms");
+    let settle = report.settle.as_ref().unwrap();
+    assert!(settle.settled, "{settle:?}");
+    assert!(settle.recompressed_pages > 0);
+    assert_eq!(settle.stats.recompress_backlog, 0);
+    assert!(settle.stats.pages_zstd > 0 && report.stats.pages_zstd == 0);
+    assert!(
+        report.mem_ratio > report.mem_ratio_hot,
+        "settled {} against {} right after the writes",
+        report.mem_ratio,
+        report.mem_ratio_hot
+    );
     assert_eq!(report.pages, pages);
     assert_eq!(report.stats.orig_bytes, (pages * PAGE_SIZE) as u64);
     assert!(report.write_gbps > 0.0 && report.read_gbps > 0.0);
@@ -86,6 +103,8 @@ fn per_page_zstd_run_with_multi_page_requests_round_trips() {
         "1",
         "--repeat",
         "2",
+        "--recompress",
+        "off",
     ]);
     assert!(report.verified);
     assert_eq!(report.repeat, 2);
@@ -104,6 +123,11 @@ fn per_page_zstd_run_with_multi_page_requests_round_trips() {
     assert_eq!(report.request_bytes, 64 << 10);
     assert!(!report.batched);
     assert!(report.stats.pages_zstd > 0);
+    assert!(
+        report.settle.is_none(),
+        "no recompression, nothing to wait for"
+    );
+    assert_eq!(report.mem_ratio, report.mem_ratio_hot);
     // Fewer pages than a latency batch: the batch is the whole corpus, flushed 256 pages (the
     // default threshold without a GPU) at a time.
     assert_eq!(report.latency.batch_pages, 512);
@@ -119,9 +143,19 @@ fn json_report_has_the_required_keys() {
         "10",
         "--overwrites",
         "0",
+        "--algorithm",
+        "lz4",
+        "--recompress-idle",
+        "100ms",
     ]);
     let json = serde_json::to_value(&report).unwrap();
-    for key in ["write_gbps", "read_gbps", "ratio", "mem_ratio"] {
+    for key in [
+        "write_gbps",
+        "read_gbps",
+        "ratio",
+        "mem_ratio",
+        "mem_ratio_hot",
+    ] {
         assert!(
             json[key].as_f64().is_some_and(|v| v > 0.0),
             "{key}: {}",
@@ -131,6 +165,8 @@ fn json_report_has_the_required_keys() {
     assert!(json["latency"]["write_page"]["p99_us"].is_number());
     assert!(json["latency"]["batch_read"]["p999_us"].is_number());
     assert!(json["stats"]["orig_bytes"].is_number());
+    assert!(json["settle"]["seconds"].is_number());
+    assert!(json["settle"]["stats"]["recompressed_pages"].is_number());
     assert!(json["overwrite"].is_null());
     assert!(json["zram"].is_null());
 }

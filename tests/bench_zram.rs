@@ -11,7 +11,9 @@ fn zram_stores_and_returns_the_same_pages() {
     let corpus = Corpus::generated(4096, 3);
     let mut scratch = AlignedBuf::zeroed(corpus.bytes().len());
     for streams in [1, 2] {
-        let report = zram::compare(&corpus, &mut scratch, streams, &Progress::hidden()).unwrap();
+        let report =
+            zram::compare(&corpus, &mut scratch, streams, "lz4", &Progress::hidden()).unwrap();
+        assert_eq!(report.algorithm, "lz4");
         assert_eq!(report.streams, streams);
         assert_eq!(report.orig_data_size, 16 << 20);
         assert!(report.write_gbps > 0.0 && report.read_gbps > 0.0);

@@ -59,3 +59,22 @@ fn a_config_file_needs_a_device_id() {
     let output = trueno_ublk(&["create", "--config", "/nonexistent.conf"]);
     assert_clean_failure(&output, "--id");
 }
+
+#[test]
+fn bad_recompress_settings_are_refused_before_anything_else() {
+    for (flag, value) in [
+        ("--recompress", "lz4"),
+        ("--recompress", "zstd:99"),
+        ("--recompress-idle", "soon"),
+        ("--recompress-idle", "1.5s"),
+    ] {
+        let output = trueno_ublk(&["create", "--size", "1G", flag, value]);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{flag} {value}");
+        assert!(stderr.contains(flag), "{flag} {value}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    // In range for the parser, out of range for the setting.
+    let output = trueno_ublk(&["create", "--size", "1G", "--recompress-idle", "10ms"]);
+    assert_clean_failure(&output, "recompress-idle");
+}

@@ -9,8 +9,9 @@ use clap::Parser;
 use trueno_ublk::cli::{Cli, Command as CliCommand};
 use trueno_ublk::codec::{Algorithm, Backend};
 use trueno_ublk::config::{
-    self, parse, resolve_with, ConfigError, ConfigFile, DeviceOptions, SizeExpr,
+    self, parse, resolve_with, ConfigError, ConfigFile, DeviceOptions, RecompressChoice, SizeExpr,
 };
+use trueno_ublk::store::RecompressConfig;
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -66,7 +67,27 @@ fn defaults_follow_zram_generator() {
     assert_eq!(settings.queues, 1);
     assert_eq!(settings.depth, 32);
     assert_eq!(settings.swap_priority, 100);
+    // zstd for new pages, and so no recompression.
     assert_eq!(settings.store.algorithm, Algorithm::Zstd { level: 1 });
+    assert_eq!(settings.store.recompress, None);
+    assert_eq!(settings.store.recompress_name(), "off");
+    // LZ4 gets zstd:3 for pages idle 30 s.
+    let lz4 = resolve_with(
+        &create_args(&["--algorithm", "lz4"]),
+        &ConfigFile::default(),
+        8 * GIB,
+    )
+    .unwrap();
+    assert_eq!(
+        lz4.store.recompress,
+        Some(RecompressConfig {
+            algorithm: Algorithm::Zstd { level: 3 },
+            idle: Duration::from_secs(30),
+            min_saving_divisor: 8,
+            cpu_percent: 50,
+        })
+    );
+    assert_eq!(lz4.store.recompress_name(), "zstd:3,idle=30s");
     assert_eq!(settings.store.forced_backend, None);
     assert!(settings.store.batched);
     assert_eq!(settings.store.batch_threshold, None);
@@ -218,6 +239,99 @@ fn store_config_carries_every_setting() {
     );
 }
 
+#[test]
+fn recompression_from_file_and_command_line() {
+    let recompress = |flags: &[&str], body: &str| {
+        let file = conf(&format!("[ublkb0]\n{body}"));
+        let mut args = vec!["--id", "0"];
+        args.extend_from_slice(flags);
+        let settings = resolve_with(&create_args(&args), &file, 8 * GIB).unwrap();
+        (
+            settings.store.recompress_name(),
+            settings.store_config(false, 8 * GIB).recompress,
+        )
+    };
+    assert_eq!(
+        recompress(&[], "recompress = zstd:7\nrecompress-idle = 2m\n").0,
+        "zstd:7,idle=2m"
+    );
+    assert_eq!(recompress(&[], "recompress = zstd\n").0, "zstd:3,idle=30s");
+    assert_eq!(
+        recompress(&[], "recompress = off\n"),
+        ("off".to_string(), None)
+    );
+    // The command line wins, key by key.
+    assert_eq!(
+        recompress(
+            &["--recompress", "zstd:12"],
+            "recompress = off\nrecompress-idle = 5s\n"
+        )
+        .0,
+        "zstd:12,idle=5s"
+    );
+    assert_eq!(
+        recompress(
+            &["--recompress-idle", "500ms"],
+            "algorithm = lz4\nrecompress-idle = 1h\n"
+        )
+        .0,
+        "zstd:3,idle=500ms"
+    );
+    assert_eq!(
+        recompress(&[], "algorithm = lz4\nrecompress-idle = 1h\n").0,
+        "zstd:3,idle=1h"
+    );
+    assert_eq!(
+        recompress(&["--recompress", "off"], "recompress = zstd:5\n").1,
+        None
+    );
+    // Without a recompress setting, zstd pages stay as they are; asked for, a higher level
+    // is allowed.
+    assert_eq!(
+        recompress(&[], "algorithm = zstd\nzstd-level = 3\n").1,
+        None
+    );
+    assert_eq!(recompress(&[], "recompress-idle = 5s\n").0, "off");
+    assert_eq!(
+        recompress(&["--recompress", "zstd"], "algorithm = zstd\n").0,
+        "zstd:3,idle=30s",
+        "zstd:1 pages recompress to zstd:3 when asked"
+    );
+    assert_eq!(
+        recompress(&["--algorithm", "adaptive"], "").0,
+        "zstd:3,idle=30s"
+    );
+    // Asked for explicitly, it is an error that says why.
+    let file = conf("[ublkb0]\nalgorithm = zstd\nzstd-level = 9\nrecompress = zstd:3\n");
+    let message = resolve_with(&create_args(&["--id", "0"]), &file, GIB)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.contains("test.conf:4") && message.contains("recompress"),
+        "{message}"
+    );
+    let message = resolve_with(
+        &create_args(&["--algorithm", "zstd", "--recompress", "zstd:1"]),
+        &ConfigFile::default(),
+        GIB,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(message.contains("--recompress"), "{message}");
+    let message = resolve_with(
+        &create_args(&["--recompress-idle", "2d"]),
+        &ConfigFile::default(),
+        GIB,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(message.contains("--recompress-idle"), "{message}");
+    assert_eq!(
+        RecompressChoice::parse("ZSTD:19"),
+        Ok(RecompressChoice::Zstd { level: 19 })
+    );
+}
+
 /// Each bad file is rejected with a message naming the line (and the key where there is one).
 #[test]
 fn bad_files_name_the_line_and_key() {
@@ -273,6 +387,21 @@ fn bad_files_name_the_line_and_key() {
             &["swap-priority"],
         ),
         ("[ublkb0]\nmax-size = 0\n", "test.conf:2", &["max-size"]),
+        (
+            "[ublkb0]\nrecompress = lz4\n",
+            "test.conf:2",
+            &["recompress", "zstd"],
+        ),
+        (
+            "[ublkb0]\nrecompress = zstd:99\n",
+            "test.conf:2",
+            &["recompress"],
+        ),
+        (
+            "[ublkb0]\nrecompress-idle = soon\n",
+            "test.conf:2",
+            &["recompress-idle", "30s"],
+        ),
         ("[ublkb0]\nsiez = 8G\n", "test.conf:2", &["siez"]),
         ("[ublkb0]\nsize = 1G\nsize = 2G\n", "test.conf:3", &["size"]),
         (

@@ -33,6 +33,7 @@ fn report(id: u32, orig_bytes: u64) -> DeviceReport {
         queues: 2,
         depth: 64,
         algorithm: "lz4".into(),
+        recompress: "zstd:3,idle=30s".into(),
         backend: "auto".into(),
         gpu: "unavailable: no libcuda".into(),
         store: StoreStats {
@@ -52,6 +53,12 @@ fn report(id: u32, orig_bytes: u64) -> DeviceReport {
             pages_simd: 11,
             pages_simd_parallel: 22,
             pages_gpu: 33,
+            pages_lz4: 5,
+            pages_zstd: 6,
+            recompressed_pages: 7,
+            recompress_saved_bytes: 3 << 20,
+            recompress_cpu_ns: 2_500_000_000,
+            checksum_failures: 4,
             batch_flushes: 44,
             failed_reads: 1,
             failed_writes: 2,
@@ -146,12 +153,19 @@ fn table_json_and_raw_output() {
             "4.00"
         ]
     );
-    // PAGES-SIMD PAGES-PARALLEL PAGES-GPU FLUSHES READ-ERRS WRITE-ERRS LOST GPU...
-    assert_eq!(&row[11..18], ["11", "22", "33", "44", "1", "2", "3"]);
+    // PAGES-SIMD PAGES-PARALLEL PAGES-GPU
+    assert_eq!(&row[11..14], ["11", "22", "33"]);
+    // RECOMPRESS PAGES-LZ4 PAGES-ZSTD RECOMPRESSED RECOMP-SAVED RECOMP-CPU
+    assert_eq!(
+        &row[14..20],
+        ["zstd:3,idle=30s", "5", "6", "7", "3M", "2.5s"]
+    );
+    // FLUSHES READ-ERRS WRITE-ERRS LOST CSUM-ERRS
+    assert_eq!(&row[20..25], ["44", "1", "2", "3", "4"]);
     // RSS IDLE-RSS, then READ-P50 READ-P99 WRITE-P50 WRITE-P99: bucket upper bounds in µs,
     // `-` without requests.
-    assert_eq!(&row[18..20], ["30M", "8M"]);
-    assert_eq!(&row[20..24], ["<=3us", "<=132us", "-", "-"]);
+    assert_eq!(&row[25..27], ["30M", "8M"]);
+    assert_eq!(&row[27..31], ["<=3us", "<=132us", "-", "-"]);
     assert!(lines[1].ends_with("unavailable: no libcuda"));
     assert!(lines[2].starts_with("/dev/ublkb7"), "sorted by id: {table}");
     // Nothing stored: no ratio.

@@ -206,9 +206,16 @@ fn g106_zero_pages_bypass_the_batch() {
 }
 
 #[test]
-fn thread_init_runs_on_the_flusher_and_refill_threads_and_names_them() {
+fn thread_init_runs_on_the_flusher_refill_and_recompress_threads_and_names_them() {
     let mut c = config(16, 8, Duration::from_millis(1));
     c.reserve_bytes = 1 << 20;
+    c.algorithm = trueno_ublk::codec::Algorithm::Lz4;
+    c.recompress = Some(trueno_ublk::store::RecompressConfig {
+        algorithm: trueno_ublk::codec::Algorithm::Zstd { level: 3 },
+        idle: Duration::from_secs(30),
+        min_saving_divisor: 8,
+        cpu_percent: 50,
+    });
     let store = BatchedPageStore::new(c, None).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     let flusher = store
@@ -216,13 +223,22 @@ fn thread_init_runs_on_the_flusher_and_refill_threads_and_names_them() {
             let _ = tx.send((role, std::thread::current().name().map(str::to_owned)));
         })
         .unwrap();
-    let mut seen = [0, 1].map(|_| rx.recv_timeout(Duration::from_secs(30)).unwrap());
-    seen.sort_by_key(|(role, _)| *role == StoreThread::Refill);
+    let mut seen = [0, 1, 2].map(|_| rx.recv_timeout(Duration::from_secs(30)).unwrap());
+    let order = [
+        StoreThread::Flusher,
+        StoreThread::Refill,
+        StoreThread::Recompress,
+    ];
+    seen.sort_by_key(|(role, _)| order.iter().position(|r| r == role));
     assert_eq!(
         seen,
         [
             (StoreThread::Flusher, Some("trueno-flusher".to_string())),
             (StoreThread::Refill, Some("trueno-reserve".to_string())),
+            (
+                StoreThread::Recompress,
+                Some("trueno-recompress".to_string())
+            ),
         ]
     );
     drop(flusher);

@@ -3,6 +3,9 @@
 //! resumes the store and checks every page against a model of what the child had done, and
 //! the next child resumes it again and goes on. No page may be lost, torn or wrong.
 //!
+//! The child runs the recompressor too, with an idle threshold of a few milliseconds, so kills
+//! also land between its copying a new object in, flipping an entry and freeing the old one.
+//!
 //! The child logs each operation before (`B`) and after (`E`) it: a page of an operation the
 //! kill interrupted may hold its old or its new data (as a block device's would; the kernel
 //! re-issues such a request after a recovery), every other page exactly what was last written.
@@ -16,8 +19,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use store_common::{random_page, same_page, text_page, zero_page};
-use trueno_ublk::codec::PAGE_SIZE;
-use trueno_ublk::store::{Backing, BatchedPageStore, Opened, StoreConfig};
+use trueno_ublk::codec::{Algorithm, PAGE_SIZE};
+use trueno_ublk::store::{Backing, BatchedPageStore, Opened, RecompressConfig, StoreConfig};
 
 const PAGES: u64 = 1024;
 const PAGE: u64 = PAGE_SIZE as u64;
@@ -28,6 +31,13 @@ fn config() -> StoreConfig {
     let mut c = trueno_ublk::config::StoreSettings::default().store_config(PAGES * PAGE, false);
     c.batch_threshold = 32;
     c.flush_timeout = Duration::from_millis(2);
+    c.algorithm = Algorithm::Lz4;
+    c.recompress = Some(RecompressConfig {
+        algorithm: Algorithm::Zstd { level: 3 },
+        idle: Duration::from_millis(16),
+        min_saving_divisor: 8,
+        cpu_percent: 100,
+    });
     c
 }
 

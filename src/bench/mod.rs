@@ -25,7 +25,7 @@ use codec_alone::{measure_codec, CodecRun};
 use corpus::{AlignedBuf, Corpus, SplitMix64};
 use latency::measure_latency;
 pub use progress::Progress;
-use report::{BenchReport, CodecReport, OverwriteReport, RunFigures, VersusZram};
+use report::{BenchReport, CodecReport, OverwriteReport, RunFigures, SettleReport, VersusZram};
 pub use workers::verify;
 use workers::{flush, read_all, write_requests};
 
@@ -42,6 +42,14 @@ pub const DEFAULT_OVERWRITES: u32 = 3;
 pub const DEFAULT_LATENCY_SAMPLES: u32 = 10_000;
 /// Seed of the built-in mix and of the random orders by default.
 pub const DEFAULT_SEED: u64 = 1;
+/// zram's algorithm for `--compare-zram` by default: the fastest zram has, against which
+/// `--algorithm lz4` is compared like for like.
+pub const DEFAULT_ZRAM_ALGORITHM: &str = "lz4";
+/// How long the bench waits for the recompressor, beyond the idle threshold, before it reports
+/// what it has (the memory ratio so far, `settled: false`).
+const SETTLE_TIMEOUT_AFTER_IDLE: Duration = Duration::from_secs(300);
+/// How often the bench looks whether the recompressor has settled.
+const SETTLE_POLL: Duration = Duration::from_millis(50);
 
 /// What to measure (`trueno-ublk bench`'s options).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -63,6 +71,8 @@ pub struct BenchOptions {
     pub compare_zram: bool,
     /// Parallel O_DIRECT streams for zram.
     pub zram_streams: u16,
+    /// zram's compression algorithm.
+    pub zram_algorithm: String,
     pub store: StoreOptions,
 }
 
@@ -79,6 +89,7 @@ impl Default for BenchOptions {
             seed: DEFAULT_SEED,
             compare_zram: false,
             zram_streams: 1,
+            zram_algorithm: DEFAULT_ZRAM_ALGORITHM.to_string(),
             store: StoreOptions::default(),
         }
     }
@@ -156,6 +167,8 @@ pub(crate) fn ratio(numerator: u64, denominator: u64) -> f64 {
 /// Everything a run needs besides the corpus, resolved from the arguments.
 struct Plan {
     config: StoreConfig,
+    /// `zstd:3,idle=30s` or `off`.
+    recompress_name: String,
     gpu: Option<Arc<dyn BatchCodec>>,
     threads: usize,
     request_bytes: usize,
@@ -176,6 +189,7 @@ fn plan(args: &BenchOptions, corpus: &Corpus) -> Result<Plan, BenchError> {
     let gpu = gpu.map(|codec| codec as Arc<dyn BatchCodec>);
     Ok(Plan {
         config: settings.store_config(bytes, gpu.is_some()),
+        recompress_name: settings.recompress_name(),
         gpu,
         threads: args.threads.map_or(cores, usize::from),
         request_bytes: request_pages * PAGE_SIZE,
@@ -326,6 +340,50 @@ fn overwrite_passes(
     Ok((write_time, stats))
 }
 
+/// Wait until the recompressor has dealt with every page: a pass that started after the
+/// pages went idle left none to do. Bounded: the idle threshold plus
+/// `SETTLE_TIMEOUT_AFTER_IDLE`. `None` without recompression.
+fn settle(plan: &Plan, store: &BatchedPageStore, progress: &Progress) -> Option<SettleReport> {
+    let recompress = plan.config.recompress?;
+    let start = Instant::now();
+    let deadline = start + recompress.idle + SETTLE_TIMEOUT_AFTER_IDLE;
+    let pages = store.stats().pages_stored;
+    progress.phase("recompress (settle)", pages);
+    let handled = |s: &StoreStats| s.recompressed_pages + s.recompress_rejected_pages;
+    let first = store.stats();
+    let mut shown = handled(&first);
+    // A pass counts only if it started once every page was idle: the one after the pass that
+    // was running when they became so.
+    let mut passes_needed: Option<u64> = None;
+    let settled = loop {
+        let now = store.stats();
+        progress.advance(handled(&now).saturating_sub(shown));
+        shown = handled(&now);
+        if passes_needed.is_none() && start.elapsed() >= recompress.idle {
+            passes_needed = Some(now.recompress_passes + 2);
+        }
+        if passes_needed.is_some_and(|n| now.recompress_passes >= n) && now.recompress_backlog == 0
+        {
+            break true;
+        }
+        if Instant::now() >= deadline {
+            break false;
+        }
+        std::thread::sleep(SETTLE_POLL);
+    };
+    let stats = store.stats();
+    Some(SettleReport {
+        settled,
+        seconds: start.elapsed().as_secs_f64(),
+        recompressed_pages: stats.recompressed_pages - first.recompressed_pages,
+        cpu_seconds: stats
+            .recompress_cpu_ns
+            .saturating_sub(first.recompress_cpu_ns) as f64
+            / 1e9,
+        stats,
+    })
+}
+
 /// The 1, 5 and 15 minute load averages (zeros where /proc/loadavg cannot be read): other
 /// work on the machine while the bench runs is part of what its figures mean.
 fn load_average() -> [f64; 3] {
@@ -371,6 +429,7 @@ fn round(
             corpus,
             scratch,
             usize::from(args.zram_streams),
+            &args.zram_algorithm,
             progress,
         )?)
     } else {
@@ -419,7 +478,10 @@ pub fn measure(
         |figure: fn(&RunFigures) -> Option<f64>| runs.iter().filter_map(figure).fold(0.0, f64::max);
     let write_gbps = best_of(|r| Some(r.write_gbps));
     let read_gbps = best_of(|r| Some(r.read_gbps));
-    let mem_ratio = ratio(stats.orig_bytes, stats.mem_used);
+    let mem_ratio_hot = ratio(stats.orig_bytes, stats.mem_used);
+    let settled = settle(&plan, &store, progress);
+    let settled_stats = settled.as_ref().map_or(&stats, |s| &s.stats);
+    let mem_ratio = ratio(settled_stats.orig_bytes, settled_stats.mem_used);
     let codec = CodecReport {
         backend: format!("{:?}", codec_run.backend),
         batch_pages: codec_run.batch_pages,
@@ -452,7 +514,7 @@ pub fn measure(
             passes: args.overwrites,
             write_gbps: gbps(bytes * args.overwrites as usize, time),
             mem_ratio: after_ratio,
-            mem_ratio_change_pct: (after_ratio / mem_ratio - 1.0) * 100.0,
+            mem_ratio_change_pct: (after_ratio / mem_ratio_hot - 1.0) * 100.0,
             stats: after,
         })
     } else {
@@ -471,12 +533,13 @@ pub fn measure(
     drop(flusher);
     drop(store);
 
-    let ours_ratio = ratio(stats.orig_bytes, stats.compr_bytes);
+    let ours_ratio = ratio(settled_stats.orig_bytes, settled_stats.compr_bytes);
     let vs_zram = zram.as_ref().map(|z| VersusZram {
         write: write_gbps / z.write_gbps,
         read: read_gbps / z.read_gbps,
         ratio: ours_ratio / z.ratio,
         mem_ratio: mem_ratio / z.mem_ratio,
+        mem_ratio_hot: mem_ratio_hot / z.mem_ratio,
     });
 
     let config = &plan.config;
@@ -500,11 +563,16 @@ pub fn measure(
         runs,
         ratio: ours_ratio,
         mem_ratio,
+        mem_ratio_hot,
         mem_ratio_all_in: ratio(
-            stats.orig_bytes,
-            stats.mem_used + stats.metadata_bytes + stats.batch_buffer_bytes,
+            settled_stats.orig_bytes,
+            settled_stats.mem_used
+                + settled_stats.metadata_bytes
+                + settled_stats.batch_buffer_bytes,
         ),
-        metadata_bytes_per_page: stats.metadata_bytes as f64 / pages as f64,
+        metadata_bytes_per_page: settled_stats.metadata_bytes as f64 / pages as f64,
+        recompress: plan.recompress_name.clone(),
+        settle: settled,
         stats,
         overwrite,
         codec,

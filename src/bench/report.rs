@@ -83,9 +83,25 @@ pub struct CodecReport {
 pub struct OverwriteReport {
     pub passes: u32,
     pub write_gbps: f64,
+    /// Right after the overwrites (recompression has not caught up).
     pub mem_ratio: f64,
-    /// Change of the memory ratio against the first write, in percent.
+    /// Change of the memory ratio against `mem_ratio_hot` of the first write, in percent.
     pub mem_ratio_change_pct: f64,
+    pub stats: StoreStats,
+}
+
+/// The wait for the recompressor after the read pass (see `bench::settle`).
+#[derive(Clone, Debug, Serialize)]
+pub struct SettleReport {
+    /// Whether every page was dealt with before the bound (idle threshold + 300 s).
+    pub settled: bool,
+    /// Seconds from the end of the read pass (pages go idle from then on) until settled.
+    pub seconds: f64,
+    /// Pages recompressed meanwhile.
+    pub recompressed_pages: u64,
+    /// CPU seconds the recompressor spent meanwhile.
+    pub cpu_seconds: f64,
+    /// The store's counters then.
     pub stats: StoreStats,
 }
 
@@ -106,7 +122,9 @@ pub struct VersusZram {
     pub write: f64,
     pub read: f64,
     pub ratio: f64,
+    /// Settled, as `BenchReport::mem_ratio`.
     pub mem_ratio: f64,
+    pub mem_ratio_hot: f64,
 }
 
 /// Everything one bench run measured.
@@ -132,14 +150,21 @@ pub struct BenchReport {
     pub read_gbps: f64,
     /// Each round's figures (GB/s); the headline figures are the best of these.
     pub runs: Vec<RunFigures>,
-    /// orig / compressed bytes.
+    /// orig / compressed bytes, settled.
     pub ratio: f64,
-    /// orig bytes / memory holding pages.
+    /// orig bytes / memory holding pages, settled: once the recompressor has dealt with every
+    /// page (the same as `mem_ratio_hot` without recompression).
     pub mem_ratio: f64,
-    /// orig bytes / (memory holding pages + metadata + pending-batch buffers).
+    /// orig bytes / memory holding pages right after the writes and the flush.
+    pub mem_ratio_hot: f64,
+    /// orig bytes / (memory holding pages + metadata + pending-batch buffers), settled.
     pub mem_ratio_all_in: f64,
-    /// Metadata bytes (page table, allocator bookkeeping) per page of the device.
+    /// Metadata bytes (page table, idle hints, allocator bookkeeping) per page of the device.
     pub metadata_bytes_per_page: f64,
+    /// Background recompression: `zstd:3,idle=30s`, or `off`.
+    pub recompress: String,
+    /// The wait for the recompressor; `None` without recompression.
+    pub settle: Option<SettleReport>,
     /// The store's counters right after the first write and flush.
     pub stats: StoreStats,
     pub overwrite: Option<OverwriteReport>,
@@ -217,10 +242,28 @@ impl BenchReport {
                 );
             }
         }
+        if let Some(settle) = &self.settle {
+            let _ = writeln!(
+                out,
+                "  recompress {}: {} after the read pass: {} pages recompressed in {:.1} s ({:.1} CPU s){}",
+                self.recompress,
+                if settle.settled { "settled" } else { "NOT settled" },
+                settle.recompressed_pages,
+                settle.seconds,
+                settle.cpu_seconds,
+                if settle.settled { "" } else { " before the bound" }
+            );
+        }
         let _ = writeln!(
             out,
-            "  ratio {:>7.3} (orig/compressed)   memory ratio {:.3} (orig/memory used, as zram's mem_used_total)",
-            self.ratio, self.mem_ratio
+            "  ratio {:>7.3} (orig/compressed)   memory ratio {:.3} (orig/memory used, as zram's mem_used_total){}",
+            self.ratio,
+            self.mem_ratio,
+            if self.settle.is_some() {
+                format!(", settled; {:.3} right after the writes", self.mem_ratio_hot)
+            } else {
+                String::new()
+            }
         );
         let _ = writeln!(
             out,
@@ -243,7 +286,7 @@ impl BenchReport {
         if let Some(o) = &self.overwrite {
             let _ = writeln!(
                 out,
-                "  overwritten {}x in random order ({:.3} GB/s): memory ratio {:.3} ({:+.1}%)",
+                "  overwritten {}x in random order ({:.3} GB/s): memory ratio {:.3} right after ({:+.1}% against the first writes)",
                 o.passes, o.write_gbps, o.mem_ratio, o.mem_ratio_change_pct
             );
         }
@@ -291,8 +334,8 @@ impl BenchReport {
         if let Some(v) = &self.vs_zram {
             let _ = writeln!(
                 out,
-                "ours / zram: write {:.2}x, read {:.2}x, ratio {:.2}x, memory ratio {:.2}x",
-                v.write, v.read, v.ratio, v.mem_ratio
+                "ours / zram: write {:.2}x, read {:.2}x, ratio {:.2}x, memory ratio {:.2}x (right after the writes {:.2}x)",
+                v.write, v.read, v.ratio, v.mem_ratio, v.mem_ratio_hot
             );
         }
         out

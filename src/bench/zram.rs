@@ -1,5 +1,6 @@
-//! Kernel zram on the same pages (`--compare-zram`): reset zram0, lz4, O_DIRECT 1 MiB writes
-//! and reads of the corpus, mm_stat, reset again.
+//! Kernel zram on the same pages (`--compare-zram`): reset zram0, the algorithm asked for
+//! (`--zram-algorithm`, lz4 by default), O_DIRECT 1 MiB writes and reads of the corpus,
+//! mm_stat, reset again.
 
 #![forbid(unsafe_code)]
 
@@ -21,7 +22,7 @@ const IO_CHUNK: usize = 1 << 20;
 /// zram's figures for the corpus.
 #[derive(Clone, Debug, Serialize)]
 pub struct ZramReport {
-    pub algorithm: &'static str,
+    pub algorithm: String,
     /// Parallel O_DIRECT streams (each writes and reads its own contiguous part).
     pub streams: usize,
     pub write_gbps: f64,
@@ -170,23 +171,24 @@ pub fn compare(
     corpus: &Corpus,
     scratch: &mut AlignedBuf,
     streams: usize,
+    algorithm: &str,
     progress: &Progress,
 ) -> Result<ZramReport, BenchError> {
     check_usable()?;
     let algorithms = read_attribute("comp_algorithm")?;
     if !algorithms
         .split_whitespace()
-        .any(|name| name.trim_matches(|c| c == '[' || c == ']') == "lz4")
+        .any(|name| name.trim_matches(|c| c == '[' || c == ']') == algorithm)
     {
         return Err(BenchError::ZramUnavailable(format!(
-            "this kernel's zram has no lz4 (it offers: {})",
+            "this kernel's zram has no {algorithm} (it offers: {})",
             algorithms.trim()
         )));
     }
     let data = corpus.bytes();
     set_attribute("reset", "1")?;
     let _reset = ResetOnDrop;
-    set_attribute("comp_algorithm", "lz4")?;
+    set_attribute("comp_algorithm", algorithm)?;
     let disksize = data.len().div_ceil(IO_CHUNK) * IO_CHUNK;
     set_attribute("disksize", &disksize.to_string())?;
 
@@ -241,7 +243,7 @@ pub fn compare(
     })?;
 
     Ok(ZramReport {
-        algorithm: "lz4",
+        algorithm: algorithm.to_string(),
         streams,
         write_gbps: gbps(data.len(), write_time),
         read_gbps: gbps(data.len(), read_time),

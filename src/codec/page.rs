@@ -52,6 +52,13 @@ pub fn classify(page: &Page) -> PageClass {
     PageClass::SameFilled(first)
 }
 
+/// The CRC32C of a page's data: what the store keeps beside each stored page and checks on
+/// every read, so that a flipped bit in RAM (or a codec that got a page wrong) is an error
+/// rather than wrong memory in a process. SSE 4.2's crc32 instruction where there is one.
+pub fn checksum(page: &Page) -> u32 {
+    crc32c::crc32c(page)
+}
+
 /// Fill `out` with the repeated word of a same-filled page.
 pub fn fill_page(out: &mut [u8], word: u64) {
     let bytes = word.to_ne_bytes();

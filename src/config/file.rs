@@ -11,10 +11,10 @@ use super::values::{
     SizeExpr,
 };
 use super::{
-    AlgorithmChoice, BackendChoice, ConfigError, MAX_BATCH_THRESHOLD, MAX_DEPTH,
+    AlgorithmChoice, BackendChoice, ConfigError, RecompressChoice, MAX_BATCH_THRESHOLD, MAX_DEPTH,
     MAX_FLUSH_TIMEOUT_MS, MAX_QUEUES, MAX_SWAP_PRIORITY,
 };
-use crate::units::parse_size;
+use crate::units::{parse_duration, parse_size};
 
 /// One value from the file and the line it came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,6 +38,8 @@ pub struct DeviceSection {
     pub flush_timeout_ms: Option<Setting<u64>>,
     /// `Some(None)`: `mem-limit = none`.
     pub mem_limit: Option<Setting<Option<SizeExpr>>>,
+    pub recompress: Option<Setting<RecompressChoice>>,
+    pub recompress_idle: Option<Setting<std::time::Duration>>,
     pub swap_priority: Option<Setting<u16>>,
     /// `swap = yes`: trueno-ublk-generator makes the device swap at boot.
     pub swap: Option<Setting<bool>>,
@@ -156,6 +158,8 @@ pub const KEYS: &[&str] = &[
     "batch-threshold",
     "flush-timeout-ms",
     "mem-limit",
+    "recompress",
+    "recompress-idle",
     "swap-priority",
     "swap",
 ];
@@ -212,6 +216,12 @@ fn set_key(
             line,
         ),
         "mem-limit" => store(&mut section.mem_limit, parse_mem_limit(value), line),
+        "recompress" => store(
+            &mut section.recompress,
+            RecompressChoice::parse(value),
+            line,
+        ),
+        "recompress-idle" => store(&mut section.recompress_idle, parse_duration(value), line),
         "swap-priority" => store(
             &mut section.swap_priority,
             parse_in_range(value, 0, MAX_SWAP_PRIORITY),

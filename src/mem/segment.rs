@@ -19,7 +19,7 @@ use std::num::NonZeroUsize;
 use std::ops::{Deref, DerefMut};
 use std::os::fd::OwnedFd;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64};
 use std::sync::Arc;
 
 use nix::fcntl::{fallocate, FallocateFlags};
@@ -262,6 +262,15 @@ impl Segment {
         Words::new(self, offset, count)
     }
 
+    /// `count` atomic 16-bit words at `offset`.
+    pub fn words16(
+        self: &Arc<Self>,
+        offset: usize,
+        count: usize,
+    ) -> std::io::Result<Words<AtomicU16>> {
+        Words::new(self, offset, count)
+    }
+
     /// `count` atomic 32-bit words at `offset`.
     pub fn words32(
         self: &Arc<Self>,
@@ -335,7 +344,7 @@ fn remove_id(id: libc::c_int) {
     let _ = unsafe { libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()) };
 }
 
-/// Atomic words in a segment: like a `&[AtomicU64]` (or `AtomicU32`) that keeps the
+/// Atomic words in a segment: like a `&[AtomicU64]` (or `AtomicU32`, `AtomicU16`) that keeps the
 /// segment mapped. Other processes of ours may have written them before (a resumed store).
 pub struct Words<T> {
     segment: Arc<Segment>,
@@ -352,6 +361,7 @@ unsafe impl<T: Sync> Sync for Words<T> {}
 pub trait AtomicWord: Sync {}
 impl AtomicWord for AtomicU64 {}
 impl AtomicWord for AtomicU32 {}
+impl AtomicWord for AtomicU16 {}
 
 impl<T: AtomicWord> Words<T> {
     fn new(segment: &Arc<Segment>, offset: usize, count: usize) -> std::io::Result<Self> {

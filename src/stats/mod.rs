@@ -45,6 +45,10 @@ pub struct DeviceReport {
     pub depth: u16,
     /// `lz4`, `zstd:3`, `adaptive` (see `config::StoreSettings::algorithm_name`).
     pub algorithm: String,
+    /// Background recompression of idle pages: `zstd:3,idle=30s`, or `off` (see
+    /// `config::StoreSettings::recompress_name`).
+    #[serde(default)]
+    pub recompress: String,
     /// `auto`, `simd`, `simd-parallel` or `gpu`.
     pub backend: String,
     /// GPU state in words: the device name, or why there is none.
@@ -74,6 +78,7 @@ impl DeviceReport {
             queues: settings.queues,
             depth: settings.depth,
             algorithm: settings.store.algorithm_name(),
+            recompress: settings.store.recompress_name(),
             backend: settings.store.backend_name().to_string(),
             gpu: gpu.into(),
             store,

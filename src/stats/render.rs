@@ -37,10 +37,17 @@ pub const COLUMNS: &[&str] = &[
     "PAGES-SIMD",
     "PAGES-PARALLEL",
     "PAGES-GPU",
+    "RECOMPRESS",
+    "PAGES-LZ4",
+    "PAGES-ZSTD",
+    "RECOMPRESSED",
+    "RECOMP-SAVED",
+    "RECOMP-CPU",
     "FLUSHES",
     "READ-ERRS",
     "WRITE-ERRS",
     "LOST",
+    "CSUM-ERRS",
     "RSS",
     "IDLE-RSS",
     "READ-P50",
@@ -51,7 +58,7 @@ pub const COLUMNS: &[&str] = &[
 ];
 
 /// Columns printed left-aligned (the others are numbers).
-const TEXT_COLUMNS: &[&str] = &["NAME", "ALGORITHM", "GPU"];
+const TEXT_COLUMNS: &[&str] = &["NAME", "ALGORITHM", "RECOMPRESS", "GPU"];
 
 /// The output of `stat` for these probes.
 pub fn render(probes: &[Probe], format: StatFormat) -> String {
@@ -94,10 +101,17 @@ pub fn render(probes: &[Probe], format: StatFormat) -> String {
                 s.pages_simd.to_string(),
                 s.pages_simd_parallel.to_string(),
                 s.pages_gpu.to_string(),
+                report.recompress.clone(),
+                s.pages_lz4.to_string(),
+                s.pages_zstd.to_string(),
+                s.recompressed_pages.to_string(),
+                size(s.recompress_saved_bytes),
+                format!("{:.1}s", s.recompress_cpu_ns as f64 / 1e9),
                 s.batch_flushes.to_string(),
                 s.failed_reads.to_string(),
                 s.failed_writes.to_string(),
                 s.lost_pages.to_string(),
+                s.checksum_failures.to_string(),
                 size(report.memory.rss_bytes),
                 size(report.memory.idle_rss_bytes),
                 latency(&report.io.read_ns, 0.5),

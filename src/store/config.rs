@@ -28,6 +28,24 @@ pub struct StoreConfig {
     /// that storing pages never waits on reclaim (see `reserve`). 0 for none (tests, bench);
     /// the daemon always keeps one.
     pub reserve_bytes: u64,
+    /// Recompress idle pages in the background with a stronger codec (`--recompress`); `None`:
+    /// pages stay as the flusher stored them.
+    pub recompress: Option<RecompressConfig>,
+}
+
+/// Background recompression of idle pages (see `store::recompress`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecompressConfig {
+    /// The stronger codec (zstd at some level).
+    pub algorithm: Algorithm,
+    /// How long a page must go unread and unwritten before it is recompressed.
+    pub idle: Duration,
+    /// A result is kept only if it is smaller than the stored object by at least
+    /// 1/`min_saving_divisor` of it.
+    pub min_saving_divisor: usize,
+    /// Share of one core the recompressor may use, in percent (1 to 100); it runs at the
+    /// lowest priority besides.
+    pub cpu_percent: u32,
 }
 
 impl StoreConfig {

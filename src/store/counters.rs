@@ -64,6 +64,35 @@ pub struct StoreStats {
     /// are written or discarded.
     #[serde(default)]
     pub lost_pages: u64,
+    /// Stored pages whose data did not match their checksum when read (or when the
+    /// recompressor read them): each such read failed with EIO.
+    #[serde(default)]
+    pub checksum_failures: u64,
+    /// Pages the GPU compressed into something that did not decode back to them (stored raw).
+    #[serde(default)]
+    pub gpu_mismatched_pages: u64,
+    /// Pages the recompressor (see `store::recompress`) stored again with its stronger codec.
+    #[serde(default)]
+    pub recompressed_pages: u64,
+    /// Compressed bytes those recompressions saved when they were made.
+    #[serde(default)]
+    pub recompress_saved_bytes: u64,
+    /// Idle pages the recompressor tried and kept as they were: the stronger codec did not save
+    /// enough. Not tried again until written.
+    #[serde(default)]
+    pub recompress_rejected_pages: u64,
+    /// Recompressions dropped because the page was read, written or discarded meanwhile.
+    #[serde(default)]
+    pub recompress_dropped_pages: u64,
+    /// CPU time the recompressor's thread has used (ns).
+    #[serde(default)]
+    pub recompress_cpu_ns: u64,
+    /// Stored pages its last pass left to do: not idle long enough yet, or dropped.
+    #[serde(default)]
+    pub recompress_backlog: u64,
+    /// Passes over the page table it has made.
+    #[serde(default)]
+    pub recompress_passes: u64,
 }
 
 /// Live counters behind `StoreStats`.
@@ -89,6 +118,15 @@ pub(super) struct Counters {
     pub(super) mem_limit_hits: AtomicU64,
     pub(super) starved_writes: AtomicU64,
     pub(super) lost_pages: AtomicU64,
+    pub(super) checksum_failures: AtomicU64,
+    pub(super) gpu_mismatched_pages: AtomicU64,
+    pub(super) recompressed_pages: AtomicU64,
+    pub(super) recompress_saved_bytes: AtomicU64,
+    pub(super) recompress_rejected_pages: AtomicU64,
+    pub(super) recompress_dropped_pages: AtomicU64,
+    pub(super) recompress_cpu_ns: AtomicU64,
+    pub(super) recompress_backlog: AtomicU64,
+    pub(super) recompress_passes: AtomicU64,
 }
 
 pub(super) fn add(c: &AtomicU64, n: u64) {

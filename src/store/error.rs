@@ -24,6 +24,10 @@ pub enum StoreError {
         page: u64,
         source: crate::codec::CodecError,
     },
+    #[error(
+        "stored page {page} does not match its checksum (its memory changed since it was stored)"
+    )]
+    ChecksumMismatch { page: u64 },
     #[error("invalid store configuration: {0}")]
     Config(String),
     #[error("page {page} was lost when the store was resumed (its entry did not hold together); it reads as an error until it is written again")]
@@ -45,6 +49,7 @@ impl StoreError {
         match self {
             StoreError::OutOfRange { .. }
             | StoreError::Corrupt { .. }
+            | StoreError::ChecksumMismatch { .. }
             | StoreError::Lost { .. }
             | StoreError::Layout(_)
             | StoreError::Memory { .. } => -libc::EIO,

@@ -12,7 +12,10 @@ use super::counters::{add, sub};
 use super::pending::PendingSlot;
 use super::table::PageState;
 use super::{BatchedPageStore, PENDING_BATCHES};
-use crate::codec::{Backend, CompressedBatch, Encoding, Page, MAX_COMPRESSED_LEN, PAGE_SIZE};
+use crate::codec::{
+    checksum, decompress_page, Backend, CompressedBatch, Encoding, Page, MAX_COMPRESSED_LEN,
+    PAGE_SIZE,
+};
 
 /// Without a GPU a batch is compressed and installed this many pages at a time, so that the
 /// compression buffer (locked memory, like everything the daemon has) holds 1 MiB rather than
@@ -81,11 +84,22 @@ impl BatchedPageStore {
         }
         add(self.counters.backend(done.backend), part.len() as u64);
         let out = &*out;
+        let from_gpu = done.backend == Backend::Gpu;
         let install = |(i, s): (usize, &PendingSlot<'_>)| {
             let (encoding, bytes) = match out.page(i) {
                 // The huge-page rule holds whichever backend compressed (the GPU codec may
                 // not apply it): such a page costs less, and reads faster, as itself.
                 (Encoding::Lz4 | Encoding::Zstd, bytes) if bytes.len() > MAX_COMPRESSED_LEN => {
+                    (Encoding::Raw, &s.page[..])
+                }
+                // The GPU's output is decoded on the CPU and compared before it is stored: a
+                // page it got wrong is stored as itself, never as what it would decode to.
+                (encoding, bytes) if from_gpu && !decodes_to(encoding, bytes, &s.page) => {
+                    tracing::error!(
+                        page = s.index,
+                        "the GPU's compressed page does not decode to the page: stored raw"
+                    );
+                    add(&self.counters.gpu_mismatched_pages, 1);
                     (Encoding::Raw, &s.page[..])
                 }
                 page => page,
@@ -102,8 +116,8 @@ impl BatchedPageStore {
     }
 
     /// Store slot `slot` of batch `batch` as `bytes` encoded as `encoding`, and point its
-    /// page's entry at it, if the entry still points at the slot; a newer write or a discard
-    /// wins otherwise.
+    /// page's entry at it (with the page's checksum), if the entry still points at the slot; a
+    /// newer write or a discard wins otherwise.
     fn install(
         &self,
         batch: usize,
@@ -113,6 +127,7 @@ impl BatchedPageStore {
         bytes: &[u8],
     ) {
         let index = pending.index;
+        let page_checksum = checksum(&pending.page);
         let handle = self.alloc.store(bytes);
         let len = crate::codec::page_len(bytes.len());
         let installed = {
@@ -132,6 +147,8 @@ impl BatchedPageStore {
                         PageState::Lost
                     }
                 };
+                // Before the entry names the object: see `table`.
+                entry.set_checksum(page_checksum);
                 entry.replace(new);
                 self.counters.transition(expected, new);
                 true
@@ -145,4 +162,10 @@ impl BatchedPageStore {
         sub(&self.counters.pending_pages, 1);
         sub(&self.reserved_bytes, PAGE_SIZE as u64);
     }
+}
+
+/// Whether `bytes`, encoded as `encoding`, decode to exactly `page`.
+fn decodes_to(encoding: Encoding, bytes: &[u8], page: &Page) -> bool {
+    let mut decoded = [0u8; PAGE_SIZE];
+    decompress_page(encoding, bytes, &mut decoded).is_ok() && decoded == *page
 }

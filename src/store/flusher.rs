@@ -1,5 +1,6 @@
 //! The store's own threads: the flusher, which compresses a pending batch when it is full or
-//! old enough, and the reserve's refill thread (see `reserve`).
+//! old enough, the reserve's refill thread (see `reserve`), and with recompression on, the
+//! recompressor (see `recompress`).
 
 #![forbid(unsafe_code)]
 
@@ -16,6 +17,9 @@ pub enum StoreThread {
     Flusher,
     /// Commits chunk memory ahead of need (see `reserve`).
     Refill,
+    /// Recompresses idle pages (see `recompress`); runs at the lowest priority whatever
+    /// `thread_init` does.
+    Recompress,
 }
 
 /// Joins the flusher thread when dropped after `BatchedPageStore::shutdown` (dropping it
@@ -24,6 +28,7 @@ pub struct FlusherHandle {
     store: Arc<BatchedPageStore>,
     thread: Option<std::thread::JoinHandle<()>>,
     refill_thread: Option<std::thread::JoinHandle<()>>,
+    recompress_thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Drop for FlusherHandle {
@@ -39,6 +44,20 @@ impl Drop for FlusherHandle {
                 tracing::error!("the reserve refill thread panicked");
             }
         }
+        if let Some(t) = self.recompress_thread.take() {
+            if t.join().is_err() {
+                tracing::error!("the recompressor thread panicked");
+            }
+        }
+    }
+}
+
+/// Run the calling thread at nice 19: the recompressor only uses CPU nobody else wants. Not
+/// `SCHED_IDLE`: it briefly holds entry and allocator locks that the I/O path waits for, and a
+/// nice-19 thread preempted there still gets the CPU back soon on a busy machine.
+fn lowest_priority() {
+    if let Err(error) = crate::os::set_thread_nice(19) {
+        tracing::warn!(%error, "could not lower the recompressor's priority");
     }
 }
 
@@ -53,9 +72,10 @@ impl Drop for FlusherRunning<'_> {
 }
 
 impl BatchedPageStore {
-    /// Start the flusher thread and, when the store keeps a chunk reserve, its refill thread.
-    /// `thread_init` runs first on each, told which it is (the daemon readies them for the I/O
-    /// path and makes them I/O flushers: see `reserve` for why the refill thread is one too).
+    /// Start the flusher thread and, when the store keeps a chunk reserve, its refill thread,
+    /// and with recompression on, the recompressor. `thread_init` runs first on each, told
+    /// which it is (the daemon readies them for the I/O path and makes them I/O flushers: see
+    /// `reserve` for why the refill thread is one too).
     pub fn start_flusher(
         self: &Arc<Self>,
         thread_init: impl Fn(StoreThread) + Send + Sync + Clone + 'static,
@@ -80,36 +100,47 @@ impl BatchedPageStore {
                 init(StoreThread::Flusher);
                 store.flusher_loop();
             });
-        let refill_thread = if self.alloc.reserve.enabled() {
-            let store = Arc::clone(self);
-            let spawned = std::thread::Builder::new()
-                .name("trueno-reserve".into())
-                .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
-                .spawn(move || {
-                    thread_init(StoreThread::Refill);
-                    store.alloc.reserve.run_refill(|| store.alloc.provision())
-                });
-            match spawned {
-                Ok(thread) => Some(thread),
-                Err(e) => {
-                    self.control.lock().flusher_running = false;
-                    return Err(e);
-                }
-            }
-        } else {
-            None
-        };
-        match spawned {
-            Ok(thread) => Ok(FlusherHandle {
-                store: Arc::clone(self),
-                thread: Some(thread),
-                refill_thread,
-            }),
+        let thread = match spawned {
+            Ok(thread) => thread,
             Err(e) => {
                 self.control.lock().flusher_running = false;
-                Err(e)
+                return Err(e);
             }
+        };
+        // From here on the handle stops and joins whatever was started if a later spawn fails.
+        let mut handle = FlusherHandle {
+            store: Arc::clone(self),
+            thread: Some(thread),
+            refill_thread: None,
+            recompress_thread: None,
+        };
+        if self.alloc.reserve.enabled() {
+            let store = Arc::clone(self);
+            let init = thread_init.clone();
+            handle.refill_thread = Some(
+                std::thread::Builder::new()
+                    .name("trueno-reserve".into())
+                    .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
+                    .spawn(move || {
+                        init(StoreThread::Refill);
+                        store.alloc.reserve.run_refill(|| store.alloc.provision())
+                    })?,
+            );
         }
+        if let Some(config) = self.config.recompress {
+            let store = Arc::clone(self);
+            handle.recompress_thread = Some(
+                std::thread::Builder::new()
+                    .name("trueno-recompress".into())
+                    .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
+                    .spawn(move || {
+                        thread_init(StoreThread::Recompress);
+                        lowest_priority();
+                        store.recompress_loop(config);
+                    })?,
+            );
+        }
+        Ok(handle)
     }
 
     fn flusher_loop(&self) {

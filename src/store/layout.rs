@@ -5,6 +5,8 @@
 //! | --- | --- |
 //! | header (one page) | magic, layout version, device pages, slots per batch, arena size, the allocator's class fingerprint, the arena's carve cursor, the pid of the process using it |
 //! | table | one word per device page (see `table`) |
+//! | hints | one 16-bit idle hint per device page (see `table::Hint`); not crash-consistent, started afresh on resume |
+//! | checksums | the CRC32C of each stored page's data, written before its entry names the object |
 //! | slot indexes | the page index each pending slot holds |
 //! | slot pages | the pending batches' pages |
 //! | arena tags | a word per arena page (see `mem::Arena`) |
@@ -18,7 +20,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::{StoreError, PENDING_BATCHES};
@@ -27,7 +29,7 @@ use crate::mem::{Arena, PageSlots, Segment, Words};
 
 /// Version of this layout and of the meaning of its words. A binary refuses a segment of
 /// another version, and leaves it untouched for a binary that reads it.
-pub const LAYOUT_VERSION: u64 = 1;
+pub const LAYOUT_VERSION: u64 = 3;
 const MAGIC: u64 = u64::from_le_bytes(*b"trueublk");
 /// SysV keys of device stores: this plus the device id (ublk ids are below 2^20).
 const DEVICE_KEY_BASE: i32 = 0x7400_0000;
@@ -108,6 +110,8 @@ pub(super) struct Shape {
 /// Byte offsets of the regions.
 struct Offsets {
     table: usize,
+    hints: usize,
+    checksums: usize,
     indexes: usize,
     slots: usize,
     tags: usize,
@@ -122,13 +126,17 @@ fn page_round(bytes: usize) -> usize {
 impl Shape {
     fn offsets(&self) -> Offsets {
         let table = PAGE_SIZE;
-        let indexes = table + page_round(self.pages * 8);
+        let hints = table + page_round(self.pages * 8);
+        let checksums = hints + page_round(self.pages * 2);
+        let indexes = checksums + page_round(self.pages * 4);
         let slots_total = PENDING_BATCHES * self.slots_per_batch;
         let slots = indexes + page_round(slots_total * 8);
         let tags = slots + slots_total * PAGE_SIZE;
         let arena = tags + page_round(self.arena_bytes / PAGE_SIZE * 4);
         Offsets {
             table,
+            hints,
+            checksums,
             indexes,
             slots,
             tags,
@@ -156,6 +164,8 @@ pub(super) struct Regions {
     pub(super) shape: Shape,
     pub(super) owner: Ownership,
     pub(super) table: Words<AtomicU64>,
+    pub(super) hints: Words<AtomicU16>,
+    pub(super) checksums: Words<AtomicU32>,
     pub(super) batches: Vec<(PageSlots, Words<AtomicU64>)>,
     pub(super) arena: Arc<Arena>,
     pub(super) resumed: bool,
@@ -273,8 +283,8 @@ impl Regions {
     fn map(segment: &Arc<Segment>, shape: Shape, resumed: bool) -> Result<Self, StoreError> {
         let o = shape.offsets();
         let mapping = memory_error("mapping the store's memory");
-        // Header, table, slot indexes and slot pages: everything but the tags and the arena,
-        // which are committed as chunks are carved.
+        // Header, table, hints, checksums, slot indexes and slot pages: everything but the tags
+        // and the arena, which are committed as chunks are carved.
         segment.commit(0, o.tags).map_err(mapping)?;
         fn view<T>(r: std::io::Result<T>) -> Result<T, StoreError> {
             r.map_err(memory_error("mapping the store's memory"))
@@ -294,6 +304,8 @@ impl Regions {
                 header: view(segment.words(0, HEADER_WORDS))?,
             },
             table: view(segment.words(o.table, shape.pages))?,
+            hints: view(segment.words16(o.hints, shape.pages))?,
+            checksums: view(segment.words32(o.checksums, shape.pages))?,
             batches,
             arena: view(Arena::new(
                 segment,

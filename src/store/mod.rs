@@ -35,6 +35,7 @@ mod flush;
 mod flusher;
 mod layout;
 mod pending;
+mod recompress;
 mod reserve;
 mod resume;
 mod table;
@@ -48,11 +49,11 @@ use rayon::prelude::*;
 
 pub use crate::codec::BackendThresholds;
 use crate::codec::{
-    classify, compress_page, decompress_page, fill_page, Algorithm, Backend, BatchCodec,
+    checksum, classify, compress_page, decompress_page, fill_page, Algorithm, Backend, BatchCodec,
     CompressedBatch, Compressor, Page, PageClass, PAGE_SIZE,
 };
 use alloc::ZsAllocator;
-pub use config::StoreConfig;
+pub use config::{RecompressConfig, StoreConfig};
 pub use counters::StoreStats;
 use counters::{add, sub, Counters};
 pub use error::StoreError;
@@ -60,7 +61,7 @@ pub use flusher::{FlusherHandle, StoreThread};
 pub use layout::{remove_shared, shared_exists, Backing, Opened, LAYOUT_VERSION};
 use layout::{Ownership, Regions, Shape};
 use pending::PendingBatch;
-use table::{PageState, PageTable};
+use table::{IdleClock, PageState, PageTable};
 
 /// Pending batches: one fills while the flusher compresses the other.
 const PENDING_BATCHES: usize = 2;
@@ -88,6 +89,8 @@ pub struct BatchedPageStore {
     control: Mutex<Control>,
     flusher_wake: Condvar,
     writers_wake: Condvar,
+    /// Wakes the recompressor early: only to stop it.
+    recompress_wake: Condvar,
     /// Held for a whole flush; holds the reused output buffer, of `flush_part_pages` pages.
     flush: Mutex<CompressedBatch>,
     flush_part_pages: usize,
@@ -98,6 +101,8 @@ pub struct BatchedPageStore {
     fail_fast_until: AtomicU64,
     shut_down: AtomicBool,
     epoch: Instant,
+    /// The epoch pages' idle hints are stamped with (see `table::Hint`).
+    idle_clock: IdleClock,
     counters: Counters,
     /// This process's claim on the store's memory (a second process must not serve it).
     _owner: Ownership,
@@ -220,7 +225,7 @@ impl BatchedPageStore {
             .collect();
         let store = Self {
             compressor: config.compressor(gpu),
-            table: PageTable::new(regions.table),
+            table: PageTable::new(regions.table, regions.hints, regions.checksums),
             alloc: ZsAllocator::new(config.reserve_bytes, regions.arena),
             batches,
             current: AtomicUsize::new(0),
@@ -230,6 +235,7 @@ impl BatchedPageStore {
             }),
             flusher_wake: Condvar::new(),
             writers_wake: Condvar::new(),
+            recompress_wake: Condvar::new(),
             // Sized (and so faulted in) now: the first flush may come under memory pressure.
             flush_part_pages,
             flush: Mutex::new({
@@ -244,6 +250,7 @@ impl BatchedPageStore {
             fail_fast_until: AtomicU64::new(0),
             shut_down: AtomicBool::new(false),
             epoch: Instant::now(),
+            idle_clock: IdleClock::default(),
             counters: Counters::default(),
             config,
             _owner: owner,
@@ -318,13 +325,14 @@ impl BatchedPageStore {
                 sub(&self.reserved_bytes, PAGE_SIZE as u64);
                 return Err(StoreError::ArenaFull);
             };
-            self.set_state(
+            self.set_stored(
                 index,
                 PageState::Stored {
                     handle,
                     len: crate::codec::page_len(len),
                     encoding,
                 },
+                checksum(page),
             );
             sub(&self.reserved_bytes, PAGE_SIZE as u64);
         }
@@ -351,10 +359,23 @@ impl BatchedPageStore {
         Ok(())
     }
 
-    /// Set a page's state; frees what it held before.
+    /// Set a page's state (it was written now); frees what it held before.
     fn set_state(&self, index: u64, state: PageState) {
+        self.set_written(index, state, None);
+    }
+
+    /// `set_state` to a stored object holding data of CRC32C `checksum`.
+    fn set_stored(&self, index: u64, state: PageState, checksum: u32) {
+        self.set_written(index, state, Some(checksum));
+    }
+
+    fn set_written(&self, index: u64, state: PageState, checksum: Option<u32>) {
         let old = {
             let mut entry = self.table.lock(index);
+            entry.written(self.idle_clock.now());
+            if let Some(checksum) = checksum {
+                entry.set_checksum(checksum);
+            }
             let old = entry.replace(state);
             self.counters.transition(old, state);
             old
@@ -391,6 +412,7 @@ impl BatchedPageStore {
 
     fn read_page(&self, index: u64, out: &mut Page) -> Result<(), StoreError> {
         let entry = self.table.lock(index);
+        entry.touch(self.idle_clock.now());
         match entry.state() {
             PageState::Empty => out.fill(0),
             PageState::Same(word) => fill_page(out, word),
@@ -423,6 +445,19 @@ impl BatchedPageStore {
                         source,
                     });
                 }
+                let (stored, found) = (entry.checksum(), checksum(out));
+                if found != stored {
+                    add(&self.counters.checksum_failures, 1);
+                    tracing::error!(
+                        page = index,
+                        ?encoding,
+                        len,
+                        stored = format_args!("{stored:#010x}"),
+                        found = format_args!("{found:#010x}"),
+                        "stored page fails its checksum"
+                    );
+                    return Err(StoreError::ChecksumMismatch { page: index });
+                }
             }
         }
         Ok(())
@@ -439,6 +474,7 @@ impl BatchedPageStore {
                 if entry.state() == PageState::Empty {
                     continue;
                 }
+                entry.written(self.idle_clock.now());
                 let old = entry.replace(PageState::Empty);
                 self.counters.transition(old, PageState::Empty);
                 old
@@ -468,6 +504,7 @@ impl BatchedPageStore {
             let mut ctl = self.control.lock();
             ctl.stop = true;
             self.flusher_wake.notify_all();
+            self.recompress_wake.notify_all();
         }
         self.flush_open_batch();
         self.alloc.reserve.stop();
@@ -507,13 +544,44 @@ impl BatchedPageStore {
             mem_limit_hits: get(&c.mem_limit_hits),
             starved_writes: get(&c.starved_writes),
             lost_pages: get(&c.lost_pages),
+            checksum_failures: get(&c.checksum_failures),
+            gpu_mismatched_pages: get(&c.gpu_mismatched_pages),
             reserve_bytes: self.alloc.reserve.held_bytes(),
             reserve_misses: self.alloc.reserve.misses(),
+            recompressed_pages: get(&c.recompressed_pages),
+            recompress_saved_bytes: get(&c.recompress_saved_bytes),
+            recompress_rejected_pages: get(&c.recompress_rejected_pages),
+            recompress_dropped_pages: get(&c.recompress_dropped_pages),
+            recompress_cpu_ns: get(&c.recompress_cpu_ns),
+            recompress_backlog: get(&c.recompress_backlog),
+            recompress_passes: get(&c.recompress_passes),
         }
     }
 
     pub fn size_bytes(&self) -> u64 {
         self.config.size_bytes
+    }
+
+    /// Test hook: flip the lowest bit of byte `at` of a stored page's object.
+    #[cfg(test)]
+    fn flip_stored_bit(&self, index: u64, at: usize) -> bool {
+        let entry = self.table.lock(index);
+        if let PageState::Stored { handle, len, .. } = entry.state() {
+            self.alloc
+                .with_object_mut(handle, usize::from(len), |b| b[at] ^= 1);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Test hook: the stored length of page `index`, if it is stored.
+    #[cfg(test)]
+    fn stored_len(&self, index: u64) -> Option<usize> {
+        match self.table.lock(index).state() {
+            PageState::Stored { len, .. } => Some(usize::from(len)),
+            _ => None,
+        }
     }
 
     /// Test hook: overwrite a stored page's compressed bytes with `byte`.

@@ -1,4 +1,5 @@
-//! The page table: one 8-byte word per device page, each with its own lock bit.
+//! The page table: one 8-byte word per device page, each with its own lock bit, and beside it
+//! one 16-bit idle hint per page (`Hint`) and the CRC32C of a stored page's data.
 //!
 //! Every change of a page's state is one atomic store of its word, so a process that dies at
 //! any instruction leaves every entry whole: the old state or the new one (the store's memory
@@ -7,10 +8,21 @@
 //! the pending batch slot, or a stored object's encoding, length and position. Readers and
 //! writers of different pages never share a lock. Critical sections are a few hundred
 //! nanoseconds (a decompression at most): a short spin, then yielding, is enough.
+//!
+//! The hint says when the page was last written or read, on the store's coarse idle clock
+//! (see `IdleClock`), and what the recompressor (see `recompress`) knows of its data. It is
+//! read and written under the entry's lock, so it costs the I/O path no lock and no atomic
+//! read-modify-write of its own: a load, and a store only when it changes. It needs no crash
+//! consistency: a resumed store starts every hint afresh.
+//!
+//! The checksum belongs to the data, not to the object holding it: it is set under the entry's
+//! lock before the entry names a stored object (so a process that dies in between leaves an
+//! entry that does not name it yet), stays when the recompressor stores the same data again,
+//! and means nothing while the entry is not `Stored`.
 
 #![forbid(unsafe_code)]
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 
 use super::alloc::Handle;
 use crate::codec::Encoding;
@@ -36,6 +48,83 @@ const POSITION_MASK: u64 = (1 << LEN_SHIFT) - 1;
 const BATCH_SHIFT: u32 = 32;
 /// Spins before a waiter starts yielding its core.
 const SPINS_BEFORE_YIELD: u32 = 100;
+
+/// Ticks of the idle clock a hint can tell apart: ages are taken modulo this.
+const EPOCH_BITS: u32 = 14;
+const EPOCH_MASK: u16 = (1 << EPOCH_BITS) - 1;
+/// The recompressor has dealt with the page's current data (recompressed it, or found it not
+/// worth it): not tried again until the page is written.
+const SETTLED: u16 = 1 << 15;
+/// The recompressor copied the page's data and is compressing it: any write clears this, so
+/// the recompressor installs its result only if the page was not written meanwhile (the entry
+/// word alone could be the same again after a write: a freed object's place is reused).
+const CLAIMED: u16 = 1 << 14;
+
+/// A page's idle hint: when it was last written or read (an epoch of the idle clock, modulo
+/// 2^14), and the recompressor's flags.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Hint(u16);
+
+impl Hint {
+    /// A page written at `epoch`: no flags.
+    pub(super) fn written(epoch: u16) -> Self {
+        Hint(epoch & EPOCH_MASK)
+    }
+
+    pub(super) fn epoch(self) -> u16 {
+        self.0 & EPOCH_MASK
+    }
+
+    /// Ticks from the last access to `now` (modulo 2^14: a page idle for longer may look
+    /// young again for a while, which only delays its recompression).
+    pub(super) fn age(self, now: u16) -> u16 {
+        now.wrapping_sub(self.epoch()) & EPOCH_MASK
+    }
+
+    pub(super) fn settled(self) -> bool {
+        self.0 & SETTLED != 0
+    }
+
+    /// The same access time, with `settled` and `claimed` as given.
+    pub(super) fn with_flags(self, settled: bool, claimed: bool) -> Self {
+        let mut bits = self.epoch();
+        if settled {
+            bits |= SETTLED;
+        }
+        if claimed {
+            bits |= CLAIMED;
+        }
+        Hint(bits)
+    }
+
+    /// Accessed at `epoch`, flags kept.
+    fn touched(self, epoch: u16) -> Self {
+        Hint((self.0 & !EPOCH_MASK) | (epoch & EPOCH_MASK))
+    }
+}
+
+/// The store's coarse clock for idle hints: an epoch counter that the recompressor's thread
+/// advances (see `recompress`), so that the I/O path reads the time with one relaxed load
+/// rather than a clock call per page. Without recompression nothing needs ages and it stays
+/// at 0.
+#[derive(Debug, Default)]
+pub(super) struct IdleClock(AtomicU16);
+
+impl IdleClock {
+    pub(super) fn now(&self) -> u16 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Set the clock to `ticks` since the store started (modulo 2^14).
+    pub(super) fn set(&self, ticks: u64) {
+        #[allow(
+            clippy::cast_possible_truncation,
+            reason = "masked to the 14 bits of an epoch"
+        )]
+        let epoch = (ticks & u64::from(EPOCH_MASK)) as u16;
+        self.0.store(epoch, Ordering::Relaxed);
+    }
+}
 
 /// What one page holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -135,9 +224,11 @@ fn sign_extend(value: u64) -> u64 {
     extended
 }
 
-/// Exclusive access to one entry; the lock is released when it is dropped.
+/// Exclusive access to one entry (and its hint); the lock is released when it is dropped.
 pub(super) struct EntryGuard<'a> {
     entry: &'a AtomicU64,
+    hint: &'a AtomicU16,
+    checksum: &'a AtomicU32,
     word: u64,
     state: PageState,
     changed: bool,
@@ -146,6 +237,50 @@ pub(super) struct EntryGuard<'a> {
 impl EntryGuard<'_> {
     pub(super) fn state(&self) -> PageState {
         self.state
+    }
+
+    /// The entry's word as it was locked (without the lock bit): what the recompressor
+    /// compares to tell whether an entry is still the one it read.
+    pub(super) fn word(&self) -> u64 {
+        self.word
+    }
+
+    /// The CRC32C of the data of the stored object the entry names.
+    pub(super) fn checksum(&self) -> u32 {
+        self.checksum.load(Ordering::Relaxed)
+    }
+
+    /// Set the checksum of the data the entry is about to name (before `replace`: the entry's
+    /// word is stored, with Release, when the guard drops).
+    pub(super) fn set_checksum(&self, checksum: u32) {
+        self.checksum.store(checksum, Ordering::Relaxed);
+    }
+
+    pub(super) fn hint(&self) -> Hint {
+        Hint(self.hint.load(Ordering::Relaxed))
+    }
+
+    pub(super) fn set_hint(&self, hint: Hint) {
+        self.hint.store(hint.0, Ordering::Relaxed);
+    }
+
+    /// The page was read at `epoch`: its access time moves, its flags stay. Written only when
+    /// it changes, so reads of a page within one tick leave its cache line clean.
+    pub(super) fn touch(&self, epoch: u16) {
+        let old = self.hint();
+        let new = old.touched(epoch);
+        if new != old {
+            self.set_hint(new);
+        }
+    }
+
+    /// The page was written (or discarded) at `epoch`: new data, so the recompressor's flags
+    /// go (a claim in flight fails, and the page will be tried again once idle).
+    pub(super) fn written(&self, epoch: u16) {
+        let new = Hint::written(epoch);
+        if new != self.hint() {
+            self.set_hint(new);
+        }
     }
 
     /// Replace the state; returns the old one.
@@ -170,16 +305,33 @@ impl Drop for EntryGuard<'_> {
 
 pub(super) struct PageTable {
     entries: Words<AtomicU64>,
+    /// One per entry.
+    hints: Words<AtomicU16>,
+    /// One per entry.
+    checksums: Words<AtomicU32>,
 }
 
 impl PageTable {
-    /// The table in `entries` (committed by the caller), as a fresh or a resumed store left it.
-    pub(super) fn new(entries: Words<AtomicU64>) -> Self {
-        Self { entries }
+    /// The table in `entries` with its `hints` and `checksums` (as many, committed by the
+    /// caller), as a fresh or a resumed store left them.
+    pub(super) fn new(
+        entries: Words<AtomicU64>,
+        hints: Words<AtomicU16>,
+        checksums: Words<AtomicU32>,
+    ) -> Self {
+        debug_assert_eq!(entries.len(), hints.len(), "one hint per entry");
+        debug_assert_eq!(entries.len(), checksums.len(), "one checksum per entry");
+        Self {
+            entries,
+            hints,
+            checksums,
+        }
     }
 
     pub(super) fn bytes(&self) -> u64 {
-        std::mem::size_of_val(&*self.entries) as u64
+        (std::mem::size_of_val(&*self.entries)
+            + std::mem::size_of_val(&*self.hints)
+            + std::mem::size_of_val(&*self.checksums)) as u64
     }
 
     pub(super) fn len(&self) -> usize {
@@ -188,17 +340,35 @@ impl PageTable {
 
     /// Entry `index`'s state, with a lock bit left by a dead process cleared. Only for a store
     /// nobody serves yet (resume).
+    /// Its hint starts afresh (accessed now, on a clock that starts again at 0, no flags).
     pub(super) fn recover(&self, index: usize) -> PageState {
         let entry = &self.entries[index];
         let word = entry.load(Ordering::Acquire) & !LOCKED;
         entry.store(word, Ordering::Release);
+        self.hints[index].store(0, Ordering::Relaxed);
         PageState::decode(word)
+    }
+
+    /// Entry `index`'s state and hint without locking it: a guess, for picking pages to look
+    /// at under the lock (the recompressor's scan). `None` while the entry is locked.
+    pub(super) fn peek(&self, index: usize) -> Option<(PageState, Hint)> {
+        let word = self.entries.get(index)?.load(Ordering::Relaxed);
+        if word & LOCKED != 0 {
+            return None;
+        }
+        let hint = Hint(self.hints[index].load(Ordering::Relaxed));
+        Some((PageState::decode(word), hint))
     }
 
     /// Lock entry `index` (which the caller has bounds-checked).
     pub(super) fn lock(&self, index: u64) -> EntryGuard<'_> {
         // An index past the table (impossible: requests are range-checked) fails the lookup.
-        let entry = &self.entries[usize::try_from(index).unwrap_or(usize::MAX)];
+        let index = usize::try_from(index).unwrap_or(usize::MAX);
+        let (entry, hint, checksum) = (
+            &self.entries[index],
+            &self.hints[index],
+            &self.checksums[index],
+        );
         let mut spins = 0u32;
         let word = loop {
             let cur = entry.load(Ordering::Relaxed);
@@ -218,6 +388,8 @@ impl PageTable {
         };
         EntryGuard {
             entry,
+            hint,
+            checksum,
             word,
             state: PageState::decode(word),
             changed: false,
@@ -230,8 +402,12 @@ mod tests {
     use super::*;
 
     fn table(pages: usize) -> PageTable {
-        let segment = crate::mem::Segment::private(pages * 8).unwrap();
-        PageTable::new(segment.words(0, pages).unwrap())
+        let segment = crate::mem::Segment::private(pages * 14).unwrap();
+        PageTable::new(
+            segment.words(0, pages).unwrap(),
+            segment.words16(pages * 12, pages).unwrap(),
+            segment.words32(pages * 8, pages).unwrap(),
+        )
     }
 
     #[test]
@@ -258,7 +434,7 @@ mod tests {
             assert_eq!(t.lock(2).state(), s);
         }
         assert_eq!(t.lock(3).state(), PageState::Empty);
-        assert_eq!(t.bytes(), 32);
+        assert_eq!(t.bytes(), 4 * (8 + 2 + 4));
         assert_eq!(PageState::same(0x8000_0000_0000_0000), None);
         assert_eq!(PageState::same(0x0fff_ffff_ffff_ffff), None);
         assert_eq!(PageState::same(0x1234_5678_9abc_def0), None);
@@ -271,6 +447,50 @@ mod tests {
         std::mem::forget(t.lock(1));
         assert_eq!(t.recover(1), PageState::Same(7));
         assert_eq!(t.lock(1).state(), PageState::Same(7));
+    }
+
+    #[test]
+    fn reads_move_the_access_time_and_keep_flags_writes_clear_them() {
+        let t = table(2);
+        let g = t.lock(0);
+        g.written(5);
+        assert_eq!(g.hint(), Hint::written(5));
+        g.set_hint(g.hint().with_flags(true, true));
+        g.touch(9);
+        assert_eq!(g.hint(), Hint::written(9).with_flags(true, true));
+        assert!(g.hint().settled());
+        g.written(11);
+        assert_eq!(g.hint(), Hint::written(11));
+        assert!(!g.hint().settled());
+        drop(g);
+        assert_eq!(t.peek(0).map(|(_, h)| h.epoch()), Some(11));
+        let held = t.lock(0);
+        assert_eq!(t.peek(0), None, "a locked entry is not peeked");
+        drop(held);
+        t.lock(1).set_hint(Hint::written(3).with_flags(true, false));
+        t.recover(1);
+        assert_eq!(
+            t.lock(1).hint(),
+            Hint::default(),
+            "a resumed hint starts afresh"
+        );
+    }
+
+    #[test]
+    fn ages_wrap_with_the_epoch() {
+        let clock = IdleClock::default();
+        assert_eq!(clock.now(), 0);
+        clock.set(u64::from(EPOCH_MASK) + 3);
+        assert_eq!(clock.now(), 2);
+        let hint = Hint::written(EPOCH_MASK - 1);
+        assert_eq!(hint.age(clock.now()), 4, "ages count across the wrap");
+        assert_eq!(Hint::written(7).age(7), 0);
+        assert_eq!(Hint::written(7).age(20), 13);
+        assert_eq!(
+            Hint::written(7).with_flags(true, true).age(20),
+            13,
+            "flags are not part of the age"
+        );
     }
 
     #[test]

@@ -1,7 +1,12 @@
 //! Unit tests that need the store's insides: corruption of stored bytes, allocator overhead.
 
 #![forbid(unsafe_code)]
+#![allow(
+    clippy::cast_possible_truncation,
+    reason = "test data: small, known values"
+)]
 
+use super::recompress;
 use super::*;
 
 /// Compressible, but not same-filled: a short random phrase repeated with variations.
@@ -143,4 +148,373 @@ fn a_panicking_codec_loses_no_page_and_the_batch_is_reused_safely() {
         assert_eq!(&buf[..], &text(index)[..], "page {index}");
     }
     assert_eq!(s.reserved_bytes.load(Ordering::Relaxed), 0);
+}
+
+/// Incompressible: xorshift bytes.
+fn noise(seed: u64) -> Box<Page> {
+    let mut p = Box::new([0u8; PAGE_SIZE]);
+    let mut x = seed | 1;
+    for b in p.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = (x >> 32) as u8;
+    }
+    p
+}
+
+fn recompressing_store(pages: u64) -> (Arc<BatchedPageStore>, RecompressConfig) {
+    let mut c =
+        crate::config::StoreSettings::default().store_config(pages * PAGE_SIZE as u64, false);
+    c.algorithm = Algorithm::Lz4;
+    let config = RecompressConfig {
+        algorithm: Algorithm::Zstd { level: 3 },
+        idle: std::time::Duration::from_millis(16),
+        min_saving_divisor: 8,
+        cpu_percent: 100,
+    };
+    c.recompress = Some(config);
+    (store(c), config)
+}
+
+/// Move the idle clock on by one idle threshold: every page is idle now.
+fn let_time_pass(s: &BatchedPageStore) {
+    s.idle_clock
+        .set(u64::from(s.idle_clock.now()) + u64::from(recompress::TICKS_PER_IDLE));
+}
+
+fn pass(s: &BatchedPageStore, config: &RecompressConfig) {
+    s.recompress_pass(
+        config,
+        recompress::tick(config),
+        &mut recompress::Scratch::new(),
+    );
+}
+
+fn read_page_back(s: &BatchedPageStore, index: u64) -> Vec<u8> {
+    let mut buf = vec![0u8; PAGE_SIZE];
+    s.read(index * PAGE_SIZE as u64, &mut buf).unwrap();
+    buf
+}
+
+#[test]
+fn idle_pages_are_recompressed_once_and_incompressible_ones_not_retried() {
+    let (s, config) = recompressing_store(64);
+    for i in 0..32u64 {
+        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+    }
+    for i in 32..40u64 {
+        s.write(i * PAGE_SIZE as u64, &noise(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    let before = s.stats();
+    assert_eq!((before.pages_lz4, before.huge_pages), (32, 8));
+
+    // Nothing is idle yet.
+    pass(&s, &config);
+    let st = s.stats();
+    assert_eq!((st.recompressed_pages, st.recompress_backlog), (0, 40));
+
+    let_time_pass(&s);
+    pass(&s, &config);
+    let st = s.stats();
+    assert_eq!(st.recompressed_pages, 32, "{st:?}");
+    assert_eq!(st.recompress_rejected_pages, 8, "noise does not compress");
+    assert_eq!((st.pages_zstd, st.pages_lz4, st.huge_pages), (32, 0, 8));
+    assert_eq!(st.recompress_backlog, 0);
+    assert!(st.recompress_saved_bytes > 0);
+    assert_eq!(
+        st.compr_bytes,
+        before.compr_bytes - st.recompress_saved_bytes,
+        "the gauges follow the new objects"
+    );
+    for i in 0..40u64 {
+        let want = if i < 32 { text(i) } else { noise(i) };
+        assert_eq!(&read_page_back(&s, i)[..], &want[..], "page {i}");
+    }
+
+    // Settled pages are not tried again, however idle.
+    let_time_pass(&s);
+    pass(&s, &config);
+    let again = s.stats();
+    assert_eq!(
+        (again.recompressed_pages, again.recompress_rejected_pages),
+        (32, 8)
+    );
+
+    // New data is tried again.
+    s.write(33 * PAGE_SIZE as u64, &noise(1033)[..]).unwrap();
+    s.write(3 * PAGE_SIZE as u64, &text(1003)[..]).unwrap();
+    s.flush_pending().unwrap();
+    pass(&s, &config);
+    assert_eq!(
+        s.stats().recompress_backlog,
+        2,
+        "written pages are young again"
+    );
+    let_time_pass(&s);
+    pass(&s, &config);
+    let st = s.stats();
+    assert_eq!(
+        (st.recompressed_pages, st.recompress_rejected_pages),
+        (33, 9)
+    );
+    assert_eq!(&read_page_back(&s, 3)[..], &text(1003)[..]);
+    assert_eq!(&read_page_back(&s, 33)[..], &noise(1033)[..]);
+    s.shutdown();
+}
+
+#[test]
+fn a_page_written_read_or_discarded_while_recompressed_wins() {
+    let (s, config) = recompressing_store(8);
+    let page = PAGE_SIZE as u64;
+    let mut scratch = recompress::Scratch::new();
+    for i in 0..3u64 {
+        s.write(i * page, &text(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    let_time_pass(&s);
+
+    // Written meanwhile (same length, so the new object may take the old one's place).
+    let claim = s.claim(0, &mut scratch).unwrap();
+    s.write(0, &text(0)[..]).unwrap();
+    s.write(0, &text(100)[..]).unwrap();
+    s.flush_pending().unwrap();
+    assert_eq!(
+        s.finish(claim, &config, &mut scratch),
+        recompress::Outcome::Dropped
+    );
+    assert_eq!(&read_page_back(&s, 0)[..], &text(100)[..]);
+
+    // Read meanwhile: the page is hot again, and stays as it is.
+    let claim = s.claim(1, &mut scratch).unwrap();
+    assert_eq!(&read_page_back(&s, 1)[..], &text(1)[..]);
+    let_time_pass(&s);
+    assert_eq!(
+        s.finish(claim, &config, &mut scratch),
+        recompress::Outcome::Dropped
+    );
+    assert_eq!(&read_page_back(&s, 1)[..], &text(1)[..]);
+
+    // Discarded meanwhile.
+    let claim = s.claim(2, &mut scratch).unwrap();
+    s.discard(2 * page, page).unwrap();
+    assert_eq!(
+        s.finish(claim, &config, &mut scratch),
+        recompress::Outcome::Dropped
+    );
+    assert!(read_page_back(&s, 2).iter().all(|&b| b == 0));
+
+    let st = s.stats();
+    assert_eq!(
+        (st.pages_zstd, st.pages_lz4),
+        (0, 2),
+        "nothing was installed"
+    );
+    assert_eq!(st.recompressed_pages, 0);
+    // Untouched, it is recompressed after all.
+    let_time_pass(&s);
+    pass(&s, &config);
+    assert_eq!(s.stats().pages_zstd, 2);
+    for (i, want) in [(0, text(100)), (1, text(1))] {
+        assert_eq!(&read_page_back(&s, i)[..], &want[..], "page {i}");
+    }
+    // Every object the dropped results took went back.
+    let fresh = BatchedPageStore::new(s.config.clone(), None).unwrap();
+    for (i, want) in [(0, text(100)), (1, text(1))] {
+        fresh.write(i * page, &want[..]).unwrap();
+    }
+    fresh.flush_pending().unwrap();
+    let_time_pass(&fresh);
+    pass(&fresh, &config);
+    assert_eq!(s.stats().compr_bytes, fresh.stats().compr_bytes);
+    assert_eq!(s.alloc.chunk_bytes(), fresh.alloc.chunk_bytes());
+    s.shutdown();
+    fresh.shutdown();
+}
+
+#[test]
+fn writers_and_readers_racing_the_recompressor_keep_their_data() {
+    const PAGES: u64 = 96;
+    const THREADS: u64 = 3;
+    let (s, _) = recompressing_store(PAGES);
+    let flusher = s.start_flusher(|_| ()).unwrap();
+    let page = PAGE_SIZE as u64;
+    // Page i belongs to thread i % THREADS, which writes version v of it as text(i * 1000 + v)
+    // (or noise for every fifth version) and checks it reads back the last one. Version 0:
+    // never written, zeros.
+    let content = |i: u64, v: u64| {
+        if v == 0 {
+            Box::new([0u8; PAGE_SIZE])
+        } else if v % 5 == 4 {
+            noise(i * 1000 + v)
+        } else {
+            text(i * 1000 + v)
+        }
+    };
+    let last: Vec<u64> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let s = &s;
+                scope.spawn(move || {
+                    let mine: Vec<u64> = (t..PAGES).step_by(THREADS as usize).collect();
+                    let mut versions = vec![0u64; mine.len()];
+                    let mut x = t + 1;
+                    for round in 0..400u64 {
+                        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                        let k = (x >> 33) as usize % mine.len();
+                        let i = mine[k];
+                        if round % 3 == 0 {
+                            versions[k] += 1;
+                            s.write(i * page, &content(i, versions[k])[..]).unwrap();
+                        } else {
+                            let want = content(i, versions[k]);
+                            assert!(read_page_back(s, i)[..] == want[..], "page {i}");
+                        }
+                        if round % 50 == 0 {
+                            // Long enough for pages to go idle and the recompressor to work.
+                            std::thread::sleep(std::time::Duration::from_millis(20));
+                        }
+                    }
+                    mine.into_iter().zip(versions).collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let mut last = vec![0u64; PAGES as usize];
+        for worker in workers {
+            for (i, v) in worker.join().unwrap() {
+                last[i as usize] = v;
+            }
+        }
+        last
+    });
+    s.flush_pending().unwrap();
+    // Let the recompressor settle everything (bounded).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let passes = s.stats().recompress_passes;
+    while std::time::Instant::now() < deadline {
+        let st = s.stats();
+        if st.recompress_passes > passes + 1 && st.recompress_backlog == 0 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let st = s.stats();
+    assert_eq!(st.recompress_backlog, 0, "{st:?}");
+    assert!(st.recompressed_pages > 0, "{st:?}");
+    for i in 0..PAGES {
+        assert!(
+            read_page_back(&s, i)[..] == content(i, last[i as usize])[..],
+            "page {i}"
+        );
+    }
+    drop(flusher);
+}
+
+#[test]
+fn a_flipped_bit_in_a_stored_page_fails_its_read_with_eio_and_is_counted() {
+    let mut c = crate::config::StoreSettings::default().store_config(16 * PAGE_SIZE as u64, false);
+    c.algorithm = Algorithm::Lz4;
+    let s = store(c);
+    s.write(0, &noise(1)[..]).unwrap();
+    s.write(PAGE_SIZE as u64, &text(2)[..]).unwrap();
+    s.write(2 * PAGE_SIZE as u64, &text(3)[..]).unwrap();
+    s.flush_pending().unwrap();
+    assert_eq!((s.stats().huge_pages, s.stats().pages_lz4), (1, 2));
+    // A raw page: the copy succeeds, the checksum does not. An LZ4 page: its last bytes are
+    // literals, so it still decodes, to a page one bit off.
+    assert!(s.flip_stored_bit(0, 1234));
+    let lz4_len = s.stored_len(1).unwrap();
+    assert!(s.flip_stored_bit(1, lz4_len - 1));
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for page in [0u64, 1] {
+        let err = s.read(page * PAGE_SIZE as u64, &mut buf).unwrap_err();
+        assert!(
+            matches!(err, StoreError::ChecksumMismatch { page: p } if p == page),
+            "{err}"
+        );
+        assert_eq!(err.errno(), -libc::EIO);
+    }
+    let st = s.stats();
+    assert_eq!((st.checksum_failures, st.failed_reads), (2, 2));
+    assert_eq!(&read_page_back(&s, 2)[..], &text(3)[..], "other pages read");
+    // Writing the page again heals it.
+    s.write(0, &noise(5)[..]).unwrap();
+    s.flush_pending().unwrap();
+    assert_eq!(&read_page_back(&s, 0)[..], &noise(5)[..]);
+}
+
+#[test]
+fn the_recompressor_does_not_store_a_page_that_fails_its_checksum_again() {
+    let (s, config) = recompressing_store(8);
+    s.write(0, &text(1)[..]).unwrap();
+    s.write(PAGE_SIZE as u64, &text(2)[..]).unwrap();
+    s.flush_pending().unwrap();
+    let len = s.stored_len(0).unwrap();
+    assert!(s.flip_stored_bit(0, len - 1));
+    let_time_pass(&s);
+    pass(&s, &config);
+    let st = s.stats();
+    assert_eq!(st.checksum_failures, 1);
+    assert_eq!(
+        (st.recompressed_pages, st.recompress_rejected_pages),
+        (1, 1)
+    );
+    let mut buf = vec![0u8; PAGE_SIZE];
+    assert!(matches!(
+        s.read(0, &mut buf),
+        Err(StoreError::ChecksumMismatch { page: 0 })
+    ));
+    assert_eq!(&read_page_back(&s, 1)[..], &text(2)[..]);
+    s.shutdown();
+}
+
+/// A GPU stand-in whose output is well formed but wrong: pages 0 and 1 of each batch swapped.
+struct SwappingGpu;
+
+impl BatchCodec for SwappingGpu {
+    fn compress_batch(
+        &self,
+        pages: &[&Page],
+        out: &mut CompressedBatch,
+    ) -> Result<(), crate::codec::CodecError> {
+        crate::codec::CpuCodec::single(Algorithm::Lz4).compress_batch(pages, out)?;
+        if pages.len() >= 2 {
+            let (first, rest) = out.data.split_at_mut(PAGE_SIZE);
+            first.swap_with_slice(&mut rest[..PAGE_SIZE]);
+            out.lens.swap(0, 1);
+            out.encodings.swap(0, 1);
+        }
+        Ok(())
+    }
+
+    fn decompress_batch(
+        &self,
+        inputs: &[(crate::codec::Encoding, &[u8])],
+        out: &mut [Page],
+        status: &mut [Result<(), crate::codec::CodecError>],
+    ) {
+        crate::codec::CpuCodec::single(Algorithm::Lz4).decompress_batch(inputs, out, status);
+    }
+}
+
+#[test]
+fn gpu_output_that_does_not_decode_to_its_page_is_stored_raw() {
+    let mut c = crate::config::StoreSettings::default().store_config(64 * PAGE_SIZE as u64, false);
+    c.algorithm = Algorithm::Lz4;
+    c.batch_threshold = 8;
+    c.forced_backend = Some(Backend::Gpu);
+    let s = BatchedPageStore::new(c, Some(Arc::new(SwappingGpu) as Arc<dyn BatchCodec>)).unwrap();
+    // (`text` seeds 2k and 2k + 1 make the same page.)
+    for i in 0..8u64 {
+        s.write(i * PAGE_SIZE as u64, &text(2 * i + 1)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    let st = s.stats();
+    assert_eq!(st.gpu_mismatched_pages, 2, "{st:?}");
+    assert_eq!((st.huge_pages, st.pages_lz4), (2, 6));
+    for i in 0..8u64 {
+        assert_eq!(&read_page_back(&s, i)[..], &text(2 * i + 1)[..], "page {i}");
+    }
+    assert_eq!(s.stats().checksum_failures, 0);
 }

@@ -1,0 +1,350 @@
+//! Background recompression: hot pages fast, cold pages small. New pages are compressed with
+//! the store's algorithm (LZ4 by default: the write and read paths at LZ4's speed); a thread
+//! of low priority recompresses pages that nobody has read or written for a while with a
+//! stronger codec (`RecompressConfig`), and keeps the result only when it saves enough.
+//!
+//! It never blocks I/O for longer than a read of the same page would: under the entry's lock it
+//! only copies the compressed bytes and claims the page in its hint (see `table::Hint`), and
+//! later installs its result. Decompressing, compressing and storing the new object happen
+//! outside every lock. The result is installed only if the entry and its hint are exactly
+//! what it claimed: a page written (the write clears the claim) or read (its access time
+//! moves) meanwhile wins, and the result is dropped, as a flush drops a page rewritten while
+//! its batch was compressed.
+//!
+//! Crash consistency, as everywhere in the store (see `layout`): the new object is copied in
+//! first, then the entry flips to it in one atomic store, then the old object is freed. A
+//! process that dies in between leaves an object no entry names, which `resume` gives back.
+//!
+//! A page it has dealt with (recompressed, or found not worth it) is marked settled in its
+//! hint and not tried again until it is written: incompressible pages cost one try per write.
+
+#![forbid(unsafe_code)]
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::alloc::Handle;
+use super::config::RecompressConfig;
+use super::counters::add;
+use super::table::{EntryGuard, Hint, PageState};
+use super::BatchedPageStore;
+use crate::codec::{checksum, compress_page, decompress_page, page_len, Encoding, Page, PAGE_SIZE};
+
+/// Ticks of the idle clock per idle threshold: a page counts as idle once its hint is this many
+/// ticks old, so it is recompressed between 15/16 and 17/16 of the threshold after its last
+/// access (plus the time the scan takes to reach it).
+pub(super) const TICKS_PER_IDLE: u16 = 16;
+/// The idle clock never ticks faster than this (tests use thresholds of a few ms).
+const MIN_TICK: Duration = Duration::from_millis(1);
+/// Pages recompressed between looks at the clock, the CPU share and the stop flag.
+const SLICE_PAGES: usize = 64;
+
+/// What happened to one page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Outcome {
+    /// Recompressed and installed; this many bytes smaller.
+    Installed { saved: u64 },
+    /// Recompressed, but not enough smaller: settled as it is.
+    Rejected,
+    /// Read, written or discarded meanwhile (or no longer idle): left for a later pass.
+    Dropped,
+}
+
+/// Buffers of one recompression, reused page after page.
+pub(super) struct Scratch {
+    compressed: Box<Page>,
+    page: Box<Page>,
+    out: Box<Page>,
+}
+
+impl Scratch {
+    pub(super) fn new() -> Self {
+        Self {
+            compressed: Box::new([0; PAGE_SIZE]),
+            page: Box::new([0; PAGE_SIZE]),
+            out: Box::new([0; PAGE_SIZE]),
+        }
+    }
+}
+
+/// The tick of the idle clock for `config`: a sixteenth of the idle threshold.
+pub(super) fn tick(config: &RecompressConfig) -> Duration {
+    (config.idle / u32::from(TICKS_PER_IDLE)).max(MIN_TICK)
+}
+
+impl BatchedPageStore {
+    /// The recompressor's thread: advance the idle clock every tick and, on each, make a pass
+    /// over the table. Returns when the store shuts down.
+    pub(super) fn recompress_loop(&self, config: RecompressConfig) {
+        crate::codec::prepare_thread(config.algorithm);
+        let tick = tick(&config);
+        let mut scratch = Scratch::new();
+        loop {
+            {
+                let mut ctl = self.control.lock();
+                if ctl.stop {
+                    return;
+                }
+                self.recompress_wake.wait_for(&mut ctl, tick);
+                if ctl.stop {
+                    return;
+                }
+            }
+            self.advance_idle_clock(tick);
+            self.recompress_pass(&config, tick, &mut scratch);
+        }
+    }
+
+    fn advance_idle_clock(&self, tick: Duration) {
+        let ticks = self.epoch.elapsed().as_nanos() / tick.as_nanos().max(1);
+        self.idle_clock
+            .set(u64::try_from(ticks).unwrap_or(u64::MAX));
+    }
+
+    fn stopping(&self) -> bool {
+        self.shut_down.load(Ordering::Acquire)
+    }
+
+    /// One pass over the table: recompress every stored, idle, unsettled page, pacing itself to
+    /// its CPU share. Publishes the pages it left unsettled (`recompress_backlog`).
+    pub(super) fn recompress_pass(
+        &self,
+        config: &RecompressConfig,
+        tick: Duration,
+        scratch: &mut Scratch,
+    ) {
+        let mut backlog = 0u64;
+        let mut slice = Slice::start();
+        for index in 0..self.table.len() {
+            if slice.pages >= SLICE_PAGES {
+                if self.stopping() {
+                    return;
+                }
+                self.pace(config, &slice);
+                self.advance_idle_clock(tick);
+                slice = Slice::start();
+            }
+            let Some((state, hint)) = self.table.peek(index) else {
+                continue; // locked: in use right now, so not idle
+            };
+            if !matches!(state, PageState::Stored { .. }) || hint.settled() {
+                continue;
+            }
+            if hint.age(self.idle_clock.now()) < TICKS_PER_IDLE || self.alloc.reserve.starving() {
+                // Not idle yet, or the system has no memory to give: a later pass.
+                backlog += 1;
+                continue;
+            }
+            slice.pages += 1;
+            match self.recompress_page(index as u64, config, scratch) {
+                Outcome::Installed { saved } => {
+                    add(&self.counters.recompressed_pages, 1);
+                    add(&self.counters.recompress_saved_bytes, saved);
+                }
+                Outcome::Rejected => add(&self.counters.recompress_rejected_pages, 1),
+                Outcome::Dropped => {
+                    add(&self.counters.recompress_dropped_pages, 1);
+                    backlog += 1;
+                }
+            }
+        }
+        self.note_cpu_time();
+        self.counters
+            .recompress_backlog
+            .store(backlog, Ordering::Relaxed);
+        add(&self.counters.recompress_passes, 1);
+    }
+
+    /// Sleep long enough after `slice` that the thread stays within its CPU share.
+    fn pace(&self, config: &RecompressConfig, slice: &Slice) {
+        let used = self.note_cpu_time().saturating_sub(slice.cpu_at_start);
+        let percent = config.cpu_percent.clamp(1, 100);
+        if percent >= 100 {
+            return;
+        }
+        let rest = used * (100 - percent) / percent;
+        let deadline = Instant::now() + rest;
+        let mut ctl = self.control.lock();
+        while !ctl.stop && Instant::now() < deadline {
+            self.recompress_wake.wait_until(&mut ctl, deadline);
+        }
+    }
+
+    /// Record the thread's CPU time so far in the counters; returns it.
+    fn note_cpu_time(&self) -> Duration {
+        let used = crate::os::thread_cpu_time();
+        self.counters.recompress_cpu_ns.store(
+            u64::try_from(used.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        used
+    }
+
+    /// Recompress page `index` if it is still a stored, idle, unsettled page.
+    fn recompress_page(
+        &self,
+        index: u64,
+        config: &RecompressConfig,
+        scratch: &mut Scratch,
+    ) -> Outcome {
+        match self.claim(index, scratch) {
+            Ok(claim) => self.finish(claim, config, scratch),
+            Err(outcome) => outcome,
+        }
+    }
+
+    /// Under the entry's lock: check that the page is still worth a try, copy its compressed
+    /// bytes into `scratch` and mark the claim in its hint.
+    pub(super) fn claim(&self, index: u64, scratch: &mut Scratch) -> Result<Claim, Outcome> {
+        let entry = self.table.lock(index);
+        let PageState::Stored {
+            handle,
+            len,
+            encoding,
+        } = entry.state()
+        else {
+            return Err(Outcome::Dropped);
+        };
+        let hint = entry.hint();
+        if hint.settled() || hint.age(self.idle_clock.now()) < TICKS_PER_IDLE {
+            return Err(Outcome::Dropped);
+        }
+        let len_bytes = usize::from(len);
+        let copied = self.alloc.with_object(handle, len_bytes, |bytes| {
+            scratch.compressed[..len_bytes].copy_from_slice(bytes);
+        });
+        if copied.is_none() {
+            // A broken entry: its reads report it (EIO); nothing to gain here.
+            entry.set_hint(hint.with_flags(true, false));
+            return Err(Outcome::Rejected);
+        }
+        let claimed = hint.with_flags(false, true);
+        entry.set_hint(claimed);
+        Ok(Claim {
+            index,
+            word: entry.word(),
+            hint: claimed,
+            checksum: entry.checksum(),
+            handle,
+            len: len_bytes,
+            encoding,
+        })
+    }
+
+    /// Outside every lock: decompress the claimed page, compress it with the stronger codec,
+    /// store the result if it saves enough, and install it if the entry is still exactly as
+    /// claimed.
+    pub(super) fn finish(
+        &self,
+        claim: Claim,
+        config: &RecompressConfig,
+        scratch: &mut Scratch,
+    ) -> Outcome {
+        let old_len = claim.len;
+        let decoded = decompress_page(
+            claim.encoding,
+            &scratch.compressed[..old_len],
+            &mut scratch.page,
+        );
+        let intact = decoded.is_ok() && checksum(&scratch.page) == claim.checksum;
+        if decoded.is_ok() && !intact {
+            // Its reads fail with EIO and log it; the data must not be stored again as good.
+            add(&self.counters.checksum_failures, 1);
+            tracing::error!(
+                page = claim.index,
+                "stored page fails its checksum (found by the recompressor)"
+            );
+        }
+        let result = if intact {
+            Ok(compress_page(
+                config.algorithm,
+                &scratch.page,
+                &mut scratch.out,
+            ))
+        } else {
+            Err(())
+        };
+        let worth_it = match result {
+            Ok((new_encoding, new_len)) => {
+                let limit = old_len - old_len / config.min_saving_divisor.max(1);
+                (new_encoding != Encoding::Raw && new_len <= limit && new_len < old_len)
+                    .then_some((new_encoding, new_len))
+            }
+            // A corrupt page: its reads report it (EIO); settled as it is.
+            Err(()) => None,
+        };
+        let Some((new_encoding, new_len)) = worth_it else {
+            let entry = self.table.lock(claim.index);
+            if !claim.holds(&entry) {
+                return Outcome::Dropped;
+            }
+            entry.set_hint(claim.hint.with_flags(true, false));
+            return Outcome::Rejected;
+        };
+        // The new object first, outside every lock; then the entry flips to it.
+        let Some(new_handle) = self.alloc.store(&scratch.out[..new_len]) else {
+            return Outcome::Dropped;
+        };
+        let new = PageState::Stored {
+            handle: new_handle,
+            len: page_len(new_len),
+            encoding: new_encoding,
+        };
+        let installed = {
+            let mut entry = self.table.lock(claim.index);
+            if claim.holds(&entry) {
+                let old = entry.replace(new);
+                self.counters.transition(old, new);
+                entry.set_hint(claim.hint.with_flags(true, false));
+                true
+            } else {
+                false
+            }
+        };
+        if installed {
+            self.alloc.free(claim.handle, old_len);
+            Outcome::Installed {
+                saved: (old_len - new_len) as u64,
+            }
+        } else {
+            self.alloc.free(new_handle, new_len);
+            Outcome::Dropped
+        }
+    }
+}
+
+/// A page the recompressor copied out, and how its entry and hint looked then.
+pub(super) struct Claim {
+    index: u64,
+    word: u64,
+    hint: Hint,
+    /// Of the page's data: the same whatever codec stores it.
+    checksum: u32,
+    handle: Handle,
+    len: usize,
+    encoding: Encoding,
+}
+
+impl Claim {
+    /// Whether `entry` is still exactly as claimed: not written (a write clears the claim, and
+    /// the word alone could be the same again), not read (its access time moved), not
+    /// discarded.
+    fn holds(&self, entry: &EntryGuard<'_>) -> bool {
+        entry.word() == self.word && entry.hint() == self.hint
+    }
+}
+
+/// The pages and CPU time of the work since the last pause.
+struct Slice {
+    pages: usize,
+    cpu_at_start: Duration,
+}
+
+impl Slice {
+    fn start() -> Self {
+        Self {
+            pages: 0,
+            cpu_at_start: crate::os::thread_cpu_time(),
+        }
+    }
+}
