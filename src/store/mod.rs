@@ -555,6 +555,7 @@ impl BatchedPageStore {
             recompress_cpu_ns: get(&c.recompress_cpu_ns),
             recompress_backlog: get(&c.recompress_backlog),
             recompress_passes: get(&c.recompress_passes),
+            compacted_pages: get(&c.compacted_pages),
         }
     }
 
