@@ -394,7 +394,7 @@ fn load_average() -> [f64; 3] {
     [(); 3].map(|()| fields.next().unwrap_or(0.0))
 }
 
-/// One round: the store's write and read, the codec alone, and zram, back to back so that all
+/// One round: the codec alone, zram, and the store's write and read, back to back so that all
 /// three meet about the same load from other work on the machine.
 struct Round {
     pass: StorePass,
@@ -422,7 +422,8 @@ fn round(
     scratch: &mut AlignedBuf,
     progress: &Progress,
 ) -> Result<Round, BenchError> {
-    let pass = store_pass(plan, corpus, scratch, progress)?;
+    // The codec and zram first: once the store exists, its recompressor may work in the
+    // background, and they are measured without it.
     let codec = measure_codec(&plan.config, plan.gpu.as_ref(), corpus, progress)?;
     let zram = if args.compare_zram {
         Some(zram::compare(
@@ -435,6 +436,7 @@ fn round(
     } else {
         None
     };
+    let pass = store_pass(plan, corpus, scratch, progress)?;
     Ok(Round { pass, codec, zram })
 }
 

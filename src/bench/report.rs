@@ -245,10 +245,11 @@ impl BenchReport {
         if let Some(settle) = &self.settle {
             let _ = writeln!(
                 out,
-                "  recompress {}: {} after the read pass: {} pages recompressed in {:.1} s ({:.1} CPU s){}",
+                "  recompress {}: {} after the read pass: {} pages recompressed, {} moved to compact, in {:.1} s ({:.1} CPU s){}",
                 self.recompress,
                 if settle.settled { "settled" } else { "NOT settled" },
                 settle.recompressed_pages,
+                settle.stats.compacted_pages,
                 settle.seconds,
                 settle.cpu_seconds,
                 if settle.settled { "" } else { " before the bound" }

@@ -178,12 +178,13 @@ fn compress_adaptive(page: &Page, out: &mut Page) -> (Encoding, usize) {
     compress_page(algorithm, page, out)
 }
 
-/// Make this thread's codec contexts for `algorithm` now (zstd's compressor and decompressor,
-/// sized for a page): the I/O path must not allocate them at its first page, where the
-/// allocation could wait on reclaim, and reclaim on this device.
+/// Make this thread's codec contexts for `algorithm` now (zstd's compressor, sized for a page,
+/// and zstd's decompressor, which every store needs: an LZ4 store holds zstd pages once the
+/// recompressor has been at them): the I/O path must not allocate them at its first page,
+/// where the allocation could wait on reclaim, and reclaim on this device.
 pub fn prepare_thread(algorithm: Algorithm) {
     let level = match algorithm {
-        Algorithm::Lz4 => return,
+        Algorithm::Lz4 => ADAPTIVE_ZSTD_LEVEL,
         Algorithm::Zstd { level } => level,
         Algorithm::Adaptive => ADAPTIVE_ZSTD_LEVEL,
     };
@@ -192,9 +193,14 @@ pub fn prepare_thread(algorithm: Algorithm) {
         *b = u8::try_from(i % 251).unwrap_or_default();
     }
     let mut out = [0u8; PAGE_SIZE];
+    // The compressed page is only a way to warm the decompressor; an LZ4 thread keeps no
+    // compressor.
     if let Some(n) = zstd_compress(level, &page, &mut out) {
         let mut back = [0u8; PAGE_SIZE];
         let _ = decompress_page(Encoding::Zstd, &out[..n], &mut back);
+    }
+    if algorithm == Algorithm::Lz4 {
+        ZSTD_COMPRESSOR.with(|cell| cell.borrow_mut().take());
     }
 }
 
@@ -321,8 +327,9 @@ mod tests {
             )
         };
         std::thread::spawn(move || {
+            // An LZ4 store may hold recompressed zstd pages: a decompressor, no compressor.
             prepare_thread(Algorithm::Lz4);
-            assert_eq!(contexts(), (None, false));
+            assert_eq!(contexts(), (None, true));
             prepare_thread(Algorithm::Zstd { level: 3 });
             assert_eq!(contexts(), (Some(3), true));
             prepare_thread(Algorithm::Adaptive);

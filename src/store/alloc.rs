@@ -13,6 +13,12 @@
 //! object: a chunk holds many objects, and a bitmap says which are free. A chunk is freed as
 //! soon as its last object is. Each chunk has its own lock, so readers of different chunks
 //! never meet, and readers of one chunk share it.
+//!
+//! Compaction: frees leave holes, and a class whose chunks hold many fewer objects than they
+//! could (after random discards, or the recompressor moving pages to smaller classes) keeps
+//! the memory. `plan_evacuation` marks a class's sparsest chunks *evacuating*: no new object
+//! goes there, and the store's background thread moves each object still in one to another
+//! chunk (see `store::recompress`); the last move frees the chunk.
 
 #![allow(
     clippy::cast_possible_truncation,
@@ -44,6 +50,11 @@ const MAX_OBJS_PER_CHUNK: usize = 256;
 const BITMAP_WORDS: usize = MAX_OBJS_PER_CHUNK / 64;
 /// Chunks a class can add before its bookkeeping must grow (see `provision`).
 const PROVISION_MIN_SLACK: usize = 64;
+/// A class is compacted once it holds more chunks than its objects need by at least one
+/// chunk and by at least 1/`COMPACT_SLACK_DIVISOR` of its chunks (3%).
+const COMPACT_SLACK_DIVISOR: usize = 32;
+/// Chunks one `plan_evacuation` marks in a class at most: moves come in bounded rounds.
+const MAX_EVACUATING_PER_PLAN: usize = 1024;
 
 /// Where one object lives: the arena page its chunk starts at and its index in the chunk,
 /// packed into the low 45 bits of a `u64` (the page table keeps them in its entry word).
@@ -79,8 +90,11 @@ struct ChunkUsage {
     used: u32,
     /// Bit set = object free. Inline, so adding a chunk allocates nothing on the heap.
     free: [u64; BITMAP_WORDS],
-    /// Position in the class's `partial` list, if the chunk has a free object.
+    /// Position in the class's `partial` list, if the chunk has a free object and is not
+    /// evacuating.
     partial_pos: Option<u32>,
+    /// Being emptied by compaction: takes no new objects.
+    evacuating: bool,
 }
 
 #[derive(Debug, Default)]
@@ -91,6 +105,11 @@ struct ClassState {
     partial: Vec<u32>,
     /// Chunk ids free for reuse.
     free_ids: Vec<u32>,
+    /// Objects held and live chunks, for `plan_evacuation`.
+    objects: usize,
+    chunks: usize,
+    /// Live chunks marked evacuating.
+    evacuating: usize,
 }
 
 /// One chunk's bytes, shared by readers, exclusive to the writer copying an object in.
@@ -104,6 +123,9 @@ struct SizeClass {
     /// or remove a chunk.
     chunks: RwLock<Vec<Option<Chunk>>>,
     state: Mutex<ClassState>,
+    /// `ClassState::evacuating`, readable without the lock: whether any object of the class
+    /// may need moving.
+    evacuating: AtomicU64,
 }
 
 /// The allocator. All methods take `&self`; it is shared by writers, readers and the flusher.
@@ -147,6 +169,7 @@ fn size_classes() -> (Box<[SizeClass]>, Box<[u8]>) {
                 chunk_bytes,
                 chunks: RwLock::new(Vec::new()),
                 state: Mutex::new(ClassState::default()),
+                evacuating: AtomicU64::new(0),
             });
         }
         // At most GRANULES (256) classes: the index fits a u8.
@@ -331,6 +354,7 @@ impl ZsAllocator {
                 u.partial_pos = None;
                 remove_partial(partial, usage, pos);
             }
+            st.objects += 1;
             return Some((chunk, (word * 64 + bit) as u16));
         }
     }
@@ -359,8 +383,10 @@ impl ZsAllocator {
             used: 0,
             free,
             partial_pos: Some(st.partial.len() as u32),
+            evacuating: false,
         });
         st.partial.push(id);
+        st.chunks += 1;
         if let Some(tag) = self.reserve.arena().tag(page) {
             tag.store(id + 1, Ordering::Release);
         }
@@ -381,6 +407,9 @@ impl ZsAllocator {
             usage,
             partial,
             free_ids,
+            objects,
+            chunks,
+            evacuating,
         } = &mut *st;
         let Some(Some(u)) = usage.get_mut(id) else {
             tracing::error!(?handle, "free of an object in no live chunk ignored");
@@ -397,10 +426,17 @@ impl ZsAllocator {
         }
         *word |= 1 << bit;
         u.used -= 1;
+        *objects -= 1;
         if u.used == 0 {
+            let was_evacuating = u.evacuating;
             if let Some(pos) = u.partial_pos.take() {
                 remove_partial(partial, usage, pos);
             }
+            if was_evacuating {
+                *evacuating -= 1;
+                class.evacuating.fetch_sub(1, Ordering::Relaxed);
+            }
+            *chunks -= 1;
             usage[id] = None;
             if let Some(tag) = self.reserve.arena().tag(handle.page()) {
                 tag.store(0, Ordering::Release);
@@ -412,10 +448,79 @@ impl ZsAllocator {
             free_ids.push(id as u32);
             self.chunk_bytes
                 .fetch_sub(class.chunk_bytes as u64, Ordering::Relaxed);
-        } else if u.partial_pos.is_none() {
+        } else if u.partial_pos.is_none() && !u.evacuating {
             u.partial_pos = Some(partial.len() as u32);
             partial.push(id as u32);
         }
+    }
+
+    /// Whether the object of `len` bytes at `handle` is in a chunk being evacuated. Only
+    /// meaningful while some entry names the object (its chunk is then live).
+    pub(super) fn is_evacuating(&self, handle: Handle, len: usize) -> bool {
+        let class = &self.classes[self.class_index(len)];
+        if class.evacuating.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        let st = class.state.lock();
+        self.chunk_id(handle.page())
+            .and_then(|id| st.usage.get(id))
+            .and_then(Option::as_ref)
+            .is_some_and(|u| u.evacuating)
+    }
+
+    /// Whether any chunk of the class of `len`-byte objects is being evacuated (no lock).
+    pub(super) fn class_evacuating(&self, len: usize) -> bool {
+        self.classes[self.class_index(len)]
+            .evacuating
+            .load(Ordering::Relaxed)
+            > 0
+    }
+
+    /// Mark the sparsest chunks of each class holding more chunks than its objects need
+    /// (see `COMPACT_SLACK_DIVISOR`) as evacuating, as many as the other chunks have room to
+    /// take their objects. A class with chunks still evacuating is left alone. Returns the
+    /// chunks marked.
+    pub(super) fn plan_evacuation(&self) -> usize {
+        let mut marked = 0;
+        for class in self.classes.iter() {
+            let mut st = class.state.lock();
+            if st.evacuating > 0 || st.chunks == 0 {
+                continue;
+            }
+            let needed = st.objects.div_ceil(class.objs_per_chunk);
+            let slack = st.chunks - needed.min(st.chunks);
+            if slack == 0 || slack * COMPACT_SLACK_DIVISOR < st.chunks {
+                continue;
+            }
+            // The sparsest chunks, fewest objects first. Sorting a few thousand ids takes
+            // well under a millisecond; the class is rarely this fragmented.
+            let mut candidates: Vec<(u32, u32)> = st
+                .usage
+                .iter()
+                .enumerate()
+                .filter_map(|(id, u)| u.as_ref().map(|u| (u.used, id as u32)))
+                .collect();
+            candidates.sort_unstable();
+            let ClassState {
+                usage,
+                partial,
+                evacuating,
+                ..
+            } = &mut *st;
+            for &(_, id) in candidates.iter().take(slack.min(MAX_EVACUATING_PER_PLAN)) {
+                let Some(Some(u)) = usage.get_mut(id as usize) else {
+                    continue;
+                };
+                u.evacuating = true;
+                if let Some(pos) = u.partial_pos.take() {
+                    remove_partial(partial, usage, pos);
+                }
+                *evacuating += 1;
+                class.evacuating.fetch_add(1, Ordering::Relaxed);
+                marked += 1;
+            }
+        }
+        marked
     }
 
     /// Run `f` on the first `len` bytes of the object, under its chunk's read lock.
@@ -519,6 +624,7 @@ impl ZsAllocator {
                 remove_partial(partial, usage, pos);
             }
         }
+        st.objects += 1;
         true
     }
 
@@ -655,6 +761,57 @@ mod tests {
             a.store(&[2u8; 1000]);
         }
         assert_eq!(a.chunk_bytes(), used);
+    }
+
+    #[test]
+    fn evacuating_chunks_take_no_new_objects_and_go_once_emptied() {
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap());
+        let mut live: Vec<Handle> = (0..2000).map(|_| a.store(&[3u8; 1000]).unwrap()).collect();
+        assert_eq!(a.plan_evacuation(), 0, "a full class needs no compaction");
+        // Free three objects in four, scattered over every chunk.
+        let mut kept = Vec::new();
+        for (i, h) in live.drain(..).enumerate() {
+            if i % 4 == 0 {
+                kept.push(h);
+            } else {
+                a.free(h, 1000);
+            }
+        }
+        let fragmented = a.chunk_bytes();
+        let marked = a.plan_evacuation();
+        assert!(marked > 0);
+        assert!(a.class_evacuating(1000) && !a.class_evacuating(100));
+        assert_eq!(a.plan_evacuation(), 0, "not again while chunks evacuate");
+        // Move what is in evacuating chunks, as the store's thread does: never into one.
+        let mut moved = 0;
+        for h in &mut kept {
+            if a.is_evacuating(*h, 1000) {
+                let new = a.store(&[3u8; 1000]).unwrap();
+                assert!(!a.is_evacuating(new, 1000));
+                a.free(*h, 1000);
+                *h = new;
+                moved += 1;
+            }
+        }
+        assert!(moved > 0);
+        assert!(!a.class_evacuating(1000), "every evacuated chunk was freed");
+        let fresh = ZsAllocator::new(0, Arena::private(64 << 20).unwrap());
+        for _ in &kept {
+            fresh.store(&[3u8; 1000]).unwrap();
+        }
+        assert!(a.chunk_bytes() < fragmented);
+        assert!(
+            a.chunk_bytes() * 100 <= fresh.chunk_bytes() * 105,
+            "{} against {}",
+            a.chunk_bytes(),
+            fresh.chunk_bytes()
+        );
+        for h in &kept {
+            assert_eq!(
+                a.with_object(*h, 1000, <[u8]>::to_vec).unwrap(),
+                vec![3u8; 1000]
+            );
+        }
     }
 
     #[test]

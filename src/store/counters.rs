@@ -93,6 +93,10 @@ pub struct StoreStats {
     /// Passes over the page table it has made.
     #[serde(default)]
     pub recompress_passes: u64,
+    /// Objects the same thread moved out of sparse chunks so that those could be freed
+    /// (compaction, see `store::alloc`).
+    #[serde(default)]
+    pub compacted_pages: u64,
 }
 
 /// Live counters behind `StoreStats`.
@@ -127,6 +131,7 @@ pub(super) struct Counters {
     pub(super) recompress_cpu_ns: AtomicU64,
     pub(super) recompress_backlog: AtomicU64,
     pub(super) recompress_passes: AtomicU64,
+    pub(super) compacted_pages: AtomicU64,
 }
 
 pub(super) fn add(c: &AtomicU64, n: u64) {

@@ -3,8 +3,10 @@
 //!
 //! Files by role: `config` (what the store is told), `error`, `counters` (stats), `admission`
 //! (memory limit, pending slots, starved writes), `flusher` (the store's threads), `flush`
-//! (compress and install a batch); this file holds the read, write and discard core. Below
-//! them: `table` (entries), `pending` (batches), `alloc` and `reserve` (compressed-page memory).
+//! (compress and install a batch), `recompress` (idle pages to a stronger codec, and
+//! compaction, in the background); this file holds the read, write and discard core. Below
+//! them: `table` (entries, idle hints, checksums), `pending` (batches), `alloc` and `reserve`
+//! (compressed-page memory).
 //!
 //! Write path: classify the page; a same-filled page goes straight into its table entry.
 //! Anything else is copied into a slot of the open pending batch and the entry points at that
@@ -555,6 +557,7 @@ impl BatchedPageStore {
             recompress_cpu_ns: get(&c.recompress_cpu_ns),
             recompress_backlog: get(&c.recompress_backlog),
             recompress_passes: get(&c.recompress_passes),
+            compacted_pages: get(&c.compacted_pages),
         }
     }
 

@@ -17,6 +17,11 @@
 //!
 //! A page it has dealt with (recompressed, or found not worth it) is marked settled in its
 //! hint and not tried again until it is written: incompressible pages cost one try per write.
+//!
+//! The same thread compacts: each pass starts by asking the allocator to mark the sparsest
+//! chunks of fragmented classes as evacuating (`ZsAllocator::plan_evacuation`), and moves the
+//! object of every page still in one to another chunk, by the same claim, copy, flip and free
+//! (recompressing frees a chunk of old objects only if every one of them goes).
 
 #![forbid(unsafe_code)]
 
@@ -48,6 +53,8 @@ pub(super) enum Outcome {
     Rejected,
     /// Read, written or discarded meanwhile (or no longer idle): left for a later pass.
     Dropped,
+    /// Its object moved out of an evacuating chunk.
+    Moved,
 }
 
 /// Buffers of one recompression, reused page after page.
@@ -113,6 +120,7 @@ impl BatchedPageStore {
         tick: Duration,
         scratch: &mut Scratch,
     ) {
+        self.alloc.plan_evacuation();
         let mut backlog = 0u64;
         let mut slice = Slice::start();
         for index in 0..self.table.len() {
@@ -127,16 +135,32 @@ impl BatchedPageStore {
             let Some((state, hint)) = self.table.peek(index) else {
                 continue; // locked: in use right now, so not idle
             };
-            if !matches!(state, PageState::Stored { .. }) || hint.settled() {
+            let PageState::Stored { len, .. } = state else {
+                continue;
+            };
+            let idle = hint.age(self.idle_clock.now()) >= TICKS_PER_IDLE;
+            let to_recompress = !hint.settled() && idle;
+            let to_move = !to_recompress && self.alloc.class_evacuating(usize::from(len));
+            if !to_recompress && !to_move {
+                // Not idle yet (unless settled), or nothing to do.
+                backlog += u64::from(!hint.settled());
                 continue;
             }
-            if hint.age(self.idle_clock.now()) < TICKS_PER_IDLE || self.alloc.reserve.starving() {
-                // Not idle yet, or the system has no memory to give: a later pass.
+            if self.alloc.reserve.starving() {
+                // The system has no memory to give: a later pass.
                 backlog += 1;
                 continue;
             }
             slice.pages += 1;
-            match self.recompress_page(index as u64, config, scratch) {
+            let outcome = if to_recompress {
+                self.recompress_page(index as u64, config, scratch)
+            } else {
+                match self.move_page(index as u64, scratch) {
+                    Some(outcome) => outcome,
+                    None => continue, // not in an evacuating chunk after all
+                }
+            };
+            match outcome {
                 Outcome::Installed { saved } => {
                     add(&self.counters.recompressed_pages, 1);
                     add(&self.counters.recompress_saved_bytes, saved);
@@ -146,6 +170,7 @@ impl BatchedPageStore {
                     add(&self.counters.recompress_dropped_pages, 1);
                     backlog += 1;
                 }
+                Outcome::Moved => add(&self.counters.compacted_pages, 1),
             }
         }
         self.note_cpu_time();
@@ -190,6 +215,68 @@ impl BatchedPageStore {
         match self.claim(index, scratch) {
             Ok(claim) => self.finish(claim, config, scratch),
             Err(outcome) => outcome,
+        }
+    }
+
+    /// Move page `index`'s object out of its chunk if that chunk is evacuating; `None` if it
+    /// is not (or the page holds no stored object any more).
+    fn move_page(&self, index: u64, scratch: &mut Scratch) -> Option<Outcome> {
+        let claim = {
+            let entry = self.table.lock(index);
+            let PageState::Stored {
+                handle,
+                len,
+                encoding,
+            } = entry.state()
+            else {
+                return None;
+            };
+            let len_bytes = usize::from(len);
+            if !self.alloc.is_evacuating(handle, len_bytes) {
+                return None;
+            }
+            self.alloc.with_object(handle, len_bytes, |bytes| {
+                scratch.compressed[..len_bytes].copy_from_slice(bytes);
+            })?;
+            let hint = entry.hint();
+            let claimed = hint.with_flags(hint.settled(), true);
+            entry.set_hint(claimed);
+            Claim {
+                index,
+                word: entry.word(),
+                hint: claimed,
+                checksum: entry.checksum(),
+                handle,
+                len: len_bytes,
+                encoding,
+            }
+        };
+        // Evacuating chunks take no new objects: this lands in another one.
+        let Some(new_handle) = self.alloc.store(&scratch.compressed[..claim.len]) else {
+            return Some(Outcome::Dropped);
+        };
+        let moved = {
+            let mut entry = self.table.lock(index);
+            if claim.holds(&entry) {
+                let new = PageState::Stored {
+                    handle: new_handle,
+                    len: page_len(claim.len),
+                    encoding: claim.encoding,
+                };
+                let old = entry.replace(new);
+                self.counters.transition(old, new);
+                entry.set_hint(claim.hint.with_flags(claim.hint.settled(), false));
+                true
+            } else {
+                false
+            }
+        };
+        if moved {
+            self.alloc.free(claim.handle, claim.len);
+            Some(Outcome::Moved)
+        } else {
+            self.alloc.free(new_handle, claim.len);
+            Some(Outcome::Dropped)
         }
     }
 
