@@ -193,7 +193,7 @@ fn survives_kill9_at_random_points() {
                 format!("{key},{},{}", rng.next(), model.last_version + 1),
             )
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(Stdio::inherit())
             .process_group(0)
             .spawn()
             .unwrap();
