@@ -17,7 +17,7 @@
 # the Debian root file system made by mmdebstrap) are cached under .vm/cache; missing tools
 # are installed with apt-get.
 # Exits 0 only if every check in the VM passed. Environment knobs (defaults in brackets):
-#   VM_RAM_MIB [256]  VM_CPUS [2]  VM_TIMEOUT_S [540]  VM_KERNEL_META [linux-image-6.12-cloud-amd64]
+#   VM_RAM_MIB [256]  VM_CPUS [2]  VM_TIMEOUT_S [900]  VM_KERNEL_META [linux-image-6.12-cloud-amd64]
 #   VM_STALL_S [90]   fail when no page was swapped in or out for this long during a swap run
 #   TRUENO_UBLK_BIN   use this binary instead of building target/release/trueno-ublk
 #   UBLK_RAMDISK_BIN  use this binary instead of target/release/examples/ublk_ramdisk
@@ -33,7 +33,7 @@ VM_DIR="$ROOT/.vm"
 CACHE="$VM_DIR/cache"
 RAM_MIB=${VM_RAM_MIB:-256}
 CPUS=${VM_CPUS:-2}
-TIMEOUT_S=${VM_TIMEOUT_S:-540}
+TIMEOUT_S=${VM_TIMEOUT_S:-900}
 KERNEL_META=${VM_KERNEL_META:-linux-image-6.12-cloud-amd64}
 MODE=full
 

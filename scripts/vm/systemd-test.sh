@@ -148,6 +148,8 @@ check "exactly one swap unit acts for $DEV (others follow it:${others:+ }$(echo 
 check "no service of ours runs swapon (trueno-ublk-swap@ is gone)" eval "! systemctl list-units --all --plain --no-legend 'trueno-ublk-swap@*' | grep -q ."
 check "writeback throttling is off (wbt_lat_usec $(cat /sys/block/ublkb$ID/queue/wbt_lat_usec))" \
     [ "$(cat /sys/block/ublkb$ID/queue/wbt_lat_usec)" = 0 ]
+check "the request timeout is 1 s (io_timeout $(cat /sys/block/ublkb$ID/queue/io_timeout))" \
+    [ "$(cat /sys/block/ublkb$ID/queue/io_timeout)" = 1000 ]
 trueno-ublk list | tee /tmp/list.out
 check "trueno-ublk list shows $DEV" grep -q "ublkb$ID" /tmp/list.out
 trueno-ublk stat >/tmp/stat.out 2>&1
@@ -190,8 +192,9 @@ if [ -e /tmp/hold ]; then
     t0=$(now)
     kill -9 "$serving0"
     if wait_for 30 eval "[ -n \"\$(serving_pid)\" ] && [ \"\$(serving_pid)\" != $serving0 ]"; then
-        ok "kill -9 of the serving process $serving0: pid $(serving_pid) resumed $DEV $(since "$t0") s later"
-        figure systemd_kill_serving_to_live_s "$(since "$t0")"
+        took=$(since "$t0")
+        ok "kill -9 of the serving process $serving0: pid $(serving_pid) resumed $DEV $took s later"
+        figure systemd_kill_serving_to_live_s "$took"
     else
         fail "kill -9 of the serving process $serving0: nobody resumed $DEV ($(trueno-ublk list | tail -n +2))"
     fi
@@ -202,12 +205,13 @@ if [ -e /tmp/hold ]; then
     t0=$(now)
     timeout 120 systemctl restart trueno-ublk@$ID.service
     rc=$?
-    echo "systemctl restart trueno-ublk@$ID.service: exit $rc after $(since "$t0") s"
+    took=$(since "$t0")
+    figure systemd_restart_s "$took"
+    echo "systemctl restart trueno-ublk@$ID.service: exit $rc after $took s"
     systemctl --no-pager status trueno-ublk@$ID.service 2>&1 | head -n 20
-    check "systemctl restart trueno-ublk@$ID with swap on: exit 0 (exit $rc, $(since "$t0") s)" [ "$rc" -eq 0 ]
+    check "systemctl restart trueno-ublk@$ID with swap on: exit 0 (exit $rc, $took s)" [ "$rc" -eq 0 ]
     check "... a new supervisor ($(main_pid), was $main0) and serving process ($(serving_pid), was $serving0)" \
         [ "$(main_pid)" != "$main0" -a -n "$(serving_pid)" -a "$(serving_pid)" != "$serving0" ]
-    figure systemd_restart_s "$(since "$t0")"
     check "... the old daemon handed the device over" eval "journal_units | grep -q 'device handed over'"
     check "... and the new one resumed it with every page" eval "journal_units | grep -q 'resumed the store with every page'"
     check "... swap is still on" grep -q "^$DEV " /proc/swaps
@@ -220,8 +224,9 @@ if [ -e /tmp/hold ]; then
     t0=$(now)
     systemctl kill --signal=SIGKILL trueno-ublk@$ID.service
     if wait_for 60 eval "[ -n \"\$(serving_pid)\" ] && [ \"\$(serving_pid)\" != $serving0 ] && systemctl -q is-active trueno-ublk@$ID.service"; then
-        ok "kill -9 of every process of trueno-ublk@$ID: systemd restarted it and pid $(serving_pid) resumed $DEV $(since "$t0") s later"
-        figure systemd_kill_all_to_live_s "$(since "$t0")"
+        took=$(since "$t0")
+        ok "kill -9 of every process of trueno-ublk@$ID: systemd restarted it and pid $(serving_pid) resumed $DEV $took s later"
+        figure systemd_kill_all_to_live_s "$took"
     else
         fail "kill -9 of every process of trueno-ublk@$ID: not resumed ($(systemctl is-active trueno-ublk@$ID.service); $(trueno-ublk list | tail -n +2))"
     fi

@@ -5,6 +5,9 @@
  *
  *   vmtool now
  *       Monotonic clock in seconds with nanoseconds (busybox date has no %N).
+ *   vmtool clock
+ *       Seconds since midnight UTC with microseconds, the time of day of the daemon's log
+ *       lines (to time an event against them).
  *   vmtool gen BYTES SEED
  *       Writes BYTES (a multiple of 4096) of the mixed page pattern to stdout.
  *   vmtool pressure MIB SEED [HOLDFILE]
@@ -660,6 +663,12 @@ int main(int argc, char **argv)
 		printf("%.6f\n", now_s());
 		return 0;
 	}
+	if (argc >= 2 && strcmp(argv[1], "clock") == 0) {
+		struct timespec ts;
+		clock_gettime(CLOCK_REALTIME, &ts);
+		printf("%.6f\n", (double)(ts.tv_sec % 86400) + (double)ts.tv_nsec / 1e9);
+		return 0;
+	}
 	if (argc >= 2 && strcmp(argv[1], "gen") == 0)
 		return cmd_gen(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "pressure") == 0)
@@ -674,7 +683,7 @@ int main(int argc, char **argv)
 		return cmd_heartbeat(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "shm-remove") == 0)
 		return cmd_shm_remove(argc - 2, argv + 2);
-	fprintf(stderr, "usage: vmtool now | gen BYTES SEED | pressure MIB SEED [HOLDFILE] | "
+	fprintf(stderr, "usage: vmtool now | clock | gen BYTES SEED | pressure MIB SEED [HOLDFILE] | "
 			"scatter MIB PROCS SEED | "
 			"notify-run TIMEOUT_S STATEFILE CMD [ARGS...] | heartbeat DEV OFFSET STOPFILE | "
 			"shm-remove KEY | "

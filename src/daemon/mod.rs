@@ -476,6 +476,9 @@ fn serve(
     } else {
         (find_target(&settings, handler.clone())?, started)
     };
+    // What the start from here to live faults in (for a standby: what the takeover needed
+    // beyond what it had ready), for the log line below.
+    let anon_before = crate::procstat::ProcessMemory::now(0).rss_anon_bytes;
     let setup_done = Instant::now();
     let id = target.id();
     let resume = matches!(target, Target::Resume(_));
@@ -545,6 +548,10 @@ fn serve(
         find_ms = ms(setup_done, found),
         store_ms = ms(found, store_opened),
         queues_ms = ms(store_opened, live),
+        anon_kib = (crate::procstat::ProcessMemory::now(0)
+            .rss_anon_bytes
+            .saturating_sub(anon_before))
+            >> 10,
         "{}",
         if resume {
             "device resumed"

@@ -40,8 +40,18 @@ use super::UblkError;
 const CHAR_DEV_WAIT: Duration = Duration::from_secs(5);
 /// How long a resume waits for the kernel to quiesce a device whose daemon has gone, for that
 /// daemon's process to be gone entirely (it may still be closing its store after a hand-over),
-/// and for its `/dev/ublkcN` to be released. Measured in the VM: a few milliseconds.
-const QUIESCE_WAIT: Duration = Duration::from_secs(10);
+/// and for its `/dev/ublkcN` to be released. Usually a few milliseconds (measured in the VM);
+/// but when every tag was with the dead daemon, no command of it is left for the kernel to
+/// cancel, and only a request's timeout (`ublk_timeout`) starts the quiesce: up to
+/// `REQUEST_TIMEOUT_MS`, or the block layer's 30 s default where that could not be set.
+const QUIESCE_WAIT: Duration = Duration::from_secs(45);
+/// The device's request timeout (`/sys/block/ublkbN/queue/io_timeout`), set for a device that
+/// outlives its daemon. While its daemon lives, a request that takes longer only has its
+/// timer restarted (`ublk_timeout`: `BLK_EH_RESET_TIMER`); once the daemon is dying, the
+/// first timeout aborts the requests it held and quiesces the device. So this bounds the
+/// pause after a daemon dies holding every tag (seen in the VM under swap pressure: with the
+/// default 30 s, the device stayed live that long after the kill).
+pub const REQUEST_TIMEOUT_MS: u32 = 1000;
 /// How long a device that is live with a live daemon gets to show that the daemon is dying
 /// (a `kill -9` a moment ago) before a resume calls it in use.
 const LIVE_DAEMON_GRACE: Duration = Duration::from_secs(2);
@@ -100,6 +110,9 @@ impl AddedDevice {
         device.control.start_dev(device.id(), std::process::id())?;
         device.keep_on_drop = device.survives_daemon();
         device.info = device.control.dev_info(device.id())?;
+        if device.survives_daemon() {
+            shorten_request_timeout(device.id());
+        }
         Ok(device)
     }
 }
@@ -710,6 +723,25 @@ impl Go {
             }
         }
         Ok(())
+    }
+}
+
+/// Set the request timeout of a device that outlives its daemon to `REQUEST_TIMEOUT_MS`
+/// (see there). A sandbox with a read-only /sys (systemd's ProtectKernelTunables=) leaves it
+/// to the service manager (trueno-ublk@.service's ExecStartPost=+...).
+fn shorten_request_timeout(id: u32) {
+    let knob = format!("/sys/block/ublkb{id}/queue/io_timeout");
+    match std::fs::write(&knob, REQUEST_TIMEOUT_MS.to_string()) {
+        Ok(()) => {}
+        Err(error) if error.raw_os_error() == Some(libc::EROFS) => {
+            tracing::info!(
+                knob,
+                "read-only /sys here: the request timeout is left to the service manager"
+            );
+        }
+        Err(error) => {
+            tracing::warn!(%error, knob, "could not shorten the request timeout: a daemon that dies holding every request leaves the device live for up to 30 s before the next one can resume it")
+        }
     }
 }
 
