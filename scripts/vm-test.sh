@@ -19,6 +19,8 @@
 # Exits 0 only if every check in the VM passed. Environment knobs (defaults in brackets):
 #   VM_RAM_MIB [256]  VM_CPUS [2]  VM_TIMEOUT_S [900]  VM_KERNEL_META [linux-image-6.12-cloud-amd64]
 #   VM_STALL_S [90]   fail when no page was swapped in or out for this long during a swap run
+#   VM_EXTRA_KILLS    kill -9s of the serving process beyond the two of the daemon's recovery
+#                     step, for the pause's p50 and worst [8 with --recovery, else 0]
 #   TRUENO_UBLK_BIN   use this binary instead of building target/release/trueno-ublk
 #   UBLK_RAMDISK_BIN  use this binary instead of target/release/examples/ublk_ramdisk
 #   VM_TEST_SKIP      debugging: steps to leave out ("ramdisk ramdisk-recovery zram ublk-swap
@@ -250,6 +252,7 @@ WATCHDOG_S=$((TIMEOUT_S - 30))
 PRESSURE_TIMEOUT_S=300
 STALL_S=${VM_STALL_S:-90}
 SKIP="${VM_TEST_SKIP:-}"
+EXTRA_KILLS=${VM_EXTRA_KILLS:-$([ "$MODE" = recovery ] && echo 8 || echo 0)}
 CREATE_ARGS="${VM_CREATE_ARGS:-}"
 FIO_RUNTIME_S=${VM_FIO_RUNTIME_S:-5}
 EOF

@@ -84,7 +84,10 @@ check() { # description command...
     shift
     if "$@"; then ok "$desc"; else fail "$desc"; fi
 }
-figure() { echo "FIGURE $1=$2"; }
+figure() {
+    echo "FIGURE $1=$2"
+    echo "FIGURE $1=$2" >>/tmp/figures.log
+}
 now() { $VT now; }
 since() { awk -v a="$(now)" -v b="$1" 'BEGIN { printf "%.3f", a - b }'; }
 mbps() { awk -v b="$1" -v s="$2" 'BEGIN { if (s <= 0) s = 1e-6; printf "%.1f", b / 1e6 / s }'; }
@@ -389,27 +392,37 @@ live_not_by() {
 daemon_log() { # ID: the last lines of the detached daemon's log
     [ -e "/run/trueno-ublk/ublkb$1.log" ] && tail -n "${2:-12}" "/run/trueno-ublk/ublkb$1.log"
 }
+resumed_count() { daemon_log "$1" 100000 | grep -c 'device resumed'; }
+standby_ready() {
+    [ "$(daemon_log "$1" 100000 | grep -c 'supervise: standby ready')" -gt \
+        "$(daemon_log "$1" 100000 | grep -c 'the standby takes the device over')" ]
+}
 # log_clock LINE: the time of day (seconds since midnight UTC) of a daemon log line.
 log_clock() { echo "$1" | sed -n 's/^[0-9-]*T\([0-9]*\):\([0-9]*\):\([0-9.]*\)Z.*/\1 \2 \3/p' | awk '{ printf "%.3f", $1 * 3600 + $2 * 60 + $3 }'; }
 # kill_serving ID WHAT FIGURE: kill -9 the process serving device ID; its supervisor's
 # standby takes the device over. Checks it and records the pause: from the kill to the
 # resumed device's log line (FIGURE), and to `list` showing it live (polled, slower).
 kill_serving() {
-    local id=$1 what=$2 pid t0 c0 pause resumed
+    local id=$1 what=$2 pid t0 c0 n0 pause resumed
     pid=$(serving_pid "$id")
     if [ -z "$pid" ]; then
         fail "$what: no live process serves device $id ($(dev_row "$id"))"
         return
     fi
+    # A standby must be ready (its supervisor said so more often than it handed the device over).
+    wait_until 30 standby_ready "$id" || echo "$what: no standby ready within 30 s; killing anyway"
+    n0=$(resumed_count "$id")
     c0=$($VT clock)
     t0=$(now)
     kill -9 "$pid"
     if wait_until 30 live_not_by "$id" "$pid"; then
         pause=$(since "$t0")
+        # The new process logs that it resumed the device once it is live: wait for the line.
+        wait_until 10 eval "[ \$(resumed_count $id) -gt $n0 ]"
         resumed=$(daemon_log "$id" 30 | grep 'device resumed' | tail -n 1)
         ok "$what: kill -9 of the serving process $pid; pid $(serving_pid "$id") resumed the device (seen by list $pause s after the kill)"
         figure "$3" "$(awk -v a="$(log_clock "$resumed")" -v b="$c0" 'BEGIN { printf "%.3f", a - b }')"
-        daemon_log "$id" 30 | grep -E 'died|device resumed|takes the device' | tail -n 3
+        echo "$resumed"
     else
         fail "$what: nobody resumed device $id within 30 s of kill -9 of $pid ($(dev_row "$id"))"
         daemon_log "$id"
@@ -434,7 +447,7 @@ grew_by() { [ "$(vmstat_of "$1")" -ge $(($3 + $2)) ]; }
 # resumes the device); then, while the memory is held, kill -9 of every trueno-ublk process:
 # the device stays quiesced, and `create` again resumes it.
 daemon_recovery_checks() {
-    local dev=/dev/ublkb0 out0 in0 rc pid sup t0 c0 pause filled words bad after_bad after_words
+    local dev=/dev/ublkb0 out0 in0 rc pid sup t0 c0 pause filled words bad after_bad after_words n pauses
     # shellcheck disable=SC2086 # word splitting wanted
     trueno-ublk create --size 1G --id 0 $CREATE_ARGS >/tmp/create.out 2>/tmp/create.err
     rc=$?
@@ -472,6 +485,21 @@ daemon_recovery_checks() {
         kill_serving 0 "daemon recovery, pages coming back ($(($(vmstat_of pswpin) - in0)) in)" recovery_kill_in_to_live_s
     else
         fail "daemon recovery: verify-1 never brought 16 MiB back (phase $(cat /tmp/phase), pswpin +$(($(vmstat_of pswpin) - in0)))"
+    fi
+    # 2b. EXTRA_KILLS more, each once a new standby is ready, while pages come back.
+    n=0
+    while [ "$n" -lt "${EXTRA_KILLS:-0}" ] && phase_is verify-1; do
+        n=$((n + 1))
+        kill_serving 0 "daemon recovery, extra kill $n ($(cat /tmp/phase))" "recovery_kill_extra${n}_to_live_s"
+    done
+    [ "$n" -gt 0 ] && echo "daemon recovery: $n extra kills while pages came back"
+    pauses=$(sed -n 's/^FIGURE recovery_kill_[a-z0-9]*_to_live_s=//p' /tmp/figures.log 2>/dev/null)
+    if [ -n "$pauses" ]; then
+        # shellcheck disable=SC2086 # one pause per word
+        set -- $pauses
+        figure recovery_kills "$#"
+        figure recovery_pause_p50_s "$(printf '%s\n' "$@" | sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }')"
+        figure recovery_pause_max_s "$(printf '%s\n' "$@" | sort -n | tail -n 1)"
     fi
     # 3. While the memory is held with pages out: every trueno-ublk process killed.
     if wait_until 300 test -e /tmp/hold; then

@@ -45,11 +45,19 @@ use crate::config::DeviceSettings;
 /// Tells the serving process who its supervisor is (its parent's pid), so that it can tell
 /// whether that parent is still there when it starts.
 pub(super) const SUPERVISOR_ENV: &str = "TRUENO_UBLK_SUPERVISOR";
-/// Restarts after a death by a signal allowed within `RESTART_WINDOW`; one more means
-/// something kills every new process at once (a bug that crashes it on resume, say): the
-/// supervisor then gives up and exits with a failure, for the service manager to decide.
-const MAX_RESTARTS: usize = 5;
+/// Processes started at once after deaths by a signal within `RESTART_WINDOW`; after more
+/// deaths, each start waits twice as long as the one before (from `FIRST_BACKOFF` up to
+/// `MAX_BACKOFF`): something kills every new process (a bug that crashes it on resume, say),
+/// and starting processes flat out would only burn the CPU. A standby that is ready takes the
+/// device over at once whatever the count (that costs next to nothing); what waits is the
+/// start of the next process. Never given up: while no process serves the device, its I/O
+/// waits, so the supervisor keeps trying.
+const QUICK_RESTARTS: usize = 5;
 const RESTART_WINDOW: Duration = Duration::from_secs(60);
+const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+/// Deaths remembered: enough to tell how deep into backing off the supervisor is.
+const DEATHS_KEPT: usize = 16;
 
 /// What a serving process tells the supervisor, one datagram per event: `READY=1` with
 /// `DEVICE=N`, `STATUS=/dev/ublkbN` and `PID=P` once the device is live (at start and after
@@ -85,26 +93,61 @@ impl<'a> ChildMessage<'a> {
 
 /// Deaths by a signal within the last `RESTART_WINDOW`, without allocating.
 #[derive(Debug, Default)]
-struct RestartLog {
-    at: [Option<Instant>; MAX_RESTARTS],
+struct Restarts {
+    at: [Option<Instant>; DEATHS_KEPT],
     next: usize,
 }
 
-impl RestartLog {
-    /// Record a death at `now`; false if that makes more than `MAX_RESTARTS` in the window.
-    fn allow(&mut self, now: Instant) -> bool {
+impl Restarts {
+    /// Record a death at `now`.
+    fn record(&mut self, now: Instant) {
+        self.at[self.next] = Some(now);
+        self.next = (self.next + 1) % DEATHS_KEPT;
+    }
+
+    /// How long a process started at `now` should wait first.
+    fn delay(&self, now: Instant) -> Duration {
         let recent = self
             .at
             .iter()
             .flatten()
             .filter(|&&t| now.duration_since(t) < RESTART_WINDOW)
             .count();
-        if recent >= MAX_RESTARTS {
+        match recent.checked_sub(QUICK_RESTARTS + 1) {
+            None => Duration::ZERO,
+            Some(beyond) => FIRST_BACKOFF
+                .saturating_mul(1 << beyond.min(8))
+                .min(MAX_BACKOFF),
+        }
+    }
+}
+
+/// Wait `delay`, or less if SIGTERM or SIGINT comes: then true.
+fn wait_or_stop(
+    wake: &UnixStream,
+    signals: &mut signal_hook::iterator::Signals,
+    delay: Duration,
+) -> bool {
+    let deadline = Instant::now() + delay;
+    let mut buffer = [0u8; 64];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
             return false;
         }
-        self.at[self.next] = Some(now);
-        self.next = (self.next + 1) % MAX_RESTARTS;
-        true
+        let mut fds = [PollFd::new(
+            std::os::fd::AsFd::as_fd(wake),
+            PollFlags::POLLIN,
+        )];
+        let timeout = PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX);
+        let _ = poll(&mut fds, timeout);
+        while std::io::Read::read(&mut &*wake, &mut buffer).is_ok_and(|n| n > 0) {}
+        if signals
+            .pending()
+            .any(|signal| signal == SIGTERM || signal == SIGINT)
+        {
+            return true;
+        }
     }
 }
 
@@ -182,9 +225,11 @@ pub(super) fn supervise(
     let mut standby_command = device.map(|_| child_command(None, true));
     let mut serving = ServingProcess::spawn(&mut serving_command)?;
     let mut standby: Option<ServingProcess> = None;
+    // When to make the next standby: once the device is live, later while backing off.
+    let mut standby_due: Option<Instant> = None;
     let mut ready = false;
     let mut stopping = false;
-    let mut restarts = RestartLog::default();
+    let mut restarts = Restarts::default();
     let mut buffer = [0u8; 2048];
     let result = loop {
         {
@@ -201,7 +246,11 @@ pub(super) fn supervise(
                     PollFlags::POLLIN,
                 ),
             ];
-            match poll(&mut fds, PollTimeout::NONE) {
+            let timeout = standby_due.map_or(PollTimeout::NONE, |due| {
+                PollTimeout::try_from(due.saturating_duration_since(Instant::now()))
+                    .unwrap_or(PollTimeout::MAX)
+            });
+            match poll(&mut fds, timeout) {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
                 Err(errno) => {
                     break Err(DaemonError::Io {
@@ -267,6 +316,12 @@ pub(super) fn supervise(
                 ));
             }
             // The device is live: the moment to make the next standby.
+            if standby.is_none() {
+                standby_due = Some(Instant::now() + restarts.delay(Instant::now()));
+            }
+        }
+        if standby_due.is_some_and(|due| due <= Instant::now()) {
+            standby_due = None;
             if standby.is_none() && !stopping {
                 if let Some(command) = standby_command.as_mut() {
                     standby = Some(ServingProcess::spawn(command)?);
@@ -284,11 +339,8 @@ pub(super) fn supervise(
             if let Ok(Some(status)) = process.child.try_wait() {
                 tracing::warn!(pid = process.child.id(), %status, "the standby ended; a crash of the serving process now waits for a new process to start");
                 standby = None;
-                if !stopping && restarts.allow(Instant::now()) {
-                    if let Some(command) = standby_command.as_mut() {
-                        standby = Some(ServingProcess::spawn(command)?);
-                    }
-                }
+                restarts.record(Instant::now());
+                standby_due = Some(Instant::now() + restarts.delay(Instant::now()));
             }
         }
         let Some(status) = serving
@@ -311,14 +363,8 @@ pub(super) fn supervise(
                 )))
             }
             (_, signal) => {
-                if !restarts.allow(Instant::now()) {
-                    break Err(DaemonError::Daemon(format!(
-                        "the serving process died by a signal {} times within {} s; giving up",
-                        MAX_RESTARTS + 1,
-                        RESTART_WINDOW.as_secs()
-                    )));
-                }
                 let dead = serving.child.id();
+                restarts.record(Instant::now());
                 serving = match standby.take() {
                     Some(process) => {
                         // It takes over as soon as it has its ring ready; if it is still
@@ -338,6 +384,20 @@ pub(super) fn supervise(
                             signal = signal.unwrap_or(0),
                             "the serving process died and no standby is ready; starting a new one to resume the device"
                         );
+                        let delay = restarts.delay(Instant::now());
+                        if !delay.is_zero() {
+                            tracing::warn!(
+                                ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                                "the serving process keeps dying; waiting before the next start"
+                            );
+                            if wait_or_stop(&wake_rx, &mut signals, delay) {
+                                break Err(DaemonError::Daemon(
+                                    "stopped while no process served the device: it stays \
+                                     quiesced with its pages until the next start"
+                                        .into(),
+                                ));
+                            }
+                        }
                         ServingProcess::spawn(&mut serving_command)?
                     }
                 };
@@ -407,14 +467,28 @@ mod tests {
     }
 
     #[test]
-    fn restarts_are_bounded_within_the_window() {
-        let mut log = RestartLog::default();
+    fn restarts_back_off_but_never_stop() {
+        let mut restarts = Restarts::default();
         let t0 = Instant::now();
-        for i in 0..MAX_RESTARTS {
-            assert!(log.allow(t0 + Duration::from_secs(i as u64)), "restart {i}");
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        for i in 0..=QUICK_RESTARTS {
+            restarts.record(at(i as u64));
+            if i < QUICK_RESTARTS {
+                assert_eq!(restarts.delay(at(i as u64)), Duration::ZERO, "death {i}");
+            }
         }
-        assert!(!log.allow(t0 + Duration::from_secs(10)));
-        // Once the early ones are older than the window, restarts are allowed again.
-        assert!(log.allow(t0 + RESTART_WINDOW + Duration::from_secs(1)));
+        assert_eq!(restarts.delay(at(10)), FIRST_BACKOFF);
+        restarts.record(at(11));
+        assert_eq!(restarts.delay(at(11)), 2 * FIRST_BACKOFF);
+        for s in 12..40 {
+            restarts.record(at(s));
+            assert!(restarts.delay(at(s)) <= MAX_BACKOFF);
+        }
+        assert_eq!(restarts.delay(at(40)), MAX_BACKOFF);
+        // A quiet spell longer than the window: at once again.
+        assert_eq!(
+            restarts.delay(at(40) + RESTART_WINDOW + Duration::from_secs(1)),
+            Duration::ZERO
+        );
     }
 }
