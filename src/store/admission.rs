@@ -21,7 +21,7 @@ use super::{BatchedPageStore, StoreError, PAGE_SIZE};
 /// call while writeback is pending. Failing the write lets reclaim go on (the kernel keeps the
 /// page and tries again later) and, if memory really is gone, the OOM killer act. Bursts, in
 /// which the refill thread catches up within milliseconds, never fail.
-const STARVED_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+pub(super) const STARVED_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 /// After a write gave up, later writes fail at once for this long, then wait again: the
 /// queue serves swap-ins too, and must not hold each write for a whole timeout.
 const FAIL_FAST_PERIOD: Duration = Duration::from_millis(200);
@@ -55,7 +55,7 @@ impl BatchedPageStore {
 
     /// A write gives up waiting for memory: count it, make the writes after it fail at once for
     /// a while (unless that is already so), and say why.
-    fn starved_write(&self, waited: Duration) -> StoreError {
+    pub(super) fn starved_write(&self, waited: Duration) -> StoreError {
         if !self.failing_fast() {
             let period = u64::try_from(FAIL_FAST_PERIOD.as_nanos()).unwrap_or(u64::MAX);
             self.fail_fast_until

@@ -32,6 +32,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, RwLock};
 
 use super::reserve::ChunkReserve;
+pub(super) use super::reserve::Shortage;
 use crate::codec::PAGE_SIZE;
 use crate::mem::{faulted_in_vec, Arena, ArenaChunk};
 
@@ -289,21 +290,36 @@ impl ZsAllocator {
     /// Copy `bytes` (1 to `PAGE_SIZE` of them) into a new object; `None` only if the arena's
     /// address space is used up, which its size rules out (see `BatchedPageStore::open`).
     pub(super) fn store(&self, bytes: &[u8]) -> Option<Handle> {
+        self.store_within(bytes, None).ok()
+    }
+
+    /// `store`, giving up on a new chunk as `ChunkReserve::take` does.
+    pub(super) fn store_within(
+        &self,
+        bytes: &[u8],
+        patience: Option<std::time::Duration>,
+    ) -> Result<Handle, Shortage> {
         let class_idx = self.class_index(bytes.len());
         let class = &self.classes[class_idx];
-        let (chunk, obj) = self.take_object(class_idx)?;
+        let (chunk, obj) = self.take_object(class_idx, patience)?;
         let dir = class.chunks.read();
         let Some(Some(lock)) = dir.get(chunk as usize) else {
-            return None;
+            return Err(Shortage::ArenaFull);
         };
         let mut data = lock.write();
         let off = usize::from(obj) * class.obj_size;
         // Objects are at most PAGE_SIZE (every caller's slot size), so this always fits.
-        data.get_mut(off..off + bytes.len())?.copy_from_slice(bytes);
-        Some(Handle::new(data.page(), usize::from(obj)))
+        data.get_mut(off..off + bytes.len())
+            .ok_or(Shortage::ArenaFull)?
+            .copy_from_slice(bytes);
+        Ok(Handle::new(data.page(), usize::from(obj)))
     }
 
-    fn take_object(&self, class_idx: usize) -> Option<(u32, u16)> {
+    fn take_object(
+        &self,
+        class_idx: usize,
+        patience: Option<std::time::Duration>,
+    ) -> Result<(u32, u16), Shortage> {
         let class = &self.classes[class_idx];
         let mut st = class.state.lock();
         loop {
@@ -315,7 +331,7 @@ impl ZsAllocator {
                     // free memory the refill may be waiting for (seen in the VM: a discard
                     // stuck behind a flush that waited for the refill).
                     drop(st);
-                    let data = self.reserve.take(class.chunk_bytes / PAGE_SIZE)?;
+                    let data = self.reserve.take(class.chunk_bytes / PAGE_SIZE, patience)?;
                     st = class.state.lock();
                     // No push here may grow a list (see `provision`): wait for the refill
                     // thread to make room, as for the chunk itself.
@@ -355,7 +371,7 @@ impl ZsAllocator {
                 remove_partial(partial, usage, pos);
             }
             st.objects += 1;
-            return Some((chunk, (word * 64 + bit) as u16));
+            return Ok((chunk, (word * 64 + bit) as u16));
         }
     }
 

@@ -323,9 +323,23 @@ impl BatchedPageStore {
             let mut out = [0u8; PAGE_SIZE];
             let (encoding, len) = compress_page(self.config.algorithm, page, &mut out);
             add(&self.counters.pages_simd, 1);
-            let Some(handle) = self.alloc.store(&out[..len]) else {
-                sub(&self.reserved_bytes, PAGE_SIZE as u64);
-                return Err(StoreError::ArenaFull);
+            // The starvation rule of batched writes (see `admission`): a write that waits
+            // for chunk memory while the refill thread commits none gives up, and while
+            // writes fail fast the next ones do not wait at all.
+            let patience = if self.failing_fast() {
+                std::time::Duration::ZERO
+            } else {
+                admission::STARVED_WRITE_TIMEOUT
+            };
+            let handle = match self.alloc.store_within(&out[..len], Some(patience)) {
+                Ok(handle) => handle,
+                Err(shortage) => {
+                    sub(&self.reserved_bytes, PAGE_SIZE as u64);
+                    return Err(match shortage {
+                        alloc::Shortage::Starved { waited } => self.starved_write(waited),
+                        alloc::Shortage::ArenaFull => StoreError::ArenaFull,
+                    });
+                }
             };
             self.set_stored(
                 index,

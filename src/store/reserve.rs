@@ -17,7 +17,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
@@ -31,6 +31,16 @@ const REFILL_PERIOD: Duration = Duration::from_millis(50);
 const POOL_SLACK: usize = 1024;
 /// Chunks are committed this many bytes at a time (one fallocate call).
 const COMMIT_GROUP_BYTES: usize = 256 << 10;
+
+/// Why a taker got no chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Shortage {
+    /// The refill thread committed nothing for the taker's patience: the system has no memory
+    /// for the store now.
+    Starved { waited: Duration },
+    /// The arena's address space is used up (its size rules that out).
+    ArenaFull,
+}
 
 #[derive(Default)]
 struct Pool {
@@ -155,12 +165,17 @@ impl ChunkReserve {
     }
 
     /// A chunk of `pages` pages: from the reserve, or committed now if the reserve has none.
-    /// `None` only once the arena's address space is used up.
-    pub(super) fn take(&self, pages: usize) -> Option<ArenaChunk> {
+    /// A taker that waits for the refill thread gives up once it has committed nothing for
+    /// `patience` (the starvation rule of `admission`; `None`: never gives up).
+    pub(super) fn take(
+        &self,
+        pages: usize,
+        patience: Option<Duration>,
+    ) -> Result<ArenaChunk, Shortage> {
         let k = pages - 1;
         self.demand[k].fetch_add(1, Ordering::Relaxed);
         if let Some(chunk) = self.pop_committed(k) {
-            return Some(chunk);
+            return Ok(chunk);
         }
         if self.enabled() && self.refill_running.load(Ordering::Acquire) {
             // The I/O path must not commit memory itself: under memory pressure that waits in
@@ -174,14 +189,25 @@ impl ChunkReserve {
                 );
             }
             self.note_waiting();
+            // Since when this taker has waited without the refill thread committing anything.
+            let mut stalled = (Instant::now(), self.commits());
             loop {
                 if let Some(chunk) = self.pop_committed(k) {
                     self.served(k);
-                    return Some(chunk);
+                    return Ok(chunk);
                 }
                 if self.stop.load(Ordering::Acquire) {
                     self.served(k);
                     break;
+                }
+                let commits = self.commits();
+                if commits != stalled.1 {
+                    stalled = (Instant::now(), commits);
+                }
+                let waited = stalled.0.elapsed();
+                if patience.is_some_and(|p| waited >= p) {
+                    self.served(k);
+                    return Err(Shortage::Starved { waited });
                 }
                 // Again each time: another taker of this size may have cleared it.
                 self.wanted.fetch_or(1 << k, Ordering::Relaxed);
@@ -194,11 +220,11 @@ impl ChunkReserve {
         loop {
             let committed = self.commit_more(k);
             if let Some(chunk) = self.pop_committed(k) {
-                return Some(chunk);
+                return Ok(chunk);
             }
             if !committed {
                 tracing::error!(pages, "no chunk could be committed (page arena used up?)");
-                return None;
+                return Err(Shortage::ArenaFull);
             }
         }
     }
@@ -431,7 +457,7 @@ mod tests {
         reserve.refill();
         assert!(reserve.held_bytes() > 0 && reserve.held_bytes() <= 512 * PAGE_SIZE as u64);
         for _ in 0..20 {
-            assert_eq!(reserve.take(2).unwrap().len(), 2 * PAGE_SIZE);
+            assert_eq!(reserve.take(2, None).unwrap().len(), 2 * PAGE_SIZE);
         }
         assert_eq!(reserve.misses(), 0, "the first chunks came from the pool");
         let reserve = Arc::new(reserve);
@@ -445,7 +471,7 @@ mod tests {
         // Far more than the pool held: takers are served by the refill thread (waiting for it
         // when the pool runs dry), never left hanging.
         for _ in 0..300 {
-            assert_eq!(reserve.take(2).unwrap().len(), 2 * PAGE_SIZE);
+            assert_eq!(reserve.take(2, None).unwrap().len(), 2 * PAGE_SIZE);
         }
         reserve.stop();
         refill.join().unwrap();
@@ -461,7 +487,7 @@ mod tests {
             let reserve = Arc::clone(&reserve);
             std::thread::spawn(move || {
                 (0..64)
-                    .map(|_| reserve.take(1).unwrap().len())
+                    .map(|_| reserve.take(1, None).unwrap().len())
                     .sum::<usize>()
             })
         };
@@ -478,7 +504,7 @@ mod tests {
     fn demand_steers_the_refill() {
         let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, arena(), &[1, 1]);
         for _ in 0..200 {
-            reserve.take(2).unwrap();
+            reserve.take(2, None).unwrap();
         }
         reserve.refill();
         let two_page = reserve.pools[1].lock().ready.len() * 2;
@@ -489,24 +515,37 @@ mod tests {
     #[test]
     fn without_a_target_chunks_still_come_and_go_back_to_the_system() {
         let reserve = ChunkReserve::new(0, arena(), &[1; 8]);
-        let chunk = reserve.take(3).unwrap();
+        let chunk = reserve.take(3, None).unwrap();
         assert_eq!(chunk.len(), 3 * PAGE_SIZE);
         assert_eq!(reserve.misses(), 0);
         reserve.give_back(chunk);
         assert_eq!(reserve.pools[2].lock().cold.len(), 1);
-        let again = reserve.take(3).unwrap();
+        let again = reserve.take(3, None).unwrap();
         assert!(again.iter().all(|&b| b == 0));
     }
 
     #[test]
     fn given_back_chunks_are_kept_up_to_the_target() {
         let reserve = ChunkReserve::new(4 * PAGE_SIZE as u64, arena(), &[1]);
-        let chunks: Vec<ArenaChunk> = (0..10).map(|_| reserve.take(1).unwrap()).collect();
+        let chunks: Vec<ArenaChunk> = (0..10).map(|_| reserve.take(1, None).unwrap()).collect();
         let held_before = reserve.held_bytes();
         for chunk in chunks {
             reserve.give_back(chunk);
         }
         assert!(reserve.held_bytes() <= (4 * PAGE_SIZE) as u64 + held_before);
         assert!(!reserve.pools[0].lock().cold.is_empty());
+    }
+
+    #[test]
+    fn a_taker_with_patience_gives_up_when_the_refill_thread_commits_nothing() {
+        let reserve = ChunkReserve::new(8 * PAGE_SIZE as u64, arena(), &[1]);
+        // A refill thread that never commits anything: the system has no memory to give.
+        reserve.refill_running.store(true, Ordering::Release);
+        let patience = Duration::from_millis(100);
+        match reserve.take(1, Some(patience)) {
+            Err(Shortage::Starved { waited }) => assert!(waited >= patience),
+            other => panic!("{other:?}"),
+        }
+        assert!(!reserve.starving(), "the taker no longer counts as waiting");
     }
 }
