@@ -167,6 +167,9 @@ check "the units' boot journal has no line saying warn/error/fail" \
 journalctl -b --no-pager -q | grep -i 'trueno-ublk-generator' >/tmp/gen.log
 check "the generator logged nothing ($(wc -l </tmp/gen.log) lines)" [ ! -s /tmp/gen.log ]
 
+check "PID 1's memory is kept out of swap (init.scope memory.swap.max $(cat /sys/fs/cgroup/init.scope/memory.swap.max 2>&1))" \
+    [ "$(cat /sys/fs/cgroup/init.scope/memory.swap.max 2>/dev/null)" = 0 ]
+
 # --- 2. delete and restart under pressure ---------------------------------------------------
 swap_kib=$(awk -v d="$DEV" '$1 == d { print $3 }' /proc/swaps)
 fill=$(($(avail_mib) + 64))
