@@ -191,6 +191,10 @@ pub(super) fn supervise(
     detached_log: Option<&Path>,
 ) -> Result<(), DaemonError> {
     crate::daemon::harden::lock_memory();
+    // Never the OOM killer's pick: its death ends the serving process and the standby with it
+    // (seen in the VM: with the scatter run's workers killed, the supervisor, at the default
+    // score, went next, and the device waited with no daemon).
+    crate::daemon::harden::protect_from_oom_killer();
     crate::mem::configure_heap();
     // Fault in (and so lock) the stack and heap the restart path will use.
     crate::mem::prepare_io_thread();
