@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install trueno-ublk: the release binary, the systemd units, the swap-unit generator (a link
-# to the binary), the example config (as /etc/trueno-ublk.conf unless that exists) and a
-# modules-load.d entry for ublk_drv.
+# to the binary), the example config (as /etc/trueno-ublk.conf unless that exists), a
+# modules-load.d entry for ublk_drv, and drop-ins that keep PID 1 and journald out of swap
+# (see below).
 #
 #   sudo scripts/install.sh                  install under /usr/local (builds if needed)
 #   sudo scripts/install.sh --uninstall      stop the units and remove what was installed
@@ -44,6 +45,13 @@ docdir="$prefix/share/doc/trueno-ublk"
 config=/etc/trueno-ublk.conf
 modules_load=/etc/modules-load.d/trueno-ublk.conf
 units=(trueno-ublk@.service trueno-ublk-mkswap@.service)
+# PID 1 and journald never swapped (MemorySwapMax=0 on their cgroups). Why: while a device has
+# no daemon (a `systemctl restart`, a crash of the whole unit) its I/O waits until systemd has
+# started the next daemon; if systemd itself then needed one of its pages back from that
+# device, nobody would ever start it (seen in the VM: systemd stuck after "Stopped
+# trueno-ublk@0" under memory pressure). Their anonymous memory is small; file pages stay
+# reclaimable.
+no_swap_dropins=(init.scope.d/trueno-ublk.conf systemd-journald.service.d/trueno-ublk.conf)
 # Installed by earlier versions (a oneshot that ran swapon itself); removed on uninstall.
 old_units=(trueno-ublk-swap@.service)
 example="$repo/systemd/trueno-ublk.conf.example"
@@ -77,6 +85,13 @@ if [ "$uninstall" -eq 1 ]; then
     if [ -d "$destdir/etc/systemd/system" ]; then
         find "$destdir/etc/systemd/system" -path '*.wants/trueno-ublk*@*.service' -type l -print -delete
     fi
+    for dropin in "${no_swap_dropins[@]}"; do
+        if [ -e "$destdir$unitdir/$dropin" ]; then
+            rm -f "$destdir$unitdir/$dropin"
+            rmdir "$(dirname "$destdir$unitdir/$dropin")" 2>/dev/null || true
+            echo "removed $destdir$unitdir/$dropin"
+        fi
+    done
     for file in "$bindir/trueno-ublk" "$generator" "$unitdir/${units[0]}" "$unitdir/${units[1]}" \
         "$unitdir/${old_units[0]}" "$modules_load" \
         "$docdir/trueno-ublk.conf.example" "$docdir/README.md"; do
@@ -131,6 +146,18 @@ for unit in "${old_units[@]}"; do
         rm -f "$destdir$unitdir/$unit"
         echo "removed $destdir$unitdir/$unit (replaced by the generated dev-ublkbN.swap units)"
     fi
+done
+for dropin in "${no_swap_dropins[@]}"; do
+    install -d "$(dirname "$destdir$unitdir/$dropin")"
+    case "$dropin" in
+        init.scope.d/*) section=Scope ;;
+        *) section=Service ;;
+    esac
+    printf '%s\n' "# Installed by trueno-ublk (scripts/install.sh): never swap this out. While a" \
+        "# trueno-ublk device has no daemon, its I/O waits until systemd starts the next one." \
+        "[$section]" "MemorySwapMax=0" >"$destdir$unitdir/$dropin"
+    chmod 0644 "$destdir$unitdir/$dropin"
+    echo "installed $destdir$unitdir/$dropin"
 done
 # The generator is the binary itself, run under another name (systemd runs it at boot and at
 # every daemon-reload to write dev-ublkbN.swap from $config).

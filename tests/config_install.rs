@@ -48,6 +48,8 @@ fn install_keeps_config_and_uninstall_removes_everything() {
     assert!(ok, "{log}");
     let want: Vec<PathBuf> = [
         "etc/modules-load.d/trueno-ublk.conf",
+        "etc/systemd/system/init.scope.d/trueno-ublk.conf",
+        "etc/systemd/system/systemd-journald.service.d/trueno-ublk.conf",
         "etc/systemd/system/trueno-ublk-mkswap@.service",
         "etc/systemd/system/trueno-ublk@.service",
         "etc/trueno-ublk.conf",
@@ -81,6 +83,20 @@ fn install_keeps_config_and_uninstall_removes_everything() {
     assert_eq!(
         std::fs::read_to_string(dest.join("etc/modules-load.d/trueno-ublk.conf")).unwrap(),
         "ublk_drv\n"
+    );
+    // PID 1 and journald never swapped: a device waiting for its daemon must not hold a page
+    // systemd needs to start that daemon.
+    let init =
+        std::fs::read_to_string(dest.join("etc/systemd/system/init.scope.d/trueno-ublk.conf"))
+            .unwrap();
+    assert!(init.contains("[Scope]\nMemorySwapMax=0\n"), "{init}");
+    let journald = std::fs::read_to_string(
+        dest.join("etc/systemd/system/systemd-journald.service.d/trueno-ublk.conf"),
+    )
+    .unwrap();
+    assert!(
+        journald.contains("[Service]\nMemorySwapMax=0\n"),
+        "{journald}"
     );
 
     // An earlier version's swap service, enabled as its README said: the next install

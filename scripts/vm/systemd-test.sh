@@ -148,6 +148,10 @@ check "exactly one swap unit acts for $DEV (others follow it:${others:+ }$(echo 
 check "no service of ours runs swapon (trueno-ublk-swap@ is gone)" eval "! systemctl list-units --all --plain --no-legend 'trueno-ublk-swap@*' | grep -q ."
 check "writeback throttling is off (wbt_lat_usec $(cat /sys/block/ublkb$ID/queue/wbt_lat_usec))" \
     [ "$(cat /sys/block/ublkb$ID/queue/wbt_lat_usec)" = 0 ]
+check "PID 1 is never swapped (init.scope memory.swap.max $(cat /sys/fs/cgroup/init.scope/memory.swap.max))" \
+    [ "$(cat /sys/fs/cgroup/init.scope/memory.swap.max)" = 0 ]
+check "journald is never swapped (memory.swap.max $(cat /sys/fs/cgroup/system.slice/systemd-journald.service/memory.swap.max))" \
+    [ "$(cat /sys/fs/cgroup/system.slice/systemd-journald.service/memory.swap.max)" = 0 ]
 check "the request timeout is 1 s (io_timeout $(cat /sys/block/ublkb$ID/queue/io_timeout))" \
     [ "$(cat /sys/block/ublkb$ID/queue/io_timeout)" = 1000 ]
 trueno-ublk list | tee /tmp/list.out
