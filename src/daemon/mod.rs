@@ -51,10 +51,10 @@ const STANDBY_PING: std::time::Duration = std::time::Duration::from_secs(1);
 /// Heap a standby faults in for its takeover (opening the store). Measured in the VM: a
 /// takeover of a 1 GiB device holding 98k pages faulted in about 1 MiB beyond what the
 /// standby had.
-const STANDBY_HEAP_BYTES: usize = 2 << 20;
+const STANDBY_HEAP_BYTES: usize = 1 << 20;
 /// Pages a standby holds and frees just before its takeover, for the kernel memory the
 /// takeover needs (page tables of the store's mapping, the descriptor arrays' mappings).
-const STANDBY_SPARE_BYTES: usize = 2 << 20;
+const STANDBY_SPARE_BYTES: usize = 1 << 20;
 /// Bytes of buffer per tag: the largest READ or WRITE the kernel sends us.
 pub const DEFAULT_MAX_IO_BYTES: u32 = 64 << 10;
 
