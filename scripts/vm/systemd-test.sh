@@ -27,6 +27,11 @@ set -u
 exec >/dev/ttyS1 2>&1
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 VT=/test/vmtool
+# The watchdog of the busybox stage (see vmtool.c): when swap stops moving for 90 s during a
+# pressure run (/run/pressure-on), or the test runs past 780 s, it dumps the blocked tasks
+# and memory to the console and powers off with a FAIL verdict.
+echo 1 >/proc/sys/kernel/sysrq
+$VT monitor 20 780 90 /run/pressure-on &
 DEV=/dev/ublkb0
 ID=0
 PRIO=100
@@ -93,13 +98,18 @@ pressure_start() {
     PRESSURE_MIB=$1
     PRESSURE_OUT0=$(vmstat_of pswpout)
     PRESSURE_T0=$(date +%s)
+    touch /run/pressure-on
     wait_for 400 eval "[ -e /tmp/hold ] || ! kill -0 $PRESSURE_PID 2>/dev/null"
+    # Nothing swaps while the program holds its memory: no stall to watch for.
+    rm -f /run/pressure-on
 }
 pressure_finish() { # NAME
     local rc bad words after_bad after_words filled
+    touch /run/pressure-on
     rm -f /tmp/hold
     wait "$PRESSURE_PID"
     rc=$?
+    rm -f /run/pressure-on
     cat /tmp/pressure.out
     filled=$((PRESSURE_MIB * 1048576 / 8))
     bad=$(sed -n 's/^PRESSURE_BAD_WORDS=//p' /tmp/pressure.out)

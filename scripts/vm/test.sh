@@ -447,7 +447,7 @@ grew_by() { [ "$(vmstat_of "$1")" -ge $(($3 + $2)) ]; }
 # resumes the device); then, while the memory is held, kill -9 of every trueno-ublk process:
 # the device stays quiesced, and `create` again resumes it.
 daemon_recovery_checks() {
-    local dev=/dev/ublkb0 out0 in0 rc pid sup t0 c0 pause filled words bad after_bad after_words n pauses
+    local dev=/dev/ublkb0 out0 in0 rc pid sup role t0 c0 pause filled words bad after_bad after_words n pauses
     # shellcheck disable=SC2086 # word splitting wanted
     trueno-ublk create --size 1G --id 0 $CREATE_ARGS >/tmp/create.out 2>/tmp/create.err
     rc=$?
@@ -464,7 +464,11 @@ daemon_recovery_checks() {
         [ "$(cat "/proc/$sup/comm" 2>/dev/null)" = trueno-ublk ]
     check "daemon recovery: a standby is ready" wait_until 20 grep -q 'standby ready' /run/trueno-ublk/ublkb0.log
     for p in $(pidof trueno-ublk); do
-        echo "daemon recovery: pid $p: $(grep -E '^VmRSS' "/proc/$p/status" | tr -s ' ')"
+        role=standby
+        [ "$p" = "$pid" ] && role=serving
+        [ "$p" = "$sup" ] && role=supervisor
+        echo "daemon recovery: $role $p: $(grep -E '^(Rss|Pss|Private_Dirty):' "/proc/$p/smaps_rollup" | tr -s ' ' | tr '\n' ' ')"
+        figure "recovery_${role}_private_kib" "$(awk '/^Private_Dirty:/ { print $2 }' "/proc/$p/smaps_rollup")"
     done
     out0=$(vmstat_of pswpout)
     in0=$(vmstat_of pswpin)
