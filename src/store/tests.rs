@@ -580,3 +580,56 @@ fn compaction_brings_memory_after_random_discards_within_5_percent_of_a_fresh_st
     s.shutdown();
     fresh.shutdown();
 }
+
+/// An upgrade that cannot read the store leaves it as it was: a store whose header names
+/// another layout version is refused with a message that says what to do, its header and
+/// page metadata do not change, and a binary of the store's own version then resumes every
+/// page.
+#[test]
+fn a_store_of_another_layout_version_is_refused_and_left_untouched() {
+    let key = 0x7e00_0000 | i32::try_from(std::process::id() & 0xffff).unwrap();
+    let _ = crate::mem::Segment::remove_shared(key);
+    let backing = Backing::SharedUnlocked { key };
+    let config =
+        || crate::config::StoreSettings::default().store_config(64 * PAGE_SIZE as u64, false);
+    {
+        let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
+        assert_eq!(opened, Opened::Fresh);
+        for i in 0..16u64 {
+            s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+        }
+        s.flush_pending().unwrap();
+    }
+    let segment = crate::mem::Segment::attach_shared(key).unwrap().unwrap();
+    // The header page, then the table, hints and checksums of 64 pages (a page each).
+    let metadata = segment.words(0, 4 * PAGE_SIZE / 8).unwrap();
+    let snapshot = || -> Vec<u64> { metadata.iter().map(|w| w.load(Ordering::Relaxed)).collect() };
+    // Header word 1 is the layout version (see `layout`).
+    metadata[1].store(layout::LAYOUT_VERSION + 1, Ordering::Relaxed);
+    let before = snapshot();
+
+    let err = BatchedPageStore::open(config(), None, backing)
+        .err()
+        .unwrap();
+    let message = err.to_string();
+    assert!(matches!(err, StoreError::Layout(_)), "{message}");
+    assert!(
+        message.contains(&format!("layout version {}", layout::LAYOUT_VERSION + 1))
+            && message.contains("left untouched"),
+        "{message}"
+    );
+    assert!(before == snapshot(), "the refused open changed the store");
+
+    metadata[1].store(layout::LAYOUT_VERSION, Ordering::Relaxed);
+    let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
+    assert_eq!(opened, Opened::Resumed { pages: 16, lost: 0 });
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for i in 0..16u64 {
+        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+        assert_eq!(&buf[..], &text(i)[..], "page {i}");
+    }
+    drop(s);
+    drop(metadata);
+    drop(segment);
+    crate::mem::Segment::remove_shared(key).unwrap();
+}
