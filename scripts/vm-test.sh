@@ -20,7 +20,7 @@
 #   VM_RAM_MIB [256]  VM_CPUS [2]  VM_TIMEOUT_S [900]  VM_KERNEL_META [linux-image-6.12-cloud-amd64]
 #   VM_STALL_S [90]   fail when no page was swapped in or out for this long during a swap run
 #   VM_EXTRA_KILLS    kill -9s of the serving process beyond the two of the daemon's recovery
-#                     step, for the pause's p50 and worst [8 with --recovery, else 0]
+#                     step, for the pause's p50 and worst [8]
 #   TRUENO_UBLK_BIN   use this binary instead of building target/release/trueno-ublk
 #   UBLK_RAMDISK_BIN  use this binary instead of target/release/examples/ublk_ramdisk
 #   VM_TEST_SKIP      debugging: steps to leave out ("ramdisk ramdisk-recovery zram ublk-swap
@@ -38,6 +38,10 @@ CPUS=${VM_CPUS:-2}
 TIMEOUT_S=${VM_TIMEOUT_S:-900}
 KERNEL_META=${VM_KERNEL_META:-linux-image-6.12-cloud-amd64}
 MODE=full
+# The build the upgrade in the daemon's recovery step starts from: an earlier commit of main
+# with the store's current layout version (3).
+UPGRADE_FROM=620b091dbb416c40730f942ed860795f908f5445
+PREVIOUS_BIN=
 
 for arg in "$@"; do
     case "$arg" in
@@ -187,6 +191,36 @@ if [ "$MODE" != kernel-only ]; then
         BIN="$ROOT/target/release/trueno-ublk"
     fi
     [ -x "$BIN" ] || die "no binary at $BIN"
+    # The previous build, for the upgrade in the daemon's recovery step: UPGRADE_FROM's source
+    # built here (cached in .vm/), in this target directory so that only the crate itself is
+    # compiled again. Move UPGRADE_FROM forward when the store's layout version changes (an
+    # older layout is refused, by design).
+    if [ "$MODE" = full ] || [ "$MODE" = recovery ]; then
+        PREVIOUS_BIN="$VM_DIR/previous-$UPGRADE_FROM/trueno-ublk"
+        if [ ! -x "$PREVIOUS_BIN" ]; then
+            if git -C "$ROOT" cat-file -e "$UPGRADE_FROM^{commit}" 2>/dev/null; then
+                log "cargo build --release of $UPGRADE_FROM (the build the upgrade starts from)"
+                src="$VM_DIR/previous-src"
+                rm -rf "$src" && mkdir -p "$src"
+                git -C "$ROOT" archive "$UPGRADE_FROM" | tar -x -C "$src"
+                (cd "$src" && cargo build --release --locked --quiet --bin trueno-ublk \
+                    --target-dir "$ROOT/target") || die "cargo build --release of $UPGRADE_FROM failed"
+                mkdir -p "$(dirname "$PREVIOUS_BIN")"
+                cp "$ROOT/target/release/trueno-ublk" "$PREVIOUS_BIN"
+                rm -rf "$src"
+                # The previous build replaced this one's binary there: link it again (cargo
+                # does, for a unit that is fresh).
+                (cd "$ROOT" && cargo build --release --quiet --bin trueno-ublk) ||
+                    die "cargo build --release failed"
+                ! cmp -s "$BIN" "$PREVIOUS_BIN" || die "$BIN is still the previous build"
+            elif [ "${CI:-}" = true ]; then
+                die "commit $UPGRADE_FROM (the build the upgrade test starts from) is not in this clone's history"
+            else
+                log "warning: commit $UPGRADE_FROM is not in this clone: no upgrade in the recovery step"
+                PREVIOUS_BIN=
+            fi
+        fi
+    fi
     # The ublk layer's own test target; without it the VM test's ramdisk step fails.
     RAMDISK=${UBLK_RAMDISK_BIN:-$ROOT/target/release/examples/ublk_ramdisk}
     if [ ! -x "$RAMDISK" ] && command -v cargo >/dev/null; then
@@ -238,6 +272,12 @@ if [ "$MODE" != kernel-only ]; then
     # Debug info stripped: the initramfs lives in the VM's unswappable RAM.
     objcopy --strip-debug "$BIN" "$STAGE/usr/bin/trueno-ublk"
     copy_libs "$BIN"
+    if [ -n "$PREVIOUS_BIN" ]; then
+        # Compressed (1.5 of its 6 MiB): the VM unpacks it for the recovery step only.
+        mkdir -p "$STAGE/opt/previous"
+        objcopy --strip-debug "$PREVIOUS_BIN" "$STAGE/opt/previous/trueno-ublk"
+        xz -9 "$STAGE/opt/previous/trueno-ublk"
+    fi
     if [ -x "$RAMDISK" ]; then
         objcopy --strip-debug "$RAMDISK" "$STAGE/usr/bin/ublk_ramdisk"
         copy_libs "$RAMDISK"
@@ -252,7 +292,8 @@ WATCHDOG_S=$((TIMEOUT_S - 30))
 PRESSURE_TIMEOUT_S=300
 STALL_S=${VM_STALL_S:-90}
 SKIP="${VM_TEST_SKIP:-}"
-EXTRA_KILLS=${VM_EXTRA_KILLS:-$([ "$MODE" = recovery ] && echo 8 || echo 0)}
+EXTRA_KILLS=${VM_EXTRA_KILLS:-8}
+PREVIOUS_BIN=${PREVIOUS_BIN:+/opt/previous/trueno-ublk}
 CREATE_ARGS="${VM_CREATE_ARGS:-}"
 FIO_RUNTIME_S=${VM_FIO_RUNTIME_S:-5}
 EOF

@@ -34,10 +34,13 @@
 # MODE=kernel-only: steps 1, 2 and 10, plus the pattern checks of step 4 on zram.
 # MODE=recovery: steps 1, 1c, 8b and 10 (what survives a daemon's death, and nothing else).
 #  8b. (MODE full and recovery) The daemon's recovery: device 0 as swap under the pressure
-#      program (1.5x the RAM, every word verified, and once more after a hold); kill -9 of the serving process while pages go out and
-#      again while they come back (the supervisor starts a new one, which resumes the
-#      device; the pause from kill to live is a figure); kill -9 of every trueno-ublk process
-#      while the memory is held: the device stays quiesced, `create` again resumes it.
+#      program (1.5x the RAM, every word verified, and once more after a hold), started by
+#      the previous build (PREVIOUS_BIN, see vm-test.sh) when the VM has it; kill -9 of the
+#      serving process while pages go out and again while they come back, and EXTRA_KILLS
+#      more (the standby takes over; the pause from kill to live is a figure, with its p50
+#      and worst); while the memory is held, an upgrade (SIGTERM to the supervisor hands the
+#      device over, this build's `create` resumes it) and kill -9 of every trueno-ublk
+#      process (the device stays quiesced, `create` again resumes it).
 #      Then a device whose store's shared memory is gone (removed with every daemon dead):
 #      `create` refuses to resume it (it would serve zeros), the device stays quiesced,
 #      `delete` refuses it while it is in use (mounted), --lose-pages deletes it, and its id
@@ -47,6 +50,9 @@
 # to the console and fails the run.
 
 . /test/env
+# The build an upgrade starts from, when vm-test.sh put one in (xz-compressed until used; the
+# same file name as this build's: the daemon's processes are found by it).
+PREVIOUS_BIN=${PREVIOUS_BIN:-}
 # Two cgroups, where the VM has cgroup2 with the memory controller: "shell" (memory.swap.max=0)
 # for this shell, its checkers and the daemons it starts, so that nothing the test needs to
 # carry on waits for swap while a device has no daemon; "work" for the programs that are meant
@@ -444,14 +450,19 @@ grew_by() { [ "$(vmstat_of "$1")" -ge $(($3 + $2)) ]; }
 # swap; the pressure program fills 1.5x the RAM and verifies every word, then holds its
 # memory and verifies every word once more when released. Meanwhile: kill -9 of the serving process
 # while pages go out, and again while they come back (its supervisor starts a new one, which
-# resumes the device); then, while the memory is held, kill -9 of every trueno-ublk process:
-# the device stays quiesced, and `create` again resumes it.
+# resumes the device); then, while the memory is held, an upgrade from the build that
+# started the device (SIGTERM hand-over, this build's `create`) and kill -9 of every
+# trueno-ublk process: the device stays quiesced, and `create` again resumes it.
 daemon_recovery_checks() {
     local dev=/dev/ublkb0 out0 in0 rc pid sup role t0 c0 pause filled words bad after_bad after_words n pauses
+    local first=trueno-ublk
+    # The device starts under the previous build when the VM has one (see vm-test.sh), so
+    # that step 3 is an upgrade.
+    [ -x "$PREVIOUS_BIN" ] && first=$PREVIOUS_BIN
     # shellcheck disable=SC2086 # word splitting wanted
-    trueno-ublk create --size 1G --id 0 $CREATE_ARGS >/tmp/create.out 2>/tmp/create.err
+    $first create --size 1G --id 0 $CREATE_ARGS >/tmp/create.out 2>/tmp/create.err
     rc=$?
-    check "daemon recovery: create --size 1G --id 0 (exit $rc: $(cat /tmp/create.out /tmp/create.err))" \
+    check "daemon recovery: $first create --size 1G --id 0 (exit $rc: $(cat /tmp/create.out /tmp/create.err))" \
         [ "$rc" -eq 0 ]
     [ "$rc" -eq 0 ] || return
     check "daemon recovery: the request timeout is 1 s (io_timeout $(cat /sys/block/ublkb0/queue/io_timeout))" \
@@ -505,9 +516,29 @@ daemon_recovery_checks() {
         figure recovery_pause_p50_s "$(printf '%s\n' "$@" | sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }')"
         figure recovery_pause_max_s "$(printf '%s\n' "$@" | sort -n | tail -n 1)"
     fi
-    # 3. While the memory is held with pages out: every trueno-ublk process killed.
+    # While the memory is held with pages out:
     if wait_until 300 test -e /tmp/hold; then
         grep -E '^(SwapTotal|SwapFree)' /proc/meminfo
+        # 3. An upgrade, as a package's `systemctl restart` does it: SIGTERM to the supervisor
+        #    of the build that started the device hands the device over (quiesced, still
+        #    swap, pages kept) and this build's `create` resumes it.
+        sup=$(awk '/^PPid:/ { print $2 }' "/proc/$(serving_pid 0)/status" 2>/dev/null)
+        c0=$($VT clock)
+        kill -TERM "$sup"
+        check "daemon recovery: SIGTERM to the supervisor ($sup, $first): every process exits" wait_until 30 no_daemon_runs
+        check "daemon recovery: ... the device stays, quiesced ($(dev_row 0))" dev_state_is 0 quiesced
+        check "daemon recovery: ... and is still swap" in_swaps $dev
+        # shellcheck disable=SC2086 # word splitting wanted
+        trueno-ublk create --size 1G --id 0 $CREATE_ARGS >/tmp/create.out 2>/tmp/create.err
+        rc=$?
+        check "daemon recovery: this build's create resumes the device $first handed over (exit $rc, printed '$(cat /tmp/create.out)' $(cat /tmp/create.err))" \
+            [ "$rc" -eq 0 -a "$(cat /tmp/create.out)" = $dev ]
+        if wait_until 10 live_not_by 0 none; then
+            figure recovery_handover_to_live_s "$(awk -v a="$(log_clock "$(daemon_log 0 30 | grep 'device resumed' | tail -n 1)")" -v b="$c0" 'BEGIN { printf "%.3f", a - b }')"
+        else
+            fail "daemon recovery: not live after the hand-over and create ($(dev_row 0))"
+        fi
+        # 4. Every trueno-ublk process killed.
         t0=$(now)
         c0=$($VT clock)
         # shellcheck disable=SC2046 # one pid per word
@@ -543,7 +574,7 @@ daemon_recovery_checks() {
     check "daemon recovery: the pressure program exited 0 (rc $rc)" [ "$rc" -eq 0 ]
     check "daemon recovery: every word matched across two kills (${words:-0} checked, ${bad:-?} bad)" \
         [ "${bad:-1}" = 0 -a "${words:-0}" -ge "$filled" ]
-    check "daemon recovery: every word matched after kill -9 of all and create (${after_words:-0} checked, ${after_bad:-?} bad)" \
+    check "daemon recovery: every word matched after the hand-over from $first, kill -9 of all and create (${after_words:-0} checked, ${after_bad:-?} bad)" \
         [ "${after_bad:-1}" = 0 -a "${after_words:-0}" -ge "$filled" ]
     check "daemon recovery: pages went out ($(($(vmstat_of pswpout) - out0))) and came back" \
         [ "$(vmstat_of pswpout)" -gt "$out0" -a "$(vmstat_of pswpin)" -gt "$in0" ]
@@ -889,8 +920,13 @@ if [ "$MODE" = full ]; then
     check "trueno-ublk stat with no device exits 0" trueno-ublk stat
 fi
 if { [ "$MODE" = full ] || [ "$MODE" = recovery ]; } && ! skipped daemon-recovery; then
-    section "the daemon's recovery: kill -9 under swap pressure, and create again"
+    section "the daemon's recovery: kill -9 under swap pressure, an upgrade, and create again"
+    if [ -n "$PREVIOUS_BIN" ]; then
+        check "the previous build unpacks" unxz "$PREVIOUS_BIN.xz"
+        chmod +x "$PREVIOUS_BIN"
+    fi
     daemon_recovery_checks
+    [ -n "$PREVIOUS_BIN" ] && rm -f "$PREVIOUS_BIN"
     section "the daemon refuses to resume a device whose pages are gone"
     daemon_refusal_checks
 fi
