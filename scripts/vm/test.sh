@@ -727,14 +727,39 @@ scatter_run() {
     figure "${name}_scatter_seconds" "$dur"
 }
 
+# swap_in_use_kib: what the kernel has allocated on swap.
+swap_in_use_kib() { awk '/^SwapTotal:/ { t = $2 } /^SwapFree:/ { f = $2 } END { print t - f }' /proc/meminfo; }
+# ublk_held_kib: what the daemon serving device 0 holds beyond its idle footprint (its RSS
+# less its IDLE-RSS, from `stat --json`).
+ublk_held_kib() {
+    trueno-ublk stat --json 2>/dev/null | tr ',{}' '\n\n\n' |
+        awk -F: '/"rss_bytes"/ { r = $2 } /"idle_rss_bytes"/ { i = $2 } END { printf "%d", (r - i) / 1024 }'
+}
+# memory_settles NAME: after a program that swapped exits, wait (20 s at most) until the kernel
+# has freed its swap and, for ublk, the daemon is back within 8 MiB of its idle footprint (the
+# discards have reached it); the time it took is a figure. So the next run starts with the
+# memory the last one gave back, as zram gives it back at once.
+memory_settles() {
+    local name=$1 t0
+    t0=$(now)
+    wait_until 20 eval '[ $(swap_in_use_kib) -lt 4096 ]'
+    if [ "$name" = ublk ]; then
+        wait_until 20 eval '[ $(ublk_held_kib) -lt 8192 ]' ||
+            echo "$name: the daemon still holds $(ublk_held_kib) KiB beyond idle"
+    fi
+    figure "${name}_memory_return_s" "$(since "$t0")"
+    echo "$name: swap in use $(swap_in_use_kib) KiB$([ "$name" = ublk ] && echo ", the daemon holds $(ublk_held_kib) KiB beyond idle")"
+}
+
 # swap_run NAME DEV INSPECT_CMD [PASSES]: mkswap, swapon -d, pressure_run, scatter_run (three
-# processes over the same amount), swapoff.
+# processes over the same amount) once the memory of the first settled, swapoff.
 swap_run() {
     local name=$1 dev=$2 t0
     check "$name: mkswap $dev" $UL/mkswap "$dev" >/dev/null
     check "$name: swapon -d $dev" $UL/swapon -d "$dev"
     check "$name: /proc/swaps lists $dev" in_swaps "$dev"
     pressure_run "$name" "$FILL_MIB" "$3" "${4:-}"
+    memory_settles "$name"
     scatter_run "$name" "$FILL_MIB" 3
     t0=$(now)
     check "$name: swapoff $dev" $UL/swapoff "$dev"
