@@ -192,9 +192,10 @@ if [ "$MODE" != kernel-only ]; then
     fi
     [ -x "$BIN" ] || die "no binary at $BIN"
     # The previous build, for the upgrade in the daemon's recovery step: UPGRADE_FROM's source
-    # built here (cached in .vm/), in this target directory so that only the crate itself is
-    # compiled again. Move UPGRADE_FROM forward when the store's layout version changes (an
-    # older layout is refused, by design).
+    # built here (cached in .vm/). In a target directory of its own: cargo tells a package's
+    # builds apart by their files' times, not by where the package is, so in this one the
+    # older sources would pass for this build's. Move UPGRADE_FROM forward when the store's
+    # layout version changes (an older layout is refused, by design).
     if [ "$MODE" = full ] || [ "$MODE" = recovery ]; then
         PREVIOUS_BIN="$VM_DIR/previous-$UPGRADE_FROM/trueno-ublk"
         if [ ! -x "$PREVIOUS_BIN" ]; then
@@ -204,15 +205,11 @@ if [ "$MODE" != kernel-only ]; then
                 rm -rf "$src" && mkdir -p "$src"
                 git -C "$ROOT" archive "$UPGRADE_FROM" | tar -x -C "$src"
                 (cd "$src" && cargo build --release --locked --quiet --bin trueno-ublk \
-                    --target-dir "$ROOT/target") || die "cargo build --release of $UPGRADE_FROM failed"
+                    --target-dir "$VM_DIR/previous-target") ||
+                    die "cargo build --release of $UPGRADE_FROM failed"
                 mkdir -p "$(dirname "$PREVIOUS_BIN")"
-                cp "$ROOT/target/release/trueno-ublk" "$PREVIOUS_BIN"
-                rm -rf "$src"
-                # The previous build replaced this one's binary there: link it again (cargo
-                # does, for a unit that is fresh).
-                (cd "$ROOT" && cargo build --release --quiet --bin trueno-ublk) ||
-                    die "cargo build --release failed"
-                ! cmp -s "$BIN" "$PREVIOUS_BIN" || die "$BIN is still the previous build"
+                cp "$VM_DIR/previous-target/release/trueno-ublk" "$PREVIOUS_BIN"
+                rm -rf "$src" "$VM_DIR/previous-target"
             elif [ "${CI:-}" = true ]; then
                 die "commit $UPGRADE_FROM (the build the upgrade test starts from) is not in this clone's history"
             else
