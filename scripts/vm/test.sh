@@ -435,10 +435,15 @@ kill_serving() {
     fi
 }
 phase_is() { [ "$(cat /tmp/phase 2>/dev/null)" = "$1" ]; }
+# daemon_pids: the pids of trueno-ublk processes, found by their comm alone. Not pidof: it
+# reads every process's command line from that process's memory, and while a swap device
+# waits for its daemon, a process whose stack is swapped out (this VM's init, reaping the
+# daemon) makes pidof wait with it.
+daemon_pids() { grep -lx trueno-ublk /proc/[0-9]*/comm 2>/dev/null | sed 's,^/proc/,,; s,/comm$,,'; }
 # no_daemon_runs: no trueno-ublk process but zombies (orphans this VM's init never reaps).
 no_daemon_runs() {
     local pid
-    for pid in $(pidof trueno-ublk); do
+    for pid in $(daemon_pids); do
         alive "$pid" && return 1
     done
     return 0
@@ -474,7 +479,7 @@ daemon_recovery_checks() {
     check "daemon recovery: the serving process ($pid) has a supervisor ($sup)" \
         [ "$(cat "/proc/$sup/comm" 2>/dev/null)" = trueno-ublk ]
     check "daemon recovery: a standby is ready" wait_until 20 grep -q 'standby ready' /run/trueno-ublk/ublkb0.log
-    for p in $(pidof trueno-ublk); do
+    for p in $(daemon_pids); do
         role=standby
         [ "$p" = "$pid" ] && role=serving
         [ "$p" = "$sup" ] && role=supervisor
@@ -542,7 +547,7 @@ daemon_recovery_checks() {
         t0=$(now)
         c0=$($VT clock)
         # shellcheck disable=SC2046 # one pid per word
-        kill -9 $(pidof trueno-ublk)
+        kill -9 $(daemon_pids)
         check "daemon recovery: no trueno-ublk process left after kill -9 of all" wait_until 10 no_daemon_runs
         check "daemon recovery: ... and the device stays, quiesced ($(dev_row 0))" wait_until 10 dev_state_is 0 quiesced
         check "daemon recovery: ... and is still swap" in_swaps $dev
@@ -599,7 +604,7 @@ daemon_refusal_checks() {
     check "refusal: a read-only ext2 on $dev mounts (it claims the device)" \
         eval "mke2fs -q -b 4096 $dev 16384 >/dev/null 2>&1 && mkdir -p /mnt5 && mount -o ro $dev /mnt5"
     # shellcheck disable=SC2046 # one pid per word
-    kill -9 $(pidof trueno-ublk)
+    kill -9 $(daemon_pids)
     check "refusal: every trueno-ublk process is gone" wait_until 10 no_daemon_runs
     check "refusal: the device stays, quiesced ($(dev_row $id))" wait_until 10 dev_state_is $id quiesced
     # The store's SysV key for device N is 0x74000000 + N (src/store/layout.rs).
@@ -860,8 +865,8 @@ if [ "$MODE" = full ]; then
     DAEMON=$(serving_pid 0)
     SUPERVISOR=$(awk '/^PPid:/ { print $2 }' "/proc/$DAEMON/status")
     check "the daemon runs in the background: a supervisor ($SUPERVISOR), the serving process ($DAEMON) and a standby" \
-        wait_until 20 eval "[ \$(pidof trueno-ublk | wc -w) -eq 3 ] && grep -q 'standby ready' /run/trueno-ublk/ublkb0.log"
-    STANDBY=$(for p in $(pidof trueno-ublk); do [ "$p" != "$DAEMON" ] && [ "$p" != "$SUPERVISOR" ] && echo "$p"; done)
+        wait_until 20 eval "[ \$(daemon_pids | wc -w) -eq 3 ] && grep -q 'standby ready' /run/trueno-ublk/ublkb0.log"
+    STANDBY=$(for p in $(daemon_pids); do [ "$p" != "$DAEMON" ] && [ "$p" != "$SUPERVISOR" ] && echo "$p"; done)
     grep -E '^(VmRSS|VmLck)' "/proc/$DAEMON/status" "/proc/$SUPERVISOR/status" "/proc/$STANDBY/status"
     check "the serving process's memory is locked (mlockall)" [ "$(awk '/^VmLck/ { print $2 }' "/proc/$DAEMON/status")" -gt 0 ]
     check "the supervisor's memory is locked (mlockall)" [ "$(awk '/^VmLck/ { print $2 }' "/proc/$SUPERVISOR/status")" -gt 0 ]
