@@ -38,6 +38,9 @@ pub enum Command {
     Delete(DeleteArgs),
     /// Show live statistics of running devices (zramctl's columns and more).
     Stat(StatArgs),
+    /// Compact a device's store now: move compressed pages out of sparse chunks and free
+    /// those (what a store with recompression does by itself), and wait until it is done.
+    Compact(CompactArgs),
     /// Benchmark the page store on a corpus of pages (and kernel zram with --compare-zram). With
     /// recompression on, it then waits for every page to go idle and be recompressed (bounded)
     /// and reports the memory ratio then and right after the writes.
@@ -184,6 +187,16 @@ pub struct StatArgs {
     pub raw: bool,
 }
 
+#[derive(Clone, Debug, Args)]
+pub struct CompactArgs {
+    /// Device id N of /dev/ublkbN
+    #[arg(long)]
+    pub id: u32,
+    /// How long to wait for the compaction to finish (it goes on after that)
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "60s")]
+    pub timeout: std::time::Duration,
+}
+
 impl StatArgs {
     pub fn format(&self) -> StatFormat {
         match (self.json, self.raw) {
@@ -294,6 +307,7 @@ pub fn main() -> i32 {
         Command::List(args) => list(&args),
         Command::Delete(args) => delete(&args),
         Command::Stat(args) => stat(&args),
+        Command::Compact(args) => compact(&args),
         Command::Bench(args) => run_bench(&args),
         Command::Swapon(args) => swapon(&args),
     };
@@ -362,6 +376,24 @@ fn stat(args: &StatArgs) -> CommandResult {
     let text =
         crate::stats::report_text(Path::new(crate::stats::SOCKET_DIR), args.id, args.format())?;
     print!("{text}");
+    Ok(())
+}
+
+fn compact(args: &CompactArgs) -> CommandResult {
+    let (before, after) =
+        crate::stats::compact(Path::new(crate::stats::SOCKET_DIR), args.id, args.timeout)?;
+    println!(
+        "{}: compacted: {} pages moved, memory {} -> {} (TOTAL {} -> {})",
+        after.device,
+        after
+            .store
+            .compacted_pages
+            .saturating_sub(before.store.compacted_pages),
+        human_size(before.store.mem_used),
+        human_size(after.store.mem_used),
+        human_size(before.total_bytes()),
+        human_size(after.total_bytes()),
+    );
     Ok(())
 }
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use trueno_ublk::cli::StatArgs;
 use trueno_ublk::procstat::ProcessMemory;
 use trueno_ublk::stats::{
-    collect, render, report_text, serve_in, socket_path, DeviceReport, Probe, StatError,
+    collect, compact, render, report_text, serve_in, socket_path, DeviceReport, Probe, StatError,
     StatFormat, COLUMNS,
 };
 use trueno_ublk::store::StoreStats;
@@ -78,6 +78,7 @@ fn report(id: u32, orig_bytes: u64) -> DeviceReport {
             }
             timing.snapshot()
         },
+        requests: vec!["compact".into()],
     }
 }
 
@@ -361,4 +362,51 @@ fn report_from_device_settings() {
     assert_eq!(report.algorithm, "zstd:4");
     assert_eq!(report.backend, "simd");
     assert_eq!(report.gpu, "none");
+}
+
+/// `compact` signals the pid a device's report gives (this test process, which counts the
+/// signal as the daemon does a compaction) and waits until the report counts one more; a
+/// daemon whose report does not list the request is not signalled (a signal it does not
+/// handle would end it), and a device without a daemon is said to have none.
+#[test]
+fn compact_signals_the_daemon_and_waits_for_its_count() {
+    use std::sync::atomic::AtomicBool;
+    use std::time::Duration;
+    let dir = temp_dir("compact");
+    let asked = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGUSR2, Arc::clone(&asked)).unwrap();
+    let seen = Arc::clone(&asked);
+    let _server = serve_in(&dir, 3, move || {
+        let mut r = report(3, 4096);
+        r.pid = std::process::id();
+        if seen.load(Ordering::Relaxed) {
+            r.store.compactions = 1;
+            r.store.compacted_pages = 12;
+        }
+        r
+    })
+    .unwrap();
+    let (before, after) = compact(&dir, 3, Duration::from_secs(10)).unwrap();
+    assert!(asked.load(Ordering::Relaxed));
+    assert_eq!((before.store.compactions, after.store.compactions), (0, 1));
+    assert_eq!(after.store.compacted_pages, 12);
+
+    let _old = serve_in(&dir, 4, || {
+        let mut r = report(4, 4096);
+        r.requests.clear();
+        r
+    })
+    .unwrap();
+    let error = compact(&dir, 4, Duration::from_secs(1)).err().unwrap();
+    assert!(
+        matches!(error, StatError::NoCompaction { id: 4, pid: 4242 }),
+        "{error}"
+    );
+    assert!(error.to_string().contains("predates `compact`"), "{error}");
+
+    let error = compact(&dir, 5, Duration::from_secs(1)).err().unwrap();
+    assert!(
+        matches!(error, StatError::NoSuchDevice { id: 5, .. }),
+        "{error}"
+    );
 }

@@ -27,8 +27,10 @@
 #   7. A second device is created, used and deleted while I/O runs on the first.
 #   8. mkswap + swapon -d; `delete --id 0` refused while it is swap; a program fills 1.5x the
 #      RAM with a mixed pattern and verifies every word twice; pswpout and pswpin grew;
-#      `trueno-ublk stat` while the data is swapped out; then three processes fill as much
-#      together and verify it twice in random order; swapoff; `delete --id 0`.
+#      `trueno-ublk stat` while the data is swapped out; once the kernel freed that swap and
+#      the daemon gave its memory back (20 s at most, timed), three processes fill as much
+#      together and verify it twice in random order; `trueno-ublk compact`; swapoff;
+#      `delete --id 0`.
 #   9. (The systemd units run under a real systemd in a second VM: scripts/vm/systemd-stage.sh.)
 #  10. dmesg has no ublk or swap I/O errors, hung tasks, BUG, Oops, warnings or OOM kills.
 # MODE=kernel-only: steps 1, 2 and 10, plus the pattern checks of step 4 on zram.
@@ -757,7 +759,8 @@ memory_settles() {
 }
 
 # swap_run NAME DEV INSPECT_CMD [PASSES]: mkswap, swapon -d, pressure_run, scatter_run (three
-# processes over the same amount) once the memory of the first settled, swapoff.
+# processes over the same amount) once the memory of the first settled, for ublk a
+# `trueno-ublk compact`, swapoff.
 swap_run() {
     local name=$1 dev=$2 t0
     check "$name: mkswap $dev" $UL/mkswap "$dev" >/dev/null
@@ -766,6 +769,12 @@ swap_run() {
     pressure_run "$name" "$FILL_MIB" "$3" "${4:-}"
     memory_settles "$name"
     scatter_run "$name" "$FILL_MIB" 3
+    if [ "$name" = ublk ]; then
+        # A compaction asked for, after the discards of two runs left chunks half empty.
+        trueno-ublk compact --id 0 >/tmp/compact.out 2>&1
+        check "$name: trueno-ublk compact --id 0 ($(cat /tmp/compact.out))" \
+            grep -q '^/dev/ublkb0: compacted: ' /tmp/compact.out
+    fi
     t0=$(now)
     check "$name: swapoff $dev" $UL/swapoff "$dev"
     echo "$name: swapoff took $(since "$t0") s"

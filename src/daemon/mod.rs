@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
 use thiserror::Error;
 
 use crate::codec::BatchCodec;
@@ -342,7 +342,11 @@ fn wait_for_takeover(
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(errno) => return Err(io_error("waiting for the supervisor")(errno.into())),
         }
-        if signals.pending().any(|signal| signal != SIGHUP) {
+        // SIGHUP and SIGUSR2 (a compaction, see `serve`) say nothing to a standby.
+        if signals
+            .pending()
+            .any(|signal| signal != SIGHUP && signal != SIGUSR2)
+        {
             return Ok(false);
         }
         if fds[0]
@@ -449,8 +453,9 @@ fn serve(
     }
 
     // Signals first, so a SIGTERM during start-up is not lost.
-    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1])
-        .map_err(io_error("installing signal handlers"))?;
+    let mut signals =
+        signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2])
+            .map_err(io_error("installing signal handlers"))?;
     let (gpu, gpu_state) = crate::gpu::open_for_store(algorithm, settings.store.forced_backend)?;
     tracing::info!(gpu = gpu_state, "GPU backend");
     let store_config = settings.store_config(gpu.is_some(), config::ram_bytes().unwrap_or(0));
@@ -628,6 +633,24 @@ fn serve(
                         continue;
                     }
                     Ok(SIGUSR1) => StopRequest::SupervisorGone,
+                    Ok(SIGUSR2) => {
+                        // `trueno-ublk compact`: in a thread of its own at the lowest priority.
+                        match store.start_compaction(
+                            move |_| ready_store_thread(algorithm),
+                            |done| tracing::info!(
+                                passes = done.passes,
+                                moved_pages = done.moved_pages,
+                                chunk_bytes_before = done.chunk_bytes_before,
+                                chunk_bytes_after = done.chunk_bytes_after,
+                                "compaction done"
+                            ),
+                        ) {
+                            Ok(true) => tracing::info!("compaction asked for (SIGUSR2)"),
+                            Ok(false) => tracing::info!("compaction asked for while one runs"),
+                            Err(error) => tracing::warn!(%error, "could not start a compaction"),
+                        }
+                        continue;
+                    }
                     Ok(_) => StopRequest::Stop,
                     Err(_) if survives => break (StopAction::HandOver, true),
                     Err(_) => {

@@ -6,11 +6,14 @@ use std::fs;
 use std::io::{self, Read};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
 use super::render::{render, StatFormat};
-use super::{socket_path, DeviceReport, IO_TIMEOUT, MAX_REPORT_BYTES};
+use super::{
+    socket_path, DeviceReport, COMPACT_REQUEST, COMPACT_SIGNAL, IO_TIMEOUT, MAX_REPORT_BYTES,
+};
 
 #[derive(Debug, Error)]
 pub enum StatError {
@@ -20,6 +23,20 @@ pub enum StatError {
     List { dir: PathBuf, source: io::Error },
     #[error("no trueno-ublk daemon serves ublkb{id} (no socket in {})", dir.display())]
     NoSuchDevice { id: u32, dir: PathBuf },
+    #[error("the daemon of ublkb{id} does not answer: {reason}")]
+    Unreachable { id: u32, reason: String },
+    #[error("the daemon of ublkb{id} (pid {pid}) predates `compact`: restart it with this version (`systemctl restart trueno-ublk@{id}` keeps its pages)")]
+    NoCompaction { id: u32, pid: u32 },
+    #[error("cannot signal the daemon of ublkb{id} (pid {pid}): {source}")]
+    Signal {
+        id: u32,
+        pid: u32,
+        source: nix::errno::Errno,
+    },
+    #[error("the daemon of ublkb{id} (pid {pid}) was replaced before it finished compacting (see `trueno-ublk list`); ask again")]
+    Replaced { id: u32, pid: u32 },
+    #[error("the daemon of ublkb{id} has not finished compacting after {} s; it goes on in the background (`trueno-ublk stat --id {id} --json` counts compactions)", waited.as_secs())]
+    CompactionTimeout { id: u32, waited: Duration },
 }
 
 /// What reading one socket gave.
@@ -124,6 +141,62 @@ fn query(socket: &Path, id: u32) -> Result<DeviceReport, QueryError> {
         )));
     }
     Ok(report)
+}
+
+/// `trueno-ublk compact --id N`: ask device `id`'s daemon for a compaction (`COMPACT_SIGNAL`
+/// to the pid its report gives) and wait, `patience` at most, until its report counts one
+/// more; returns the reports before and after.
+pub fn compact(
+    dir: &Path,
+    id: u32,
+    patience: Duration,
+) -> Result<(DeviceReport, DeviceReport), StatError> {
+    let report = || -> Result<DeviceReport, StatError> {
+        match query(&socket_path(dir, id), id) {
+            Ok(report) => Ok(report),
+            Err(QueryError::Gone) => Err(StatError::NoSuchDevice {
+                id,
+                dir: dir.to_path_buf(),
+            }),
+            Err(QueryError::Denied) => Err(StatError::NeedsRoot {
+                dir: dir.to_path_buf(),
+            }),
+            Err(QueryError::Failed(reason)) => Err(StatError::Unreachable { id, reason }),
+        }
+    };
+    let before = report()?;
+    if !before.requests.iter().any(|r| r == COMPACT_REQUEST) {
+        return Err(StatError::NoCompaction {
+            id,
+            pid: before.pid,
+        });
+    }
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(before.pid).unwrap_or(0));
+    nix::sys::signal::kill(pid, COMPACT_SIGNAL).map_err(|source| StatError::Signal {
+        id,
+        pid: before.pid,
+        source,
+    })?;
+    let asked = Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = report()?;
+        if now.pid != before.pid {
+            return Err(StatError::Replaced {
+                id,
+                pid: before.pid,
+            });
+        }
+        if now.store.compactions > before.store.compactions {
+            return Ok((before, now));
+        }
+        if asked.elapsed() >= patience {
+            return Err(StatError::CompactionTimeout {
+                id,
+                waited: asked.elapsed(),
+            });
+        }
+    }
 }
 
 /// What `trueno-ublk stat` prints: the reports of the sockets in `dir` (every device, or only

@@ -19,7 +19,7 @@ use crate::procstat::ProcessMemory;
 use crate::store::StoreStats;
 use crate::ublk::device::block_path;
 use crate::ublk::IoTimingReport;
-pub use client::{collect, report_text, Probe, StatError};
+pub use client::{collect, compact, report_text, Probe, StatError};
 pub use render::{render, StatFormat, COLUMNS};
 pub use server::{serve, serve_in, StatsServer};
 
@@ -60,7 +60,15 @@ pub struct DeviceReport {
     /// The daemon's own resident memory, now and idle.
     #[serde(default)]
     pub memory: ProcessMemory,
+    /// What the daemon does when asked by a signal to its `pid`: `compact` (SIGUSR2). A
+    /// daemon that predates it lists nothing, and a signal it does not handle would end it.
+    #[serde(default)]
+    pub requests: Vec<String>,
 }
+
+/// The request `trueno-ublk compact` makes, and the signal that makes it.
+pub const COMPACT_REQUEST: &str = "compact";
+pub const COMPACT_SIGNAL: nix::sys::signal::Signal = nix::sys::signal::Signal::SIGUSR2;
 
 impl DeviceReport {
     /// The report of this process serving device `id` with `settings`.
@@ -84,6 +92,7 @@ impl DeviceReport {
             store,
             io: IoTimingReport::default(),
             memory: ProcessMemory::default(),
+            requests: vec![COMPACT_REQUEST.to_string()],
         }
     }
 

@@ -492,6 +492,14 @@ impl ZsAllocator {
             > 0
     }
 
+    /// Chunks of every class being evacuated (no lock).
+    pub(super) fn evacuating_chunks(&self) -> u64 {
+        self.classes
+            .iter()
+            .map(|class| class.evacuating.load(Ordering::Relaxed))
+            .sum()
+    }
+
     /// Mark the sparsest chunks of each class holding more chunks than its objects need
     /// (see `COMPACT_SLACK_DIVISOR`) as evacuating, as many as the other chunks have room to
     /// take their objects. A class with chunks still evacuating is left alone. Returns the

@@ -97,6 +97,9 @@ pub struct StoreStats {
     /// (compaction, see `store::alloc`).
     #[serde(default)]
     pub compacted_pages: u64,
+    /// Compactions asked for and finished (`trueno-ublk compact`, see `store::recompress`).
+    #[serde(default)]
+    pub compactions: u64,
 }
 
 /// Live counters behind `StoreStats`.
@@ -132,6 +135,7 @@ pub(super) struct Counters {
     pub(super) recompress_backlog: AtomicU64,
     pub(super) recompress_passes: AtomicU64,
     pub(super) compacted_pages: AtomicU64,
+    pub(super) compactions: AtomicU64,
 }
 
 pub(super) fn add(c: &AtomicU64, n: u64) {

@@ -1,6 +1,6 @@
 //! The store's own threads: the flusher, which compresses a pending batch when it is full or
-//! old enough, the reserve's refill thread (see `reserve`), and with recompression on, the
-//! recompressor (see `recompress`).
+//! old enough, the reserve's refill thread (see `reserve`), with recompression on, the
+//! recompressor (see `recompress`), and a compaction when one is asked for.
 
 #![forbid(unsafe_code)]
 
@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::BatchedPageStore;
+use super::{BatchedPageStore, Compaction};
 
 /// The store's own threads, as `start_flusher`'s `thread_init` is told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,6 +141,45 @@ impl BatchedPageStore {
             );
         }
         Ok(handle)
+    }
+
+    /// Compact now in a thread of its own at the lowest priority (`trueno-ublk compact`),
+    /// started by `thread_init` (given the role `Recompress`, whose work it does), then
+    /// `done` with what it did. False if a compaction asked for earlier still runs.
+    pub fn start_compaction(
+        self: &Arc<Self>,
+        thread_init: impl FnOnce(StoreThread) + Send + 'static,
+        done: impl FnOnce(Compaction) + Send + 'static,
+    ) -> std::io::Result<bool> {
+        if self.compacting.swap(true, Ordering::AcqRel) {
+            return Ok(false);
+        }
+        let store = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name("trueno-compact".into())
+            .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
+            .spawn(move || {
+                /// Lets the next compaction start however this one ends (a panic included).
+                struct Compacting<'a>(&'a BatchedPageStore);
+                impl Drop for Compacting<'_> {
+                    fn drop(&mut self) {
+                        self.0.compacting.store(false, Ordering::Release);
+                    }
+                }
+                let running = Compacting(&store);
+                thread_init(StoreThread::Recompress);
+                lowest_priority();
+                let compaction = store.compact();
+                drop(running);
+                done(compaction);
+            });
+        match spawned {
+            Ok(_) => Ok(true),
+            Err(error) => {
+                self.compacting.store(false, Ordering::Release);
+                Err(error)
+            }
+        }
     }
 
     fn flusher_loop(&self) {

@@ -63,6 +63,7 @@ pub use flusher::{FlusherHandle, StoreThread};
 pub use layout::{remove_shared, shared_exists, Backing, Opened, LAYOUT_VERSION};
 use layout::{Ownership, Regions, Shape};
 use pending::PendingBatch;
+pub use recompress::Compaction;
 use table::{IdleClock, PageState, PageTable};
 
 /// Pending batches: one fills while the flusher compresses the other.
@@ -102,6 +103,8 @@ pub struct BatchedPageStore {
     /// waiting for memory (see `STARVED_WRITE_TIMEOUT`); 0 when memory came back.
     fail_fast_until: AtomicU64,
     shut_down: AtomicBool,
+    /// A compaction asked for (`start_compaction`) is running.
+    compacting: AtomicBool,
     epoch: Instant,
     /// The epoch pages' idle hints are stamped with (see `table::Hint`).
     idle_clock: IdleClock,
@@ -251,6 +254,7 @@ impl BatchedPageStore {
             reserved_bytes: AtomicU64::new(0),
             fail_fast_until: AtomicU64::new(0),
             shut_down: AtomicBool::new(false),
+            compacting: AtomicBool::new(false),
             epoch: Instant::now(),
             idle_clock: IdleClock::default(),
             counters: Counters::default(),
@@ -572,6 +576,7 @@ impl BatchedPageStore {
             recompress_backlog: get(&c.recompress_backlog),
             recompress_passes: get(&c.recompress_passes),
             compacted_pages: get(&c.compacted_pages),
+            compactions: get(&c.compactions),
         }
     }
 

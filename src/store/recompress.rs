@@ -43,6 +43,21 @@ pub(super) const TICKS_PER_IDLE: u16 = 16;
 const MIN_TICK: Duration = Duration::from_millis(1);
 /// Pages recompressed between looks at the clock, the CPU share and the stop flag.
 const SLICE_PAGES: usize = 64;
+/// Passes a compaction asked for makes at most: each plans at most a few chunks per class
+/// (see `ZsAllocator::plan_evacuation`), and a page that is written meanwhile keeps its
+/// chunk until the next.
+const MAX_COMPACTION_PASSES: u32 = 64;
+
+/// What a compaction asked for did (see `BatchedPageStore::compact`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Compaction {
+    pub passes: u32,
+    /// Objects moved out of sparse chunks.
+    pub moved_pages: u64,
+    /// The store's chunk memory before and after.
+    pub chunk_bytes_before: u64,
+    pub chunk_bytes_after: u64,
+}
 
 /// What happened to one page.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -178,6 +193,48 @@ impl BatchedPageStore {
             .recompress_backlog
             .store(backlog, Ordering::Relaxed);
         add(&self.counters.recompress_passes, 1);
+    }
+
+    /// Compact now (`trueno-ublk compact`), in the calling thread: plan, move every object out
+    /// of the chunks planned, and again, until no class holds more chunks than its objects
+    /// need by the planning threshold (or the store shuts down, or the system has no memory
+    /// to give). Safe beside I/O and the recompressor: moves claim and install as they do.
+    pub fn compact(&self) -> Compaction {
+        let chunk_bytes_before = self.alloc.chunk_bytes();
+        let mut scratch = Scratch::new();
+        let mut done = Compaction {
+            chunk_bytes_before,
+            ..Compaction::default()
+        };
+        while done.passes < MAX_COMPACTION_PASSES && !self.stopping() {
+            // Chunks planned earlier (by the recompressor, or a pass whose moves were
+            // dropped) are still to empty, as well as any planned now.
+            if self.alloc.plan_evacuation() == 0 && self.alloc.evacuating_chunks() == 0 {
+                break;
+            }
+            done.passes += 1;
+            for index in 0..self.table.len() {
+                if self.stopping() || self.alloc.reserve.starving() {
+                    break;
+                }
+                let Some((PageState::Stored { len, .. }, _)) = self.table.peek(index) else {
+                    continue;
+                };
+                if !self.alloc.class_evacuating(usize::from(len)) {
+                    continue;
+                }
+                if self.move_page(index as u64, &mut scratch) == Some(Outcome::Moved) {
+                    add(&self.counters.compacted_pages, 1);
+                    done.moved_pages += 1;
+                }
+            }
+            if self.alloc.reserve.starving() {
+                break;
+            }
+        }
+        done.chunk_bytes_after = self.alloc.chunk_bytes();
+        add(&self.counters.compactions, 1);
+        done
     }
 
     /// Sleep long enough after `slice` that the thread stays within its CPU share.

@@ -581,6 +581,66 @@ fn compaction_brings_memory_after_random_discards_within_5_percent_of_a_fresh_st
     fresh.shutdown();
 }
 
+/// `compact` (what `trueno-ublk compact` asks for) in a store without recompression, which
+/// never compacts by itself: after random discards of half its pages, one call brings its
+/// memory within 5% of a fresh store holding the same pages, every page intact.
+#[test]
+fn compact_asked_for_brings_a_store_without_recompression_within_5_percent_of_a_fresh_one() {
+    const PAGES: u64 = 4096;
+    let page = PAGE_SIZE as u64;
+    let config =
+        || crate::config::StoreSettings::default().store_config(PAGES * PAGE_SIZE as u64, false);
+    let content = |i: u64| {
+        let mut p = text(2 * i + 1);
+        let noisy = (i % 7) as usize * 300;
+        p[..noisy].copy_from_slice(&noise(i)[..noisy]);
+        p
+    };
+    let s = store(config());
+    assert!(
+        s.config.recompress.is_none(),
+        "the default recompresses nothing"
+    );
+    for i in 0..PAGES {
+        s.write(i * page, &content(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut kept = Vec::new();
+    for i in 0..PAGES {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        if x % 2 == 0 {
+            s.discard(i * page, page).unwrap();
+        } else {
+            kept.push(i);
+        }
+    }
+    let fragmented = s.alloc.chunk_bytes();
+    let done = s.compact();
+    assert_eq!(done.chunk_bytes_before, fragmented);
+    assert_eq!(done.chunk_bytes_after, s.alloc.chunk_bytes());
+    assert!(done.moved_pages > 0 && done.passes > 0, "{done:?}");
+    let st = s.stats();
+    assert_eq!((st.compactions, st.compacted_pages), (1, done.moved_pages));
+    for &i in &kept {
+        assert!(read_page_back(&s, i)[..] == content(i)[..], "page {i}");
+    }
+    let fresh = store(config());
+    for &i in &kept {
+        fresh.write(i * page, &content(i)[..]).unwrap();
+    }
+    fresh.flush_pending().unwrap();
+    let (compacted, wanted) = (s.alloc.chunk_bytes(), fresh.alloc.chunk_bytes());
+    assert!(
+        compacted * 100 <= wanted * 105,
+        "compacted {compacted} B against {wanted} B fresh (fragmented: {fragmented} B)"
+    );
+    // Nothing left to do: a second call moves nothing.
+    assert_eq!(s.compact().moved_pages, 0);
+}
+
 /// An upgrade that cannot read the store leaves it as it was: a store whose header names
 /// another layout version is refused with a message that says what to do, its header and
 /// page metadata do not change, and a binary of the store's own version then resumes every
@@ -632,4 +692,37 @@ fn a_store_of_another_layout_version_is_refused_and_left_untouched() {
     drop(metadata);
     drop(segment);
     crate::mem::Segment::remove_shared(key).unwrap();
+}
+
+/// `start_compaction` runs `compact` in a thread of its own, started by the caller's
+/// `thread_init`, and reports what it did; a second one may start once it is done.
+#[test]
+fn start_compaction_compacts_in_a_thread_and_reports() {
+    let s =
+        store(crate::config::StoreSettings::default().store_config(256 * PAGE_SIZE as u64, false));
+    for i in 0..256u64 {
+        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    for i in (0..256u64).step_by(2) {
+        s.discard(i * PAGE_SIZE as u64, PAGE_SIZE as u64).unwrap();
+    }
+    for round in 1..=2u64 {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let init_tx = tx.clone();
+        let started = s
+            .start_compaction(
+                move |role| init_tx.send(Err(role)).unwrap(),
+                move |done| tx.send(Ok(done)).unwrap(),
+            )
+            .unwrap();
+        assert!(started);
+        assert_eq!(rx.recv().unwrap(), Err(StoreThread::Recompress));
+        let done = rx.recv().unwrap().unwrap();
+        assert_eq!(done.chunk_bytes_after, s.alloc.chunk_bytes());
+        assert_eq!(s.stats().compactions, round);
+    }
+    for i in (1..256u64).step_by(2) {
+        assert_eq!(read_page_back(&s, i)[..], text(i)[..]);
+    }
 }
