@@ -127,6 +127,7 @@ impl BatchedPageStore {
         bytes: &[u8],
     ) {
         let index = pending.index;
+        self.oom.note_stored(encoding == Encoding::Raw);
         let page_checksum = checksum(&pending.page);
         let handle = self.alloc.store(bytes);
         let len = crate::codec::page_len(bytes.len());

@@ -609,3 +609,57 @@ fn memory_follows_the_data_after_a_discard() {
     );
     drop(flusher);
 }
+
+/// A store whose OOM killer only counts, holding `pages` pages made by `page`, flushed.
+fn starving_store(
+    pages: u64,
+    page: fn(u64) -> Box<Page>,
+) -> (Arc<BatchedPageStore>, Arc<AtomicU64>) {
+    let asked = Arc::new(AtomicU64::new(0));
+    let count = Arc::clone(&asked);
+    let mut c =
+        crate::config::StoreSettings::default().store_config(pages * PAGE_SIZE as u64, false);
+    c.oom_killer = Some(OomKiller::new(move || {
+        count.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }));
+    let s = store(c);
+    for i in 0..pages {
+        s.write(i * PAGE_SIZE as u64, &page(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    (s, asked)
+}
+
+#[test]
+fn a_starving_writer_asks_for_an_oom_kill_only_when_pages_do_not_compress() {
+    use std::time::Duration;
+    let ms = Duration::from_millis;
+    let (s, asked) = starving_store(64, noise);
+    // Nobody waits for the refill thread: memory comes, however slowly.
+    assert!(!s.gives_up(ms(5000)));
+    assert_eq!(asked.load(Ordering::Relaxed), 0);
+    // A taker waits for the refill thread, which commits nothing (the system has no memory).
+    s.alloc.reserve.note_waiting();
+    assert!(!s.gives_up(ms(299)));
+    assert_eq!(asked.load(Ordering::Relaxed), 0, "a short wait is a burst");
+    assert!(!s.gives_up(ms(300)), "asked for a kill, still waiting");
+    assert_eq!(asked.load(Ordering::Relaxed), 1);
+    assert!(s.gives_up(ms(1000)), "the write fails after 1 s");
+    assert_eq!(
+        asked.load(Ordering::Relaxed),
+        1,
+        "at most one kill a second"
+    );
+    assert_eq!(s.stats().oom_kills_asked, 1);
+    s.alloc.reserve.note_served();
+
+    // Pages that compress: swapping frees memory, a starving store is only slow.
+    let (s, asked) = starving_store(64, text);
+    s.alloc.reserve.note_waiting();
+    assert!(!s.gives_up(ms(900)));
+    assert!(s.gives_up(ms(1000)));
+    assert_eq!(asked.load(Ordering::Relaxed), 0);
+    assert_eq!(s.stats().oom_kills_asked, 0);
+    s.alloc.reserve.note_served();
+}
