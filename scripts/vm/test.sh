@@ -31,8 +31,12 @@
 #      together and verify it twice in random order; swapoff; `delete --id 0`.
 #   9. (The systemd units run under a real systemd in a second VM: scripts/vm/systemd-stage.sh.)
 #  10. dmesg has no ublk or swap I/O errors, hung tasks, BUG, Oops, warnings or OOM kills.
+#  11. Near OOM (stress.sh, after step 10: OOM kills are expected there): stress-ng's vm
+#      stressor on zram lz4 and on a fresh trueno-ublk device, compared; the serving
+#      process's memory comes back when a program's swap is freed.
 # MODE=kernel-only: steps 1, 2 and 10, plus the pattern checks of step 4 on zram.
 # MODE=recovery: steps 1, 1c, 8b and 10 (what survives a daemon's death, and nothing else).
+# MODE=stress: steps 1, 10 and 11.
 #  8b. (MODE full and recovery) The daemon's recovery: device 0 as swap under the pressure
 #      program (1.5x the RAM, every word verified, and once more after a hold); kill -9 of the serving process while pages go out and
 #      again while they come back (the supervisor starts a new one, which resumes the
@@ -47,6 +51,7 @@
 # to the console and fails the run.
 
 . /test/env
+. /test/stress.sh
 # Two cgroups, where the VM has cgroup2 with the memory controller: "shell" (memory.swap.max=0)
 # for this shell, its checkers and the daemons it starts, so that nothing the test needs to
 # carry on waits for swap while a device has no daemon; "work" for the programs that are meant
@@ -756,7 +761,7 @@ ublk_inspect() {
 }
 
 # --- 2. kernel zram in the same VM (first: its figures do not depend on the daemon) ------
-if [ "$MODE" != recovery ] && ! skipped zram; then
+if [ "$MODE" != recovery ] && [ "$MODE" != stress ] && ! skipped zram; then
     section "kernel zram (lz4) in the same VM"
     zram_up
     dd_speed zram /dev/zram0
@@ -914,5 +919,10 @@ if [ -z "$bad" ]; then
 else
     fail "dmesg has errors:"
     echo "$bad" | head -n 40
+fi
+
+# --- 11. near OOM (after the kernel-log check: OOM kills are expected there) ---------------
+if { [ "$MODE" = full ] || [ "$MODE" = stress ]; } && ! skipped stress; then
+    stress_phase
 fi
 finish
