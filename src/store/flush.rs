@@ -84,6 +84,14 @@ impl BatchedPageStore {
         }
         add(self.counters.backend(done.backend), part.len() as u64);
         let out = &*out;
+        // Counted before installing, which is what may starve (see `oom`).
+        let raw = (0..part.len())
+            .filter(|&i| match out.page(i) {
+                (Encoding::Raw, _) => true,
+                (_, bytes) => bytes.len() > MAX_COMPRESSED_LEN,
+            })
+            .count();
+        self.oom.note_compressed(part.len() as u64, raw as u64);
         let from_gpu = done.backend == Backend::Gpu;
         let install = |(i, s): (usize, &PendingSlot<'_>)| {
             let (encoding, bytes) = match out.page(i) {
@@ -127,7 +135,6 @@ impl BatchedPageStore {
         bytes: &[u8],
     ) {
         let index = pending.index;
-        self.oom.note_stored(encoding == Encoding::Raw);
         let page_checksum = checksum(&pending.page);
         let handle = self.alloc.store(bytes);
         let len = crate::codec::page_len(bytes.len());

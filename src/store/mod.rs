@@ -328,7 +328,8 @@ impl BatchedPageStore {
             let mut out = [0u8; PAGE_SIZE];
             let (encoding, len) = compress_page(self.config.algorithm, page, &mut out);
             add(&self.counters.pages_simd, 1);
-            self.oom.note_stored(encoding == Encoding::Raw);
+            self.oom
+                .note_compressed(1, u64::from(encoding == Encoding::Raw));
             // The starvation rule of batched writes (see `admission`), for a write waiting
             // for chunk memory itself.
             let handle = match self

@@ -27,8 +27,10 @@ use std::time::Duration;
 /// to reach the refill thread.
 const NUDGE_INTERVAL: Duration = Duration::from_secs(1);
 
-/// The window of `swap_frees_nothing`, in pages stored.
-const RECENT_PAGES: u64 = 4096;
+/// The window of `swap_frees_nothing`, in pages compressed: one flush part, so that the part
+/// the flusher is stuck on decides. A larger one (4096) remembered the compressible pages of
+/// an earlier fill, and the VM's first incompressible stall failed writes without asking.
+const RECENT_PAGES: u64 = 256;
 
 /// How the store asks the kernel's OOM killer to kill a task, given by whoever opens the store:
 /// the daemon writes `f` to `/proc/sysrq-trigger`, opened at its start (under memory pressure
@@ -52,8 +54,8 @@ pub(super) struct OomNudge {
     killer: Option<OomKiller>,
     /// The earliest time (ns on the store's clock) the next kill may be asked for.
     next_ns: AtomicU64,
-    /// Pages stored lately, and how many of them raw (they did not compress), both halved
-    /// every `RECENT_PAGES`: whether swapping out frees any memory now.
+    /// Pages compressed lately, and how many of them raw (they did not compress), both halved
+    /// while they reach `RECENT_PAGES`: whether swapping out frees any memory now.
     recent_pages: AtomicU64,
     recent_raw: AtomicU64,
 }
@@ -69,23 +71,24 @@ impl OomNudge {
         }
     }
 
-    /// A page was stored for a write, `raw` if it did not compress.
-    pub(super) fn note_stored(&self, raw: bool) {
+    /// `pages` pages were compressed for writes, `raw` of them did not compress. Noted before
+    /// they are stored: storing them is what may starve.
+    pub(super) fn note_compressed(&self, pages: u64, raw: u64) {
         if self.killer.is_none() {
             return;
         }
-        if raw {
-            self.recent_raw.fetch_add(1, Ordering::Relaxed);
-        }
-        if self.recent_pages.fetch_add(1, Ordering::Relaxed) + 1 >= RECENT_PAGES {
+        self.recent_raw.fetch_add(raw, Ordering::Relaxed);
+        let mut seen = self.recent_pages.fetch_add(pages, Ordering::Relaxed) + pages;
+        while seen >= RECENT_PAGES {
             // A racy halving is fine: only the rough share of raw pages matters.
             for c in [&self.recent_pages, &self.recent_raw] {
                 c.store(c.load(Ordering::Relaxed) / 2, Ordering::Relaxed);
             }
+            seen /= 2;
         }
     }
 
-    /// Whether most pages stored lately were raw: swapping such a page out frees a page and
+    /// Whether most pages compressed lately were raw: swapping such a page out frees a page and
     /// costs one, so no reclaim through this store makes progress, only an OOM kill does.
     fn swap_frees_nothing(&self) -> bool {
         2 * self.recent_raw.load(Ordering::Relaxed) > self.recent_pages.load(Ordering::Relaxed)
@@ -149,9 +152,7 @@ mod tests {
     #[test]
     fn without_a_killer_nothing_is_asked() {
         let nudge = OomNudge::new(None);
-        for _ in 0..10_000 {
-            nudge.note_stored(true);
-        }
+        nudge.note_compressed(10_000, 10_000);
         assert!(!nudge.nudge(u64::MAX / 2, Duration::from_secs(1)));
     }
 
@@ -161,15 +162,14 @@ mod tests {
         let nudge = OomNudge::new(Some(killer));
         assert!(!nudge.nudge(1, Duration::ZERO), "nothing stored yet");
         for i in 0..10_000 {
-            nudge.note_stored(i % 10 == 0);
+            nudge.note_compressed(1, u64::from(i % 10 == 0));
         }
         assert!(
             !nudge.nudge(2, Duration::ZERO),
             "10% raw: swapping frees memory"
         );
-        for _ in 0..10_000 {
-            nudge.note_stored(true);
-        }
+        // One flush part that does not compress, after many that did, decides.
+        nudge.note_compressed(RECENT_PAGES, RECENT_PAGES);
         assert!(nudge.nudge(3, Duration::ZERO), "raw lately");
         assert_eq!(asked.load(Ordering::Relaxed), 1);
     }
@@ -178,9 +178,7 @@ mod tests {
     fn asks_at_most_once_per_interval() {
         let (killer, asked) = counting();
         let nudge = OomNudge::new(Some(killer));
-        for _ in 0..RECENT_PAGES {
-            nudge.note_stored(true);
-        }
+        nudge.note_compressed(RECENT_PAGES, RECENT_PAGES);
         let second = 1_000_000_000;
         let asks = (0..40u64)
             .filter(|i| nudge.nudge(i * second / 10, Duration::ZERO))
@@ -194,9 +192,7 @@ mod tests {
         let nudge = OomNudge::new(Some(OomKiller::new(|| {
             Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied))
         })));
-        for _ in 0..RECENT_PAGES {
-            nudge.note_stored(true);
-        }
+        nudge.note_compressed(RECENT_PAGES, RECENT_PAGES);
         assert!(!nudge.nudge(0, Duration::ZERO));
     }
 }
