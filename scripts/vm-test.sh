@@ -8,14 +8,17 @@
 #   scripts/vm-test.sh --recovery      only what survives a daemon's death: the ublk layer's
 #                                      recovery (ublk_ramdisk) and the daemon's (kill -9 under
 #                                      swap pressure, create again); busybox VM only
+#   scripts/vm-test.sh --stress        the near-OOM stage (scripts/vm/stress.sh: stress-ng on
+#                                      zram, then on trueno-ublk; memory return); busybox VM only;
+#                                      not part of the full run until it passes reliably
 #   scripts/vm-test.sh --bench-fio     the benchmark's fio table (scripts/vm/bench.sh; see
 #   scripts/vm-test.sh --bench-storm   scripts/vm-bench.sh, which runs both)
 #
 # What the VM tests do is described at the top of scripts/vm/test.sh (a busybox initramfs
 # driving the daemon directly) and scripts/vm/systemd-test.sh (Debian with systemd as PID 1,
 # the project installed by scripts/install.sh). Downloads (the kernel package, busybox-static,
-# the Debian root file system made by mmdebstrap) are cached under .vm/cache; missing tools
-# are installed with apt-get.
+# stress-ng and the libraries it needs, the Debian root file system made by mmdebstrap) are
+# cached under .vm/cache; missing tools are installed with apt-get.
 # Exits 0 only if every check in the VM passed. Environment knobs (defaults in brackets):
 #   VM_RAM_MIB [256]  VM_CPUS [2]  VM_TIMEOUT_S [900]  VM_KERNEL_META [linux-image-6.12-cloud-amd64]
 #   VM_STALL_S [90]   fail when no page was swapped in or out for this long during a swap run
@@ -28,6 +31,9 @@
 #   VM_TEST_ONLY      debugging: "systemd" runs only the real-systemd stage (the run then fails)
 #   VM_SYSTEMD_RAM_MIB [768]  VM_SYSTEMD_TIMEOUT_S [900]  the real-systemd stage's VM
 #   VM_CREATE_ARGS    debugging: more options for the 1 GiB device's `create` (store options)
+#   STRESS_CASES [move-inv:100]  --stress: stress-ng vm METHOD:MiB per worker (2 workers),
+#                     space-separated
+#   STRESS_S [30]     --stress: seconds per stress-ng run
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -47,6 +53,7 @@ for arg in "$@"; do
     case "$arg" in
     --kernel-only) MODE=kernel-only ;;
     --recovery) MODE=recovery ;;
+    --stress) MODE=stress ;;
     --bench-fio) MODE=bench-fio ;;
     --bench-storm) MODE=bench-storm ;;
     -h | --help)
@@ -130,37 +137,38 @@ fetch_deb() { # package
     log "downloading $1"
     (cd "$CACHE" && { apt-get download -q "$1" 2>&1 | grep -v 'unsandboxed' || true; })
 }
-if [ -z "$KERNEL_DEB" ]; then
-    fetch_deb "$KERNEL_PKG"
-    KERNEL_DEB=$(find "$CACHE" -maxdepth 1 -name "${KERNEL_PKG}_*.deb" | sort | tail -n1)
-    if [ -z "$KERNEL_DEB" ]; then
-        apt_update_once
-        fetch_deb "$KERNEL_PKG"
-        KERNEL_DEB=$(find "$CACHE" -maxdepth 1 -name "${KERNEL_PKG}_*.deb" | sort | tail -n1)
+# cached_deb PACKAGE: DEB= the newest cached .deb of PACKAGE, downloaded first if none is
+# (after an apt-get update if the first try finds nothing); empty if it cannot be had.
+cached_deb() {
+    DEB=$(find "$CACHE" -maxdepth 1 -name "${1}_*.deb" | sort | tail -n1)
+    if [ -z "$DEB" ]; then
+        fetch_deb "$1"
+        DEB=$(find "$CACHE" -maxdepth 1 -name "${1}_*.deb" | sort | tail -n1)
     fi
+    if [ -z "$DEB" ]; then
+        apt_update_once
+        fetch_deb "$1"
+        DEB=$(find "$CACHE" -maxdepth 1 -name "${1}_*.deb" | sort | tail -n1)
+    fi
+}
+if [ -z "$KERNEL_DEB" ]; then
+    cached_deb "$KERNEL_PKG"
+    KERNEL_DEB=$DEB
     [ -n "$KERNEL_DEB" ] || die "could not download $KERNEL_PKG"
 fi
-BUSYBOX_DEB=$(find "$CACHE" -maxdepth 1 -name 'busybox-static_*.deb' | sort | tail -n1)
-if [ -z "$BUSYBOX_DEB" ]; then
-    fetch_deb busybox-static
-    BUSYBOX_DEB=$(find "$CACHE" -maxdepth 1 -name 'busybox-static_*.deb' | sort | tail -n1)
-    if [ -z "$BUSYBOX_DEB" ]; then
-        apt_update_once
-        fetch_deb busybox-static
-        BUSYBOX_DEB=$(find "$CACHE" -maxdepth 1 -name 'busybox-static_*.deb' | sort | tail -n1)
-    fi
-    [ -n "$BUSYBOX_DEB" ] || die "could not download busybox-static"
-fi
+cached_deb busybox-static
+BUSYBOX_DEB=$DEB
+[ -n "$BUSYBOX_DEB" ] || die "could not download busybox-static"
 
 KDIR="$VM_DIR/kernel/$(basename "$KERNEL_DEB" .deb)"
-if [ ! -e "$KDIR/done" ]; then
+if [ ! -e "$KDIR/done" ] || [ ! -e "$KDIR/virtio_blk.ko" ]; then
     log "extracting $(basename "$KERNEL_DEB")"
     rm -rf "$KDIR" "$VM_DIR/kx"
     mkdir -p "$KDIR" "$VM_DIR/kx"
     dpkg-deb -x "$KERNEL_DEB" "$VM_DIR/kx"
     cp "$VM_DIR"/kx/boot/vmlinuz-* "$KDIR/vmlinuz"
     for m in drivers/block/ublk_drv mm/zsmalloc lib/lz4/lz4_compress lib/lz4/lz4hc_compress \
-        drivers/block/zram/zram; do
+        drivers/block/zram/zram drivers/block/virtio_blk; do
         src=$(find "$VM_DIR"/kx/lib/modules/*/kernel -path "*/$m.ko*" | head -n1)
         [ -n "$src" ] || die "$(basename "$KERNEL_DEB") has no $m.ko"
         case "$src" in
@@ -178,6 +186,28 @@ if [ ! -x "$BUSYBOX" ] || [ "$BUSYBOX_DEB" -nt "$BUSYBOX" ]; then
     dpkg-deb -x "$BUSYBOX_DEB" "$VM_DIR/bbx"
     cp "$VM_DIR/bbx/bin/busybox" "$BUSYBOX"
     rm -rf "$VM_DIR/bbx"
+fi
+
+# stress-ng (Debian's package) and the libraries it needs, as a tar archive the VM reads from
+# a second disk: unpacked into RAM only for the near-OOM stage, so it costs the other stages
+# nothing. Three of its libraries are usually not installed on the host: taken from their
+# packages too.
+STRESS_TAR="$VM_DIR/stress-ng.tar"
+if [ "$MODE" = stress ] && [ ! -s "$STRESS_TAR" ]; then
+    SX="$VM_DIR/stress-ng-root"
+    rm -rf "$SX" "$VM_DIR/stress-ng-tar"
+    mkdir -p "$SX" "$VM_DIR/stress-ng-tar/lib"
+    for pkg in stress-ng libipsec-mb1 libjudydebian1 libsctp1; do
+        cached_deb "$pkg"
+        [ -n "$DEB" ] || die "could not download $pkg"
+        dpkg-deb -x "$DEB" "$SX"
+    done
+    cp "$SX/usr/bin/stress-ng" "$VM_DIR/stress-ng-tar/stress-ng"
+    LD_LIBRARY_PATH="$SX/usr/lib/x86_64-linux-gnu" ldd "$SX/usr/bin/stress-ng" |
+        awk '/=> \// {print $3}' | while read -r lib; do cp -L "$lib" "$VM_DIR/stress-ng-tar/lib/"; done
+    [ -e "$VM_DIR/stress-ng-tar/lib/libJudy.so.1" ] || die "stress-ng's libraries are incomplete"
+    tar -C "$VM_DIR/stress-ng-tar" -cf "$STRESS_TAR.tmp" . && mv "$STRESS_TAR.tmp" "$STRESS_TAR"
+    rm -rf "$SX" "$VM_DIR/stress-ng-tar"
 fi
 
 # --- 3. Build ------------------------------------------------------------------------------
@@ -237,7 +267,7 @@ ln -s usr/bin "$STAGE/bin"
 ln -s usr/sbin "$STAGE/sbin"
 cp "$BUSYBOX" "$STAGE/usr/bin/busybox"
 cp "$ROOT/scripts/vm/init" "$STAGE/init"
-cp "$ROOT/scripts/vm/test.sh" "$STAGE/test/"
+cp "$ROOT/scripts/vm/test.sh" "$ROOT/scripts/vm/stress.sh" "$STAGE/test/"
 cp "$VM_DIR/vmtool" "$STAGE/test/vmtool"
 cp "$KDIR"/*.ko "$STAGE/lib/modules/"
 chmod +x "$STAGE/init" "$STAGE/test/test.sh"
@@ -293,6 +323,8 @@ EXTRA_KILLS=${VM_EXTRA_KILLS:-8}
 PREVIOUS_BIN=${PREVIOUS_BIN:+/opt/previous/trueno-ublk}
 CREATE_ARGS="${VM_CREATE_ARGS:-}"
 FIO_RUNTIME_S=${VM_FIO_RUNTIME_S:-5}
+STRESS_CASES="${STRESS_CASES:-move-inv:100}"
+STRESS_S=${STRESS_S:-30}
 EOF
 (cd "$STAGE" && find . | cpio -o -H newc --quiet) | gzip -1 >"$VM_DIR/initrd.cpio.gz"
 log "initramfs $(du -h "$VM_DIR/initrd.cpio.gz" | cut -f1), kernel $(basename "$KDIR"), mode $MODE"
@@ -305,11 +337,16 @@ RESULT="$VM_DIR/result.log"
 : >"$RESULT"
 log "booting: ${RAM_MIB} MiB RAM, $CPUS vCPUs, TCG (limit ${TIMEOUT_S} s)"
 VM_START=$SECONDS
+DISK=()
+if [ "$MODE" = stress ]; then
+    # shellcheck disable=SC2054 # qemu's option values hold commas
+    DISK=(-drive "file=$STRESS_TAR,if=none,format=raw,readonly=on,id=sng" -device virtio-blk-pci,drive=sng)
+fi
 timeout --kill-after=10 "$TIMEOUT_S" qemu-system-x86_64 \
     -nodefaults -no-user-config -accel tcg,thread=multi -cpu max -smp "$CPUS" -m "${RAM_MIB}M" \
     -kernel "$KDIR/vmlinuz" -initrd "$VM_DIR/initrd.cpio.gz" \
     -append "console=ttyS0 rdinit=/init rootfstype=ramfs panic=-1 loglevel=4" \
-    -nic none -display none -no-reboot \
+    -nic none -display none -no-reboot "${DISK[@]}" \
     -chardev file,id=console,path="$CONSOLE" -serial chardev:console \
     -chardev file,id=result,path="$RESULT" -serial chardev:result \
     </dev/null >"$VM_DIR/qemu.log" 2>&1 &

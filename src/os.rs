@@ -120,6 +120,18 @@ pub fn protect_from_oom_killer() -> std::io::Result<()> {
     std::fs::write("/proc/self/oom_score_adj", "-1000")
 }
 
+/// A way to ask the kernel's OOM killer to kill a task now: `/proc/sysrq-trigger`, opened
+/// here (under memory pressure, opening it then could wait in reclaim), written `f` on each
+/// call. Writes to that file are allowed to root whatever `kernel.sysrq` says (it masks the
+/// keyboard only); it is read-only under systemd's `ProtectKernelTunables=`.
+pub fn oom_kill_trigger() -> std::io::Result<impl Fn() -> std::io::Result<()>> {
+    use std::io::Write;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/proc/sysrq-trigger")?;
+    Ok(move || (&file).write_all(b"f"))
+}
+
 // swapon(2) flags, from `include/linux/swap.h`.
 const SWAP_FLAG_PREFER: libc::c_int = 0x8000;
 const SWAP_FLAG_PRIO_MASK: libc::c_int = 0x7fff;

@@ -33,8 +33,13 @@
 #      `delete --id 0`.
 #   9. (The systemd units run under a real systemd in a second VM: scripts/vm/systemd-stage.sh.)
 #  10. dmesg has no ublk or swap I/O errors, hung tasks, BUG, Oops, warnings or OOM kills.
+#  11. (MODE=stress only, not yet in the full run: see README, "Near OOM") Near OOM
+#      (stress.sh, after step 10: OOM kills are expected there): stress-ng's vm stressor on
+#      zram lz4 and on a fresh trueno-ublk device, compared; the serving process's memory
+#      comes back when a program's swap is freed.
 # MODE=kernel-only: steps 1, 2 and 10, plus the pattern checks of step 4 on zram.
 # MODE=recovery: steps 1, 1c, 8b and 10 (what survives a daemon's death, and nothing else).
+# MODE=stress: steps 1, 10 and 11.
 #  8b. (MODE full and recovery) The daemon's recovery: device 0 as swap under the pressure
 #      program (1.5x the RAM, every word verified, and once more after a hold), started by
 #      the previous build (PREVIOUS_BIN, see vm-test.sh) when the VM has it; kill -9 of the
@@ -55,6 +60,7 @@
 # The build an upgrade starts from, when vm-test.sh put one in (xz-compressed until used; the
 # same file name as this build's: the daemon's processes are found by it).
 PREVIOUS_BIN=${PREVIOUS_BIN:-}
+. /test/stress.sh
 # Two cgroups, where the VM has cgroup2 with the memory controller: "shell" (memory.swap.max=0)
 # for this shell, its checkers and the daemons it starts, so that nothing the test needs to
 # carry on waits for swap while a device has no daemon; "work" for the programs that are meant
@@ -826,7 +832,7 @@ ublk_inspect() {
 }
 
 # --- 2. kernel zram in the same VM (first: its figures do not depend on the daemon) ------
-if [ "$MODE" != recovery ] && ! skipped zram; then
+if [ "$MODE" != recovery ] && [ "$MODE" != stress ] && ! skipped zram; then
     section "kernel zram (lz4) in the same VM"
     zram_up
     dd_speed zram /dev/zram0
@@ -989,5 +995,10 @@ if [ -z "$bad" ]; then
 else
     fail "dmesg has errors:"
     echo "$bad" | head -n 40
+fi
+
+# --- 11. near OOM (after the kernel-log check: OOM kills are expected there) ---------------
+if [ "$MODE" = stress ]; then
+    stress_phase
 fi
 finish

@@ -29,6 +29,18 @@
  *       in random order (another access pattern than pressure's sequential passes).
  *       Prints SCATTER_WORDS_CHECKED and SCATTER_BAD_WORDS; exits 1 on any mismatch or
  *       failed process.
+ *   vmtool pageout MIB SEED
+ *       Fills MIB MiB of anonymous memory with the mixed pattern 16 MiB at a time,
+ *       pushing each part out to swap with MADV_PAGEOUT as it goes (so the program
+ *       never needs much RAM), prints PAGEOUT_SWAPPED_KB (its VmSwap) and exits: the
+ *       kernel frees every slot it had.
+ *   vmtool wakeup PERIOD_MS SECONDS
+ *       An ordinary process (no locking, no priority) that wakes every PERIOD_MS for
+ *       SECONDS and prints WAKEUP_MAX_DELAY_MS, the longest it woke up late: how long
+ *       a user's shell would have stalled.
+ *   vmtool rss-settle PID LIMIT_KB TIMEOUT_S
+ *       Polls PID's VmRSS every 20 ms until it is at most LIMIT_KB, or TIMEOUT_S
+ *       passed; prints RSS_SETTLE_S (-1 if never) and RSS_SETTLE_KB (the last value).
  *   vmtool notify-run TIMEOUT_S STATEFILE CMD [ARGS...]
  *       Runs CMD the way systemd runs a Type=notify service: NOTIFY_SOCKET points
  *       to a datagram socket this program reads. Appends to STATEFILE "pid N" at
@@ -657,6 +669,101 @@ static int cmd_monitor(int argc, char **argv)
 	}
 }
 
+static int cmd_pageout(int argc, char **argv)
+{
+	if (argc != 2) {
+		fprintf(stderr, "usage: vmtool pageout MIB SEED\n");
+		return 2;
+	}
+	uint64_t mib = parse_u64(argv[0], "MiB");
+	uint64_t seed = parse_u64(argv[1], "seed");
+	uint64_t pages = mib * 256;
+	size_t bytes = (size_t)pages * PAGE_BYTES;
+	const uint64_t part = 16 * 256;
+	uint64_t *mem = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (mem == MAP_FAILED) {
+		perror("vmtool pageout: mmap");
+		return 1;
+	}
+	madvise(mem, bytes, MADV_NOHUGEPAGE);
+	double t0 = now_s();
+	for (uint64_t p = 0; p < pages; p += part) {
+		uint64_t n = pages - p < part ? pages - p : part;
+		for (uint64_t q = p; q < p + n; q++)
+			make_page(mem + q * PAGE_WORDS, seed, q);
+		if (madvise(mem + p * PAGE_WORDS, n * PAGE_BYTES, MADV_PAGEOUT)) {
+			perror("vmtool pageout: MADV_PAGEOUT");
+			return 1;
+		}
+	}
+	char buf[4096];
+	int fd = open("/proc/self/status", O_RDONLY);
+	ssize_t n = fd >= 0 ? read(fd, buf, sizeof(buf) - 1) : -1;
+	if (fd >= 0)
+		close(fd);
+	buf[n > 0 ? n : 0] = 0;
+	printf("pageout: %llu MiB filled and paged out in %.1f s\n", (unsigned long long)mib,
+	       now_s() - t0);
+	printf("PAGEOUT_SWAPPED_KB=%lld\n", field_of(buf, "VmSwap"));
+	fflush(stdout);
+	return 0;
+}
+
+static int cmd_wakeup(int argc, char **argv)
+{
+	if (argc != 2) {
+		fprintf(stderr, "usage: vmtool wakeup PERIOD_MS SECONDS\n");
+		return 2;
+	}
+	double period = (double)parse_u64(argv[0], "period") / 1000.0;
+	double seconds = (double)parse_u64(argv[1], "seconds");
+	double start = now_s(), worst = 0;
+	for (double due = start + period; due < start + seconds; due += period) {
+		double t = now_s();
+		if (due > t)
+			usleep((useconds_t)((due - t) * 1e6));
+		t = now_s();
+		if (t - due > worst)
+			worst = t - due;
+		if (t > due + period)
+			due = t; /* one long stall counts once, not as many missed wake-ups */
+	}
+	printf("WAKEUP_MAX_DELAY_MS=%.0f\n", worst * 1000.0);
+	return 0;
+}
+
+static int cmd_rss_settle(int argc, char **argv)
+{
+	if (argc != 3) {
+		fprintf(stderr, "usage: vmtool rss-settle PID LIMIT_KB TIMEOUT_S\n");
+		return 2;
+	}
+	char path[64], buf[4096];
+	snprintf(path, sizeof(path), "/proc/%s/status", argv[0]);
+	long long limit = (long long)parse_u64(argv[1], "limit");
+	double timeout = (double)parse_u64(argv[2], "timeout");
+	double t0 = now_s(), settled = -1;
+	long long rss = -1;
+	for (;;) {
+		int fd = open(path, O_RDONLY);
+		ssize_t n = fd >= 0 ? read(fd, buf, sizeof(buf) - 1) : -1;
+		if (fd >= 0)
+			close(fd);
+		buf[n > 0 ? n : 0] = 0;
+		rss = field_of(buf, "VmRSS");
+		double t = now_s() - t0;
+		if (rss >= 0 && rss <= limit) {
+			settled = t;
+			break;
+		}
+		if (t > timeout)
+			break;
+		usleep(20000);
+	}
+	printf("RSS_SETTLE_S=%.2f\nRSS_SETTLE_KB=%lld\n", settled, rss);
+	return settled >= 0 ? 0 : 1;
+}
+
 int main(int argc, char **argv)
 {
 	if (argc >= 2 && strcmp(argv[1], "now") == 0) {
@@ -683,10 +790,17 @@ int main(int argc, char **argv)
 		return cmd_heartbeat(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "shm-remove") == 0)
 		return cmd_shm_remove(argc - 2, argv + 2);
+	if (argc >= 2 && strcmp(argv[1], "pageout") == 0)
+		return cmd_pageout(argc - 2, argv + 2);
+	if (argc >= 2 && strcmp(argv[1], "wakeup") == 0)
+		return cmd_wakeup(argc - 2, argv + 2);
+	if (argc >= 2 && strcmp(argv[1], "rss-settle") == 0)
+		return cmd_rss_settle(argc - 2, argv + 2);
 	fprintf(stderr, "usage: vmtool now | clock | gen BYTES SEED | pressure MIB SEED [HOLDFILE] | "
 			"scatter MIB PROCS SEED | "
 			"notify-run TIMEOUT_S STATEFILE CMD [ARGS...] | heartbeat DEV OFFSET STOPFILE | "
-			"shm-remove KEY | "
+			"shm-remove KEY | pageout MIB SEED | wakeup PERIOD_MS SECONDS | "
+			"rss-settle PID LIMIT_KB TIMEOUT_S | "
 			"monitor INTERVAL_S DEADLINE_S STALL_S FLAGFILE\n");
 	return 2;
 }

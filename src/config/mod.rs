@@ -316,6 +316,7 @@ impl StoreSettings {
             thresholds: BackendThresholds::default(),
             reserve_bytes: 0,
             recompress: self.recompress,
+            oom_killer: None,
             size_bytes,
         }
     }

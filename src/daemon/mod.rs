@@ -458,7 +458,15 @@ fn serve(
             .map_err(io_error("installing signal handlers"))?;
     let (gpu, gpu_state) = crate::gpu::open_for_store(algorithm, settings.store.forced_backend)?;
     tracing::info!(gpu = gpu_state, "GPU backend");
-    let store_config = settings.store_config(gpu.is_some(), config::ram_bytes().unwrap_or(0));
+    let mut store_config = settings.store_config(gpu.is_some(), config::ram_bytes().unwrap_or(0));
+    // Opened now, for a standby too: when the store needs it, memory is short.
+    store_config.oom_killer = match crate::os::oom_kill_trigger() {
+        Ok(ask) => Some(crate::store::OomKiller::new(ask)),
+        Err(error) => {
+            tracing::warn!(%error, "cannot open /proc/sysrq-trigger: when writes starve for memory and pages do not compress, the store cannot ask the kernel's OOM killer to act");
+            None
+        }
+    };
     let handler = Arc::new(StoreHandler::new(algorithm));
     let (target, started) = if standby {
         let id = settings.id.ok_or_else(|| {

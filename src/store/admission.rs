@@ -1,30 +1,37 @@
-//! Admission of writes: the memory limit, a pending slot for each page, and the rule that
-//! fails writes with ENOMEM when the system gives the store no memory.
+//! Admission of writes: the memory limit, a pending slot for each page, and the starvation
+//! rule: when the system gives the store no memory, ask for an OOM kill if swapping frees
+//! nothing (see `oom`), and fail writes with ENOMEM.
 
 #![forbid(unsafe_code)]
 
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::counters::{add, sub};
 use super::pending::{PendingBatch, Reserve};
+use super::reserve::Stall;
 use super::{BatchedPageStore, StoreError, PAGE_SIZE};
 
-/// A writer that has waited this long for a pending slot while the flusher waits for chunk
-/// memory, and the refill thread has committed none in that time, fails its write with
-/// `ENOMEM`, and so do the writes after it for `FAIL_FAST_PERIOD` or until the flusher frees a
-/// batch. A refill that is slow but commits keeps writes waiting: at the onset of pressure
-/// memory comes back in well under a second per commit group, and failing then only logs
-/// write errors. Why: the daemon serves swap, and when the system has no memory to give the store,
-/// a write that waits holds its bio, and with it every task in reclaim (they wait for bios and
-/// writeback), the swap-ins queued behind it, and the OOM killer, which the kernel does not
-/// call while writeback is pending. Failing the write lets reclaim go on (the kernel keeps the
-/// page and tries again later) and, if memory really is gone, the OOM killer act. Bursts, in
-/// which the refill thread catches up within milliseconds, never fail.
-pub(super) const STARVED_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+/// A writer that has waited this long for memory (a pending slot while the flusher waits for
+/// chunk memory, or a chunk itself) while the refill thread has committed none in that time
+/// (`reserve::Stall`), fails its write with `ENOMEM`, and so do the writes after it for
+/// `FAIL_FAST_PERIOD` or until the flusher frees a batch. A refill that is slow but commits
+/// keeps writes waiting: at the onset of pressure memory comes back in well under a second per
+/// commit group, and failing then only logs write errors. Why: the daemon serves swap, and when
+/// the system has no memory to give the store, a write that waits holds its bio, and with it
+/// every task in reclaim (they wait for bios and writeback), the swap-ins queued behind it, and
+/// the OOM killer, which the kernel does not call while writeback is pending. Failing the write
+/// lets reclaim go on (the kernel keeps the page and tries again later) and, if memory really
+/// is gone, the OOM killer act. Bursts, in which the refill thread catches up within
+/// milliseconds, never fail.
+const STARVED_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 /// After a write gave up, later writes fail at once for this long, then wait again: the
 /// queue serves swap-ins too, and must not hold each write for a whole timeout.
 const FAIL_FAST_PERIOD: Duration = Duration::from_millis(200);
+/// A writer starving this long asks for an OOM kill when swapping frees nothing (see `oom`):
+/// well before its write would fail, and long enough that a burst the refill thread catches up
+/// with never asks.
+const OOM_NUDGE_AFTER: Duration = Duration::from_millis(300);
 
 /// A reserved pending slot. Dropping it commits the slot, whatever happened in between (a
 /// panic included), so the flusher, which waits for every reserved slot of a batch it seals to
@@ -51,6 +58,24 @@ impl Drop for SlotGuard<'_> {
 impl BatchedPageStore {
     pub(super) fn failing_fast(&self) -> bool {
         self.now_ns() < self.fail_fast_until.load(Ordering::Acquire)
+    }
+
+    /// The starvation rule, for a writer that has waited `waited` for memory by its `Stall`:
+    /// true if it gives up (then `starved_write`). While writes fail fast it gives up at once;
+    /// otherwise only while a taker waits for the refill thread (the flusher, or this writer),
+    /// first asking for an OOM kill after `OOM_NUDGE_AFTER` if swapping frees nothing, then
+    /// giving up after `STARVED_WRITE_TIMEOUT`.
+    pub(super) fn gives_up(&self, waited: Duration) -> bool {
+        if self.failing_fast() {
+            return true;
+        }
+        if !self.alloc.reserve.starving() {
+            return false;
+        }
+        if waited >= OOM_NUDGE_AFTER && self.oom.nudge(self.now_ns(), waited) {
+            add(&self.counters.oom_kills_asked, 1);
+        }
+        waited >= STARVED_WRITE_TIMEOUT
     }
 
     /// A write gives up waiting for memory: count it, make the writes after it fail at once for
@@ -86,8 +111,8 @@ impl BatchedPageStore {
 
     /// A free pending slot; waits for the flusher while every batch is full.
     pub(super) fn reserve_slot(&self) -> Result<SlotGuard<'_>, StoreError> {
-        // Since when this writer has waited without the refill thread committing anything.
-        let mut stalled: Option<(Instant, u64)> = None;
+        // Set once every batch is full: how long this writer has starved since.
+        let mut stall: Option<Stall> = None;
         loop {
             let b = self.current.load(Ordering::Acquire);
             match self.batches[b].reserve() {
@@ -100,15 +125,11 @@ impl BatchedPageStore {
                 }
                 Reserve::Closed => std::thread::yield_now(),
                 Reserve::Full => {
-                    let commits = self.alloc.reserve.commits();
-                    let since = match stalled {
-                        Some((since, seen)) if seen == commits => since,
-                        _ => stalled.insert((Instant::now(), commits)).0,
-                    };
-                    let waited = since.elapsed();
-                    if self.failing_fast()
-                        || (waited >= STARVED_WRITE_TIMEOUT && self.alloc.reserve.starving())
-                    {
+                    let reserve = &self.alloc.reserve;
+                    let waited = stall
+                        .get_or_insert_with(|| Stall::new(reserve))
+                        .waited(reserve);
+                    if self.gives_up(waited) {
                         return Err(self.starved_write(waited));
                     }
                     let mut ctl = self.control.lock();

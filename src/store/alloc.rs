@@ -293,15 +293,15 @@ impl ZsAllocator {
         self.store_within(bytes, None).ok()
     }
 
-    /// `store`, giving up on a new chunk as `ChunkReserve::take` does.
+    /// `store`, giving up on a new chunk when `give_up` says so, as `ChunkReserve::take` does.
     pub(super) fn store_within(
         &self,
         bytes: &[u8],
-        patience: Option<std::time::Duration>,
+        give_up: Option<&dyn Fn(std::time::Duration) -> bool>,
     ) -> Result<Handle, Shortage> {
         let class_idx = self.class_index(bytes.len());
         let class = &self.classes[class_idx];
-        let (chunk, obj) = self.take_object(class_idx, patience)?;
+        let (chunk, obj) = self.take_object(class_idx, give_up)?;
         let dir = class.chunks.read();
         let Some(Some(lock)) = dir.get(chunk as usize) else {
             return Err(Shortage::ArenaFull);
@@ -318,7 +318,7 @@ impl ZsAllocator {
     fn take_object(
         &self,
         class_idx: usize,
-        patience: Option<std::time::Duration>,
+        give_up: Option<&dyn Fn(std::time::Duration) -> bool>,
     ) -> Result<(u32, u16), Shortage> {
         let class = &self.classes[class_idx];
         let mut st = class.state.lock();
@@ -331,7 +331,7 @@ impl ZsAllocator {
                     // free memory the refill may be waiting for (seen in the VM: a discard
                     // stuck behind a flush that waited for the refill).
                     drop(st);
-                    let data = self.reserve.take(class.chunk_bytes / PAGE_SIZE, patience)?;
+                    let data = self.reserve.take(class.chunk_bytes / PAGE_SIZE, give_up)?;
                     st = class.state.lock();
                     // No push here may grow a list (see `provision`): wait for the refill
                     // thread to make room, as for the chunk itself.

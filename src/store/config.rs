@@ -31,6 +31,9 @@ pub struct StoreConfig {
     /// Recompress idle pages in the background with a stronger codec (`--recompress`); `None`:
     /// pages stay as the flusher stored them.
     pub recompress: Option<RecompressConfig>,
+    /// How to ask the kernel's OOM killer to act when writes starve and pages do not
+    /// compress (see `store::oom`). Only the daemon gives one; `None` never asks.
+    pub oom_killer: Option<super::OomKiller>,
 }
 
 /// Background recompression of idle pages (see `store::recompress`).

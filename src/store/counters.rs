@@ -54,6 +54,10 @@ pub struct StoreStats {
     /// Writes failed with ENOMEM because the system gave the store no memory for a while.
     #[serde(default)]
     pub starved_writes: u64,
+    /// OOM kills the store asked the kernel for while writes starved and pages did not
+    /// compress (see `store::oom`).
+    #[serde(default)]
+    pub oom_kills_asked: u64,
     /// Bytes of chunk memory held ready in the reserve (not in `mem_used`).
     #[serde(default)]
     pub reserve_bytes: u64,
@@ -124,6 +128,7 @@ pub(super) struct Counters {
     pub(super) discarded_pages: AtomicU64,
     pub(super) mem_limit_hits: AtomicU64,
     pub(super) starved_writes: AtomicU64,
+    pub(super) oom_kills_asked: AtomicU64,
     pub(super) lost_pages: AtomicU64,
     pub(super) checksum_failures: AtomicU64,
     pub(super) gpu_mismatched_pages: AtomicU64,

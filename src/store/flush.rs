@@ -84,6 +84,14 @@ impl BatchedPageStore {
         }
         add(self.counters.backend(done.backend), part.len() as u64);
         let out = &*out;
+        // Counted before installing, which is what may starve (see `oom`).
+        let raw = (0..part.len())
+            .filter(|&i| match out.page(i) {
+                (Encoding::Raw, _) => true,
+                (_, bytes) => bytes.len() > MAX_COMPRESSED_LEN,
+            })
+            .count();
+        self.oom.note_compressed(part.len() as u64, raw as u64);
         let from_gpu = done.backend == Backend::Gpu;
         let install = |(i, s): (usize, &PendingSlot<'_>)| {
             let (encoding, bytes) = match out.page(i) {

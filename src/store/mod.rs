@@ -36,6 +36,7 @@ mod error;
 mod flush;
 mod flusher;
 mod layout;
+mod oom;
 mod pending;
 mod recompress;
 mod reserve;
@@ -52,7 +53,7 @@ use rayon::prelude::*;
 pub use crate::codec::BackendThresholds;
 use crate::codec::{
     checksum, classify, compress_page, decompress_page, fill_page, Algorithm, Backend, BatchCodec,
-    CompressedBatch, Compressor, Page, PageClass, PAGE_SIZE,
+    CompressedBatch, Compressor, Encoding, Page, PageClass, PAGE_SIZE,
 };
 use alloc::ZsAllocator;
 pub use config::{RecompressConfig, StoreConfig};
@@ -62,6 +63,7 @@ pub use error::StoreError;
 pub use flusher::{FlusherHandle, StoreThread};
 pub use layout::{remove_shared, shared_exists, Backing, Opened, LAYOUT_VERSION};
 use layout::{Ownership, Regions, Shape};
+pub use oom::OomKiller;
 use pending::PendingBatch;
 pub use recompress::Compaction;
 use table::{IdleClock, PageState, PageTable};
@@ -109,6 +111,8 @@ pub struct BatchedPageStore {
     /// The epoch pages' idle hints are stamped with (see `table::Hint`).
     idle_clock: IdleClock,
     counters: Counters,
+    /// Asks for an OOM kill when writes starve and pages do not compress (see `oom`).
+    oom: oom::OomNudge,
     /// This process's claim on the store's memory (a second process must not serve it).
     _owner: Ownership,
 }
@@ -258,6 +262,7 @@ impl BatchedPageStore {
             epoch: Instant::now(),
             idle_clock: IdleClock::default(),
             counters: Counters::default(),
+            oom: oom::OomNudge::new(config.oom_killer.clone()),
             config,
             _owner: owner,
         };
@@ -327,15 +332,14 @@ impl BatchedPageStore {
             let mut out = [0u8; PAGE_SIZE];
             let (encoding, len) = compress_page(self.config.algorithm, page, &mut out);
             add(&self.counters.pages_simd, 1);
-            // The starvation rule of batched writes (see `admission`): a write that waits
-            // for chunk memory while the refill thread commits none gives up, and while
-            // writes fail fast the next ones do not wait at all.
-            let patience = if self.failing_fast() {
-                std::time::Duration::ZERO
-            } else {
-                admission::STARVED_WRITE_TIMEOUT
-            };
-            let handle = match self.alloc.store_within(&out[..len], Some(patience)) {
+            self.oom
+                .note_compressed(1, u64::from(encoding == Encoding::Raw));
+            // The starvation rule of batched writes (see `admission`), for a write waiting
+            // for chunk memory itself.
+            let handle = match self
+                .alloc
+                .store_within(&out[..len], Some(&|waited| self.gives_up(waited)))
+            {
                 Ok(handle) => handle,
                 Err(shortage) => {
                     sub(&self.reserved_bytes, PAGE_SIZE as u64);
@@ -563,6 +567,7 @@ impl BatchedPageStore {
             discarded_pages: get(&c.discarded_pages),
             mem_limit_hits: get(&c.mem_limit_hits),
             starved_writes: get(&c.starved_writes),
+            oom_kills_asked: get(&c.oom_kills_asked),
             lost_pages: get(&c.lost_pages),
             checksum_failures: get(&c.checksum_failures),
             gpu_mismatched_pages: get(&c.gpu_mismatched_pages),

@@ -726,3 +726,86 @@ fn start_compaction_compacts_in_a_thread_and_reports() {
         assert_eq!(read_page_back(&s, i)[..], text(i)[..]);
     }
 }
+
+#[test]
+fn memory_follows_the_data_after_a_discard() {
+    let target = 4u64 << 20;
+    let mut c = crate::config::StoreSettings::default().store_config(1 << 30, false);
+    c.reserve_bytes = target;
+    let s = store(c);
+    let flusher = s.start_flusher(|_| ()).unwrap();
+    let n = 20_000u64;
+    for i in 0..n {
+        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    assert!(s.stats().mem_used > target);
+    s.discard(0, n * PAGE_SIZE as u64).unwrap();
+    // Every chunk is free at once; the refill thread, woken by the discard, gives back what
+    // the reserve holds beyond its target.
+    assert_eq!(s.stats().mem_used, 0);
+    let deadline = Instant::now() + std::time::Duration::from_secs(2);
+    while s.stats().reserve_bytes > target && Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let held = s.stats().reserve_bytes;
+    assert!(
+        held <= target,
+        "reserve holds {held} bytes for a {target}-byte target"
+    );
+    drop(flusher);
+}
+
+/// A store whose OOM killer only counts, holding `pages` pages made by `page`, flushed.
+fn starving_store(
+    pages: u64,
+    page: fn(u64) -> Box<Page>,
+) -> (Arc<BatchedPageStore>, Arc<AtomicU64>) {
+    let asked = Arc::new(AtomicU64::new(0));
+    let count = Arc::clone(&asked);
+    let mut c =
+        crate::config::StoreSettings::default().store_config(pages * PAGE_SIZE as u64, false);
+    c.oom_killer = Some(OomKiller::new(move || {
+        count.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }));
+    let s = store(c);
+    for i in 0..pages {
+        s.write(i * PAGE_SIZE as u64, &page(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    (s, asked)
+}
+
+#[test]
+fn a_starving_writer_asks_for_an_oom_kill_only_when_pages_do_not_compress() {
+    use std::time::Duration;
+    let ms = Duration::from_millis;
+    let (s, asked) = starving_store(64, noise);
+    // Nobody waits for the refill thread: memory comes, however slowly.
+    assert!(!s.gives_up(ms(5000)));
+    assert_eq!(asked.load(Ordering::Relaxed), 0);
+    // A taker waits for the refill thread, which commits nothing (the system has no memory).
+    s.alloc.reserve.note_waiting();
+    assert!(!s.gives_up(ms(299)));
+    assert_eq!(asked.load(Ordering::Relaxed), 0, "a short wait is a burst");
+    assert!(!s.gives_up(ms(300)), "asked for a kill, still waiting");
+    assert_eq!(asked.load(Ordering::Relaxed), 1);
+    assert!(s.gives_up(ms(1000)), "the write fails after 1 s");
+    assert_eq!(
+        asked.load(Ordering::Relaxed),
+        1,
+        "at most one kill a second"
+    );
+    assert_eq!(s.stats().oom_kills_asked, 1);
+    s.alloc.reserve.note_served();
+
+    // Pages that compress: swapping frees memory, a starving store is only slow.
+    let (s, asked) = starving_store(64, text);
+    s.alloc.reserve.note_waiting();
+    assert!(!s.gives_up(ms(900)));
+    assert!(s.gives_up(ms(1000)));
+    assert_eq!(asked.load(Ordering::Relaxed), 0);
+    assert_eq!(s.stats().oom_kills_asked, 0);
+    s.alloc.reserve.note_served();
+}

@@ -1,0 +1,216 @@
+# shellcheck shell=dash disable=SC2317 # sourced by test.sh; functions run through check
+# Near-OOM stage of the VM test (issue 16): stress-ng's `vm` stressor from Debian's package,
+# on kernel zram (lz4) and then on a fresh 1 GiB trueno-ublk device in the same VM, and the
+# memory-return check on the daemon. stress-ng and its libraries come on a second disk
+# (/dev/vda, a tar archive) and are unpacked into RAM only for this stage.
+#
+# For each case (STRESS_CASES, default "move-inv:100": method and MiB per worker), 2 workers
+# run `stress-ng --vm 2 --vm-bytes 2xMIB --vm-method METHOD --vm-keep --verify -t STRESS_S`
+# (stress-ng divides --vm-bytes between its workers) in the "work" cgroup, while `vmtool
+# wakeup` there measures how late an ordinary process wakes up. Figures per device and case:
+# workers' bogo ops/s, failed swap writes, OOM kills (all, and of anything but the workers),
+# the longest wake-up delay, OOM kills the store asked for. Checks, per case, ublk against
+# zram in this VM: no verify failure, write errors 0 where zram's are 0, no OOM kill of
+# anything but the workers where zram killed only workers, wake-up delay at most zram's + 2 s;
+# bogo ops/s against zram's is printed (a NOTE when lower), not checked. A kernel panic or
+# hang ends the VM without a verdict (a failure).
+#
+# The daemon is three processes (supervisor, serving process, standby); its memory here is the
+# serving process's, the one `trueno-ublk list` names and whose RSS `stat` shows: it alone maps
+# the store's pages. The supervisor's and the standby's are printed beside it.
+
+SNG=/opt/stress-ng
+
+stress_unpack() {
+    insmod /lib/modules/virtio_blk.ko || return 1
+    wait_until 5 test -b /dev/vda || return 1
+    mkdir -p $SNG && tar -x -f /dev/vda -C $SNG && test -x $SNG/stress-ng
+}
+
+# sfigure NAME VALUE: a figure, also kept for stress_compare.
+sfigure() {
+    figure "$1" "$2"
+    echo "FIGURE $1=$2" >>/tmp/stress.figures
+}
+
+# json_field NAME: the first number named NAME in `trueno-ublk stat --json --id 0`.
+json_field() {
+    trueno-ublk stat --json --id 0 | sed -n "s/.*\"$1\": *\([0-9]*\).*/\1/p" | head -n1
+}
+
+# failed_writes NAME: swap writes the device failed so far.
+failed_writes() {
+    case $1 in
+    zram) awk '{ print $2 }' /sys/block/zram0/io_stat ;;
+    *) json_field failed_writes ;;
+    esac
+}
+
+# stress_case NAME METHOD MIB: one stress-ng run with swap on; figures under NAME_METHOD_MIB.
+stress_case() {
+    local name=$1 method=$2 mib=$3 tag w0 w1 k0 rc wk kills others delay bogo vfail
+    tag="${name}_$(echo "$method" | tr -c 'a-z0-9\n' _)_${mib}"
+    dmesg -c >>/tmp/dmesg.kept
+    w0=$(failed_writes "$name")
+    [ "$name" = zram ] || k0=$(json_field oom_kills_asked)
+    work "$VT" wakeup 100 $((STRESS_S + 10)) >/tmp/wakeup.out 2>&1 &
+    wk=$!
+    # Still running well past its time: the blocked tasks go to the console (sysrq w), from a
+    # subshell forked now that needs no new process (or memory) to do it then.
+    rm -f /tmp/stress.done /tmp/stress.fifo
+    mkfifo /tmp/stress.fifo
+    (
+        # shellcheck disable=SC3045 # busybox sh's read has -t
+        read -r -t $((STRESS_S + 30)) _ <>/tmp/stress.fifo
+        if [ ! -e /tmp/stress.done ]; then
+            echo 8 >/proc/sys/kernel/printk
+            echo w >/proc/sysrq-trigger
+            echo 4 >/proc/sys/kernel/printk
+        fi
+    ) &
+    work env LD_LIBRARY_PATH=$SNG/lib timeout -s KILL $((STRESS_S + 120)) $SNG/stress-ng --vm 2 \
+        --vm-bytes "$((2 * mib))M" --vm-method "$method" --vm-keep --verify -t "${STRESS_S}s" \
+        --metrics-brief --yaml /tmp/sng.yaml >/tmp/sng.out 2>&1
+    rc=$?
+    touch /tmp/stress.done
+    echo 1 <>/tmp/stress.fifo # read-write: never blocks, even with the reader gone
+    wait "$wk"
+    w1=$(failed_writes "$name")
+    dmesg -c >"/tmp/dmesg.$tag"
+    grep -E 'vm |fail|error' /tmp/sng.out | head -n 12
+    kills=$(grep -c 'Killed process' "/tmp/dmesg.$tag")
+    others=$(grep 'Killed process' "/tmp/dmesg.$tag" | grep -vc '(stress-ng')
+    grep 'Killed process' "/tmp/dmesg.$tag" | grep -v '(stress-ng' | head -n 5
+    delay=$(sed -n 's/^WAKEUP_MAX_DELAY_MS=//p' /tmp/wakeup.out)
+    bogo=$(sed -n 's/^ *bogo-ops-per-second-real-time: *//p' /tmp/sng.yaml 2>/dev/null | head -n1)
+    vfail=$(grep -ciE 'verif.*fail|fail.*verif|bit error|miscompare' /tmp/sng.out)
+    echo "$tag: stress-ng exit $rc, bogo ops/s ${bogo:-none}, failed writes $((w1 - w0)), OOM kills $kills ($others not workers), longest wake-up delay ${delay:-none} ms"
+    grep -E 'Write-error|resource error|Kernel panic|deadlocked' "/tmp/dmesg.$tag" | head -n 3
+    check "$tag: stress-ng's --verify found no corrupted data" [ "$vfail" -eq 0 ]
+    check "$tag: stress-ng ended within its time limit (exit $rc)" [ "$rc" -ne 137 ]
+    check "$tag: the wake-up timer survived and reported" [ -n "$delay" ]
+    sfigure "${tag}_bogo_ops_s" "${bogo:-0}"
+    sfigure "${tag}_write_errors" "$((w1 - w0))"
+    sfigure "${tag}_oom_kills" "$kills"
+    sfigure "${tag}_oom_kills_not_workers" "$others"
+    sfigure "${tag}_wakeup_max_delay_ms" "${delay:--1}"
+    [ "$name" = zram ] || sfigure "${tag}_oom_kills_asked" "$(($(json_field oom_kills_asked) - k0))"
+}
+
+# sfig TAG NAME: figure TAG_NAME of this stage.
+sfig() { sed -n "s/^FIGURE $1_$2=//p" /tmp/stress.figures | tail -n1; }
+
+# stress_compare METHOD MIB: ublk's figures against zram's for one case.
+stress_compare() {
+    local z u
+    z="zram_$(echo "$1" | tr -c 'a-z0-9\n' _)_$2"
+    u="ublk_$(echo "$1" | tr -c 'a-z0-9\n' _)_$2"
+    if [ "$(sfig "$z" write_errors)" -eq 0 ]; then
+        check "$u: no failed swap writes, as on zram ($(sfig "$u" write_errors))" [ "$(sfig "$u" write_errors)" -eq 0 ]
+    fi
+    if [ "$(sfig "$z" oom_kills_not_workers)" -eq 0 ]; then
+        check "$u: the OOM killer killed only workers, as on zram ($(sfig "$u" oom_kills_not_workers) others)" [ "$(sfig "$u" oom_kills_not_workers)" -eq 0 ]
+    fi
+    check "$u: longest wake-up delay $(sfig "$u" wakeup_max_delay_ms) ms within zram's $(sfig "$z" wakeup_max_delay_ms) ms + 2 s" \
+        [ "$(sfig "$u" wakeup_max_delay_ms)" -le $(($(sfig "$z" wakeup_max_delay_ms) + 2000)) ]
+    # Issue 16 asks for at least zram's progress; not met yet (stress-ng's count of whole
+    # passes over the buffer, which every OOM kill restarts, was 0 to 99 on zram in the runs
+    # of 2026-11-23): said loudly, not checked, so that the figure is there to follow.
+    if awk -v u="$(sfig "$u" bogo_ops_s)" -v z="$(sfig "$z" bogo_ops_s)" 'BEGIN { exit !(u + 0 >= z + 0) }'; then
+        echo "$u: workers' bogo ops/s $(sfig "$u" bogo_ops_s), at least zram's $(sfig "$z" bogo_ops_s)"
+    else
+        echo "NOTE: $u: workers' bogo ops/s $(sfig "$u" bogo_ops_s) below zram's $(sfig "$z" bogo_ops_s) (issue 16 goal not met)"
+    fi
+}
+
+# stress_cases NAME: every case of STRESS_CASES on the active swap device.
+stress_cases() {
+    local c
+    for c in $STRESS_CASES; do
+        stress_case "$1" "${c%%:*}" "${c##*:}"
+    done
+}
+
+# swap_used: the kernel's swap in use, and its swap cache, in kB.
+swap_used() {
+    awk '/^SwapTotal/ { t = $2 } /^SwapFree/ { f = $2 } /^SwapCached/ { c = $2 }
+        END { printf "swap in use %d kB (swap cache %d kB)", t - f, c }' /proc/meminfo
+}
+
+# memory_return PID: a program swaps 200 MiB of compressible pages out and exits; the
+# serving process's RSS must come back within 4 MiB of its idle RSS within 2 s. The program
+# runs in a cgroup of its own, reclaimed right after it exits: on a device that completes
+# writes asynchronously (any but zram's synchronous one) the kernel keeps the last pages it
+# wrote in its swap cache, and their slots stay taken until reclaim drops them (with swap less
+# than half full it does not at exit). Dropping them frees the slots, as memory pressure would.
+memory_return() {
+    local pid=$1 idle t0 out cg=/sys/fs/cgroup/pageout
+    idle=$(awk '/^VmRSS/ { print $2 }' "/proc/$pid/status")
+    mkdir -p $cg
+    sh -c "echo \$\$ >$cg/cgroup.procs && exec $VT pageout 200 7" >/tmp/pageout.out 2>&1
+    t0=$(now)
+    echo "after exit: $(swap_used)"
+    echo 256M >$cg/memory.reclaim 2>/dev/null
+    echo "after reclaiming the program's cgroup: $(swap_used)"
+    out=$($VT rss-settle "$pid" $((idle + 4096)) 10)
+    echo "$out"
+    echo "$(since "$t0") s after the program exited: $(swap_used)"
+    cat /tmp/pageout.out
+    trueno-ublk stat
+    grep -E '^(VmRSS|RssAnon|RssFile|RssShmem)' "/proc/$pid/status"
+    rmdir $cg
+    check "memory return: the program swapped out ($(sed -n 's/^PAGEOUT_SWAPPED_KB=//p' /tmp/pageout.out) kB)" \
+        [ "$(sed -n 's/^PAGEOUT_SWAPPED_KB=//p' /tmp/pageout.out)" -gt $((100 * 1024)) ]
+    sfigure ublk_memory_return_s "$(echo "$out" | sed -n 's/^RSS_SETTLE_S=//p')"
+    check "memory return: serving process's RSS back within 4 MiB of idle ($idle kB) within 2 s: $(echo "$out" | tr '\n' ' ')" \
+        awk -v s="$(echo "$out" | sed -n 's/^RSS_SETTLE_S=//p')" 'BEGIN { exit !(s >= 0 && s <= 2) }'
+}
+
+# rss_kib PID: VmRSS of PID in KiB (0 if it is gone).
+rss_kib() { awk '/^VmRSS/ { print $2 }' "/proc/$1/status" 2>/dev/null || echo 0; }
+
+stress_phase() {
+    local pid sup sby p
+    section "near OOM: stress-ng vm ($STRESS_CASES, ${STRESS_S} s) on zram, then trueno-ublk"
+    if ! stress_unpack; then
+        fail "stress-ng could not be unpacked from /dev/vda"
+        return
+    fi
+    : >/tmp/stress.figures
+    zram_up
+    "$UL"/mkswap /dev/zram0 >/dev/null
+    check "zram: swapon -d /dev/zram0" "$UL"/swapon -d /dev/zram0
+    stress_cases zram
+    "$UL"/swapoff /dev/zram0 || fail "zram: swapoff after stress-ng"
+    echo 1 >/sys/block/zram0/reset
+    # shellcheck disable=SC2086 # word splitting wanted
+    if ! trueno-ublk create --size 1G $CREATE_ARGS >/tmp/create.out 2>&1; then
+        cat /tmp/create.out
+        fail "trueno-ublk create --size 1G for the stress stage"
+        return
+    fi
+    # Idle: the standby made and ready, nothing stored.
+    wait_until 20 eval "[ \$(pidof trueno-ublk | wc -w) -eq 3 ] && grep -q 'standby ready' /run/trueno-ublk/ublkb0.log" ||
+        echo "no standby ready within 20 s"
+    usleep 500000
+    pid=$(serving_pid 0)
+    sup=$(awk '/^PPid:/ { print $2 }' "/proc/$pid/status")
+    sby=$(for p in $(pidof trueno-ublk); do [ "$p" != "$pid" ] && [ "$p" != "$sup" ] && echo "$p"; done)
+    grep -E '^(VmRSS|RssAnon|RssFile|RssShmem|VmLck)' "/proc/$pid/status"
+    echo "idle RSS (KiB): serving process $(rss_kib "$pid"), supervisor $(rss_kib "$sup"), standby $(rss_kib "$sby")"
+    sfigure ublk_idle_rss_kB "$(rss_kib "$pid")"
+    sfigure ublk_idle_rss_all_processes_kB "$(($(rss_kib "$pid") + $(rss_kib "$sup") + $(rss_kib "$sby")))"
+    trueno-ublk stat
+    "$UL"/mkswap /dev/ublkb0 >/dev/null
+    check "ublk: swapon -d /dev/ublkb0" "$UL"/swapon -d /dev/ublkb0
+    memory_return "$pid"
+    stress_cases ublk
+    for p in $STRESS_CASES; do
+        stress_compare "${p%%:*}" "${p##*:}"
+    done
+    trueno-ublk stat
+    echo "RSS now (KiB): serving process $(rss_kib "$(serving_pid 0)"), supervisor $(rss_kib "$sup")"
+    "$UL"/swapoff /dev/ublkb0 || fail "ublk: swapoff after stress-ng"
+    check "trueno-ublk delete --id 0 after the stress stage" trueno-ublk delete --id 0
+    rm -rf $SNG
+}

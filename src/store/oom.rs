@@ -1,0 +1,198 @@
+//! Asking the kernel's OOM killer to act when the store starves and swapping frees nothing.
+//!
+//! Why: when the programs filling RAM hold more than RAM and swap can hold (pages that do not
+//! compress free nothing when swapped out), the only way on is an OOM kill, and zram gets one:
+//! it allocates inside the reclaiming task, which finds no progress and calls the OOM killer.
+//! Through a ublk device the kernel cannot see that: its reclaim waits on our writes, and every
+//! page the refill thread manages to commit completes a few of them, which reclaim counts as
+//! progress. So it does not call the OOM killer, and the whole machine crawls through reclaim
+//! (seen in the VM: stress-ng's move-inv, 2 x 100 MiB in 256 MiB, no OOM kill in minutes, the
+//! store failing writes with ENOMEM, every process stalled). The store can tell: a write waits
+//! for memory the refill thread is not given (`admission`'s starvation rule), while most pages
+//! lately did not compress. It then asks the kernel's OOM killer once (the daemon writes `f` to
+//! `/proc/sysrq-trigger`, which picks the task the kernel itself would; the daemon's processes
+//! have `oom_score_adj` -1000), and the memory the victim held comes back.
+//!
+//! When pages compress, a starving store is only slow, and no kill is asked for (seen in the VM
+//! on a host shared by three VMs: a kill asked for after 300 ms took a program that would have
+//! fitted).
+
+#![forbid(unsafe_code)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// At most one OOM kill asked for per this long: the victim needs time to exit and its memory
+/// to reach the refill thread.
+const NUDGE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The window of `swap_frees_nothing`, in pages compressed: one flush part, so that the part
+/// the flusher is stuck on decides. A larger one (4096) remembered the compressible pages of
+/// an earlier fill, and the VM's first incompressible stall failed writes without asking.
+const RECENT_PAGES: u64 = 256;
+
+/// How the store asks the kernel's OOM killer to kill a task, given by whoever opens the store:
+/// the daemon writes `f` to `/proc/sysrq-trigger`, opened at its start (under memory pressure
+/// opening it could wait in reclaim). The store only decides when.
+#[derive(Clone)]
+pub struct OomKiller(Arc<dyn Fn() -> std::io::Result<()> + Send + Sync>);
+
+impl OomKiller {
+    pub fn new(ask: impl Fn() -> std::io::Result<()> + Send + Sync + 'static) -> Self {
+        Self(Arc::new(ask))
+    }
+}
+
+impl std::fmt::Debug for OomKiller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OomKiller")
+    }
+}
+
+pub(super) struct OomNudge {
+    killer: Option<OomKiller>,
+    /// The earliest time (ns on the store's clock) the next kill may be asked for.
+    next_ns: AtomicU64,
+    /// Pages compressed lately, and how many of them raw (they did not compress), both halved
+    /// while they reach `RECENT_PAGES`: whether swapping out frees any memory now.
+    recent_pages: AtomicU64,
+    recent_raw: AtomicU64,
+}
+
+impl OomNudge {
+    /// Without a `killer` (tests, bench: they must never kill) it does nothing.
+    pub(super) fn new(killer: Option<OomKiller>) -> Self {
+        Self {
+            killer,
+            next_ns: AtomicU64::new(0),
+            recent_pages: AtomicU64::new(0),
+            recent_raw: AtomicU64::new(0),
+        }
+    }
+
+    /// `pages` pages were compressed for writes, `raw` of them did not compress. Noted before
+    /// they are stored: storing them is what may starve.
+    pub(super) fn note_compressed(&self, pages: u64, raw: u64) {
+        if self.killer.is_none() {
+            return;
+        }
+        self.recent_raw.fetch_add(raw, Ordering::Relaxed);
+        let mut seen = self.recent_pages.fetch_add(pages, Ordering::Relaxed) + pages;
+        while seen >= RECENT_PAGES {
+            // A racy halving is fine: only the rough share of raw pages matters.
+            for c in [&self.recent_pages, &self.recent_raw] {
+                c.store(c.load(Ordering::Relaxed) / 2, Ordering::Relaxed);
+            }
+            seen /= 2;
+        }
+    }
+
+    /// Whether most pages compressed lately were raw: swapping such a page out frees a page and
+    /// costs one, so no reclaim through this store makes progress, only an OOM kill does.
+    fn swap_frees_nothing(&self) -> bool {
+        2 * self.recent_raw.load(Ordering::Relaxed) > self.recent_pages.load(Ordering::Relaxed)
+    }
+
+    /// A writer starves (see `admission`) at `now_ns` on the store's clock: ask for an OOM kill
+    /// if swapping frees nothing and none was asked for within `NUDGE_INTERVAL`. True if one
+    /// was asked for now. Asking only queues the kill (sysrq runs it in a kernel work item).
+    pub(super) fn nudge(&self, now_ns: u64, waited: Duration) -> bool {
+        let Some(killer) = &self.killer else {
+            return false;
+        };
+        let next = self.next_ns.load(Ordering::Relaxed);
+        if now_ns < next || !self.swap_frees_nothing() {
+            return false;
+        }
+        let interval = u64::try_from(NUDGE_INTERVAL.as_nanos()).unwrap_or(u64::MAX);
+        if self
+            .next_ns
+            .compare_exchange(
+                next,
+                now_ns.saturating_add(interval),
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            )
+            .is_err()
+        {
+            return false; // another writer asks now
+        }
+        let waited_ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX);
+        match (killer.0)() {
+            Ok(()) => {
+                tracing::warn!(
+                    waited_ms,
+                    "no memory for the store and swapped-out pages do not compress: asked the kernel's OOM killer to act"
+                );
+                true
+            }
+            Err(error) => {
+                tracing::warn!(%error, waited_ms, "asking the kernel's OOM killer to act failed");
+                false
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counting() -> (OomKiller, Arc<AtomicU64>) {
+        let asked = Arc::new(AtomicU64::new(0));
+        let count = Arc::clone(&asked);
+        let killer = OomKiller::new(move || {
+            count.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        });
+        (killer, asked)
+    }
+
+    #[test]
+    fn without_a_killer_nothing_is_asked() {
+        let nudge = OomNudge::new(None);
+        nudge.note_compressed(10_000, 10_000);
+        assert!(!nudge.nudge(u64::MAX / 2, Duration::from_secs(1)));
+    }
+
+    #[test]
+    fn asks_only_while_pages_do_not_compress() {
+        let (killer, asked) = counting();
+        let nudge = OomNudge::new(Some(killer));
+        assert!(!nudge.nudge(1, Duration::ZERO), "nothing stored yet");
+        for i in 0..10_000 {
+            nudge.note_compressed(1, u64::from(i % 10 == 0));
+        }
+        assert!(
+            !nudge.nudge(2, Duration::ZERO),
+            "10% raw: swapping frees memory"
+        );
+        // One flush part that does not compress, after many that did, decides.
+        nudge.note_compressed(RECENT_PAGES, RECENT_PAGES);
+        assert!(nudge.nudge(3, Duration::ZERO), "raw lately");
+        assert_eq!(asked.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn asks_at_most_once_per_interval() {
+        let (killer, asked) = counting();
+        let nudge = OomNudge::new(Some(killer));
+        nudge.note_compressed(RECENT_PAGES, RECENT_PAGES);
+        let second = 1_000_000_000;
+        let asks = (0..40u64)
+            .filter(|i| nudge.nudge(i * second / 10, Duration::ZERO))
+            .count();
+        assert_eq!(asks, 4, "4 s of starving writers");
+        assert_eq!(asked.load(Ordering::Relaxed), 4);
+    }
+
+    #[test]
+    fn a_failed_ask_is_not_counted() {
+        let nudge = OomNudge::new(Some(OomKiller::new(|| {
+            Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied))
+        })));
+        nudge.note_compressed(RECENT_PAGES, RECENT_PAGES);
+        assert!(!nudge.nudge(0, Duration::ZERO));
+    }
+}
