@@ -519,28 +519,20 @@ fn gpu_output_that_does_not_decode_to_its_page_is_stored_raw() {
     assert_eq!(s.stats().checksum_failures, 0);
 }
 
-#[test]
-fn compaction_brings_memory_after_random_discards_within_5_percent_of_a_fresh_store() {
-    const PAGES: u64 = 4096;
+/// Distinct pages of a few compressed sizes (`text` seeds 2k and 2k + 1 make the same page).
+fn sized_page(i: u64) -> Box<Page> {
+    let mut p = text(2 * i + 1);
+    let noisy = (i % 7) as usize * 300;
+    p[..noisy].copy_from_slice(&noise(i)[..noisy]);
+    p
+}
+
+/// Discard a random half of the first `pages` pages (xorshift from `seed`); returns the kept.
+fn discard_random_half(s: &BatchedPageStore, pages: u64, seed: u64) -> Vec<u64> {
     let page = PAGE_SIZE as u64;
-    let (s, config) = recompressing_store(PAGES);
-    // Distinct pages of a few sizes (`text` seeds 2k and 2k + 1 make the same page).
-    let content = |i: u64| {
-        let mut p = text(2 * i + 1);
-        let noisy = (i % 7) as usize * 300;
-        p[..noisy].copy_from_slice(&noise(i)[..noisy]);
-        p
-    };
-    for i in 0..PAGES {
-        s.write(i * page, &content(i)[..]).unwrap();
-    }
-    s.flush_pending().unwrap();
-    let_time_pass(&s);
-    pass(&s, &config);
-    // Discard a random half.
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut x = seed;
     let mut kept = Vec::new();
-    for i in 0..PAGES {
+    for i in 0..pages {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
@@ -550,6 +542,22 @@ fn compaction_brings_memory_after_random_discards_within_5_percent_of_a_fresh_st
             kept.push(i);
         }
     }
+    kept
+}
+
+#[test]
+fn compaction_brings_memory_after_random_discards_within_5_percent_of_a_fresh_store() {
+    const PAGES: u64 = 4096;
+    let page = PAGE_SIZE as u64;
+    let (s, config) = recompressing_store(PAGES);
+    let content = sized_page;
+    for i in 0..PAGES {
+        s.write(i * page, &content(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    let_time_pass(&s);
+    pass(&s, &config);
+    let kept = discard_random_half(&s, PAGES, 0x9e37_79b9_7f4a_7c15u64);
     let fragmented = s.alloc.chunk_bytes();
     for _ in 0..4 {
         pass(&s, &config);
@@ -590,12 +598,7 @@ fn compact_asked_for_brings_a_store_without_recompression_within_5_percent_of_a_
     let page = PAGE_SIZE as u64;
     let config =
         || crate::config::StoreSettings::default().store_config(PAGES * PAGE_SIZE as u64, false);
-    let content = |i: u64| {
-        let mut p = text(2 * i + 1);
-        let noisy = (i % 7) as usize * 300;
-        p[..noisy].copy_from_slice(&noise(i)[..noisy]);
-        p
-    };
+    let content = sized_page;
     let s = store(config());
     assert!(
         s.config.recompress.is_none(),
@@ -605,18 +608,7 @@ fn compact_asked_for_brings_a_store_without_recompression_within_5_percent_of_a_
         s.write(i * page, &content(i)[..]).unwrap();
     }
     s.flush_pending().unwrap();
-    let mut x = 0x2545_f491_4f6c_dd1du64;
-    let mut kept = Vec::new();
-    for i in 0..PAGES {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        if x % 2 == 0 {
-            s.discard(i * page, page).unwrap();
-        } else {
-            kept.push(i);
-        }
-    }
+    let kept = discard_random_half(&s, PAGES, 0x2545_f491_4f6c_dd1du64);
     let fragmented = s.alloc.chunk_bytes();
     let done = s.compact();
     assert_eq!(done.chunk_bytes_before, fragmented);
