@@ -459,6 +459,24 @@ no_daemon_runs() {
 # grew_by KEY N SINCE: /proc/vmstat's KEY is at least N above SINCE.
 grew_by() { [ "$(vmstat_of "$1")" -ge $(($3 + $2)) ]; }
 
+# create_resumes WHAT FIGURE C0: this build's `create` resumes device 0 (printing its path)
+# and the device is live again; FIGURE is the time from C0 (a `$VT clock`) to the daemon's
+# "device resumed" line.
+create_resumes() {
+    local rc
+    # shellcheck disable=SC2086 # word splitting wanted
+    trueno-ublk create --size 1G --id 0 $CREATE_ARGS >/tmp/create.out 2>/tmp/create.err
+    rc=$?
+    check "daemon recovery: $1 (exit $rc, printed '$(cat /tmp/create.out)' $(cat /tmp/create.err))" \
+        [ "$rc" -eq 0 -a "$(cat /tmp/create.out)" = /dev/ublkb0 ]
+    if wait_until 10 live_not_by 0 none; then
+        ok "daemon recovery: live again, served by pid $(serving_pid 0)"
+        figure "$2" "$(awk -v a="$(log_clock "$(daemon_log 0 30 | grep 'device resumed' | tail -n 1)")" -v b="$3" 'BEGIN { printf "%.3f", a - b }')"
+    else
+        fail "daemon recovery: not live after: $1 ($(dev_row 0))"
+    fi
+}
+
 # daemon_recovery_checks: what issue #11 asks of the daemon, under swap pressure. Device 0 is
 # swap; the pressure program fills 1.5x the RAM and verifies every word, then holds its
 # memory and verifies every word once more when released. Meanwhile: kill -9 of the serving process
@@ -467,7 +485,7 @@ grew_by() { [ "$(vmstat_of "$1")" -ge $(($3 + $2)) ]; }
 # started the device (SIGTERM hand-over, this build's `create`) and kill -9 of every
 # trueno-ublk process: the device stays quiesced, and `create` again resumes it.
 daemon_recovery_checks() {
-    local dev=/dev/ublkb0 out0 in0 rc pid sup role t0 c0 pause filled words bad after_bad after_words n pauses
+    local dev=/dev/ublkb0 out0 in0 rc pid sup role c0 filled words bad after_bad after_words n pauses
     local first=trueno-ublk
     # The device starts under the previous build when the VM has one (see vm-test.sh), so
     # that step 3 is an upgrade.
@@ -541,36 +559,15 @@ daemon_recovery_checks() {
         check "daemon recovery: SIGTERM to the supervisor ($sup, $first): every process exits" wait_until 30 no_daemon_runs
         check "daemon recovery: ... the device stays, quiesced ($(dev_row 0))" dev_state_is 0 quiesced
         check "daemon recovery: ... and is still swap" in_swaps $dev
-        # shellcheck disable=SC2086 # word splitting wanted
-        trueno-ublk create --size 1G --id 0 $CREATE_ARGS >/tmp/create.out 2>/tmp/create.err
-        rc=$?
-        check "daemon recovery: this build's create resumes the device $first handed over (exit $rc, printed '$(cat /tmp/create.out)' $(cat /tmp/create.err))" \
-            [ "$rc" -eq 0 -a "$(cat /tmp/create.out)" = $dev ]
-        if wait_until 10 live_not_by 0 none; then
-            figure recovery_handover_to_live_s "$(awk -v a="$(log_clock "$(daemon_log 0 30 | grep 'device resumed' | tail -n 1)")" -v b="$c0" 'BEGIN { printf "%.3f", a - b }')"
-        else
-            fail "daemon recovery: not live after the hand-over and create ($(dev_row 0))"
-        fi
+        create_resumes "this build's create resumes the device $first handed over" recovery_handover_to_live_s "$c0"
         # 4. Every trueno-ublk process killed.
-        t0=$(now)
         c0=$($VT clock)
         # shellcheck disable=SC2046 # one pid per word
         kill -9 $(daemon_pids)
         check "daemon recovery: no trueno-ublk process left after kill -9 of all" wait_until 10 no_daemon_runs
         check "daemon recovery: ... and the device stays, quiesced ($(dev_row 0))" wait_until 10 dev_state_is 0 quiesced
         check "daemon recovery: ... and is still swap" in_swaps $dev
-        # shellcheck disable=SC2086 # word splitting wanted
-        trueno-ublk create --size 1G --id 0 $CREATE_ARGS >/tmp/create.out 2>/tmp/create.err
-        rc=$?
-        check "daemon recovery: create --size 1G --id 0 again resumes it (exit $rc, printed '$(cat /tmp/create.out)' $(cat /tmp/create.err))" \
-            [ "$rc" -eq 0 -a "$(cat /tmp/create.out)" = $dev ]
-        if wait_until 10 live_not_by 0 none; then
-            pause=$(since "$t0")
-            ok "daemon recovery: live again, served by pid $(serving_pid 0) (seen by list $pause s after the kill)"
-            figure recovery_kill_all_to_live_s "$(awk -v a="$(log_clock "$(daemon_log 0 30 | grep 'device resumed' | tail -n 1)")" -v b="$c0" 'BEGIN { printf "%.3f", a - b }')"
-        else
-            fail "daemon recovery: not live after create ($(dev_row 0))"
-        fi
+        create_resumes "create --size 1G --id 0 again resumes it" recovery_kill_all_to_live_s "$c0"
         rm -f /tmp/hold
     else
         fail "daemon recovery: the pressure program never held its memory (phase $(cat /tmp/phase))"
