@@ -46,7 +46,7 @@ KERNEL_META=${VM_KERNEL_META:-linux-image-6.12-cloud-amd64}
 MODE=full
 # The build the upgrade in the daemon's recovery step starts from: an earlier commit of main
 # with the store's current layout version (3).
-UPGRADE_FROM=620b091dbb416c40730f942ed860795f908f5445
+UPGRADE_FROM=c806b5a5f04d0d87d4b55f681b576ef95af8d77d
 PREVIOUS_BIN=
 
 for arg in "$@"; do
