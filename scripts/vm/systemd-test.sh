@@ -160,6 +160,8 @@ check "writeback throttling is off (wbt_lat_usec $(cat /sys/block/ublkb$ID/queue
     [ "$(cat /sys/block/ublkb$ID/queue/wbt_lat_usec)" = 0 ]
 check "the request timeout is 1 s (io_timeout $(cat /sys/block/ublkb$ID/queue/io_timeout))" \
     [ "$(cat /sys/block/ublkb$ID/queue/io_timeout)" = 1000 ]
+check "one tag spared (nr_requests $(cat /sys/block/ublkb$ID/queue/nr_requests), nr_tags $(cat /sys/block/ublkb$ID/mq/0/nr_tags))" \
+    [ "$(cat /sys/block/ublkb$ID/queue/nr_requests)" -eq $(($(cat /sys/block/ublkb$ID/mq/0/nr_tags) - 1)) ]
 trueno-ublk list | tee /tmp/list.out
 check "trueno-ublk list shows $DEV" grep -q "ublkb$ID" /tmp/list.out
 trueno-ublk stat >/tmp/stat.out 2>&1
