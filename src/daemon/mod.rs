@@ -439,18 +439,15 @@ fn serve(
     // the device waits): its stack and heap are faulted in now.
     crate::mem::prepare_io_thread();
     let algorithm = settings.store.algorithm;
-    // The store's compression pool (the flush's). A standby makes it once it serves: it is
-    // not needed before, and its threads' stacks, heaps and codec contexts would double what
-    // every standby holds while it waits.
-    let build_pool = move || {
-        let _ = rayon::ThreadPoolBuilder::new()
-            .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
-            .start_handler(move |_| ready_store_thread(algorithm))
-            .build_global();
-    };
-    if !standby {
-        build_pool();
-    }
+    // The store's compression pool (the flush's), a standby's too, before it waits: made at
+    // the takeover, its threads faulted in their stacks, heaps and codec contexts while memory
+    // was at the watermark, and the flush that the resumed queue's writes waited for waited
+    // on them, in reclaim that waited for those writes (seen in the VM: a kill -9 during a
+    // fill left swap stalled for good). It costs a standby its threads' memory.
+    let _ = rayon::ThreadPoolBuilder::new()
+        .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
+        .start_handler(move |_| ready_store_thread(algorithm))
+        .build_global();
 
     // Signals first, so a SIGTERM during start-up is not lost.
     let mut signals =
@@ -543,8 +540,6 @@ fn serve(
             if let Err(error) = crate::os::make_thread_normal() {
                 tracing::warn!(%error, "could not end the takeover's real-time priority");
             }
-            // Live: requests are at most `DEFAULT_MAX_IO_BYTES`, too small for the pool.
-            build_pool();
             // The flusher's threads once the device is live: what they fault in is then found
             // the usual way, by reclaim that may swap again. Writes meanwhile go to pending
             // slots, which the resumed store has ready.

@@ -61,8 +61,16 @@ fn lowest_priority() {
     }
 }
 
-/// Marks the flusher stopped even if it unwinds, so writers flush for themselves.
+/// Marks the flusher running while it lives, and stopped even if it unwinds, so writers
+/// flush for themselves.
 struct FlusherRunning<'a>(&'a BatchedPageStore);
+
+impl<'a> FlusherRunning<'a> {
+    fn start(store: &'a BatchedPageStore) -> Self {
+        store.control.lock().flusher_running = true;
+        FlusherRunning(store)
+    }
+}
 
 impl Drop for FlusherRunning<'_> {
     fn drop(&mut self) {
@@ -82,13 +90,13 @@ impl BatchedPageStore {
     ) -> std::io::Result<FlusherHandle> {
         {
             let mut ctl = self.control.lock();
-            if ctl.flusher_running || ctl.stop {
+            if ctl.flusher_started || ctl.stop {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::AlreadyExists,
                     "the flusher is already running or the store is shut down",
                 ));
             }
-            ctl.flusher_running = true;
+            ctl.flusher_started = true;
         }
         let store = Arc::clone(self);
         let init = thread_init.clone();
@@ -96,14 +104,18 @@ impl BatchedPageStore {
             .name("trueno-flusher".into())
             .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
             .spawn(move || {
-                let _running = FlusherRunning(&store);
+                // Writers flush for themselves until the flusher is ready: what `init` faults
+                // in under memory pressure waits for reclaim, which may wait for the very
+                // writes that would otherwise wait for this thread (a takeover during a swap
+                // storm, seen in the VM).
                 init(StoreThread::Flusher);
+                let _running = FlusherRunning::start(&store);
                 store.flusher_loop();
             });
         let thread = match spawned {
             Ok(thread) => thread,
             Err(e) => {
-                self.control.lock().flusher_running = false;
+                self.control.lock().flusher_started = false;
                 return Err(e);
             }
         };

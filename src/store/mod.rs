@@ -79,6 +79,9 @@ const PARALLEL_READ_MIN_PAGES: usize = 256;
 /// Flusher wake-ups and the writers waiting for a free batch.
 struct Control {
     stop: bool,
+    /// A flusher thread was started (it may still be readying itself).
+    flusher_started: bool,
+    /// The flusher thread is ready and flushing: writers wait for it rather than flush.
     flusher_running: bool,
 }
 
@@ -240,6 +243,7 @@ impl BatchedPageStore {
             current: AtomicUsize::new(0),
             control: Mutex::new(Control {
                 stop: false,
+                flusher_started: false,
                 flusher_running: false,
             }),
             flusher_wake: Condvar::new(),

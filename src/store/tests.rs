@@ -801,3 +801,36 @@ fn a_starving_writer_asks_for_an_oom_kill_only_when_pages_do_not_compress() {
     assert_eq!(s.stats().oom_kills_asked, 0);
     s.alloc.reserve.note_served();
 }
+
+#[test]
+fn writers_flush_for_themselves_until_the_flusher_is_ready() {
+    // A flusher thread still readying itself (faulting in memory under pressure, say) must
+    // not leave writers waiting for it: every batch fills many times over here while its
+    // `thread_init` is held, and every write completes and reads back.
+    let mut c =
+        crate::config::StoreSettings::default().store_config(1024 * PAGE_SIZE as u64, false);
+    c.batch_threshold = 8;
+    let s = store(c);
+    let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flusher = s
+        .start_flusher({
+            let ready = Arc::clone(&ready);
+            move |role| {
+                while role == StoreThread::Flusher && !ready.load(Ordering::Acquire) {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+            }
+        })
+        .unwrap();
+    let pages = 16 * 8 * PENDING_BATCHES as u64;
+    for i in 0..pages {
+        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+    }
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for i in 0..pages {
+        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+        assert_eq!(&buf[..], &text(i)[..], "page {i}");
+    }
+    ready.store(true, Ordering::Release);
+    drop(flusher);
+}
