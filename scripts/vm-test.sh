@@ -45,8 +45,11 @@ TIMEOUT_S=${VM_TIMEOUT_S:-900}
 KERNEL_META=${VM_KERNEL_META:-linux-image-6.12-cloud-amd64}
 MODE=full
 # The build the upgrade in the daemon's recovery step starts from: an earlier commit of main
-# with the store's current layout version (3).
-UPGRADE_FROM=c806b5a5f04d0d87d4b55f681b576ef95af8d77d
+# with the store's current layout version (3), and one that survives the kill -9 this step
+# makes during the fill: builds before f0b23c4 (the OOM nudge) can stall a takeover when the
+# pages going out do not compress (their new serving process waits for memory that only an
+# OOM kill frees; seen with 620b091 and c806b5a, 2 runs of 5).
+UPGRADE_FROM=f6b57ebbf397aaceafd24de96c3580185e2c19dd
 PREVIOUS_BIN=
 
 for arg in "$@"; do

@@ -63,8 +63,10 @@
  *       is stuck in reclaim. Every INTERVAL_S prints free memory, free swap, the
  *       swap counters and the resident size of each trueno-ublk process. At
  *       DEADLINE_S, or when FLAGFILE exists (a pressure run is on) and no page was
- *       swapped in or out for STALL_S, it dumps blocked tasks, all tasks and memory
- *       to the console (sysrq w, t, m), prints a FAIL verdict and powers the VM off.
+ *       swapped in or out for STALL_S, it prints the end of each daemon log and every
+ *       daemon thread's state twice (a second apart), dumps blocked tasks, all tasks,
+ *       the running CPUs and memory to the console (sysrq w, t, l, m), prints a FAIL
+ *       verdict and powers the VM off.
  *
  * The mixed pattern: page p (4 KiB) of a run with seed s is
  *   - all zero when p % 50 == 0 (2%: same-filled pages never reach a codec),
@@ -76,6 +78,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <glob.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -566,6 +569,99 @@ static long long field_of(const char *text, const char *key)
 }
 
 /* Appends " trueno-ublk[PID]=RSS kB" for each daemon process to out. */
+/* Read a small /proc file into buf (NUL-terminated, newlines kept); 0 if it cannot be read. */
+static int read_small(const char *path, char *buf, size_t cap)
+{
+	int fd = open(path, O_RDONLY);
+	if (fd < 0)
+		return 0;
+	ssize_t n = read(fd, buf, cap - 1);
+	close(fd);
+	buf[n > 0 ? n : 0] = 0;
+	return n > 0;
+}
+
+/* Every thread of every trueno-ublk process: its state, page faults and CPU time from
+ * /proc/PID/task/TID/stat, and what it is doing (/proc/.../syscall: the syscall and its
+ * arguments, or "running", or -1 with the user stack and instruction pointers). Called twice,
+ * a second apart, a thread that spins shows its faults or CPU time growing. */
+static void print_daemon_threads(void)
+{
+	DIR *proc = opendir("/proc");
+	if (!proc)
+		return;
+	struct dirent *e;
+	while ((e = readdir(proc))) {
+		if (e->d_name[0] < '1' || e->d_name[0] > '9')
+			continue;
+		char path[600], buf[1024];
+		snprintf(path, sizeof(path), "/proc/%s/comm", e->d_name);
+		if (!read_small(path, buf, sizeof(buf)) || strcmp(buf, "trueno-ublk\n") != 0)
+			continue;
+		/* Where the binary is mapped, to place the user instruction pointers below. */
+		snprintf(path, sizeof(path), "/proc/%s/maps", e->d_name);
+		static char maps[4096];
+		if (read_small(path, maps, sizeof(maps)))
+			printf("watchdog: %s maps from %.*s", e->d_name,
+			       (int)(strchr(maps, '\n') ? strchr(maps, '\n') - maps + 1 : 0), maps);
+		snprintf(path, sizeof(path), "/proc/%s/task", e->d_name);
+		DIR *tasks = opendir(path);
+		if (!tasks)
+			continue;
+		struct dirent *t;
+		while ((t = readdir(tasks))) {
+			if (t->d_name[0] < '1' || t->d_name[0] > '9')
+				continue;
+			char stat[1024], syscall[256];
+			snprintf(path, sizeof(path), "/proc/%s/task/%s/stat", e->d_name, t->d_name);
+			if (!read_small(path, stat, sizeof(stat)))
+				continue;
+			snprintf(path, sizeof(path), "/proc/%s/task/%s/syscall", e->d_name, t->d_name);
+			if (!read_small(path, syscall, sizeof(syscall)))
+				strcpy(syscall, "?\n");
+			/* After the ")" that ends the name: state ppid pgrp session tty tpgid flags
+			 * minflt cminflt majflt cmajflt utime stime. */
+			char *rest = strrchr(stat, ')');
+			char *name = strchr(stat, '(');
+			if (!rest || !name)
+				continue;
+			*rest = 0;
+			char state = 0;
+			unsigned long long minflt = 0, majflt = 0, utime = 0, stime = 0;
+			(void)sscanf(rest + 2, "%c %*d %*d %*d %*d %*d %*u %llu %*u %llu %*u %llu %llu",
+				     &state, &minflt, &majflt, &utime, &stime);
+			printf("watchdog: %s/%s %-16s %c minflt %llu majflt %llu utime %llu stime %llu "
+			       "syscall %s",
+			       e->d_name, t->d_name, name + 1, state, minflt, majflt, utime, stime,
+			       syscall);
+		}
+		closedir(tasks);
+	}
+	closedir(proc);
+}
+
+/* The last lines of each daemon log in /run/trueno-ublk: what the daemon said before a stall
+ * (read here, by a process with its memory locked, not by a tool forked when memory is out). */
+static void print_daemon_log_tails(void)
+{
+	glob_t logs;
+	if (glob("/run/trueno-ublk/*.log", 0, NULL, &logs) != 0)
+		return;
+	for (size_t i = 0; i < logs.gl_pathc; i++) {
+		static char tail[6144];
+		int fd = open(logs.gl_pathv[i], O_RDONLY);
+		if (fd < 0)
+			continue;
+		off_t size = lseek(fd, 0, SEEK_END);
+		off_t from = size > (off_t)sizeof(tail) - 1 ? size - (off_t)sizeof(tail) + 1 : 0;
+		ssize_t n = pread(fd, tail, sizeof(tail) - 1, from);
+		close(fd);
+		tail[n > 0 ? n : 0] = 0;
+		printf("watchdog: the end of %s:\n%s\n", logs.gl_pathv[i], tail);
+	}
+	globfree(&logs);
+}
+
 static void daemons_rss(char *out, size_t cap)
 {
 	DIR *proc = opendir("/proc");
@@ -649,8 +745,12 @@ static int cmd_monitor(int argc, char **argv)
 		if (stalled || t >= deadline) {
 			if (!stalled)
 				printf("FAIL: watchdog: the test was still running after %.0f s\n", t);
-			printf("FAIL: watchdog: blocked tasks, all tasks and memory are in the VM "
-			       "console (sysrq w, t, m)\n");
+			print_daemon_log_tails();
+			print_daemon_threads();
+			sleep(1);
+			print_daemon_threads();
+			printf("FAIL: watchdog: blocked tasks, all tasks, the running CPUs and memory "
+			       "are in the VM console (sysrq w, t, l, m)\n");
 			printf("VMTEST RESULT: FAIL\n");
 			fflush(stdout);
 			/* The dumps are KERN_INFO: let them through to the console. */
@@ -659,6 +759,7 @@ static int cmd_monitor(int argc, char **argv)
 			if (sysrq >= 0) {
 				(void)!write(sysrq, "w", 1);
 				(void)!write(sysrq, "t", 1);
+				(void)!write(sysrq, "l", 1);
 				(void)!write(sysrq, "m", 1);
 			}
 			sleep(2);
