@@ -122,6 +122,15 @@ impl Arena {
         Ok(())
     }
 
+    /// Fault arena bytes `[from, from + len)`, committed already, into this process's mapping
+    /// (a resumed store's live chunks), allocating nothing but page tables.
+    pub fn fault_in(&self, from: usize, len: usize) -> std::io::Result<()> {
+        if !from.checked_add(len).is_some_and(|end| end <= self.len) {
+            return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        self.segment.fault_in(self.start + from, len)
+    }
+
     /// The tag word of arena page `page`; `None` past the arena.
     pub fn tag(&self, page: usize) -> Option<&AtomicU32> {
         self.tags.get(page)

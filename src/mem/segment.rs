@@ -219,6 +219,12 @@ impl Segment {
                 file_offset(len)?,
             )?;
         }
+        self.fault_in(offset, len)
+    }
+
+    /// Fault the pages of `[offset, offset + len)`, committed already, into the mapping.
+    pub fn fault_in(&self, offset: usize, len: usize) -> std::io::Result<()> {
+        self.check(offset, len)?;
         // SAFETY: the range lies inside our mapping (checked); populating changes no
         // contents, it only makes the pages present.
         unsafe { madvise(self.ptr(offset), len, MmapAdvise::MADV_POPULATE_WRITE) }?;

@@ -253,12 +253,19 @@ impl ZsAllocator {
     /// waited for it). Here the new buffers are allocated and faulted in outside every lock,
     /// and only the move of the entries happens under the class lock.
     pub(super) fn provision(&self) {
+        self.provision_classes(false);
+    }
+
+    /// `provision`; with `all`, every class's lists are made anew with faulted-in room, however
+    /// much they have: after a rebuild their room came from plain pushes, never faulted in,
+    /// and `partial` and `free_ids` may have less of it than `usage`.
+    fn provision_classes(&self, all: bool) {
         for class in self.classes.iter() {
             let (len, capacity) = {
                 let st = class.state.lock();
                 (st.usage.len(), st.usage.capacity())
             };
-            if capacity - len >= (len / 8).max(PROVISION_MIN_SLACK) {
+            if !all && capacity - len >= (len / 8).max(PROVISION_MIN_SLACK) {
                 continue;
             }
             let want = len + (len / 4).max(2 * PROVISION_MIN_SLACK);
@@ -272,7 +279,7 @@ impl ZsAllocator {
                 // `partial` and `free_ids` never hold more entries than `usage`: one capacity
                 // covers all four.
                 // Moved only if it still fits: nothing may allocate under the class lock.
-                if st.usage.capacity() < want && st.usage.len() <= want {
+                if (all || st.usage.capacity() < want) && st.usage.len() <= want {
                     usage.append(&mut st.usage);
                     dir.append(&mut chunks);
                     partial.append(&mut st.partial);
@@ -653,14 +660,24 @@ impl ZsAllocator {
     }
 
     /// End a rebuild: every carved page no live chunk covers goes back to the system and into
-    /// the reserve as free chunks.
+    /// the reserve as free chunks; the live chunks are faulted into this process's mapping, and
+    /// the classes' lists and the reserve's get faulted-in room.
+    ///
+    /// Why fault in: the I/O path of a resumed store (the flusher adding a chunk, a read, a
+    /// free) must touch nothing new. A first touch needs a page, or a page table for the
+    /// mapping, and the I/O threads are I/O flushers: at the watermark such a fault can only
+    /// wait for the writes they serve (seen in the VM after a takeover during a swap storm:
+    /// the flusher spun in reclaim for good, faulting in room of a list that a rebuild had
+    /// grown by pushes).
     pub(super) fn finish_rebuild(&self, occupancy: Occupancy) -> std::io::Result<()> {
         let arena = self.reserve.arena();
         let pages = occupancy.0.len();
         let mut page = 0;
         while page < pages {
             if occupancy.0[page] != 0 {
-                page += 1;
+                let run = occupancy.0[page..].iter().take_while(|&&c| c != 0).count();
+                arena.fault_in(page * PAGE_SIZE, run * PAGE_SIZE)?;
+                page += run;
                 continue;
             }
             let run = occupancy.0[page..].iter().take_while(|&&c| c == 0).count();
@@ -677,7 +694,8 @@ impl ZsAllocator {
             }
             page += run;
         }
-        self.provision();
+        self.provision_classes(true);
+        self.reserve.provision_pools();
         Ok(())
     }
 }
@@ -836,6 +854,33 @@ mod tests {
                 vec![3u8; 1000]
             );
         }
+    }
+
+    #[test]
+    fn a_rebuilt_class_adds_chunks_without_growing_a_list() {
+        // Enough objects of one size for a class of well over 64 chunks, whose lists a rebuild
+        // grows by pushes: their room must come from `provision` (faulted in; see
+        // `finish_rebuild`), the same for all four lists.
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap());
+        let handles: Vec<Handle> = (0..1500).map(|_| a.store(&[3u8; 2000]).unwrap()).collect();
+        let b = ZsAllocator::new(0, Arc::clone(a.reserve.arena()));
+        drop(a);
+        let mut occupancy = b.begin_rebuild().unwrap();
+        for h in &handles {
+            assert!(b.adopt(*h, 2000, &mut occupancy));
+        }
+        b.finish_rebuild(occupancy).unwrap();
+        let class = &b.classes[b.class_index(2000)];
+        let st = class.state.lock();
+        assert!(
+            st.usage.len() > 2 * PROVISION_MIN_SLACK,
+            "{}",
+            st.usage.len()
+        );
+        assert!(st.usage.capacity() - st.usage.len() >= PROVISION_MIN_SLACK);
+        assert!(st.partial.capacity() >= st.usage.capacity());
+        assert!(st.free_ids.capacity() >= st.usage.capacity());
+        assert!(class.chunks.read().capacity() >= st.usage.capacity());
     }
 
     #[test]

@@ -334,6 +334,14 @@ impl ChunkReserve {
         }
     }
 
+    /// `provision` every pool, from the calling thread (a resumed store's, before its device
+    /// is live and its refill thread runs).
+    pub(super) fn provision_pools(&self) {
+        for pool in self.pools.iter() {
+            Self::provision(pool);
+        }
+    }
+
     /// Keep room in each pool's `ready` and `surplus` lists for `POOL_SLACK` more chunks, so
     /// that giving a chunk back on the I/O path never grows a list there: growing it could
     /// fault in fresh heap pages under memory pressure. New lists are allocated and faulted in
