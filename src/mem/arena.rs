@@ -122,13 +122,25 @@ impl Arena {
         Ok(())
     }
 
-    /// Fault arena bytes `[from, from + len)`, committed already, into this process's mapping
-    /// (a resumed store's live chunks), allocating nothing but page tables.
-    pub fn fault_in(&self, from: usize, len: usize) -> std::io::Result<()> {
-        if !from.checked_add(len).is_some_and(|end| end <= self.len) {
-            return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+    /// Make the page tables that map the committed arena pages `pages` (sorted) in this
+    /// process: a resumed store's live chunks. The pages exist already, so a later first
+    /// touch of one only fills in an entry; a missing page table would be an allocation.
+    /// Touches one page per page table (2 MiB of the mapping), not every page: faulting in
+    /// 120 MiB of chunks page by page added 0.4 s to every takeover in the VM.
+    pub fn map_page_tables(&self, pages: impl Iterator<Item = usize>) -> std::io::Result<()> {
+        let mut mapped_table = None;
+        for page in pages {
+            let offset = page * HOST_PAGE;
+            if offset >= self.len {
+                return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+            }
+            let table = self.segment.page_table_of(self.start + offset);
+            if mapped_table != Some(table) {
+                self.segment.fault_in(self.start + offset, HOST_PAGE)?;
+                mapped_table = Some(table);
+            }
         }
-        self.segment.fault_in(self.start + from, len)
+        Ok(())
     }
 
     /// The tag word of arena page `page`; `None` past the arena.

@@ -222,6 +222,14 @@ impl Segment {
         self.fault_in(offset, len)
     }
 
+    /// Which page table (2 MiB of address space, on x86-64 and 4 KiB-page arm64) maps the
+    /// byte at `offset`.
+    pub fn page_table_of(&self, offset: usize) -> usize {
+        /// Bytes of address space one last-level page table maps.
+        const PAGE_TABLE_SPAN: usize = 2 << 20;
+        (self.base.as_ptr() as usize + offset) / PAGE_TABLE_SPAN
+    }
+
     /// Fault the pages of `[offset, offset + len)`, committed already, into the mapping.
     pub fn fault_in(&self, offset: usize, len: usize) -> std::io::Result<()> {
         self.check(offset, len)?;

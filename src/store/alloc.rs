@@ -660,11 +660,11 @@ impl ZsAllocator {
     }
 
     /// End a rebuild: every carved page no live chunk covers goes back to the system and into
-    /// the reserve as free chunks; the live chunks are faulted into this process's mapping, and
-    /// the classes' lists and the reserve's get faulted-in room.
+    /// the reserve as free chunks; the page tables that map the live chunks are made in this
+    /// process, and the classes' lists and the reserve's get faulted-in room.
     ///
-    /// Why fault in: the I/O path of a resumed store (the flusher adding a chunk, a read, a
-    /// free) must touch nothing new. A first touch needs a page, or a page table for the
+    /// Why: the I/O path of a resumed store (the flusher adding a chunk, a read, a free) must
+    /// allocate nothing. A first touch of fresh memory needs a page, or a page table for the
     /// mapping, and the I/O threads are I/O flushers: at the watermark such a fault can only
     /// wait for the writes they serve (seen in the VM after a takeover during a swap storm:
     /// the flusher spun in reclaim for good, faulting in room of a list that a rebuild had
@@ -672,12 +672,11 @@ impl ZsAllocator {
     pub(super) fn finish_rebuild(&self, occupancy: Occupancy) -> std::io::Result<()> {
         let arena = self.reserve.arena();
         let pages = occupancy.0.len();
+        arena.map_page_tables((0..pages).filter(|&page| occupancy.0[page] != 0))?;
         let mut page = 0;
         while page < pages {
             if occupancy.0[page] != 0 {
-                let run = occupancy.0[page..].iter().take_while(|&&c| c != 0).count();
-                arena.fault_in(page * PAGE_SIZE, run * PAGE_SIZE)?;
-                page += run;
+                page += 1;
                 continue;
             }
             let run = occupancy.0[page..].iter().take_while(|&&c| c == 0).count();
