@@ -45,10 +45,9 @@ TIMEOUT_S=${VM_TIMEOUT_S:-900}
 KERNEL_META=${VM_KERNEL_META:-linux-image-6.12-cloud-amd64}
 MODE=full
 # The build the upgrade in the daemon's recovery step starts from: an earlier commit of main
-# with the store's current layout version (3), and one that survives the kill -9 this step
-# makes during the fill: builds before f0b23c4 (the OOM nudge) can stall a takeover when the
-# pages going out do not compress (their new serving process waits for memory that only an
-# OOM kill frees; seen with 620b091 and c806b5a, 2 runs of 5).
+# with the store's current layout version (3). It only starts the device and hands it over;
+# every takeover in the step is this build's (builds before ab0f020 can stall a takeover
+# during a swap storm: their resumed store faulted in memory on the I/O path).
 UPGRADE_FROM=f6b57ebbf397aaceafd24de96c3580185e2c19dd
 PREVIOUS_BIN=
 
