@@ -309,8 +309,8 @@ impl Standby {
         device.fetch_all(go, &char_dev)?;
         device.control.end_user_recovery(id, std::process::id())?;
         device.info = device.control.dev_info(id)?;
-        // Again, for a device that an older build started (a change freezes the queue for a
-        // moment; the same values are no-ops).
+        // Again, for a device that an older build started (only what differs is written: a
+        // write of nr_requests freezes the queue, even with the value it has).
         tune_for_survival(id, device.info.queue_depth);
         Ok(device)
     }
@@ -756,7 +756,11 @@ fn tune_for_survival(id: u32, depth: u16) {
 
 fn write_queue_knob(id: u32, name: &str, value: impl std::fmt::Display, without_it: &str) {
     let knob = format!("/sys/block/ublkb{id}/queue/{name}");
-    match std::fs::write(&knob, value.to_string()) {
+    let value = value.to_string();
+    if std::fs::read_to_string(&knob).is_ok_and(|now| now.trim() == value) {
+        return;
+    }
+    match std::fs::write(&knob, value) {
         Ok(()) => {}
         Err(error) if error.raw_os_error() == Some(libc::EROFS) => {
             tracing::info!(
