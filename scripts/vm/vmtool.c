@@ -581,6 +581,26 @@ static int read_small(const char *path, char *buf, size_t cap)
 	return n > 0;
 }
 
+/* The next process of `proc` (an open /proc) named trueno-ublk: its pid into `pid` (cap
+ * bytes); 0 once there is none. */
+static int next_daemon(DIR *proc, char *pid, size_t cap)
+{
+	struct dirent *e;
+	while ((e = readdir(proc))) {
+		if (e->d_name[0] < '1' || e->d_name[0] > '9')
+			continue;
+		char path[300], comm[64];
+		snprintf(path, sizeof(path), "/proc/%s/comm", e->d_name);
+		size_t len = strlen(e->d_name);
+		if (len < cap && read_small(path, comm, sizeof(comm)) &&
+		    strcmp(comm, "trueno-ublk\n") == 0) {
+			memcpy(pid, e->d_name, len + 1);
+			return 1;
+		}
+	}
+	return 0;
+}
+
 /* Every thread of every trueno-ublk process: its state, page faults and CPU time from
  * /proc/PID/task/TID/stat, and what it is doing (/proc/.../syscall: the syscall and its
  * arguments, or "running", or -1 with the user stack and instruction pointers). Called twice,
@@ -590,21 +610,16 @@ static void print_daemon_threads(void)
 	DIR *proc = opendir("/proc");
 	if (!proc)
 		return;
-	struct dirent *e;
-	while ((e = readdir(proc))) {
-		if (e->d_name[0] < '1' || e->d_name[0] > '9')
-			continue;
-		char path[600], buf[1024];
-		snprintf(path, sizeof(path), "/proc/%s/comm", e->d_name);
-		if (!read_small(path, buf, sizeof(buf)) || strcmp(buf, "trueno-ublk\n") != 0)
-			continue;
+	char pid[32];
+	while (next_daemon(proc, pid, sizeof(pid))) {
+		char path[600];
 		/* Where the binary is mapped, to place the user instruction pointers below. */
-		snprintf(path, sizeof(path), "/proc/%s/maps", e->d_name);
+		snprintf(path, sizeof(path), "/proc/%s/maps", pid);
 		static char maps[4096];
 		if (read_small(path, maps, sizeof(maps)))
-			printf("watchdog: %s maps from %.*s", e->d_name,
+			printf("watchdog: %s maps from %.*s", pid,
 			       (int)(strchr(maps, '\n') ? strchr(maps, '\n') - maps + 1 : 0), maps);
-		snprintf(path, sizeof(path), "/proc/%s/task", e->d_name);
+		snprintf(path, sizeof(path), "/proc/%s/task", pid);
 		DIR *tasks = opendir(path);
 		if (!tasks)
 			continue;
@@ -613,10 +628,10 @@ static void print_daemon_threads(void)
 			if (t->d_name[0] < '1' || t->d_name[0] > '9')
 				continue;
 			char stat[1024], syscall[256];
-			snprintf(path, sizeof(path), "/proc/%s/task/%s/stat", e->d_name, t->d_name);
+			snprintf(path, sizeof(path), "/proc/%s/task/%s/stat", pid, t->d_name);
 			if (!read_small(path, stat, sizeof(stat)))
 				continue;
-			snprintf(path, sizeof(path), "/proc/%s/task/%s/syscall", e->d_name, t->d_name);
+			snprintf(path, sizeof(path), "/proc/%s/task/%s/syscall", pid, t->d_name);
 			if (!read_small(path, syscall, sizeof(syscall)))
 				strcpy(syscall, "?\n");
 			/* After the ")" that ends the name: state ppid pgrp session tty tpgid flags
@@ -632,7 +647,7 @@ static void print_daemon_threads(void)
 				     &state, &minflt, &majflt, &utime, &stime);
 			printf("watchdog: %s/%s %-16s %c minflt %llu majflt %llu utime %llu stime %llu "
 			       "syscall %s",
-			       e->d_name, t->d_name, name + 1, state, minflt, majflt, utime, stime,
+			       pid, t->d_name, name + 1, state, minflt, majflt, utime, stime,
 			       syscall);
 		}
 		closedir(tasks);
@@ -667,25 +682,15 @@ static void daemons_rss(char *out, size_t cap)
 	DIR *proc = opendir("/proc");
 	if (!proc)
 		return;
-	struct dirent *e;
 	size_t used = strlen(out);
-	while ((e = readdir(proc)) && used + 64 < cap) {
-		if (e->d_name[0] < '1' || e->d_name[0] > '9')
+	char pid[32];
+	while (used + 64 < cap && next_daemon(proc, pid, sizeof(pid))) {
+		char path[300], status[2048];
+		snprintf(path, sizeof(path), "/proc/%s/status", pid);
+		if (!read_small(path, status, sizeof(status)))
 			continue;
-		char path[300], buf[2048];
-		snprintf(path, sizeof(path), "/proc/%s/status", e->d_name);
-		int fd = open(path, O_RDONLY);
-		if (fd < 0)
-			continue;
-		ssize_t n = read(fd, buf, sizeof(buf) - 1);
-		close(fd);
-		if (n <= 0)
-			continue;
-		buf[n] = 0;
-		if (strncmp(buf, "Name:\ttrueno-ublk\n", 18) != 0)
-			continue;
-		used += (size_t)snprintf(out + used, cap - used, " trueno-ublk[%s]=%lld kB", e->d_name,
-					 field_of(buf, "VmRSS"));
+		used += (size_t)snprintf(out + used, cap - used, " trueno-ublk[%s]=%lld kB", pid,
+					 field_of(status, "VmRSS"));
 	}
 	closedir(proc);
 }
