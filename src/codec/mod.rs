@@ -131,6 +131,11 @@ impl CompressedBatch {
         (self.encodings[i], &self.data[i * PAGE_SIZE..][..len])
     }
 
+    /// Heap bytes a batch sized for `pages` pages holds (see `reset`).
+    pub fn heap_bytes(pages: usize) -> usize {
+        pages * (PAGE_SIZE + std::mem::size_of::<u16>() + std::mem::size_of::<Encoding>())
+    }
+
     /// Size the batch for `pages` pages (slots of `PAGE_SIZE`) with lengths 0. Old slot bytes
     /// are left in place rather than zeroed (4 KiB of memset per page): `page` never reads a
     /// slot past its length.

@@ -48,10 +48,9 @@ const LOG_BACKLOG_LINES: usize = 1024;
 /// How often a standby asks the kernel for its device's state (see `Standby::ping`); well
 /// under io_uring's idle time for a worker thread (5 s).
 const STANDBY_PING: std::time::Duration = std::time::Duration::from_secs(1);
-/// Heap a standby faults in for its takeover (opening the store). Measured in the VM: a
-/// takeover of a 1 GiB device holding 98k pages faulted in about 1 MiB beyond what the
-/// standby had.
-const STANDBY_HEAP_BYTES: usize = 1 << 20;
+/// Heap a standby faults in for its takeover beyond what resuming the store needs (see
+/// `store::resume_heap_bytes`): the main thread's codec context, the store's own structures.
+const STANDBY_HEAP_BYTES: usize = 512 << 10;
 /// Pages a standby holds and frees just before its takeover, for the kernel memory the
 /// takeover needs (page tables of the store's mapping, the descriptor arrays' mappings).
 const STANDBY_SPARE_BYTES: usize = 1 << 20;
@@ -312,11 +311,13 @@ fn find_target(
 
 /// A standby's wait for the supervisor's word to take the device over: true on `TAKEOVER=1`,
 /// false when told to go (SIGTERM, SIGINT, or SIGUSR1: the supervisor died) or when the
-/// device is gone. It pings the device every second (see `Standby::ping`).
+/// device is gone. It pings the device every second (see `Standby::ping`) and then runs
+/// `keep_ready`.
 fn wait_for_takeover(
     notifier: &Notifier,
     signals: &mut signal_hook::iterator::Signals,
     standby: &mut Standby,
+    keep_ready: &mut dyn FnMut(),
 ) -> Result<bool, DaemonError> {
     let Notifier::Supervisor(channel) = notifier else {
         return Err(DaemonError::Daemon(
@@ -332,6 +333,7 @@ fn wait_for_takeover(
                 tracing::info!(%error, "standby: the device is gone; nothing to take over");
                 return Ok(false);
             }
+            keep_ready();
         }
         let mut fds = [nix::poll::PollFd::new(
             std::os::fd::AsFd::as_fd(channel),
@@ -465,24 +467,44 @@ fn serve(
         }
     };
     let handler = Arc::new(StoreHandler::new(algorithm));
+    // Heap a standby keeps ready for its takeover; for the log line of the takeover.
+    let heap_ready = std::cell::Cell::new(0);
     let (target, started) = if standby {
         let id = settings.id.ok_or_else(|| {
             DaemonError::Daemon("a standby is started with the device's --id".into())
         })?;
         let mut standby = Device::standby(id, handler.clone())?;
+        // This thread compresses the pending pages of the store it resumes.
+        crate::codec::prepare_thread(algorithm);
         // What the takeover allocates, kept ready (see `SparePages`): heap in this thread's
-        // arena, and pages for the kernel, given back just before the takeover.
-        crate::mem::warm_heap(STANDBY_HEAP_BYTES);
+        // arena, as much as resuming the store as it is now needs (it grows as the serving
+        // process stores pages, and is looked at again every ping), and pages for the kernel,
+        // given back just before the takeover.
+        let mut keep_heap_ready = || {
+            let need = STANDBY_HEAP_BYTES
+                + crate::store::resume_heap_bytes(id, gpu.is_some()).unwrap_or_else(|error| {
+                    tracing::debug!(%error, "standby: cannot size the takeover's heap");
+                    0
+                });
+            if need > heap_ready.get() {
+                // With room to grow, so that a filling store does not make this touch the
+                // whole heap every second.
+                heap_ready.set(need + need / 8);
+                crate::mem::warm_heap(heap_ready.get());
+            }
+        };
+        keep_heap_ready();
         let spare = crate::mem::SparePages::new(STANDBY_SPARE_BYTES)
             .map_err(io_error("reserving the standby's spare pages"))?;
         tracing::info!(
             id,
             ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(0),
             spare = spare.len(),
+            heap_kib = heap_ready.get() >> 10,
             "standby ready to take the device over"
         );
         notifier.send(&format!("STANDBY=1\nPID={}", std::process::id()));
-        if !wait_for_takeover(notifier, &mut signals, &mut standby)? {
+        if !wait_for_takeover(notifier, &mut signals, &mut standby, &mut keep_heap_ready)? {
             tracing::info!(id, "standby told to go; the device was not touched");
             return Ok(());
         }
@@ -498,7 +520,8 @@ fn serve(
     };
     // What the start from here to live faults in (for a standby: what the takeover needed
     // beyond what it had ready), for the log line below.
-    let anon_before = crate::procstat::ProcessMemory::now(0).rss_anon_bytes;
+    let anon_now = || crate::procstat::ProcessMemory::now(0).rss_anon_bytes;
+    let anon_before = anon_now();
     let setup_done = Instant::now();
     let id = target.id();
     let resume = matches!(target, Target::Resume(_));
@@ -513,7 +536,7 @@ fn serve(
             .map_err(io_error("starting the flusher"))
     };
     let gpu_codec = gpu.clone().map(|g| g as Arc<dyn BatchCodec>);
-    let (device, store, flusher, found, store_opened, live) = match target {
+    let (device, store, flusher, found, store_opened, live, anon_live) = match target {
         Target::Fresh(added) => {
             if !added.survives_daemon() {
                 tracing::warn!(
@@ -527,7 +550,16 @@ fn serve(
             let store_opened = Instant::now();
             let flusher = start_flusher(&store)?;
             let device = added.start(handler)?;
-            (device, store, flusher, found, store_opened, Instant::now())
+            let anon_live = anon_now();
+            (
+                device,
+                store,
+                flusher,
+                found,
+                store_opened,
+                Instant::now(),
+                anon_live,
+            )
         }
         Target::Resume(mut standby) => {
             standby.wait_resumable(settings.size_bytes)?;
@@ -537,6 +569,7 @@ fn serve(
             let store_opened = Instant::now();
             let device = standby.resume()?;
             let live = Instant::now();
+            let anon_live = anon_now();
             if let Err(error) = crate::os::make_thread_normal() {
                 tracing::warn!(%error, "could not end the takeover's real-time priority");
             }
@@ -544,7 +577,7 @@ fn serve(
             // the usual way, by reclaim that may swap again. Writes meanwhile go to pending
             // slots, which the resumed store has ready.
             let flusher = start_flusher(&store)?;
-            (device, store, flusher, found, store_opened, live)
+            (device, store, flusher, found, store_opened, live, anon_live)
         }
     };
     let path = block_path(id);
@@ -568,10 +601,8 @@ fn serve(
         find_ms = ms(setup_done, found),
         store_ms = ms(found, store_opened),
         queues_ms = ms(store_opened, live),
-        anon_kib = (crate::procstat::ProcessMemory::now(0)
-            .rss_anon_bytes
-            .saturating_sub(anon_before))
-            >> 10,
+        ready_heap_kib = heap_ready.get() >> 10,
+        anon_kib = anon_live.saturating_sub(anon_before) >> 10,
         "{}",
         if resume {
             "device resumed"

@@ -34,12 +34,14 @@ use parking_lot::{Mutex, RwLock};
 use super::reserve::ChunkReserve;
 pub(super) use super::reserve::Shortage;
 use crate::codec::PAGE_SIZE;
-use crate::mem::{faulted_in_vec, Arena, ArenaChunk};
+use crate::mem::{faulted_in_vec, Arena, ArenaChunk, Words};
 
 /// Object sizes are multiples of this.
 const GRANULE: usize = 16;
 /// Object sizes before merging: 16, 32, ..., PAGE_SIZE bytes.
 const GRANULES: usize = PAGE_SIZE / GRANULE;
+/// Most size classes (one per object size before merging).
+pub(super) const MAX_CLASSES: usize = GRANULES;
 /// Largest chunk, in pages (zsmalloc's default chain size too). Chunks of up to 16 pages fit
 /// the classes 0.7% tighter on a 4 GiB working set, but every class's last, partly used chunk
 /// costs twice as much: on real pages 8 is better up to about 1 GiB and within 0.7% above.
@@ -51,6 +53,9 @@ const MAX_OBJS_PER_CHUNK: usize = 256;
 const BITMAP_WORDS: usize = MAX_OBJS_PER_CHUNK / 64;
 /// Chunks a class can add before its bookkeeping must grow (see `provision`).
 const PROVISION_MIN_SLACK: usize = 64;
+/// The same for a rebuilt class until the first `provision` after the resume (see
+/// `rebuild_room`).
+const REBUILD_MIN_SLACK: usize = 8;
 /// A class is compacted once it holds more chunks than its objects need by at least one
 /// chunk and by at least 1/`COMPACT_SLACK_DIVISOR` of its chunks (3%).
 const COMPACT_SLACK_DIVISOR: usize = 32;
@@ -138,6 +143,9 @@ pub(super) struct ZsAllocator {
     chunk_bytes: AtomicU64,
     /// Where chunks come from and go back to.
     pub(super) reserve: ChunkReserve,
+    /// Where each class's live chunks are noted when its lists are provisioned, for the next
+    /// process's rebuild (see `layout`): `None` for an allocator no process resumes.
+    chunk_notes: Option<Words<AtomicU64>>,
 }
 
 /// Pages per chunk for objects of `obj_size` bytes: the fewest pages with the least tail waste.
@@ -200,8 +208,12 @@ pub(super) fn class_fingerprint() -> u64 {
 
 impl ZsAllocator {
     /// An allocator of chunks from `arena` that keeps about `reserve_bytes` of them ready (see
-    /// `reserve`).
-    pub(super) fn new(reserve_bytes: u64, arena: Arc<Arena>) -> Self {
+    /// `reserve`), noting its classes' live chunks in `chunk_notes` (one word per class).
+    pub(super) fn new(
+        reserve_bytes: u64,
+        arena: Arc<Arena>,
+        chunk_notes: Option<Words<AtomicU64>>,
+    ) -> Self {
         let (classes, class_of) = size_classes();
         let mut classes_per_size = [0u64; MAX_CHUNK_PAGES];
         for class in &classes {
@@ -212,6 +224,7 @@ impl ZsAllocator {
             class_of,
             chunk_bytes: AtomicU64::new(0),
             reserve: ChunkReserve::new(reserve_bytes, arena, &classes_per_size),
+            chunk_notes,
         }
     }
 
@@ -253,19 +266,23 @@ impl ZsAllocator {
     /// waited for it). Here the new buffers are allocated and faulted in outside every lock,
     /// and only the move of the entries happens under the class lock.
     pub(super) fn provision(&self) {
-        self.provision_classes(false);
+        self.provision_classes(&|_, len, capacity| {
+            capacity - len < (len / 8).max(PROVISION_MIN_SLACK)
+        });
     }
 
-    /// `provision`; with `all`, every class's lists are made anew with faulted-in room, however
-    /// much they have: after a rebuild their room came from plain pushes, never faulted in,
-    /// and `partial` and `free_ids` may have less of it than `usage`.
-    fn provision_classes(&self, all: bool) {
-        for class in self.classes.iter() {
-            let (len, capacity) = {
+    /// `provision` for the classes `remake` picks (given a class, its lists' length and
+    /// capacity): their lists are made anew with faulted-in room. Each class's live chunks
+    /// are noted (`chunk_notes`).
+    fn provision_classes(&self, remake: &dyn Fn(usize, usize, usize) -> bool) {
+        for (index, class) in self.classes.iter().enumerate() {
+            let (len, capacity, chunks) = {
                 let st = class.state.lock();
-                (st.usage.len(), st.usage.capacity())
+                (st.usage.len(), st.usage.capacity(), st.chunks)
             };
-            if !all && capacity - len >= (len / 8).max(PROVISION_MIN_SLACK) {
+            self.note_chunks(index, chunks);
+            let remake = remake(index, len, capacity);
+            if !remake {
                 continue;
             }
             let want = len + (len / 4).max(2 * PROVISION_MIN_SLACK);
@@ -279,7 +296,7 @@ impl ZsAllocator {
                 // `partial` and `free_ids` never hold more entries than `usage`: one capacity
                 // covers all four.
                 // Moved only if it still fits: nothing may allocate under the class lock.
-                if (all || st.usage.capacity() < want) && st.usage.len() <= want {
+                if (remake || st.usage.capacity() < want) && st.usage.len() <= want {
                     usage.append(&mut st.usage);
                     dir.append(&mut chunks);
                     partial.append(&mut st.partial);
@@ -291,6 +308,12 @@ impl ZsAllocator {
                 }
             }
             // The old (or unused) buffers are freed here, outside the locks.
+        }
+    }
+
+    fn note_chunks(&self, class: usize, chunks: usize) {
+        if let Some(note) = self.chunk_notes.as_ref().and_then(|notes| notes.get(class)) {
+            note.store(chunks as u64, Ordering::Relaxed);
         }
     }
 
@@ -588,13 +611,50 @@ impl ZsAllocator {
     }
 }
 
-/// Pages of the carved arena as a resumed store finds them in its table: 0 for pages no live
-/// chunk covers, else the class index + 1 of the chunk covering it.
-pub(super) struct Occupancy(Vec<u16>);
+/// A rebuild in progress: the pages of the carved arena as a resumed store finds them in its
+/// table (0 for pages no live chunk covers, else the class index + 1 of the chunk covering
+/// it), and the room each class's lists were given, faulted in, before the scan.
+pub(super) struct Occupancy {
+    pages: Vec<u16>,
+    room: [usize; MAX_CLASSES],
+}
+
+/// Room a rebuild gives a class whose previous owner noted `noted` live chunks: that, and a
+/// margin for chunks added since the note and until the first `provision` after the resume,
+/// which then gives the class its usual room the usual way. Less than `provision` keeps:
+/// this room is heap a standby holds ready all the time (see `rebuild_heap_bytes`).
+fn rebuild_room(noted: u64) -> usize {
+    let noted = usize::try_from(noted).unwrap_or(usize::MAX);
+    noted.saturating_add((noted / 8).max(REBUILD_MIN_SLACK))
+}
+
+/// Heap bytes a rebuild allocates for classes of `noted` live chunks and a carved arena of
+/// `carved_bytes`: the lists, and the occupancy map.
+pub(super) fn rebuild_heap_bytes(noted: &[u64], carved_bytes: u64) -> usize {
+    let per_chunk = std::mem::size_of::<Option<ChunkUsage>>()
+        + std::mem::size_of::<Option<Chunk>>()
+        + 2 * std::mem::size_of::<u32>();
+    let pages = usize::try_from(carved_bytes).unwrap_or(usize::MAX) / PAGE_SIZE;
+    // All classes together hold no more chunks than the carved arena has pages: wild notes
+    // ask for no more than room for those.
+    let room = noted
+        .iter()
+        .filter(|&&n| n > 0)
+        .map(|&n| rebuild_room(n.min(pages as u64)))
+        .fold(0, usize::saturating_add)
+        .min(rebuild_room(pages as u64).saturating_add(MAX_CLASSES * REBUILD_MIN_SLACK));
+    room.saturating_mul(per_chunk)
+        .saturating_add(pages.saturating_mul(std::mem::size_of::<u16>()))
+}
 
 impl ZsAllocator {
     /// Start a rebuild (a store resumed after its process died): every tag of the carved arena
-    /// cleared, nothing live yet.
+    /// cleared, nothing live yet, and each class's lists given faulted-in room for the chunks
+    /// its previous owner noted (see `chunk_notes`).
+    ///
+    /// Why the room first: lists grown by pushes during the scan would have to be copied and
+    /// faulted in again after it, and at a takeover memory is at its scarcest; with the heap
+    /// the standby kept ready (see `rebuild_heap_bytes`), the rebuild takes no new page.
     pub(super) fn begin_rebuild(&self) -> std::io::Result<Occupancy> {
         let arena = self.reserve.arena();
         let carved = arena.carved().min(arena.len());
@@ -605,7 +665,31 @@ impl ZsAllocator {
                 tag.store(0, Ordering::Relaxed);
             }
         }
-        Ok(Occupancy(vec![0; pages]))
+        let mut room = [0; MAX_CLASSES];
+        for (index, class) in self.classes.iter().enumerate() {
+            let noted = self
+                .chunk_notes
+                .as_ref()
+                .and_then(|notes| notes.get(index))
+                .map_or(0, |note| note.load(Ordering::Relaxed));
+            if noted == 0 {
+                continue;
+            }
+            // A class never has more chunks than the carved arena holds: a wild note costs
+            // no more than room for that.
+            let most = (pages / (class.chunk_bytes / PAGE_SIZE)) as u64;
+            let want = rebuild_room(noted.min(most));
+            let mut st = class.state.lock();
+            st.usage = faulted_in_vec(want);
+            st.partial = faulted_in_vec(want);
+            st.free_ids = faulted_in_vec(want);
+            *class.chunks.write() = faulted_in_vec(want);
+            room[index] = st.usage.capacity();
+        }
+        Ok(Occupancy {
+            pages: vec![0; pages],
+            room,
+        })
     }
 
     /// Take the object of `len` bytes at `handle` as live (a stored entry of the resumed
@@ -619,7 +703,7 @@ impl ZsAllocator {
         }
         let first = handle.page();
         let pages = class.chunk_bytes / PAGE_SIZE;
-        let Some(span) = occupancy.0.get_mut(first..first + pages) else {
+        let Some(span) = occupancy.pages.get_mut(first..first + pages) else {
             return false;
         };
         let mark = class_idx as u16 + 1;
@@ -661,7 +745,11 @@ impl ZsAllocator {
 
     /// End a rebuild: every carved page no live chunk covers goes back to the system and into
     /// the reserve as free chunks; the page tables that map the live chunks are made in this
-    /// process, and the classes' lists and the reserve's get faulted-in room.
+    /// process, and the reserve's lists get faulted-in room. A class's lists that outgrew the
+    /// room `begin_rebuild` gave them are made anew: what pushes added was never faulted in.
+    /// The others keep their room, however little slack it leaves: until the refill thread's
+    /// first `provision`, a class out of room grows its lists on the I/O path, from the heap
+    /// the standby kept ready.
     ///
     /// Why: the I/O path of a resumed store (the flusher adding a chunk, a read, a free) must
     /// allocate nothing. A first touch of fresh memory needs a page, or a page table for the
@@ -671,15 +759,19 @@ impl ZsAllocator {
     /// grown by pushes).
     pub(super) fn finish_rebuild(&self, occupancy: Occupancy) -> std::io::Result<()> {
         let arena = self.reserve.arena();
-        let pages = occupancy.0.len();
-        arena.map_page_tables((0..pages).filter(|&page| occupancy.0[page] != 0))?;
+        let Occupancy {
+            pages: occupied,
+            room,
+        } = occupancy;
+        let pages = occupied.len();
+        arena.map_page_tables((0..pages).filter(|&page| occupied[page] != 0))?;
         let mut page = 0;
         while page < pages {
-            if occupancy.0[page] != 0 {
+            if occupied[page] != 0 {
                 page += 1;
                 continue;
             }
-            let run = occupancy.0[page..].iter().take_while(|&&c| c == 0).count();
+            let run = occupied[page..].iter().take_while(|&&c| c == 0).count();
             arena
                 .chunk_at(page * PAGE_SIZE, run * PAGE_SIZE)?
                 .decommit()?;
@@ -693,7 +785,7 @@ impl ZsAllocator {
             }
             page += run;
         }
-        self.provision_classes(true);
+        self.provision_classes(&|class, _, capacity| capacity > room[class]);
         self.reserve.provision_pools();
         Ok(())
     }
@@ -739,7 +831,7 @@ mod tests {
 
     #[test]
     fn merged_classes_pack_like_their_members() {
-        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap());
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None);
         assert!(
             a.classes.len() < GRANULES / 2,
             "{} classes",
@@ -764,7 +856,7 @@ mod tests {
 
     #[test]
     fn store_read_free_and_chunk_release() {
-        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap());
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None);
         let mut handles = Vec::new();
         for i in 0..1000usize {
             let len = 1 + (i * 37) % PAGE_SIZE;
@@ -792,7 +884,7 @@ mod tests {
 
     #[test]
     fn freed_slots_are_reused() {
-        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap());
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None);
         let hs: Vec<_> = (0..100).map(|_| a.store(&[1u8; 1000]).unwrap()).collect();
         let used = a.chunk_bytes();
         for h in &hs[..50] {
@@ -806,7 +898,7 @@ mod tests {
 
     #[test]
     fn evacuating_chunks_take_no_new_objects_and_go_once_emptied() {
-        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap());
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None);
         let mut live: Vec<Handle> = (0..2000).map(|_| a.store(&[3u8; 1000]).unwrap()).collect();
         assert_eq!(a.plan_evacuation(), 0, "a full class needs no compaction");
         // Free three objects in four, scattered over every chunk.
@@ -836,7 +928,7 @@ mod tests {
         }
         assert!(moved > 0);
         assert!(!a.class_evacuating(1000), "every evacuated chunk was freed");
-        let fresh = ZsAllocator::new(0, Arena::private(64 << 20).unwrap());
+        let fresh = ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None);
         for _ in &kept {
             fresh.store(&[3u8; 1000]).unwrap();
         }
@@ -860,9 +952,9 @@ mod tests {
         // Enough objects of one size for a class of well over 64 chunks, whose lists a rebuild
         // grows by pushes: their room must come from `provision` (faulted in; see
         // `finish_rebuild`), the same for all four lists.
-        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap());
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None);
         let handles: Vec<Handle> = (0..1500).map(|_| a.store(&[3u8; 2000]).unwrap()).collect();
-        let b = ZsAllocator::new(0, Arc::clone(a.reserve.arena()));
+        let b = ZsAllocator::new(0, Arc::clone(a.reserve.arena()), None);
         drop(a);
         let mut occupancy = b.begin_rebuild().unwrap();
         for h in &handles {
@@ -882,9 +974,87 @@ mod tests {
         assert!(class.chunks.read().capacity() >= st.usage.capacity());
     }
 
+    /// A memory of its own for one word per class, as a store's header has them.
+    fn notes_memory() -> Arc<crate::mem::Segment> {
+        let segment = crate::mem::Segment::private(PAGE_SIZE).unwrap();
+        segment.commit(0, PAGE_SIZE).unwrap();
+        segment
+    }
+
+    fn chunk_notes(memory: &Arc<crate::mem::Segment>) -> Words<AtomicU64> {
+        memory.words(0, MAX_CLASSES).unwrap()
+    }
+
+    #[test]
+    fn a_rebuild_sized_by_the_noted_chunks_copies_no_list() {
+        let memory = notes_memory();
+        let notes = chunk_notes(&memory);
+        let a = ZsAllocator::new(
+            0,
+            Arena::private(64 << 20).unwrap(),
+            Some(chunk_notes(&memory)),
+        );
+        let handles: Vec<Handle> = (0..1500).map(|_| a.store(&[3u8; 2000]).unwrap()).collect();
+        a.provision();
+        let class = a.class_index(2000);
+        assert_eq!(
+            notes[class].load(Ordering::Relaxed) as usize,
+            a.classes[class].state.lock().chunks
+        );
+        let b = ZsAllocator::new(0, Arc::clone(a.reserve.arena()), Some(notes));
+        drop(a);
+        let mut occupancy = b.begin_rebuild().unwrap();
+        let lists_before = {
+            let st = b.classes[class].state.lock();
+            (st.usage.as_ptr(), st.partial.as_ptr())
+        };
+        for h in &handles {
+            assert!(b.adopt(*h, 2000, &mut occupancy));
+        }
+        b.finish_rebuild(occupancy).unwrap();
+        {
+            let st = b.classes[class].state.lock();
+            assert_eq!(
+                (st.usage.as_ptr(), st.partial.as_ptr()),
+                lists_before,
+                "a list was made anew"
+            );
+            assert!(has_room(&st));
+        }
+        // The first provision after the resume gives the class its usual room.
+        b.provision();
+        let st = b.classes[class].state.lock();
+        assert!(
+            st.usage.capacity() - st.usage.len() >= (st.usage.len() / 8).max(PROVISION_MIN_SLACK)
+        );
+    }
+
+    #[test]
+    fn a_wild_note_costs_no_more_than_the_arena_holds() {
+        let notes = chunk_notes(&notes_memory());
+        for note in notes.iter() {
+            note.store(u64::MAX, Ordering::Relaxed);
+        }
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None);
+        let h = a.store(&[5u8; 700]).unwrap();
+        let b = ZsAllocator::new(0, Arc::clone(a.reserve.arena()), Some(notes));
+        drop(a);
+        let mut occupancy = b.begin_rebuild().unwrap();
+        assert!(b.adopt(h, 700, &mut occupancy));
+        b.finish_rebuild(occupancy).unwrap();
+        assert_eq!(
+            b.with_object(h, 700, <[u8]>::to_vec).unwrap(),
+            vec![5u8; 700]
+        );
+        let carved_pages = b.reserve.arena().carved() / PAGE_SIZE;
+        for class in b.classes.iter() {
+            assert!(class.state.lock().usage.capacity() <= rebuild_room(carved_pages as u64));
+        }
+    }
+
     #[test]
     fn rebuild_takes_live_objects_and_refuses_conflicts() {
-        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap());
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None);
         let objects: Vec<(Handle, Vec<u8>)> = (0..300usize)
             .map(|i| {
                 let bytes = vec![i as u8; 1 + (i * 53) % 3000];
@@ -892,7 +1062,7 @@ mod tests {
             })
             .collect();
         // The next process: same arena, bookkeeping rebuilt from the objects alone.
-        let b = ZsAllocator::new(0, Arc::clone(a.reserve.arena()));
+        let b = ZsAllocator::new(0, Arc::clone(a.reserve.arena()), None);
         drop(a);
         let mut occupancy = b.begin_rebuild().unwrap();
         for (h, bytes) in objects.iter().step_by(2) {

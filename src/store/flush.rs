@@ -20,7 +20,16 @@ use crate::codec::{
 /// Without a GPU a batch is compressed and installed this many pages at a time, so that the
 /// compression buffer (locked memory, like everything the daemon has) holds 1 MiB rather than
 /// a whole batch; rayon still spreads each part over every core. A GPU takes whole batches.
-pub(super) const FLUSH_PART_PAGES: usize = 256;
+const FLUSH_PART_PAGES: usize = 256;
+
+/// Pages a flush compresses at a time, for batches of `slots` pages.
+pub(super) fn flush_part_pages(slots: usize, gpu: bool) -> usize {
+    if gpu {
+        slots.max(1)
+    } else {
+        slots.clamp(1, FLUSH_PART_PAGES)
+    }
+}
 
 impl BatchedPageStore {
     /// Seal the open batch (if it holds anything), open the other one, and compress and

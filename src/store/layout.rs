@@ -3,7 +3,7 @@
 //!
 //! | region | what |
 //! | --- | --- |
-//! | header (one page) | magic, layout version, device pages, slots per batch, arena size, the allocator's class fingerprint, the arena's carve cursor, the pid of the process using it |
+//! | header (one page) | magic, layout version, device pages, slots per batch, arena size, the allocator's class fingerprint, the arena's carve cursor, the pid of the process using it, then each size class's live chunks (a hint, see `H_CLASS_CHUNKS`) |
 //! | table | one word per device page (see `table`) |
 //! | hints | one 16-bit idle hint per device page (see `table::Hint`); not crash-consistent, started afresh on resume |
 //! | checksums | the CRC32C of each stored page's data, written before its entry names the object |
@@ -23,7 +23,7 @@
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::{StoreError, PENDING_BATCHES};
+use super::{alloc, StoreError, PENDING_BATCHES};
 use crate::codec::PAGE_SIZE;
 use crate::mem::{Arena, PageSlots, Segment, Words};
 
@@ -44,7 +44,13 @@ const H_ARENA: usize = 4;
 const H_CLASSES: usize = 5;
 const H_CARVED: usize = 6;
 const H_OWNER: usize = 7;
-const HEADER_WORDS: usize = 8;
+/// From here, one word per size class: how many live chunks the class had when the owner
+/// last provisioned its lists. A hint, not state: it sizes the next process's rebuild (and
+/// the heap a standby keeps ready for it, see `ResumeHint`); any value is safe to read. Stores made before it have zeros here, and binaries before it never read it, so
+/// it needs no new layout version.
+const H_CLASS_CHUNKS: usize = 8;
+const HEADER_WORDS: usize = H_CLASS_CHUNKS + alloc::MAX_CLASSES;
+const _: () = assert!(HEADER_WORDS * 8 <= PAGE_SIZE, "the header is one page");
 
 /// Where a store keeps its pages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,6 +102,34 @@ pub fn remove_shared(device_id: u32) -> Result<bool, StoreError> {
 /// Whether device `device_id` has a shared store.
 pub fn shared_exists(device_id: u32) -> bool {
     device_key(device_id).is_ok_and(Segment::shared_exists)
+}
+
+/// What a store's header says about the memory a resume of it needs.
+pub(super) struct ResumeHint {
+    pub(super) carved_bytes: u64,
+    pub(super) slots_per_batch: u64,
+    pub(super) class_chunks: [u64; alloc::MAX_CLASSES],
+}
+
+/// Read device `device_id`'s store header without taking the store: `None` if the device has
+/// no store, or one this binary cannot read (which a resume then refuses).
+pub(super) fn peek_shared(device_id: u32) -> Result<Option<ResumeHint>, StoreError> {
+    let attaching = memory_error("attaching the store's shared memory");
+    let Some(segment) = Segment::attach_shared(device_key(device_id)?).map_err(attaching)? else {
+        return Ok(None);
+    };
+    let header = segment
+        .words(0, HEADER_WORDS)
+        .map_err(memory_error("mapping the store's header"))?;
+    let word = |i: usize| header[i].load(Ordering::Acquire);
+    if word(H_MAGIC) != MAGIC || word(H_VERSION) != LAYOUT_VERSION {
+        return Ok(None);
+    }
+    Ok(Some(ResumeHint {
+        carved_bytes: word(H_CARVED),
+        slots_per_batch: word(H_SLOTS),
+        class_chunks: std::array::from_fn(|class| word(H_CLASS_CHUNKS + class)),
+    }))
 }
 
 /// The sizes a store's memory is made from.
@@ -168,6 +202,8 @@ pub(super) struct Regions {
     pub(super) checksums: Words<AtomicU32>,
     pub(super) batches: Vec<(PageSlots, Words<AtomicU64>)>,
     pub(super) arena: Arc<Arena>,
+    /// The header's words from `H_CLASS_CHUNKS` on.
+    pub(super) class_chunks: Words<AtomicU64>,
     pub(super) resumed: bool,
 }
 
@@ -314,6 +350,7 @@ impl Regions {
                 H_CARVED * 8,
                 o.tags,
             ))?,
+            class_chunks: view(segment.words(H_CLASS_CHUNKS * 8, alloc::MAX_CLASSES))?,
             resumed,
         })
     }

@@ -171,6 +171,23 @@ fn check_config(config: &StoreConfig, has_gpu: bool) -> Result<usize, StoreError
     Ok(table_pages)
 }
 
+/// Heap a process that resumes device `device_id`'s store allocates while it does: the
+/// allocator's lists and the rebuild's map (from what the store's owner last noted), the
+/// flush's buffers and the list of pending pages; 0 if the device has no store this binary
+/// reads; `gpu`: whether the store will have a GPU codec. A standby keeps that much heap ready:
+/// a takeover comes when memory is scarcest.
+pub fn resume_heap_bytes(device_id: u32, gpu: bool) -> Result<usize, StoreError> {
+    let Some(hint) = layout::peek_shared(device_id)? else {
+        return Ok(0);
+    };
+    let slots = usize::try_from(hint.slots_per_batch)
+        .unwrap_or(0)
+        .min(1 << 20);
+    let flush = CompressedBatch::heap_bytes(flush::flush_part_pages(slots, gpu));
+    let pending = PENDING_BATCHES * slots * std::mem::size_of::<u64>();
+    Ok(alloc::rebuild_heap_bytes(&hint.class_chunks, hint.carved_bytes) + flush + pending)
+}
+
 impl BatchedPageStore {
     /// Build a store in this process's own memory (tests, bench).
     pub fn new(
@@ -222,12 +239,7 @@ impl BatchedPageStore {
             config.batched = slots > 0;
             config.batch_threshold = slots.max(1);
         }
-        let flush_part_pages = if gpu.is_some() {
-            slots
-        } else {
-            slots.min(flush::FLUSH_PART_PAGES)
-        }
-        .max(1);
+        let flush_part_pages = flush::flush_part_pages(slots, gpu.is_some());
         let resumed = regions.resumed;
         let owner = regions.owner;
         let batches: Box<[PendingBatch]> = regions
@@ -238,7 +250,11 @@ impl BatchedPageStore {
         let store = Self {
             compressor: config.compressor(gpu),
             table: PageTable::new(regions.table, regions.hints, regions.checksums),
-            alloc: ZsAllocator::new(config.reserve_bytes, regions.arena),
+            alloc: ZsAllocator::new(
+                config.reserve_bytes,
+                regions.arena,
+                Some(regions.class_chunks),
+            ),
             batches,
             current: AtomicUsize::new(0),
             control: Mutex::new(Control {
