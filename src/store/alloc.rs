@@ -53,6 +53,12 @@ const MAX_OBJS_PER_CHUNK: usize = 256;
 const BITMAP_WORDS: usize = MAX_OBJS_PER_CHUNK / 64;
 /// Chunks a class can add before its bookkeeping must grow (see `provision`).
 const PROVISION_MIN_SLACK: usize = 64;
+/// The same for a class that never had a chunk. Why less: every chunk of room is about 100
+/// bytes of locked heap, and of the 120 classes many hold nothing for a long time (an idle
+/// store, or pages that all compress alike); at `PROVISION_MIN_SLACK`'s room an idle store
+/// held 1.6 MB of it. The first chunks of a class make the next `provision` give it the usual
+/// room.
+const UNUSED_CLASS_SLACK: usize = 8;
 /// The same for a rebuilt class until the first `provision` after the resume (see
 /// `rebuild_room`).
 const REBUILD_MIN_SLACK: usize = 8;
@@ -266,9 +272,7 @@ impl ZsAllocator {
     /// waited for it). Here the new buffers are allocated and faulted in outside every lock,
     /// and only the move of the entries happens under the class lock.
     pub(super) fn provision(&self) {
-        self.provision_classes(&|_, len, capacity| {
-            capacity - len < (len / 8).max(PROVISION_MIN_SLACK)
-        });
+        self.provision_classes(&|_, len, capacity| capacity - len < provision_slack(len));
     }
 
     /// `provision` for the classes `remake` picks (given a class, its lists' length and
@@ -285,7 +289,7 @@ impl ZsAllocator {
             if !remake {
                 continue;
             }
-            let want = len + (len / 4).max(2 * PROVISION_MIN_SLACK);
+            let want = len + 2 * provision_slack(len).max(len / 8);
             let mut usage = faulted_in_vec::<Option<ChunkUsage>>(want);
             let mut dir = faulted_in_vec::<Option<Chunk>>(want);
             let mut partial = faulted_in_vec::<u32>(want);
@@ -791,6 +795,15 @@ impl ZsAllocator {
     }
 }
 
+/// Room `provision` keeps free in a class whose lists have `len` entries.
+fn provision_slack(len: usize) -> usize {
+    if len == 0 {
+        UNUSED_CLASS_SLACK
+    } else {
+        (len / 8).max(PROVISION_MIN_SLACK)
+    }
+}
+
 /// Whether a class can add a chunk without growing a list: an id to reuse, or room for a new
 /// one (`provision` keeps `partial` and the directory at least as large as `usage`).
 fn has_room(st: &ClassState) -> bool {
@@ -972,6 +985,21 @@ mod tests {
         assert!(st.partial.capacity() >= st.usage.capacity());
         assert!(st.free_ids.capacity() >= st.usage.capacity());
         assert!(class.chunks.read().capacity() >= st.usage.capacity());
+    }
+
+    #[test]
+    fn an_unused_class_keeps_little_room_and_a_used_one_the_usual() {
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None);
+        a.provision();
+        let idle = a.metadata_bytes();
+        assert!(idle < 400 << 10, "idle bookkeeping {idle} bytes");
+        let class = a.class_index(2000);
+        for _ in 0..40 {
+            a.store(&[1u8; 2000]).unwrap();
+        }
+        a.provision();
+        let st = a.classes[class].state.lock();
+        assert!(st.usage.capacity() - st.usage.len() >= PROVISION_MIN_SLACK);
     }
 
     /// A memory of its own for one word per class, as a store's header has them.
