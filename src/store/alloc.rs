@@ -289,7 +289,7 @@ impl ZsAllocator {
             if !remake {
                 continue;
             }
-            let want = len + 2 * provision_slack(len).max(len / 8);
+            let want = len + 2 * provision_slack(len);
             let mut usage = faulted_in_vec::<Option<ChunkUsage>>(want);
             let mut dir = faulted_in_vec::<Option<Chunk>>(want);
             let mut partial = faulted_in_vec::<u32>(want);
