@@ -133,6 +133,10 @@ pub struct CreateArgs {
     /// Read device settings from this config file (section for --id)
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Hear of freed swap slots only through discards (whole free clusters), without the
+    /// kernel probe that frees a slot's memory as swap frees the slot
+    #[arg(long)]
+    pub no_slot_free_probe: bool,
     #[command(flatten)]
     pub store: StoreArgs,
 }
@@ -146,6 +150,7 @@ impl CreateArgs {
             depth: self.depth,
             config: self.config.clone(),
             store: self.store.options(),
+            no_slot_free_probe: self.no_slot_free_probe,
         }
     }
 }

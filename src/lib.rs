@@ -18,6 +18,7 @@ pub mod gpu;
 pub mod mem;
 pub mod os;
 pub mod procstat;
+pub mod slotfree;
 pub mod stats;
 pub mod store;
 pub mod swap;

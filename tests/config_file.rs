@@ -622,3 +622,23 @@ fn swapon_uses_the_configured_priority_with_discard() {
     assert_eq!(err.lines().count(), 1, "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn the_slot_free_probe_is_on_unless_the_file_or_the_command_line_turns_it_off() {
+    let off_in_file = conf("[ublkb0]\nslot-free-probe = no\n");
+    let on_in_file = conf("[ublkb0]\nslot-free-probe = yes\n");
+    let resolve = |flags: &[&str], file: &ConfigFile| {
+        resolve_with(&create_args(flags), file, 8 * GIB)
+            .unwrap()
+            .slot_free_probe
+    };
+    assert!(resolve(&["--id", "0"], &ConfigFile::default()));
+    assert!(resolve(&["--id", "0"], &on_in_file));
+    assert!(!resolve(&["--id", "0"], &off_in_file));
+    assert!(!resolve(
+        &["--id", "0", "--no-slot-free-probe"],
+        &on_in_file
+    ));
+    let error = parse("[ublkb0]\nslot-free-probe = maybe\n", Path::new("t.conf")).unwrap_err();
+    assert!(error.to_string().contains("slot-free-probe"), "{error}");
+}

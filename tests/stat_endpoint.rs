@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use trueno_ublk::cli::StatArgs;
 use trueno_ublk::procstat::ProcessMemory;
+use trueno_ublk::slotfree::SlotFreeStats;
 use trueno_ublk::stats::{
     collect, compact, render, report_text, serve_in, socket_path, DeviceReport, Probe, StatError,
     StatFormat, COLUMNS,
@@ -79,6 +80,18 @@ fn report(id: u32, orig_bytes: u64) -> DeviceReport {
             timing.snapshot()
         },
         requests: vec!["compact".into()],
+        // Device 0 has the probe; device 7 says why not.
+        slot_frees: if id == 0 {
+            SlotFreeStats {
+                attached: true,
+                detail: "swap_entry_range_free".into(),
+                ranges: 9,
+                slots: 12,
+                refused: 0,
+            }
+        } else {
+            SlotFreeStats::off("no BTF")
+        },
     }
 }
 
@@ -167,6 +180,9 @@ fn table_json_and_raw_output() {
     // `-` without requests.
     assert_eq!(&row[25..27], ["30M", "8M"]);
     assert_eq!(&row[27..31], ["<=3us", "<=132us", "-", "-"]);
+    // SLOT-FREES: slots freed through the probe, or `off`.
+    assert_eq!(row[31], "12");
+    assert_eq!(lines[2].split_whitespace().nth(31), Some("off"));
     assert!(lines[1].ends_with("unavailable: no libcuda"));
     assert!(lines[2].starts_with("/dev/ublkb7"), "sorted by id: {table}");
     // Nothing stored: no ratio.

@@ -169,6 +169,9 @@ rc=$?
 cat /tmp/stat.out
 check "trueno-ublk stat exits 0 (exit $rc)" [ "$rc" -eq 0 ]
 check "trueno-ublk stat shows ublkb$ID" grep -q "ublkb$ID" /tmp/stat.out
+# The unit's sandbox (system call filter, capabilities) leaves the slot-free probe its calls.
+check "the slot-free probe is attached under the unit ($(trueno-ublk stat --json | tr -d '\n ' | grep -o '"slot_frees":{[^}]*}'))" \
+    eval "trueno-ublk stat --json | tr -d '\n ' | grep -q '\"slot_frees\":{\"attached\":true'"
 echo "--- journal of the units at boot:"
 journal_units | tee /tmp/journal-boot
 check "the units' boot journal has lines" [ -s /tmp/journal-boot ]

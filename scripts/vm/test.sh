@@ -773,6 +773,11 @@ scatter_run() {
 
 # swap_in_use_kib: what the kernel has allocated on swap.
 swap_in_use_kib() { awk '/^SwapTotal:/ { t = $2 } /^SwapFree:/ { f = $2 } END { print t - f }' /proc/meminfo; }
+# ublk_slots_freed: swap slots the daemon serving device 0 freed as the kernel freed them
+# (the slot-free probe; `stat --json`).
+ublk_slots_freed() {
+    trueno-ublk stat --json 2>/dev/null | sed -n 's/.*"slots": *\([0-9]*\).*/\1/p' | head -n1
+}
 # ublk_held_kib: what the daemon serving device 0 holds beyond its idle footprint (its RSS
 # less its IDLE-RSS, from `stat --json`).
 ublk_held_kib() {
@@ -795,6 +800,12 @@ memory_settles() {
     fi
     figure "${name}_memory_return_s" "$(since "$t0")"
     echo "$name: swap in use $(swap_in_use_kib) KiB$([ "$name" = ublk ] && echo ", the daemon holds $(ublk_held_kib) KiB beyond idle")"
+    if [ "$name" = ublk ]; then
+        figure ublk_memory_held_kib "$(ublk_held_kib)"
+        figure ublk_slots_freed "$(ublk_slots_freed)"
+        check "ublk: the slot-free probe freed the slots the kernel freed ($(ublk_slots_freed) slots)" \
+            [ "$(ublk_slots_freed)" -gt 0 ]
+    fi
 }
 
 # swap_run NAME DEV INSPECT_CMD [PASSES]: mkswap, swapon -d, pressure_run, scatter_run (three
@@ -982,11 +993,10 @@ if [ "$MODE" = full ]; then
         $UL/swapoff $DEV
     fi
     if ! skipped ublk-swap; then
-        # Fill and verify twice, without zram's rewrite pass: the kernel tells a ublk device
-        # of a freed swap slot only once its whole cluster is free (discard), so rewriting a
-        # third of the pages leaves their old copies in the store (README, Limits), where zram
-        # frees them at once (swap_slot_free_notify).
-        swap_run ublk $DEV ublk_inspect 2
+        # The same run as zram's, its rewrite pass included: the old copies of rewritten
+        # pages are freed as the kernel frees their slots (the slot-free probe), as zram frees
+        # them (swap_slot_free_notify); with discards alone they stayed in the store.
+        swap_run ublk $DEV ublk_inspect
         trueno-ublk stat
     fi
     check "trueno-ublk delete --id 0" trueno-ublk delete --id 0

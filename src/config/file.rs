@@ -43,6 +43,8 @@ pub struct DeviceSection {
     pub swap_priority: Option<Setting<u16>>,
     /// `swap = yes`: trueno-ublk-generator makes the device swap at boot.
     pub swap: Option<Setting<bool>>,
+    /// `slot-free-probe = no`: freed swap slots come back through discards only.
+    pub slot_free_probe: Option<Setting<bool>>,
 }
 
 /// A parsed configuration file.
@@ -162,6 +164,7 @@ pub const KEYS: &[&str] = &[
     "recompress-idle",
     "swap-priority",
     "swap",
+    "slot-free-probe",
 ];
 
 enum KeyProblem {
@@ -228,6 +231,7 @@ fn set_key(
             line,
         ),
         "swap" => store(&mut section.swap, parse_bool(value), line),
+        "slot-free-probe" => store(&mut section.slot_free_probe, parse_bool(value), line),
         _ => Err(KeyProblem::Unknown),
     }
 }

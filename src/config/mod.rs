@@ -280,6 +280,8 @@ pub struct DeviceOptions {
     /// The config file whose `[ublkb{id}]` section fills what the options leave out.
     pub config: Option<PathBuf>,
     pub store: StoreOptions,
+    /// `--no-slot-free-probe`.
+    pub no_slot_free_probe: bool,
 }
 
 /// Page-store settings after merging, ready to become a `store::StoreConfig`.
@@ -397,6 +399,9 @@ pub struct DeviceSettings {
     pub depth: u16,
     pub store: StoreSettings,
     pub swap_priority: u16,
+    /// Hear of freed swap slots as the kernel frees them (see `crate::slotfree`), where the
+    /// kernel allows it.
+    pub slot_free_probe: bool,
 }
 
 impl Default for StoreSettings {
@@ -489,6 +494,10 @@ pub fn resolve_with(
         depth,
         store,
         swap_priority: pick(None, section.swap_priority, DEFAULT_SWAP_PRIORITY),
+        slot_free_probe: !args.no_slot_free_probe
+            && section
+                .slot_free_probe
+                .map_or(true, |setting| setting.value),
     })
 }
 

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::codec::Algorithm;
+use crate::slotfree::SlotFreeProbe;
 use crate::store::BatchedPageStore;
 use crate::ublk::{BlockHandler, Op, Request};
 
@@ -14,6 +15,8 @@ use crate::ublk::{BlockHandler, Op, Request};
 /// is only once the daemon it replaces is gone; it is set before the device goes live.
 pub(super) struct StoreHandler {
     store: OnceLock<Arc<BatchedPageStore>>,
+    /// Freed swap slots, once the probe is attached (after the device is live).
+    slot_frees: OnceLock<Arc<SlotFreeProbe>>,
     algorithm: Algorithm,
     errors: AtomicU64,
 }
@@ -22,6 +25,7 @@ impl StoreHandler {
     pub(super) fn new(algorithm: Algorithm) -> Self {
         Self {
             store: OnceLock::new(),
+            slot_frees: OnceLock::new(),
             algorithm,
             errors: AtomicU64::new(0),
         }
@@ -33,11 +37,30 @@ impl StoreHandler {
             tracing::error!("the handler's store was set twice; the first one stays");
         }
     }
+
+    /// The probe whose freed slots the queue threads apply before serving requests.
+    pub(super) fn set_slot_frees(&self, probe: Arc<SlotFreeProbe>) {
+        if self.slot_frees.set(probe).is_err() {
+            tracing::error!("the handler's slot-free probe was set twice; the first one stays");
+        }
+    }
+
+    /// Free the pages of every swap slot the probe has reported by now (see `crate::slotfree`
+    /// for why this must come before the requests that arrived are served).
+    pub(super) fn apply_slot_frees(&self) {
+        if let (Some(probe), Some(store)) = (self.slot_frees.get(), self.store.get()) {
+            probe.drain(|first, count| store.free_swap_slots(first, count));
+        }
+    }
 }
 
 impl BlockHandler for StoreHandler {
     fn prepare_thread(&self) {
         crate::codec::prepare_thread(self.algorithm);
+    }
+
+    fn requests_arrived(&self) {
+        self.apply_slot_frees();
     }
 
     fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32> {

@@ -17,8 +17,14 @@ pub(super) fn lock_memory() {
 /// the ublk layer does its queue threads: stack and arena faulted in, codec contexts made, an
 /// I/O flusher, top CPU priority.
 pub(super) fn ready_store_thread(algorithm: Algorithm) {
-    crate::mem::prepare_io_thread();
+    ready_io_thread();
     crate::codec::prepare_thread(algorithm);
+}
+
+/// Ready a thread that touches the store but compresses nothing (the slot-free watch): as
+/// `ready_store_thread`, without the codec contexts.
+pub(super) fn ready_io_thread() {
+    crate::mem::prepare_io_thread();
     if let Err(error) = crate::os::set_io_flusher() {
         tracing::warn!(%error, "PR_SET_IO_FLUSHER failed on a store thread");
     }

@@ -13,6 +13,7 @@
 mod detach;
 mod handler;
 mod harden;
+mod slot_frees;
 mod supervise;
 
 use std::io::IsTerminal;
@@ -26,6 +27,7 @@ use thiserror::Error;
 use crate::codec::BatchCodec;
 use crate::config::{self, DeviceOptions, DeviceSettings};
 use crate::gpu::NoGpu;
+use crate::slotfree::SlotFreeStats;
 use crate::stats::{self, DeviceReport};
 use crate::store::{remove_shared, Backing, BatchedPageStore, Opened, StoreError, StoreThread};
 use crate::ublk::device::{block_path, char_class_path};
@@ -37,6 +39,7 @@ use harden::{
     disable_writeback_throttling, lock_memory, make_refill_realtime, protect_from_oom_killer,
     ready_store_thread,
 };
+use slot_frees::SlotFreeWatch;
 
 /// Where daemons keep their logs and endpoints (root only).
 pub const RUN_DIR: &str = stats::SOCKET_DIR;
@@ -549,7 +552,7 @@ fn serve(
             handler.set_store(store.clone());
             let store_opened = Instant::now();
             let flusher = start_flusher(&store)?;
-            let device = added.start(handler)?;
+            let device = added.start(handler.clone())?;
             let anon_live = anon_now();
             (
                 device,
@@ -610,6 +613,27 @@ fn serve(
             "device live"
         }
     );
+    // Freed swap slots as the kernel frees them (see `crate::slotfree`), once the device is
+    // live: attaching allocates (the kernel's verifier, the ring), which must not wait on a
+    // device that is waiting for us.
+    let slot_frees = if settings.slot_free_probe {
+        SlotFreeWatch::start(id, &handler)
+    } else {
+        Err("turned off (slot-free-probe = no, or --no-slot-free-probe)".to_string())
+    };
+    let slot_free_probe = match &slot_frees {
+        Ok(watch) => {
+            tracing::info!(
+                function = crate::slotfree::btf::FREE_FUNCTION,
+                "slot-free probe attached: the memory of a freed swap slot comes back at once"
+            );
+            Ok(watch.probe())
+        }
+        Err(why) => {
+            tracing::info!(%why, "no slot-free probe: the memory of freed swap slots comes back with discards (whole free clusters)");
+            Err(why.clone())
+        }
+    };
     // Only root can read the endpoint; `stat` still works for the device if it fails.
     let report_store = store.clone();
     let report_settings = settings.clone();
@@ -634,6 +658,10 @@ fn serve(
         let mut report = DeviceReport::new(id, &report_settings, gpu, report_store.stats());
         report.io = timing.snapshot();
         report.memory = crate::procstat::ProcessMemory::now(idle_rss);
+        report.slot_frees = match &slot_free_probe {
+            Ok(probe) => probe.stats(),
+            Err(why) => SlotFreeStats::off(why),
+        };
         report
     })
     .map_err(|error| tracing::warn!(%error, "stats endpoint unavailable: `trueno-ublk stat` will not see this device"))
@@ -716,6 +744,8 @@ fn serve(
         }
     };
     notifier.send("STOPPING=1");
+    // No slot is freed from here on: a device handed over is the next process's to change.
+    drop(slot_frees);
     let stopped = match action {
         StopAction::Delete => device.shutdown(),
         StopAction::HandOver => device.hand_over(),

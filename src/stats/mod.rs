@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::DeviceSettings;
 use crate::procstat::ProcessMemory;
+use crate::slotfree::SlotFreeStats;
 use crate::store::StoreStats;
 use crate::ublk::device::block_path;
 use crate::ublk::IoTimingReport;
@@ -64,6 +65,9 @@ pub struct DeviceReport {
     /// daemon that predates it lists nothing, and a signal it does not handle would end it.
     #[serde(default)]
     pub requests: Vec<String>,
+    /// Swap slots freed as the kernel freed them (see `crate::slotfree`).
+    #[serde(default)]
+    pub slot_frees: SlotFreeStats,
 }
 
 /// The request `trueno-ublk compact` makes, and the signal that makes it.
@@ -93,6 +97,7 @@ impl DeviceReport {
             io: IoTimingReport::default(),
             memory: ProcessMemory::default(),
             requests: vec![COMPACT_REQUEST.to_string()],
+            slot_frees: SlotFreeStats::default(),
         }
     }
 

@@ -54,6 +54,7 @@ pub const COLUMNS: &[&str] = &[
     "READ-P99",
     "WRITE-P50",
     "WRITE-P99",
+    "SLOT-FREES",
     "GPU",
 ];
 
@@ -118,6 +119,7 @@ pub fn render(probes: &[Probe], format: StatFormat) -> String {
                 latency(&report.io.read_ns, 0.99),
                 latency(&report.io.write_ns, 0.5),
                 latency(&report.io.write_ns, 0.99),
+                slot_frees(report),
                 report.gpu.clone(),
             ]);
         }
@@ -129,6 +131,18 @@ pub fn render(probes: &[Probe], format: StatFormat) -> String {
         }
     }
     out
+}
+
+/// Swap slots freed through the probe, or `off` (`-` from a daemon that predates it).
+fn slot_frees(report: &DeviceReport) -> String {
+    let stats = &report.slot_frees;
+    if stats.attached {
+        stats.slots.to_string()
+    } else if stats.detail.is_empty() {
+        "-".to_string()
+    } else {
+        "off".to_string()
+    }
 }
 
 /// A request-time quantile as the bucket's upper bound in µs (`<=64us`), `-` with no requests.

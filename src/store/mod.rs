@@ -512,7 +512,28 @@ impl BatchedPageStore {
         let first = self.check_range(offset, len).inspect_err(|_| {
             add(&self.counters.failed_writes, 1);
         })?;
-        for index in first..first + len / PAGE_SIZE as u64 {
+        self.empty_pages(first, len / PAGE_SIZE as u64);
+        Ok(())
+    }
+
+    /// Swap freed the slots of pages `first..first + count` (heard of outside the block
+    /// protocol, see `crate::slotfree`): they are emptied as by a discard. `false` (and nothing
+    /// done) for a range outside the device.
+    pub fn free_swap_slots(&self, first: u64, count: u64) -> bool {
+        let page = PAGE_SIZE as u64;
+        let in_device = first
+            .checked_add(count)
+            .and_then(|end| end.checked_mul(page))
+            .is_some_and(|end| end <= self.config.size_bytes);
+        if in_device {
+            self.empty_pages(first, count);
+        }
+        in_device
+    }
+
+    /// Empty pages `first..first + count` (inside the device) and free their memory.
+    fn empty_pages(&self, first: u64, count: u64) {
+        for index in first..first + count {
             let old = {
                 let mut entry = self.table.lock(index);
                 if entry.state() == PageState::Empty {
@@ -528,7 +549,6 @@ impl BatchedPageStore {
                 self.alloc.free(handle, usize::from(len));
             }
         }
-        Ok(())
     }
 
     /// Compress whatever is pending now (shutdown, tests, bench).

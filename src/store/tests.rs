@@ -834,3 +834,34 @@ fn writers_flush_for_themselves_until_the_flusher_is_ready() {
     ready.store(true, Ordering::Release);
     drop(flusher);
 }
+
+#[test]
+fn freed_swap_slots_empty_their_pages_and_a_range_outside_the_device_changes_nothing() {
+    let pages = 64u64;
+    let s = store(
+        crate::config::StoreSettings::default().store_config(pages * PAGE_SIZE as u64, false),
+    );
+    for i in 0..pages {
+        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    let data = s.stats().orig_bytes;
+    // Past the end, overflowing, or straddling the end: refused, nothing freed.
+    assert!(!s.free_swap_slots(pages, 1));
+    assert!(!s.free_swap_slots(u64::MAX, 2));
+    assert!(!s.free_swap_slots(pages - 1, 2));
+    assert_eq!(s.stats().orig_bytes, data);
+    assert_eq!(read_page_back(&s, pages - 1), text(pages - 1).to_vec());
+    // Slots 10..20 freed: their pages read as zeros and their memory is gone; the others stay.
+    assert!(s.free_swap_slots(10, 10));
+    assert_eq!(s.stats().orig_bytes, data - 10 * PAGE_SIZE as u64);
+    for i in 0..pages {
+        let want = if (10..20).contains(&i) {
+            vec![0u8; PAGE_SIZE]
+        } else {
+            text(i).to_vec()
+        };
+        assert_eq!(read_page_back(&s, i), want, "page {i}");
+    }
+    assert_eq!(s.stats().failed_writes, 0);
+}

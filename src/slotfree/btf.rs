@@ -1,0 +1,510 @@
+//! What the probe needs to know of the running kernel, read from its BTF
+//! (`/sys/kernel/btf/vmlinux`): where `swap_info_struct` keeps its block device and flags,
+//! where `block_device` keeps its number, the value of `SWP_BLKDEV`, and which argument of
+//! `swap_entry_range_free` is which.
+//!
+//! Read as a stream, a few passes over the file with one small buffer, never the whole of it:
+//! the file is several MiB and the daemon's memory is locked (a BTF library that parses every
+//! type into the heap would lock tens of MiB for four numbers).
+
+#![forbid(unsafe_code)]
+
+use std::fs::File;
+use std::io::{BufReader, Read, Seek, SeekFrom};
+use std::path::Path;
+
+use super::SlotFreeError;
+
+const BTF_MAGIC: u16 = 0xeb9f;
+const KIND_PTR: u32 = 2;
+const KIND_STRUCT: u32 = 4;
+const KIND_ENUM: u32 = 6;
+const KIND_FUNC: u32 = 12;
+const KIND_FUNC_PROTO: u32 = 13;
+
+/// The function every freed swap slot passes through in Linux 6.10-6.12 (`mm/swapfile.c`; it
+/// calls `swap_range_free`, where zram hears of the slot, which the compiler inlines).
+pub const FREE_FUNCTION: &str = "swap_entry_range_free";
+
+/// Where the probe finds what it reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelLayout {
+    /// Byte offsets in `struct swap_info_struct` of `bdev` and `flags`.
+    pub si_bdev: u32,
+    pub si_flags: u32,
+    /// Byte offset of `bd_dev` (the kernel's `dev_t`) in `struct block_device`.
+    pub bd_dev: u32,
+    /// `SWP_BLKDEV`: set in `flags` when the swap area is a whole block device, so that slot
+    /// offsets are device pages (a swap file's offsets go through its extents).
+    pub swp_blkdev: u64,
+    /// Argument positions of `FREE_FUNCTION`: the `swap_info_struct *`, the entry (a
+    /// `swp_entry_t`, one word) and the count of slots.
+    pub arg_si: usize,
+    pub arg_entry: usize,
+    pub arg_nr_pages: usize,
+}
+
+/// One type's fixed part: `struct btf_type`.
+#[derive(Clone, Copy, Debug)]
+struct TypeHead {
+    name_off: u32,
+    info: u32,
+    size_or_type: u32,
+}
+
+impl TypeHead {
+    fn kind(self) -> u32 {
+        (self.info >> 24) & 0x1f
+    }
+    fn vlen(self) -> usize {
+        (self.info & 0xffff) as usize
+    }
+    fn kind_flag(self) -> bool {
+        self.info >> 31 != 0
+    }
+    /// Bytes that follow the fixed part, by kind (the kernel's `btf_type_size`).
+    fn extra_bytes(self) -> Result<usize, SlotFreeError> {
+        Ok(match self.kind() {
+            // INT, VAR, DECL_TAG: one word.
+            1 | 14 | 17 => 4,
+            // PTR, FWD, TYPEDEF, VOLATILE, CONST, RESTRICT, FUNC, FLOAT, TYPE_TAG: nothing.
+            2 | 7..=12 | 16 | 18 => 0,
+            // ARRAY
+            3 => 12,
+            // STRUCT, UNION, DATASEC, ENUM64: 12 bytes an item.
+            4 | 5 | 15 | 19 => 12 * self.vlen(),
+            // ENUM, FUNC_PROTO: 8 bytes an item.
+            6 | 13 => 8 * self.vlen(),
+            kind => return Err(btf_error(format!("unknown BTF kind {kind}"))),
+        })
+    }
+}
+
+fn btf_error(what: impl Into<String>) -> SlotFreeError {
+    SlotFreeError::Btf(what.into())
+}
+
+fn u32_at(bytes: &[u8], at: usize) -> u32 {
+    let mut word = [0u8; 4];
+    word.copy_from_slice(&bytes[at..at + 4]);
+    u32::from_le_bytes(word)
+}
+
+/// A BTF file opened for streaming passes.
+struct BtfFile<R> {
+    reader: BufReader<R>,
+    types_at: u64,
+    types_len: u64,
+    strings_at: u64,
+    strings_len: u64,
+}
+
+impl<R: Read + Seek> BtfFile<R> {
+    fn open(source: R) -> Result<Self, SlotFreeError> {
+        let mut reader = BufReader::with_capacity(64 << 10, source);
+        let mut head = [0u8; 24];
+        reader
+            .read_exact(&mut head)
+            .map_err(|error| btf_error(format!("reading the header: {error}")))?;
+        if u16::from_le_bytes([head[0], head[1]]) != BTF_MAGIC {
+            return Err(btf_error("not little-endian BTF (bad magic)"));
+        }
+        let hdr_len = u64::from(u32_at(&head, 4));
+        Ok(Self {
+            reader,
+            types_at: hdr_len + u64::from(u32_at(&head, 8)),
+            types_len: u64::from(u32_at(&head, 12)),
+            strings_at: hdr_len + u64::from(u32_at(&head, 16)),
+            strings_len: u64::from(u32_at(&head, 20)),
+        })
+    }
+
+    fn read(&mut self, buf: &mut [u8]) -> Result<(), SlotFreeError> {
+        self.reader
+            .read_exact(buf)
+            .map_err(|error| btf_error(format!("reading: {error}")))
+    }
+
+    fn seek(&mut self, to: u64) -> Result<(), SlotFreeError> {
+        self.reader
+            .seek(SeekFrom::Start(to))
+            .map(drop)
+            .map_err(|error| btf_error(format!("seeking: {error}")))
+    }
+
+    /// The offsets in the string section of each of `wanted` (every occurrence).
+    fn find_strings<const N: usize>(
+        &mut self,
+        wanted: [&str; N],
+    ) -> Result<[Vec<u32>; N], SlotFreeError> {
+        self.seek(self.strings_at)?;
+        let mut found: [Vec<u32>; N] = std::array::from_fn(|_| Vec::new());
+        let mut current = Vec::with_capacity(256);
+        let mut start = 0u32;
+        let mut at = 0u32;
+        let mut chunk = [0u8; 4096];
+        let mut left = self.strings_len;
+        while left > 0 {
+            let n = usize::try_from(left.min(chunk.len() as u64)).unwrap_or(chunk.len());
+            self.read(&mut chunk[..n])?;
+            left -= n as u64;
+            for &byte in &chunk[..n] {
+                if byte == 0 {
+                    for (i, name) in wanted.iter().enumerate() {
+                        if current == name.as_bytes() {
+                            found[i].push(start);
+                        }
+                    }
+                    current.clear();
+                    start = at + 1;
+                } else if current.len() < 256 {
+                    current.push(byte);
+                }
+                at += 1;
+            }
+        }
+        Ok(found)
+    }
+
+    /// Call `visit` with every type's id, fixed part and extra bytes, in order, until it
+    /// returns `false`.
+    fn for_each_type(
+        &mut self,
+        mut visit: impl FnMut(u32, TypeHead, &[u8]) -> bool,
+    ) -> Result<(), SlotFreeError> {
+        self.seek(self.types_at)?;
+        let mut read_bytes = 0u64;
+        let mut extra = Vec::new();
+        let mut id = 1u32;
+        while read_bytes < self.types_len {
+            let mut head = [0u8; 12];
+            self.read(&mut head)?;
+            let head = TypeHead {
+                name_off: u32_at(&head, 0),
+                info: u32_at(&head, 4),
+                size_or_type: u32_at(&head, 8),
+            };
+            let n = head.extra_bytes()?;
+            extra.resize(n, 0);
+            self.read(&mut extra)?;
+            read_bytes += 12 + n as u64;
+            if !visit(id, head, &extra) {
+                return Ok(());
+            }
+            id += 1;
+        }
+        Ok(())
+    }
+}
+
+/// The byte offset of the member named by one of `names` in a struct's members.
+fn member_offset(head: TypeHead, members: &[u8], names: &[u32]) -> Option<u32> {
+    members.chunks_exact(12).find_map(|member| {
+        if !names.contains(&u32_at(member, 0)) {
+            return None;
+        }
+        let offset = u32_at(member, 8);
+        // With kind_flag, the top byte is a bitfield size; a plain member has 0 there.
+        let bits = if head.kind_flag() {
+            offset & 0x00ff_ffff
+        } else {
+            offset
+        };
+        (bits % 8 == 0).then_some(bits / 8)
+    })
+}
+
+/// Read the layout the probe needs from the BTF file at `path`.
+pub fn kernel_layout(path: &Path) -> Result<KernelLayout, SlotFreeError> {
+    let file =
+        File::open(path).map_err(|error| btf_error(format!("{}: {error}", path.display())))?;
+    layout_of(file)
+}
+
+fn layout_of(source: impl Read + Seek) -> Result<KernelLayout, SlotFreeError> {
+    const NAMES: [&str; 9] = [
+        "swap_info_struct",
+        "bdev",
+        "flags",
+        "block_device",
+        "bd_dev",
+        "SWP_BLKDEV",
+        FREE_FUNCTION,
+        "entry",
+        "nr_pages",
+    ];
+    let mut btf = BtfFile::open(source)?;
+    let names = btf.find_strings(NAMES)?;
+    for (list, name) in names.iter().zip(NAMES) {
+        if list.is_empty() {
+            return Err(btf_error(format!("no `{name}` in this kernel's BTF")));
+        }
+    }
+    let [si_name, bdev, flags, bd_name, bd_dev, blkdev, function, entry, nr_pages] = &names;
+
+    // Pass 1: the two structs, the enumerator and the function.
+    let (mut si_struct, mut si_bdev, mut si_flags, mut bd_offset) = (None, None, None, None);
+    let (mut swp_blkdev, mut proto) = (None, None);
+    btf.for_each_type(|id, head, extra| {
+        match head.kind() {
+            KIND_STRUCT if si_name.contains(&head.name_off) => {
+                si_struct = Some(id);
+                si_bdev = member_offset(head, extra, bdev);
+                si_flags = member_offset(head, extra, flags);
+            }
+            KIND_STRUCT if bd_name.contains(&head.name_off) => {
+                bd_offset = member_offset(head, extra, bd_dev);
+            }
+            KIND_ENUM => {
+                if let Some(item) = extra
+                    .chunks_exact(8)
+                    .find(|item| blkdev.contains(&u32_at(item, 0)))
+                {
+                    swp_blkdev = Some(u64::from(u32_at(item, 4)));
+                }
+            }
+            KIND_FUNC if function.contains(&head.name_off) => proto = Some(head.size_or_type),
+            _ => {}
+        }
+        true
+    })?;
+    let missing = |what: &str| btf_error(format!("this kernel's BTF has no {what}"));
+    let si_struct = si_struct.ok_or_else(|| missing("struct swap_info_struct"))?;
+    let proto = proto.ok_or_else(|| missing(&format!("function {FREE_FUNCTION}")))?;
+
+    // Pass 2: the function's parameters.
+    let mut params: Option<Vec<(u32, u32)>> = None;
+    btf.for_each_type(|id, head, extra| {
+        if id != proto {
+            return true;
+        }
+        if head.kind() == KIND_FUNC_PROTO {
+            params = Some(
+                extra
+                    .chunks_exact(8)
+                    .map(|param| (u32_at(param, 0), u32_at(param, 4)))
+                    .collect(),
+            );
+        }
+        false
+    })?;
+    let params = params.ok_or_else(|| missing(&format!("prototype of {FREE_FUNCTION}")))?;
+    let position = |names: &[u32]| params.iter().position(|(name, _)| names.contains(name));
+    let arg_entry =
+        position(entry).ok_or_else(|| missing(&format!("`entry` argument of {FREE_FUNCTION}")))?;
+    let arg_nr_pages = position(nr_pages)
+        .ok_or_else(|| missing(&format!("`nr_pages` argument of {FREE_FUNCTION}")))?;
+
+    // Pass 3: which argument is the `struct swap_info_struct *`.
+    let mut pointers_to_si = Vec::new();
+    btf.for_each_type(|id, head, _| {
+        if head.kind() == KIND_PTR && head.size_or_type == si_struct {
+            pointers_to_si.push(id);
+        }
+        true
+    })?;
+    let arg_si = params
+        .iter()
+        .position(|(_, ty)| pointers_to_si.contains(ty))
+        .ok_or_else(|| missing(&format!("swap_info_struct argument of {FREE_FUNCTION}")))?;
+
+    Ok(KernelLayout {
+        si_bdev: si_bdev.ok_or_else(|| missing("swap_info_struct.bdev"))?,
+        si_flags: si_flags.ok_or_else(|| missing("swap_info_struct.flags"))?,
+        bd_dev: bd_offset.ok_or_else(|| missing("block_device.bd_dev"))?,
+        swp_blkdev: swp_blkdev.ok_or_else(|| missing("SWP_BLKDEV"))?,
+        arg_si,
+        arg_entry,
+        arg_nr_pages,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Cursor;
+
+    use super::*;
+
+    /// A BTF file holding `types` (each a fixed part and its extra bytes) and `strings`.
+    fn btf_file(types: &[(u32, u32, u32, Vec<u8>)], strings: &[&str]) -> Cursor<Vec<u8>> {
+        let mut string_bytes = vec![0u8];
+        for s in strings {
+            string_bytes.extend_from_slice(s.as_bytes());
+            string_bytes.push(0);
+        }
+        let mut type_bytes = Vec::new();
+        for (name_off, info, size, extra) in types {
+            for word in [name_off, info, size] {
+                type_bytes.extend_from_slice(&word.to_le_bytes());
+            }
+            type_bytes.extend_from_slice(extra);
+        }
+        let mut file = Vec::new();
+        file.extend_from_slice(&BTF_MAGIC.to_le_bytes());
+        file.extend_from_slice(&[1, 0]);
+        let type_len = u32::try_from(type_bytes.len()).unwrap();
+        let str_len = u32::try_from(string_bytes.len()).unwrap();
+        for word in [24, 0, type_len, type_len, str_len] {
+            file.extend_from_slice(&u32::to_le_bytes(word));
+        }
+        file.extend_from_slice(&type_bytes);
+        file.extend_from_slice(&string_bytes);
+        Cursor::new(file)
+    }
+
+    /// Offset of `name` in the string section `btf_file` makes from `strings`.
+    fn off(strings: &[&str], name: &str) -> u32 {
+        let mut at = 1;
+        for s in strings {
+            if *s == name {
+                return at;
+            }
+            at += u32::try_from(s.len()).unwrap() + 1;
+        }
+        panic!("{name} not in strings")
+    }
+
+    fn words(words: &[u32]) -> Vec<u8> {
+        words.iter().flat_map(|w| w.to_le_bytes()).collect()
+    }
+
+    fn info(kind: u32, vlen: u32) -> u32 {
+        (kind << 24) | vlen
+    }
+
+    const STRINGS: [&str; 13] = [
+        "swap_info_struct",
+        "bdev",
+        "flags",
+        "block_device",
+        "bd_dev",
+        "SWP_BLKDEV",
+        "swap_entry_range_free",
+        "entry",
+        "nr_pages",
+        "si",
+        "long",
+        "SWP_USED",
+        "other",
+    ];
+
+    fn sample_types(s: &[&str]) -> Vec<(u32, u32, u32, Vec<u8>)> {
+        vec![
+            // 1: int
+            (off(s, "long"), info(1, 0), 8, words(&[64])),
+            // 2: struct swap_info_struct { long flags @0; long other @64; struct block_device *bdev @ 192 }
+            (
+                off(s, "swap_info_struct"),
+                info(KIND_STRUCT, 3),
+                64,
+                words(&[
+                    off(s, "flags"),
+                    1,
+                    0,
+                    off(s, "other"),
+                    1,
+                    64,
+                    off(s, "bdev"),
+                    5,
+                    192,
+                ]),
+            ),
+            // 3: struct swap_info_struct *
+            (0, info(KIND_PTR, 0), 2, vec![]),
+            // 4: enum { SWP_USED = 1, SWP_BLKDEV = 64 }
+            (
+                0,
+                info(KIND_ENUM, 2),
+                4,
+                words(&[off(s, "SWP_USED"), 1, off(s, "SWP_BLKDEV"), 64]),
+            ),
+            // 5: struct block_device *  (pointer to 6)
+            (0, info(KIND_PTR, 0), 6, vec![]),
+            // 6: struct block_device { long other @0; u32 bd_dev @ 32 }
+            (
+                off(s, "block_device"),
+                info(KIND_STRUCT, 2),
+                16,
+                words(&[off(s, "other"), 1, 0, off(s, "bd_dev"), 1, 32]),
+            ),
+            // 7: func swap_entry_range_free -> 8
+            (
+                off(s, "swap_entry_range_free"),
+                info(KIND_FUNC, 0),
+                8,
+                vec![],
+            ),
+            // 8: proto (struct swap_info_struct *si, long other, long entry, long nr_pages)
+            (
+                0,
+                info(KIND_FUNC_PROTO, 4),
+                0,
+                words(&[
+                    off(s, "si"),
+                    3,
+                    off(s, "other"),
+                    1,
+                    off(s, "entry"),
+                    1,
+                    off(s, "nr_pages"),
+                    1,
+                ]),
+            ),
+        ]
+    }
+
+    #[test]
+    fn finds_the_offsets_the_enumerator_and_the_argument_positions() {
+        let file = btf_file(&sample_types(&STRINGS), &STRINGS);
+        let layout = layout_of(file).unwrap();
+        assert_eq!(
+            layout,
+            KernelLayout {
+                si_bdev: 24,
+                si_flags: 0,
+                bd_dev: 4,
+                swp_blkdev: 64,
+                arg_si: 0,
+                arg_entry: 2,
+                arg_nr_pages: 3,
+            }
+        );
+    }
+
+    #[test]
+    fn a_kernel_without_the_function_is_refused_with_its_name() {
+        let mut types = sample_types(&STRINGS);
+        types.truncate(6);
+        let file = btf_file(&types, &STRINGS);
+        let error = layout_of(file).unwrap_err().to_string();
+        assert!(error.contains(FREE_FUNCTION), "{error}");
+    }
+
+    #[test]
+    fn an_argument_that_is_not_the_swap_area_pointer_is_refused() {
+        let mut types = sample_types(&STRINGS);
+        // The first parameter's type becomes `long`: no argument points to swap_info_struct.
+        types[7].3 = words(&[
+            off(&STRINGS, "si"),
+            1,
+            off(&STRINGS, "other"),
+            1,
+            off(&STRINGS, "entry"),
+            1,
+            off(&STRINGS, "nr_pages"),
+            1,
+        ]);
+        let file = btf_file(&types, &STRINGS);
+        assert!(layout_of(file).is_err());
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        let file = Cursor::new(b"not btf at all, just bytes".to_vec());
+        assert!(layout_of(file).is_err());
+        let mut types = sample_types(&STRINGS);
+        types[0].1 = info(31, 0);
+        let file = btf_file(&types, &STRINGS);
+        assert!(layout_of(file).is_err());
+    }
+}
