@@ -85,9 +85,8 @@ fn report(id: u32, orig_bytes: u64) -> DeviceReport {
             SlotFreeStats {
                 attached: true,
                 detail: "swap_entry_range_free".into(),
-                ranges: 9,
+                calls: 9,
                 slots: 12,
-                refused: 0,
             }
         } else {
             SlotFreeStats::off("no BTF")

@@ -10,6 +10,9 @@ use crate::slotfree::SlotFreeProbe;
 use crate::store::BatchedPageStore;
 use crate::ublk::{BlockHandler, Op, Request};
 
+/// Bytes of a device page (and a swap slot).
+const PAGE_BYTES: u64 = crate::codec::PAGE_SIZE as u64;
+
 /// Serves block requests from the page store. The store comes after the handler: a standby's
 /// queue threads are made (and call `prepare_thread`) before the store may be opened, which
 /// is only once the daemon it replaces is gone; it is set before the device goes live.
@@ -38,18 +41,17 @@ impl StoreHandler {
         }
     }
 
-    /// The probe whose freed slots the queue threads apply before serving requests.
+    /// The probe whose reports of freed slots a write must withdraw for its pages.
     pub(super) fn set_slot_frees(&self, probe: Arc<SlotFreeProbe>) {
         if self.slot_frees.set(probe).is_err() {
             tracing::error!("the handler's slot-free probe was set twice; the first one stays");
         }
     }
 
-    /// Free the pages of every swap slot the probe has reported by now (see `crate::slotfree`
-    /// for why this must come before the requests that arrived are served).
-    pub(super) fn apply_slot_frees(&self) {
+    /// Free the pages whose slots the probe reported freed (see `crate::slotfree`).
+    pub(super) fn free_reported_slots(&self) {
         if let (Some(probe), Some(store)) = (self.slot_frees.get(), self.store.get()) {
-            probe.drain(|first, count| store.free_swap_slots(first, count));
+            probe.free_reported(|page, still_freed| store.free_swap_slot(page, still_freed));
         }
     }
 }
@@ -59,10 +61,6 @@ impl BlockHandler for StoreHandler {
         crate::codec::prepare_thread(self.algorithm);
     }
 
-    fn requests_arrived(&self) {
-        self.apply_slot_frees();
-    }
-
     fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32> {
         // Set before the device goes live, so never missing here.
         let Some(store) = self.store.get() else {
@@ -70,7 +68,14 @@ impl BlockHandler for StoreHandler {
         };
         let result = match request.op {
             Op::Read => store.read(request.offset, data),
-            Op::Write => store.write(request.offset, data),
+            Op::Write => {
+                // A free the probe reported for these pages is of their old data: withdrawn
+                // before the new data is stored (see `crate::slotfree`).
+                if let Some(probe) = self.slot_frees.get() {
+                    probe.forget(request.offset / PAGE_BYTES, request.len / PAGE_BYTES);
+                }
+                store.write(request.offset, data)
+            }
             // Pages are in daemon memory as soon as a write is acknowledged: nothing to flush.
             Op::Flush => Ok(()),
             Op::Discard | Op::WriteZeroes => store.discard(request.offset, request.len),

@@ -617,7 +617,11 @@ fn serve(
     // live: attaching allocates (the kernel's verifier, the ring), which must not wait on a
     // device that is waiting for us.
     let slot_frees = if settings.slot_free_probe {
-        SlotFreeWatch::start(id, &handler)
+        SlotFreeWatch::start(
+            id,
+            settings.size_bytes / crate::codec::PAGE_SIZE as u64,
+            &handler,
+        )
     } else {
         Err("turned off (slot-free-probe = no, or --no-slot-free-probe)".to_string())
     };

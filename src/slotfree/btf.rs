@@ -221,18 +221,20 @@ pub fn kernel_layout(path: &Path) -> Result<KernelLayout, SlotFreeError> {
     layout_of(file)
 }
 
+/// The names `layout_of` looks for.
+const NAMES: [&str; 9] = [
+    "swap_info_struct",
+    "bdev",
+    "flags",
+    "block_device",
+    "bd_dev",
+    "SWP_BLKDEV",
+    FREE_FUNCTION,
+    "entry",
+    "nr_pages",
+];
+
 fn layout_of(source: impl Read + Seek) -> Result<KernelLayout, SlotFreeError> {
-    const NAMES: [&str; 9] = [
-        "swap_info_struct",
-        "bdev",
-        "flags",
-        "block_device",
-        "bd_dev",
-        "SWP_BLKDEV",
-        FREE_FUNCTION,
-        "entry",
-        "nr_pages",
-    ];
     let mut btf = BtfFile::open(source)?;
     let names = btf.find_strings(NAMES)?;
     for (list, name) in names.iter().zip(NAMES) {
@@ -372,21 +374,13 @@ mod tests {
         (kind << 24) | vlen
     }
 
-    const STRINGS: [&str; 13] = [
-        "swap_info_struct",
-        "bdev",
-        "flags",
-        "block_device",
-        "bd_dev",
-        "SWP_BLKDEV",
-        "swap_entry_range_free",
-        "entry",
-        "nr_pages",
-        "si",
-        "long",
-        "SWP_USED",
-        "other",
-    ];
+    /// The names the lookup wants, and a few more for the sample's other types.
+    fn strings() -> Vec<&'static str> {
+        NAMES
+            .into_iter()
+            .chain(["si", "long", "SWP_USED", "other"])
+            .collect()
+    }
 
     fn sample_types(s: &[&str]) -> Vec<(u32, u32, u32, Vec<u8>)> {
         vec![
@@ -455,7 +449,7 @@ mod tests {
 
     #[test]
     fn finds_the_offsets_the_enumerator_and_the_argument_positions() {
-        let file = btf_file(&sample_types(&STRINGS), &STRINGS);
+        let file = btf_file(&sample_types(&strings()), &strings());
         let layout = layout_of(file).unwrap();
         assert_eq!(
             layout,
@@ -473,28 +467,30 @@ mod tests {
 
     #[test]
     fn a_kernel_without_the_function_is_refused_with_its_name() {
-        let mut types = sample_types(&STRINGS);
+        let strings = strings();
+        let mut types = sample_types(&strings);
         types.truncate(6);
-        let file = btf_file(&types, &STRINGS);
+        let file = btf_file(&types, &strings);
         let error = layout_of(file).unwrap_err().to_string();
         assert!(error.contains(FREE_FUNCTION), "{error}");
     }
 
     #[test]
     fn an_argument_that_is_not_the_swap_area_pointer_is_refused() {
-        let mut types = sample_types(&STRINGS);
+        let strings = strings();
+        let mut types = sample_types(&strings);
         // The first parameter's type becomes `long`: no argument points to swap_info_struct.
         types[7].3 = words(&[
-            off(&STRINGS, "si"),
+            off(&strings, "si"),
             1,
-            off(&STRINGS, "other"),
+            off(&strings, "other"),
             1,
-            off(&STRINGS, "entry"),
+            off(&strings, "entry"),
             1,
-            off(&STRINGS, "nr_pages"),
+            off(&strings, "nr_pages"),
             1,
         ]);
-        let file = btf_file(&types, &STRINGS);
+        let file = btf_file(&types, &strings);
         assert!(layout_of(file).is_err());
     }
 
@@ -502,9 +498,10 @@ mod tests {
     fn garbage_is_an_error_not_a_panic() {
         let file = Cursor::new(b"not btf at all, just bytes".to_vec());
         assert!(layout_of(file).is_err());
-        let mut types = sample_types(&STRINGS);
+        let strings = strings();
+        let mut types = sample_types(&strings);
         types[0].1 = info(31, 0);
-        let file = btf_file(&types, &STRINGS);
+        let file = btf_file(&types, &strings);
         assert!(layout_of(file).is_err());
     }
 }

@@ -8,19 +8,21 @@
 //! zram frees a slot's memory as the kernel frees the slot.
 //!
 //! How: a kprobe program (`program`) on the function every freed slot passes through
-//! (`btf::FREE_FUNCTION`) sends the freed range of a swap area on our device to a BPF ring
-//! buffer, which the daemon reads (`SlotFreeProbe::drain`) and frees those pages in the store.
-//! Optional: a kernel without BTF, kprobes, the function or the permissions has no probe, and
-//! memory comes back with discards as before (`SlotFreeProbe::attach` says why not). Losing a
-//! record (a full ring, a daemon that died) only returns memory later.
+//! (`btf::FREE_FUNCTION`) sets the freed slots' bits in a bitmap shared with the daemon (a BPF
+//! array map it maps), and counts its calls in the word after it. The daemon looks at the
+//! count every `POLL` and, when it moved, frees the pages whose bits are set
+//! (`SlotFreeProbe::free_reported`). Optional: a kernel without BTF, kprobes, the function or
+//! the permissions has no probe, and memory comes back with discards as before
+//! (`SlotFreeProbe::attach` says why not). A bit never set (the moments of a takeover) only
+//! returns memory later.
 //!
 //! The one thing that must never happen is freeing a page written after its slot was freed (the
-//! slot given out again and written before the daemon read the record): that would lose the new
-//! page. The order that rules it out: the probe runs at the function's entry, before the slot
-//! is marked free, so its record is in the ring before the slot can be given out again, and so
-//! before any write to it reaches the daemon. A queue thread drains the ring (`drain`, through
-//! every record reserved by then, waiting out one still being written) before it serves the
-//! requests that arrived; so every free that happened before a write is applied before it.
+//! slot given out again and written before the daemon saw the bit): that would lose the new
+//! page. The probe runs at the function's entry, before the slot is marked free, so the bit is
+//! set before the slot can be given out again and so before any write to it reaches the
+//! daemon. A write clears its pages' bits before it stores them (`forget`), and the daemon
+//! frees a page only if its bit is still set when it holds the page's lock (the store's
+//! `free_swap_slot`): whichever comes first, the new page stays.
 //!
 //! All `unsafe` is in `sys`.
 
@@ -28,30 +30,17 @@ pub mod btf;
 pub mod program;
 mod sys;
 
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-/// Bytes of the ring buffer: 10,922 records of 24 bytes, freed faster than a program exits.
-const RING_BYTES: u32 = 256 << 10;
 /// The kernel's BTF, where the probe learns the layout it reads.
 const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
-/// A record's header: the length, with these two flags.
-const RECORD_BUSY: u64 = 1 << 31;
-const RECORD_DISCARDED: u64 = 1 << 30;
-/// Bytes of a record's header, and of the probe's records after it.
-const HEADER_BYTES: u64 = 8;
-const RECORD_LEN: u64 = program::RECORD_BYTES.unsigned_abs() as u64;
-/// Bits of a `swp_entry_t` below the swap type: the slot's offset (`SWP_TYPE_SHIFT` on 64-bit
-/// kernels: BITS_PER_XA_VALUE 63 less MAX_SWAPFILES_SHIFT 5).
-const SWP_OFFSET_BITS: u32 = 58;
-/// When a drain that waits for a record a probe is still writing says so (the kernel writes
-/// one in well under a microsecond; a descheduled virtual CPU can hold one for milliseconds).
-const BUSY_RECORD_WARN: Duration = Duration::from_secs(1);
+/// How often the daemon looks at the probe's count (memory of freed slots comes back within
+/// this; looking costs one load).
+pub const POLL: Duration = Duration::from_millis(100);
 
 /// Why there is no probe.
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +51,8 @@ pub enum SlotFreeError {
     Btf(String),
     #[error("building the probe: {0}")]
     Program(#[from] program::ProgramError),
+    #[error("the device is too large for the probe's bitmap")]
+    TooLarge,
     #[error("{what}: {source} (needs root with CAP_BPF and CAP_PERFMON, or CAP_SYS_ADMIN, and the bpf and perf_event_open system calls)")]
     Kernel {
         what: &'static str,
@@ -77,11 +68,10 @@ pub struct SlotFreeStats {
     pub attached: bool,
     /// The probed function, or why there is no probe (empty from a daemon that predates it).
     pub detail: String,
-    /// Freed ranges read from the ring, and the slots in them.
-    pub ranges: u64,
+    /// Calls of the function on this device the probe saw.
+    pub calls: u64,
+    /// Pages freed because the probe reported their slots freed.
     pub slots: u64,
-    /// Ranges outside the device (never freed; a sign of a probe reading the wrong thing).
-    pub refused: u64,
 }
 
 impl SlotFreeStats {
@@ -94,75 +84,77 @@ impl SlotFreeStats {
     }
 }
 
-/// The probe, attached: its ring buffer, mapped, and what keeps it in the kernel.
+/// The probe, attached: the bitmap (and count) it sets, mapped, and what keeps it in the
+/// kernel.
 pub struct SlotFreeProbe {
-    ring: sys::RingMapping,
+    /// Bits of the device's pages, then the count of calls.
+    shared: sys::WordArrayMapping,
     /// Closed first: detaches the program.
-    _event: OwnedFd,
-    _program: OwnedFd,
-    map: OwnedFd,
-    /// Held while reading records and freeing their pages, so that a thread that finds the
-    /// ring drained knows the frees in it are done.
-    drain: Mutex<()>,
-    ranges: AtomicU64,
+    _event: std::os::fd::OwnedFd,
+    _program: std::os::fd::OwnedFd,
+    _map: std::os::fd::OwnedFd,
+    /// The count when the bitmap was last looked through.
+    seen_calls: AtomicU64,
     slots: AtomicU64,
-    refused: AtomicU64,
 }
 
 impl SlotFreeProbe {
-    /// Attach a probe for swap on the block device `major:minor`.
-    pub fn attach(major: u32, minor: u32) -> Result<Self, SlotFreeError> {
+    /// Attach a probe for swap on the block device `major:minor` of `pages` pages.
+    pub fn attach(major: u32, minor: u32, pages: u64) -> Result<Self, SlotFreeError> {
         if !cfg!(target_arch = "x86_64") {
             return Err(SlotFreeError::Architecture);
         }
         let layout = btf::kernel_layout(Path::new(VMLINUX_BTF))?;
         let kernel = |what| move |source| SlotFreeError::Kernel { what, source };
-        let map = sys::create_ring_buffer(RING_BYTES, "trueno_frees")
-            .map_err(kernel("creating the ring buffer"))?;
-        let ring_fd = std::os::fd::AsRawFd::as_raw_fd(&map);
-        let code = program::slot_free_probe(&layout, kernel_dev(major, minor), ring_fd)?;
+        let words = u32::try_from(pages.div_ceil(64)).map_err(|_| SlotFreeError::TooLarge)?;
+        let map_words = words.checked_add(1).ok_or(SlotFreeError::TooLarge)?;
+        let map = sys::create_word_array(map_words, "trueno_frees")
+            .map_err(kernel("creating the bitmap"))?;
+        let map_fd = std::os::fd::AsRawFd::as_raw_fd(&map);
+        let code = program::slot_free_probe(&layout, kernel_dev(major, minor), map_fd, words)?;
         let program = sys::load_kprobe_program(&code, "trueno_frees")
             .map_err(|(error, log)| SlotFreeError::Verifier { error, log })?;
+        let shared = sys::WordArrayMapping::map(&map, map_words as usize)
+            .map_err(kernel("mapping the bitmap"))?;
         let event = sys::attach_kprobe(btf::FREE_FUNCTION, &program)
             .map_err(kernel("attaching the kprobe"))?;
-        let ring = sys::RingMapping::map(&map, RING_BYTES as usize)
-            .map_err(kernel("mapping the ring buffer"))?;
         Ok(Self {
-            ring,
+            shared,
             _event: event,
             _program: program,
-            map,
-            drain: Mutex::new(()),
-            ranges: AtomicU64::new(0),
+            _map: map,
+            seen_calls: AtomicU64::new(0),
             slots: AtomicU64::new(0),
-            refused: AtomicU64::new(0),
         })
     }
 
-    /// Readable (poll) when records are waiting.
-    pub fn ring_fd(&self) -> BorrowedFd<'_> {
-        self.map.as_fd()
+    fn bitmap(&self) -> FreedBits<'_> {
+        let words = self.shared.words();
+        FreedBits(&words[..words.len() - 1])
     }
 
-    /// Read every record reserved by now, calling `free(first slot, slots)` for each freed
-    /// range (`free` says whether the range was the device's); returns when they are all done.
-    /// Cheap when there is none: two loads.
-    pub fn drain(&self, mut free: impl FnMut(u64, u64) -> bool) {
-        let ring = RingWords {
-            consumer: self.ring.consumer_pos(),
-            producer: self.ring.producer_pos(),
-            data: self.ring.data(),
-        };
-        if !ring.has_records() {
+    fn calls(&self) -> &AtomicU64 {
+        &self.shared.words()[self.shared.words().len() - 1]
+    }
+
+    /// Pages `first..first + count` are about to be written: a free reported before is of
+    /// their old data. Call before the write stores them (see the module's comment).
+    pub fn forget(&self, first: u64, count: u64) {
+        self.bitmap().clear(first, count);
+    }
+
+    /// If the probe has reported frees since the last look, call `free(page, still_freed)` for
+    /// every page whose slot was reported freed; `free` must call `still_freed` while it holds
+    /// the page's lock and free the page only if it says so, and return whether it did.
+    pub fn free_reported(&self, mut free: impl FnMut(u64, &dyn Fn() -> bool) -> bool) {
+        let calls = self.calls().load(Ordering::Acquire);
+        if calls == self.seen_calls.swap(calls, Ordering::AcqRel) {
             return;
         }
-        let _held = self.drain.lock();
-        ring.read(|first, count| {
-            self.ranges.fetch_add(1, Ordering::Relaxed);
-            if free(first, count) {
-                self.slots.fetch_add(count, Ordering::Relaxed);
-            } else {
-                self.refused.fetch_add(1, Ordering::Relaxed);
+        let bits = self.bitmap();
+        bits.for_each_set(|page| {
+            if free(page, &|| bits.take(page)) {
+                self.slots.fetch_add(1, Ordering::Relaxed);
             }
         });
     }
@@ -171,64 +163,58 @@ impl SlotFreeProbe {
         SlotFreeStats {
             attached: true,
             detail: btf::FREE_FUNCTION.to_string(),
-            ranges: self.ranges.load(Ordering::Relaxed),
+            calls: self.calls().load(Ordering::Relaxed),
             slots: self.slots.load(Ordering::Relaxed),
-            refused: self.refused.load(Ordering::Relaxed),
         }
     }
 }
 
-/// A BPF ring buffer as its consumer sees it: the two positions (bytes, ever growing) and the
-/// data as 8-byte words (records are 8-byte aligned; a record may wrap around the end).
-struct RingWords<'a> {
-    consumer: &'a AtomicU64,
-    producer: &'a AtomicU64,
-    data: &'a [AtomicU64],
-}
+/// The bitmap of freed slots: bit `p % 64` of word `p / 64` is device page `p`.
+struct FreedBits<'a>(&'a [AtomicU64]);
 
-impl RingWords<'_> {
-    fn has_records(&self) -> bool {
-        self.consumer.load(Ordering::Acquire) != self.producer.load(Ordering::Acquire)
-    }
-
-    fn word(&self, pos: u64) -> u64 {
-        let index = (pos / 8) % self.data.len() as u64;
-        self.data[usize::try_from(index).unwrap_or(0)].load(Ordering::Acquire)
-    }
-
-    /// Read the records reserved by now (waiting for one still being written), calling
-    /// `freed(first slot, slots)` for each, then move the consumer past them. The caller
-    /// holds the drain's lock.
-    fn read(&self, mut freed: impl FnMut(u64, u64)) {
-        let producer = self.producer.load(Ordering::Acquire);
-        let mut consumer = self.consumer.load(Ordering::Acquire);
-        while consumer < producer {
-            let mut header = self.word(consumer);
-            let waited = Instant::now();
-            let mut warned = false;
-            while header & RECORD_BUSY != 0 {
-                // Never skipped: a later record may free a slot about to be written. The probe
-                // writes a record within one helper call, which waits on nothing of ours.
-                if waited.elapsed() > BUSY_RECORD_WARN && !warned {
-                    tracing::warn!(consumer, "slot-free probe: a record is still being written after 1 s; waiting for it");
-                    warned = true;
-                }
-                if warned {
-                    std::thread::sleep(Duration::from_millis(1));
-                } else {
-                    std::thread::yield_now();
-                }
-                header = self.word(consumer);
+impl FreedBits<'_> {
+    /// Clear the bits of pages `first..first + count` (those past the bitmap have none).
+    fn clear(&self, first: u64, count: u64) {
+        let end = first.saturating_add(count);
+        let mut page = first;
+        while page < end {
+            let Some(word) = usize::try_from(page / 64).ok().and_then(|w| self.0.get(w)) else {
+                return;
+            };
+            let bit = page % 64;
+            let bits = (end - page).min(64 - bit);
+            let mask = if bits == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << bits) - 1) << bit
+            };
+            // Most writes find nothing to clear: a load first keeps the word's cache line shared.
+            if word.load(Ordering::Relaxed) & mask != 0 {
+                word.fetch_and(!mask, Ordering::AcqRel);
             }
-            let len = header & 0xffff_ffff & !(RECORD_BUSY | RECORD_DISCARDED);
-            if header & RECORD_DISCARDED == 0 && len == RECORD_LEN {
-                let entry = self.word(consumer + HEADER_BYTES);
-                let count = self.word(consumer + HEADER_BYTES + 8) & 0xffff_ffff;
-                freed(entry & ((1 << SWP_OFFSET_BITS) - 1), count);
-            }
-            consumer += (HEADER_BYTES + len).div_ceil(8) * 8;
+            page += bits;
         }
-        self.consumer.store(consumer, Ordering::Release);
+    }
+
+    /// Clear page `page`'s bit; whether it was set.
+    fn take(&self, page: u64) -> bool {
+        let Some(word) = usize::try_from(page / 64).ok().and_then(|w| self.0.get(w)) else {
+            return false;
+        };
+        let bit = 1u64 << (page % 64);
+        word.fetch_and(!bit, Ordering::AcqRel) & bit != 0
+    }
+
+    /// Call `visit` with every page whose bit is set now.
+    fn for_each_set(&self, mut visit: impl FnMut(u64)) {
+        for (index, word) in self.0.iter().enumerate() {
+            let mut bits = word.load(Ordering::Acquire);
+            while bits != 0 {
+                let bit = u64::from(bits.trailing_zeros());
+                bits &= bits - 1;
+                visit(index as u64 * 64 + bit);
+            }
+        }
     }
 }
 
@@ -242,95 +228,92 @@ pub fn kernel_dev(major: u32, minor: u32) -> u32 {
 mod tests {
     use super::*;
 
-    /// A ring of `words` data words with the records `(entry, count)` written from `start`.
-    fn ring(
-        words: usize,
-        start: u64,
-        records: &[(u64, u64)],
-    ) -> (AtomicU64, AtomicU64, Vec<AtomicU64>) {
-        let data: Vec<AtomicU64> = (0..words).map(|_| AtomicU64::new(0)).collect();
-        let mut pos = start;
-        for &(entry, count) in records {
-            let put = |at: u64, value: u64| {
-                data[(at / 8) as usize % words].store(value, Ordering::Relaxed)
-            };
-            put(pos, RECORD_LEN);
-            put(pos + 8, entry);
-            put(pos + 16, count);
-            pos += 24;
+    fn bitmap(words: usize) -> Vec<AtomicU64> {
+        (0..words).map(|_| AtomicU64::new(0)).collect()
+    }
+
+    fn set(words: &[AtomicU64], pages: &[u64]) {
+        for &page in pages {
+            words[(page / 64) as usize].fetch_or(1 << (page % 64), Ordering::Relaxed);
         }
-        (AtomicU64::new(start), AtomicU64::new(pos), data)
     }
 
-    fn read_all(consumer: &AtomicU64, producer: &AtomicU64, data: &[AtomicU64]) -> Vec<(u64, u64)> {
-        let words = RingWords {
-            consumer,
-            producer,
-            data,
-        };
-        let mut out = Vec::new();
-        words.read(|first, count| out.push((first, count)));
-        out
+    fn set_pages(bits: &FreedBits) -> Vec<u64> {
+        let mut pages = Vec::new();
+        bits.for_each_set(|page| pages.push(page));
+        pages
     }
 
     #[test]
-    fn records_are_read_in_order_across_the_wrap_and_the_consumer_moves_past_them() {
-        let swap_type_3 = 3u64 << SWP_OFFSET_BITS;
-        let records = [
-            (swap_type_3 | 100, 1),
-            (swap_type_3 | 7, 512),
-            (5, 0xdead_0000_0002),
-        ];
-        // 16 words: the second record straddles the end.
-        let (consumer, producer, data) = ring(16, 96, &records);
-        let words = RingWords {
-            consumer: &consumer,
-            producer: &producer,
-            data: &data,
-        };
-        assert!(words.has_records());
-        assert_eq!(
-            read_all(&consumer, &producer, &data),
-            [(100, 1), (7, 512), (5, 2)]
-        );
-        assert_eq!(consumer.load(Ordering::Relaxed), 96 + 72);
-        let words = RingWords {
-            consumer: &consumer,
-            producer: &producer,
-            data: &data,
-        };
-        assert!(!words.has_records());
-        assert!(read_all(&consumer, &producer, &data).is_empty());
+    fn set_bits_are_visited_in_order_and_taken_once() {
+        let words = bitmap(4);
+        set(&words, &[0, 63, 64, 200, 255]);
+        let bits = FreedBits(&words);
+        assert_eq!(set_pages(&bits), [0, 63, 64, 200, 255]);
+        assert!(bits.take(200));
+        assert!(!bits.take(200));
+        assert!(!bits.take(1));
+        assert!(!bits.take(10_000), "past the bitmap: nothing");
+        assert_eq!(set_pages(&bits), [0, 63, 64, 255]);
     }
 
     #[test]
-    fn discarded_and_foreign_records_are_skipped() {
-        let (consumer, producer, data) = ring(32, 0, &[(1, 1), (2, 1), (3, 1)]);
-        data[0].store(RECORD_LEN | RECORD_DISCARDED, Ordering::Relaxed);
-        // A record of another length (not the probe's), 12 bytes: skipped, padded to 8.
-        data[3].store(12, Ordering::Relaxed);
-        assert_eq!(read_all(&consumer, &producer, &data), [(3, 1)]);
-    }
-
-    #[test]
-    fn a_record_still_being_written_is_waited_for() {
-        let (consumer, producer, data) = ring(32, 0, &[(1, 1), (2, 1)]);
-        data[3].store(RECORD_LEN | RECORD_BUSY, Ordering::Relaxed);
-        let data = std::sync::Arc::new(data);
-        let writer = {
-            let data = data.clone();
-            std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(20));
-                data[3].store(RECORD_LEN, Ordering::Release);
-            })
-        };
-        assert_eq!(read_all(&consumer, &producer, &data), [(1, 1), (2, 1)]);
-        writer.join().unwrap();
+    fn a_write_clears_exactly_its_pages_bits_across_word_boundaries() {
+        let words = bitmap(4);
+        let all: Vec<u64> = (0..256).collect();
+        set(&words, &all);
+        let bits = FreedBits(&words);
+        bits.clear(60, 70); // pages 60..130
+        bits.clear(192, 64); // one whole word
+        bits.clear(250, u64::MAX); // to the end, without overflow
+        let left = set_pages(&bits);
+        let want: Vec<u64> = (0..60).chain(130..192).collect();
+        assert_eq!(left, want);
+        bits.clear(1 << 40, 5); // past the bitmap: nothing
+        assert_eq!(set_pages(&bits), want);
     }
 
     #[test]
     fn the_kernel_device_number_is_mkdev_not_makedev() {
         assert_eq!(kernel_dev(259, 0), 259 << 20);
         assert_eq!(kernel_dev(259, 5), (259 << 20) | 5);
+    }
+}
+#[cfg(test)]
+mod kernel_verifier {
+    use super::*;
+
+    /// The probe passes this kernel's verifier, for a made-up layout, where this process may
+    /// load BPF programs (root); elsewhere there is nothing to check and it says so.
+    #[test]
+    fn the_probe_passes_the_running_kernels_verifier() {
+        let layout = btf::KernelLayout {
+            si_bdev: 216,
+            si_flags: 0,
+            bd_dev: 144,
+            swp_blkdev: 64,
+            arg_si: 0,
+            arg_entry: 1,
+            arg_nr_pages: 2,
+        };
+        let words = 4096;
+        let map = match sys::create_word_array(words + 1, "trueno_test") {
+            Ok(map) => map,
+            Err(error) => {
+                eprintln!("skipped: this process may not make BPF maps ({error})");
+                return;
+            }
+        };
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&map);
+        let code = program::slot_free_probe(&layout, kernel_dev(259, 0), fd, words).unwrap();
+        if let Err((error, log)) = sys::load_kprobe_program(&code, "trueno_test") {
+            assert_ne!(error.raw_os_error(), Some(libc::EINVAL), "{error}: {log}");
+            eprintln!("skipped: this process may not load kprobe programs ({error}: {log})");
+        }
+        let shared = sys::WordArrayMapping::map(&map, words as usize + 1).unwrap();
+        assert!(shared
+            .words()
+            .iter()
+            .all(|word| word.load(Ordering::Relaxed) == 0));
     }
 }

@@ -1,9 +1,12 @@
-//! The probe itself: a kprobe program of 41 BPF instructions, written out here rather than
-//! compiled (no BPF compiler needed to build or run the daemon). On every call of
+//! The probe itself: a kprobe program of about 60 BPF instructions, written out here rather
+//! than compiled (no BPF compiler needed to build or run the daemon). On every call of
 //! `swap_entry_range_free` it reads the swap area's flags and its block device's number, and
-//! for a swap area that is the whole of our device it sends the freed entry and count to the
-//! daemon through a ring buffer. Everything it reads of the kernel's structs goes through
-//! `bpf_probe_read_kernel`, so a wrong offset reads a wrong value, never faults.
+//! for a swap area that is the whole of our device it sets the freed slots' bits in a bitmap
+//! the daemon maps (an array map of 64-bit words, one bit per device page), then counts the
+//! call in the word after the bitmap, which the daemon watches. Everything it reads of the
+//! kernel's structs goes through `bpf_probe_read_kernel`, so a wrong offset reads a wrong
+//! value, never faults. A bitmap cannot overflow, as a queue of records would when a program
+//! with 100k pages out exits faster than the daemon reads.
 //!
 //! The argument registers are x86-64's (`struct pt_regs`); other architectures have no probe.
 
@@ -11,8 +14,9 @@
 
 use super::btf::KernelLayout;
 
-/// Bytes the probe sends per freed range: the `swp_entry_t` word, then the count of slots.
-pub const RECORD_BYTES: i32 = 16;
+/// The most slots one call frees: a cluster (`SWAPFILE_CLUSTER`). A larger count (none in
+/// Linux 6.12) is left to the discard.
+pub const MAX_RANGE: i32 = 512;
 
 /// One BPF instruction (`struct bpf_insn`), as the kernel reads it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,11 +40,24 @@ impl Insn {
 const LDX_DW: u8 = 0x79; // dst = *(u64 *)(src + off)
 const LDX_W: u8 = 0x61; // dst = *(u32 *)(src + off)
 const STX_DW: u8 = 0x7b; // *(u64 *)(dst + off) = src
+const STX_W: u8 = 0x63; // *(u32 *)(dst + off) = src
+const ST_W: u8 = 0x62; // *(u32 *)(dst + off) = imm
+const ATOMIC_DW: u8 = 0xdb; // lock *(u64 *)(dst + off) op= src
+const ATOMIC_ADD: i32 = 0x00;
+const ATOMIC_OR: i32 = 0x40;
 const MOV64_X: u8 = 0xbf;
 const MOV64_K: u8 = 0xb7;
+const ADD64_X: u8 = 0x0f;
 const ADD64_K: u8 = 0x07;
 const AND64_K: u8 = 0x57;
+const LSH64_K: u8 = 0x67;
+const LSH64_X: u8 = 0x6f;
+const RSH64_K: u8 = 0x77;
+const JA: u8 = 0x05;
 const JEQ_K: u8 = 0x15;
+const JGT_K: u8 = 0x25;
+const JGE_K: u8 = 0x35;
+const JGE_X: u8 = 0x3d;
 const JNE_K: u8 = 0x55;
 const JNE32_K: u8 = 0x56;
 const CALL: u8 = 0x85;
@@ -49,20 +66,26 @@ const LD_IMM64: u8 = 0x18;
 /// `src` of a 64-bit immediate load that names a map by its file descriptor.
 const PSEUDO_MAP_FD: u8 = 1;
 
+const HELPER_MAP_LOOKUP_ELEM: i32 = 1;
 const HELPER_PROBE_READ_KERNEL: i32 = 113;
-const HELPER_RINGBUF_OUTPUT: i32 = 130;
 
 const R0: u8 = 0;
 const R1: u8 = 1;
 const R2: u8 = 2;
 const R3: u8 = 3;
-const R4: u8 = 4;
 const R6: u8 = 6;
+const R7: u8 = 7;
+const R8: u8 = 8;
+const R9: u8 = 9;
 const FP: u8 = 10;
 
 /// Offsets in x86-64's `struct pt_regs` of the first six argument registers (rdi, rsi, rdx,
 /// rcx, r8, r9).
 const ARG_REGS: [i16; 6] = [112, 104, 96, 88, 72, 64];
+
+/// Bits of a `swp_entry_t` above the slot's offset: the swap type (64 - `SWP_TYPE_SHIFT`, which
+/// is BITS_PER_XA_VALUE 63 less MAX_SWAPFILES_SHIFT 5 on 64-bit kernels).
+const SWP_TYPE_BITS: i32 = 6;
 
 fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> Insn {
     Insn {
@@ -83,11 +106,13 @@ pub enum ProgramError {
 }
 
 /// The probe for swap areas on the block device numbered `dev` (the kernel's encoding,
-/// `major << 20 | minor`), sending to the ring buffer map `ring_fd`.
+/// `major << 20 | minor`), setting bits in the array map `bitmap_fd` of `words` bitmap words
+/// (and the counter at index `words`).
 pub fn slot_free_probe(
     layout: &KernelLayout,
     dev: u32,
-    ring_fd: i32,
+    bitmap_fd: i32,
+    words: u32,
 ) -> Result<Vec<Insn>, ProgramError> {
     let arg = |n: usize| {
         ARG_REGS
@@ -105,6 +130,7 @@ pub fn slot_free_probe(
     let si_bdev = imm(layout.si_bdev.into(), "swap_info_struct.bdev")?;
     let bd_dev = imm(layout.bd_dev.into(), "block_device.bd_dev")?;
     let blkdev = imm(layout.swp_blkdev, "SWP_BLKDEV")?;
+    let words = imm(words.into(), "bitmap words")?;
     // A 32-bit comparison takes the immediate's 32 bits as they are.
     let dev = i32::from_ne_bytes(dev.to_ne_bytes());
 
@@ -116,39 +142,72 @@ pub fn slot_free_probe(
     probe.read_kernel_into(-8, 8);
     probe.push(insn(LDX_DW, R1, FP, -8, 0));
     probe.push(insn(AND64_K, R1, 0, 0, blkdev));
-    probe.exit_if(JEQ_K, R1, 0);
+    probe.jump_if(JEQ_K, R1, 0, Exit);
     // Its block device's number: ours?
     probe.push(insn(LDX_DW, R3, R6, si, 0));
     probe.push(insn(ADD64_K, R3, 0, 0, si_bdev));
     probe.read_kernel_into(-8, 8);
     probe.push(insn(LDX_DW, R3, FP, -8, 0));
-    probe.exit_if(JEQ_K, R3, 0);
+    probe.jump_if(JEQ_K, R3, 0, Exit);
     probe.push(insn(ADD64_K, R3, 0, 0, bd_dev));
     probe.read_kernel_into(-16, 4);
     probe.push(insn(LDX_W, R1, FP, -16, 0));
-    probe.exit_if(JNE32_K, R1, dev);
-    // The record: entry, count.
-    probe.push(insn(LDX_DW, R1, R6, entry, 0));
-    probe.push(insn(STX_DW, FP, R1, -32, 0));
-    probe.push(insn(LDX_DW, R1, R6, nr_pages, 0));
-    probe.push(insn(STX_DW, FP, R1, -24, 0));
-    // bpf_ringbuf_output(map, fp - 32, 16, 0): a full ring drops the record (the slot's
-    // memory then comes back with the discard of its cluster).
-    probe.push(insn(LD_IMM64, R1, PSEUDO_MAP_FD, 0, ring_fd));
-    probe.push(insn(0, 0, 0, 0, 0));
-    probe.push(insn(MOV64_X, R2, FP, 0, 0));
-    probe.push(insn(ADD64_K, R2, 0, 0, -32));
-    probe.push(insn(MOV64_K, R3, 0, 0, RECORD_BYTES));
-    probe.push(insn(MOV64_K, R4, 0, 0, 0));
-    probe.push(insn(CALL, 0, 0, 0, HELPER_RINGBUF_OUTPUT));
+    probe.jump_if(JNE32_K, R1, dev, Exit);
+    // r7 = the first slot (the entry's offset bits), r8 = the count (32 bits), r9 = 0.
+    probe.push(insn(LDX_DW, R7, R6, entry, 0));
+    probe.push(insn(LSH64_K, R7, 0, 0, SWP_TYPE_BITS));
+    probe.push(insn(RSH64_K, R7, 0, 0, SWP_TYPE_BITS));
+    probe.push(insn(LDX_DW, R8, R6, nr_pages, 0));
+    probe.push(insn(LSH64_K, R8, 0, 0, 32));
+    probe.push(insn(RSH64_K, R8, 0, 0, 32));
+    probe.jump_if(JGT_K, R8, MAX_RANGE, Exit);
+    probe.push(insn(MOV64_K, R9, 0, 0, 0));
+    // Each slot: bitmap[slot / 64] |= 1 << slot % 64. A bounded loop: r8 <= MAX_RANGE.
+    let top = probe.here();
+    probe.jump_if_reg(JGE_X, R9, R8, Count);
+    probe.push(insn(MOV64_X, R1, R7, 0, 0));
+    probe.push(insn(ADD64_X, R1, R9, 0, 0));
+    probe.push(insn(MOV64_X, R2, R1, 0, 0));
+    probe.push(insn(RSH64_K, R2, 0, 0, 6));
+    probe.jump_if(JGE_K, R2, words, Count);
+    probe.push(insn(STX_W, FP, R2, -4, 0));
+    probe.push(insn(AND64_K, R1, 0, 0, 63));
+    probe.push(insn(MOV64_K, R3, 0, 0, 1));
+    probe.push(insn(LSH64_X, R3, R1, 0, 0));
+    probe.push(insn(STX_DW, FP, R3, -16, 0));
+    probe.lookup_key_at(bitmap_fd, -4);
+    probe.jump_if(JEQ_K, R0, 0, Count);
+    probe.push(insn(LDX_DW, R3, FP, -16, 0));
+    probe.push(insn(ATOMIC_DW, R0, R3, 0, ATOMIC_OR));
+    probe.push(insn(ADD64_K, R9, 0, 0, 1));
+    probe.jump_back_to(top);
+    // The counter after the bitmap: one more call seen.
+    probe.mark(Count);
+    probe.push(insn(ST_W, FP, 0, -4, words));
+    probe.lookup_key_at(bitmap_fd, -4);
+    probe.jump_if(JEQ_K, R0, 0, Exit);
+    probe.push(insn(MOV64_K, R1, 0, 0, 1));
+    probe.push(insn(ATOMIC_DW, R0, R1, 0, ATOMIC_ADD));
     probe.finish()
 }
 
-/// A program being written: its instructions and the jumps still to point at its exit.
+/// Where a forward jump goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Label {
+    /// The counter's update.
+    Count,
+    /// `r0 = 0; exit`.
+    Exit,
+}
+use Label::{Count, Exit};
+
+/// A program being written: its instructions, where the labels are, and the jumps still to
+/// point at them.
 #[derive(Default)]
 struct Builder {
     program: Vec<Insn>,
-    exits: Vec<usize>,
+    labels: Vec<(Label, usize)>,
+    jumps: Vec<(usize, Label)>,
 }
 
 impl Builder {
@@ -156,10 +215,42 @@ impl Builder {
         self.program.push(instruction);
     }
 
-    /// Leave (return 0) when `reg` compared with `imm` by `jump` holds.
-    fn exit_if(&mut self, jump: u8, reg: u8, imm: i32) {
-        self.exits.push(self.program.len());
+    fn here(&self) -> usize {
+        self.program.len()
+    }
+
+    fn mark(&mut self, label: Label) {
+        self.labels.push((label, self.here()));
+    }
+
+    /// Go to `label` when `reg` compared with `imm` by `jump` holds.
+    fn jump_if(&mut self, jump: u8, reg: u8, imm: i32, label: Label) {
+        self.jumps.push((self.here(), label));
         self.push(insn(jump, reg, 0, 0, imm));
+    }
+
+    /// Go to `label` when `reg` compared with `other` by `jump` holds.
+    fn jump_if_reg(&mut self, jump: u8, reg: u8, other: u8, label: Label) {
+        self.jumps.push((self.here(), label));
+        self.push(insn(jump, reg, other, 0, 0));
+    }
+
+    /// Go back to the instruction at `target`.
+    fn jump_back_to(&mut self, target: usize) {
+        // From the instruction after this one; a program this small never needs i16::MIN,
+        // which the verifier would refuse.
+        let back = self.here() + 1 - target;
+        let off = i16::try_from(back).map_or(i16::MIN, |back| -back);
+        self.push(insn(JA, 0, 0, off, 0));
+    }
+
+    /// `r0 = bpf_map_lookup_elem(map, fp + key)`.
+    fn lookup_key_at(&mut self, map_fd: i32, key: i16) {
+        self.push(insn(LD_IMM64, R1, PSEUDO_MAP_FD, 0, map_fd));
+        self.push(insn(0, 0, 0, 0, 0));
+        self.push(insn(MOV64_X, R2, FP, 0, 0));
+        self.push(insn(ADD64_K, R2, 0, 0, i32::from(key)));
+        self.push(insn(CALL, 0, 0, 0, HELPER_MAP_LOOKUP_ELEM));
     }
 
     /// `bpf_probe_read_kernel(fp + to, size, r3)`; leave when it fails.
@@ -168,18 +259,24 @@ impl Builder {
         self.push(insn(ADD64_K, R1, 0, 0, i32::from(to)));
         self.push(insn(MOV64_K, R2, 0, 0, size));
         self.push(insn(CALL, 0, 0, 0, HELPER_PROBE_READ_KERNEL));
-        self.exit_if(JNE_K, R0, 0);
+        self.jump_if(JNE_K, R0, 0, Exit);
     }
 
-    /// The program with its exit (`r0 = 0`) appended and every jump pointed at it.
+    /// The program with its exit (`r0 = 0`) appended and every jump pointed at its label.
     fn finish(mut self) -> Result<Vec<Insn>, ProgramError> {
-        let exit_at = self.program.len();
+        self.mark(Exit);
         self.push(insn(MOV64_K, R0, 0, 0, 0));
         self.push(insn(EXIT, 0, 0, 0, 0));
-        for at in self.exits {
+        for (at, label) in self.jumps {
+            let target = self
+                .labels
+                .iter()
+                .find(|(l, _)| *l == label)
+                .map(|(_, target)| *target)
+                .ok_or(ProgramError::TooLarge("a jump to a missing label"))?;
             // A jump's offset counts from the instruction after it.
             self.program[at].off =
-                i16::try_from(exit_at - at - 1).map_err(|_| ProgramError::TooLarge("jump"))?;
+                i16::try_from(target - at - 1).map_err(|_| ProgramError::TooLarge("jump"))?;
         }
         Ok(self.program)
     }
@@ -201,21 +298,35 @@ mod tests {
         }
     }
 
+    fn is_jump(code: u8) -> bool {
+        code & 0x07 == 0x05 && !matches!(code, CALL | EXIT)
+    }
+
     #[test]
-    fn every_jump_lands_on_the_exit_and_the_program_ends_with_one() {
-        let program = slot_free_probe(&layout(), (259 << 20) | 3, 7).unwrap();
-        assert_eq!(program.len(), 41);
+    fn every_jump_lands_inside_the_program_and_only_the_loop_goes_back() {
+        let program = slot_free_probe(&layout(), (259 << 20) | 3, 7, 4096).unwrap();
         let exit_at = program.len() - 2;
         assert_eq!(program[exit_at], insn(MOV64_K, R0, 0, 0, 0));
         assert_eq!(program.last().unwrap().code, EXIT);
-        let jumps: Vec<usize> = (0..program.len())
-            .filter(|&at| matches!(program[at].code, JEQ_K | JNE_K | JNE32_K))
-            .collect();
-        assert_eq!(jumps.len(), 6);
-        for at in jumps {
-            let target = at + 1 + usize::try_from(program[at].off).unwrap();
-            assert_eq!(target, exit_at, "jump at {at}");
+        let mut backward = 0;
+        for (at, instruction) in program.iter().enumerate() {
+            if !is_jump(instruction.code) {
+                continue;
+            }
+            let at = i64::try_from(at).unwrap();
+            let target = at + 1 + i64::from(instruction.off);
+            assert!(
+                (0..i64::try_from(program.len()).unwrap()).contains(&target),
+                "jump at {at} to {target}"
+            );
+            if target <= at {
+                backward += 1;
+                assert_eq!(instruction.code, JA, "only the loop's end jumps back");
+            }
         }
+        assert_eq!(backward, 1);
+        // The counter's update sets key `words`.
+        assert!(program.contains(&insn(ST_W, FP, 0, -4, 4096)));
     }
 
     #[test]
@@ -224,7 +335,7 @@ mod tests {
         layout.arg_si = 1;
         layout.arg_entry = 2;
         layout.arg_nr_pages = 3;
-        let program = slot_free_probe(&layout, (259 << 20) | 3, 7).unwrap();
+        let program = slot_free_probe(&layout, (259 << 20) | 3, 7, 4096).unwrap();
         let ctx_loads: Vec<i16> = program
             .iter()
             .filter(|i| i.code == LDX_DW && i.regs >> 4 == R6)
@@ -234,17 +345,24 @@ mod tests {
         assert_eq!(ctx_loads, [104, 104, 96, 88]);
         let compare = program.iter().find(|i| i.code == JNE32_K).unwrap();
         assert_eq!(compare.imm, (259 << 20) | 3);
-        let map = program.iter().find(|i| i.code == LD_IMM64).unwrap();
-        assert_eq!((map.regs >> 4, map.imm), (PSEUDO_MAP_FD, 7));
+        let maps: Vec<(u8, i32)> = program
+            .iter()
+            .filter(|i| i.code == LD_IMM64)
+            .map(|i| (i.regs >> 4, i.imm))
+            .collect();
+        assert_eq!(maps, [(PSEUDO_MAP_FD, 7), (PSEUDO_MAP_FD, 7)]);
+        // A bit is set with an atomic or, the counter bumped with an atomic add.
+        assert!(program.contains(&insn(ATOMIC_DW, R0, R3, 0, ATOMIC_OR)));
+        assert!(program.contains(&insn(ATOMIC_DW, R0, R1, 0, ATOMIC_ADD)));
     }
 
     #[test]
     fn an_argument_past_the_sixth_or_a_huge_offset_is_refused() {
         let mut layout = layout();
         layout.arg_nr_pages = 6;
-        assert!(slot_free_probe(&layout, 1, 7).is_err());
+        assert!(slot_free_probe(&layout, 1, 7, 64).is_err());
         let mut layout = self::layout();
         layout.swp_blkdev = 1 << 40;
-        assert!(slot_free_probe(&layout, 1, 7).is_err());
+        assert!(slot_free_probe(&layout, 1, 7, 64).is_err());
     }
 }

@@ -1,6 +1,6 @@
-//! The kernel calls of the probe: bpf(2) (a ring buffer map, a kprobe program),
-//! perf_event_open(2) (the kprobe it runs on) and the ring buffer's mappings. All `unsafe` of
-//! the probe lives here.
+//! The kernel calls of the probe: bpf(2) (an array map, a kprobe program),
+//! perf_event_open(2) (the kprobe it runs on) and the array's mapping. All `unsafe` of the
+//! probe lives here.
 
 use std::ffi::CString;
 use std::num::NonZeroUsize;
@@ -14,7 +14,9 @@ use super::program::Insn;
 
 const BPF_MAP_CREATE: libc::c_int = 0;
 const BPF_PROG_LOAD: libc::c_int = 5;
-const BPF_MAP_TYPE_RINGBUF: u32 = 27;
+const BPF_MAP_TYPE_ARRAY: u32 = 2;
+/// An array map user space may mmap (Linux 5.5+).
+const BPF_F_MMAPABLE: u32 = 1 << 10;
 const BPF_PROG_TYPE_KPROBE: u32 = 2;
 const PERF_FLAG_FD_CLOEXEC: libc::c_ulong = 8;
 /// `_IO('$', 0)` and `_IOW('$', 8, __u32)` from include/uapi/linux/perf_event.h.
@@ -108,11 +110,14 @@ fn own_fd(rc: libc::c_long) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// A BPF ring buffer map of `bytes` (a power of two, a multiple of the page size).
-pub fn create_ring_buffer(bytes: u32, name: &str) -> std::io::Result<OwnedFd> {
+/// A BPF array map of `words` 64-bit words (keys 0..words), zeroed, that user space may map.
+pub fn create_word_array(words: u32, name: &str) -> std::io::Result<OwnedFd> {
     let mut attr = MapCreateAttr {
-        map_type: BPF_MAP_TYPE_RINGBUF,
-        max_entries: bytes,
+        map_type: BPF_MAP_TYPE_ARRAY,
+        key_size: 4,
+        value_size: 8,
+        max_entries: words,
+        map_flags: BPF_F_MMAPABLE,
         map_name: name16(name),
         ..MapCreateAttr::default()
     };
@@ -134,20 +139,31 @@ pub fn load_kprobe_program(
             license: license.as_ptr() as u64,
             log_level: u32::from(!log.is_empty()),
             log_size: u32::try_from(log.len()).unwrap_or(0),
-            log_buf: log.as_mut_ptr() as u64,
+            // No buffer at all without a log: the kernel refuses a pointer without a size.
+            log_buf: if log.is_empty() {
+                0
+            } else {
+                log.as_mut_ptr() as u64
+            },
             prog_name: name16(name),
             ..ProgLoadAttr::default()
         };
         bpf(BPF_PROG_LOAD, &mut attr)
     };
     load(&mut []).or_else(|error| {
-        // Again with the verifier's log, to say why.
-        let mut log = vec![0u8; 16 << 10];
+        // Again with the verifier's log, to say why (its last lines: the log keeps the end).
+        let mut log = vec![0u8; 64 << 10];
         match load(&mut log) {
             Ok(fd) => Ok(fd),
-            Err(_) => {
+            Err(again) => {
                 let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
-                Err((error, String::from_utf8_lossy(&log[..end]).into_owned()))
+                let text = String::from_utf8_lossy(&log[..end]);
+                let tail: Vec<&str> = text.lines().rev().take(6).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                Err((
+                    error,
+                    format!("{} (with the log: {again})", tail.join(" / ")),
+                ))
             }
         }
     })
@@ -194,94 +210,54 @@ pub fn attach_kprobe(function: &str, program: &OwnedFd) -> std::io::Result<Owned
     Ok(event)
 }
 
-/// A ring buffer map's two mappings: the consumer's page (ours to write) and the producer's
-/// page followed by the data (read-only).
-pub struct RingMapping {
-    consumer: NonNull<AtomicU64>,
-    producer: NonNull<AtomicU64>,
-    data_words: usize,
+/// A mappable array map of 64-bit words, mapped: its values, in key order.
+pub struct WordArrayMapping {
+    base: NonNull<AtomicU64>,
+    words: usize,
+    map_len: usize,
 }
 
-// SAFETY: the mappings are plain shared memory, accessed only through atomics; they belong to
-// this value, and no thread owns them.
-unsafe impl Send for RingMapping {}
-// SAFETY: as above: every access is an atomic load or store.
-unsafe impl Sync for RingMapping {}
+// SAFETY: the mapping is plain shared memory, accessed only through atomics; it belongs to this
+// value, and no thread owns it.
+unsafe impl Send for WordArrayMapping {}
+// SAFETY: as above: every access is an atomic load or read-modify-write.
+unsafe impl Sync for WordArrayMapping {}
 
-impl RingMapping {
-    /// Map the ring buffer map `map` of `bytes` of data.
-    pub fn map(map: &OwnedFd, bytes: usize) -> std::io::Result<Self> {
-        let page = NonZeroUsize::new(HOST_PAGE).ok_or(std::io::ErrorKind::InvalidInput)?;
-        let producer_len =
-            NonZeroUsize::new(HOST_PAGE + bytes).ok_or(std::io::ErrorKind::InvalidInput)?;
-        // SAFETY: a fresh shared mapping of the map's consumer page (offset 0), which the kernel
-        // lets the consumer write; it aliases no Rust object.
-        let consumer = unsafe {
+impl WordArrayMapping {
+    /// Map the array map `map` of `words` words (made by `create_word_array`).
+    pub fn map(map: &OwnedFd, words: usize) -> std::io::Result<Self> {
+        let map_len = (words * 8).div_ceil(HOST_PAGE) * HOST_PAGE;
+        let length = NonZeroUsize::new(map_len).ok_or(std::io::ErrorKind::InvalidInput)?;
+        // SAFETY: a fresh shared mapping of the map's values (an mmapable array maps them from
+        // offset 0, 8 bytes a key); it aliases no Rust object.
+        let base = unsafe {
             mmap(
                 None,
-                page,
+                length,
                 ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
                 MapFlags::MAP_SHARED,
                 map.as_fd(),
                 0,
             )
         }?;
-        // SAFETY: a fresh read-only shared mapping of the producer page and the data (offset one
-        // page); it aliases no Rust object.
-        let producer = unsafe {
-            mmap(
-                None,
-                producer_len,
-                ProtFlags::PROT_READ,
-                MapFlags::MAP_SHARED,
-                map.as_fd(),
-                4096,
-            )
-        };
-        let producer = match producer {
-            Ok(producer) => producer,
-            Err(error) => {
-                // SAFETY: the consumer mapping just made, of one page, used by nothing yet.
-                let _ = unsafe { munmap(consumer, HOST_PAGE) };
-                return Err(error.into());
-            }
-        };
         Ok(Self {
-            consumer: consumer.cast(),
-            producer: producer.cast(),
-            data_words: bytes / 8,
+            base: base.cast(),
+            words,
+            map_len,
         })
     }
 
-    /// How far the consumer has read (bytes, ever growing).
-    pub fn consumer_pos(&self) -> &AtomicU64 {
-        // SAFETY: the first word of the consumer page, mapped for our lifetime; page-aligned.
-        unsafe { self.consumer.as_ref() }
-    }
-
-    /// How far the producers have reserved (bytes, ever growing).
-    pub fn producer_pos(&self) -> &AtomicU64 {
-        // SAFETY: the first word of the producer page, mapped for our lifetime; page-aligned.
-        unsafe { self.producer.as_ref() }
-    }
-
-    /// The data, as 8-byte words (records are 8-byte aligned).
-    pub fn data(&self) -> &[AtomicU64] {
-        // SAFETY: the data starts one page after the producer page and is `data_words` words
-        // long, mapped for our lifetime; every access is atomic.
-        unsafe {
-            std::slice::from_raw_parts(self.producer.as_ptr().add(HOST_PAGE / 8), self.data_words)
-        }
+    pub fn words(&self) -> &[AtomicU64] {
+        // SAFETY: `words` 8-byte words, page-aligned, mapped for our lifetime; every access is
+        // atomic (the kernel's program changes them with atomic instructions too).
+        unsafe { std::slice::from_raw_parts(self.base.as_ptr(), self.words) }
     }
 }
 
-impl Drop for RingMapping {
+impl Drop for WordArrayMapping {
     fn drop(&mut self) {
-        // SAFETY: our two mappings, of the lengths they were made with; no reference into them
-        // outlives `self`.
-        unsafe {
-            let _ = munmap(self.consumer.cast(), HOST_PAGE);
-            let _ = munmap(self.producer.cast(), HOST_PAGE + self.data_words * 8);
-        }
+        // SAFETY: our mapping, of the length it was made with; no reference into it outlives
+        // `self`.
+        let _ = unsafe { munmap(self.base.cast(), self.map_len) };
     }
 }

@@ -512,43 +512,43 @@ impl BatchedPageStore {
         let first = self.check_range(offset, len).inspect_err(|_| {
             add(&self.counters.failed_writes, 1);
         })?;
-        self.empty_pages(first, len / PAGE_SIZE as u64);
+        for index in first..first + len / PAGE_SIZE as u64 {
+            if self.empty_page(index, || true) {
+                add(&self.counters.discarded_pages, 1);
+            }
+        }
         Ok(())
     }
 
-    /// Swap freed the slots of pages `first..first + count` (heard of outside the block
-    /// protocol, see `crate::slotfree`): they are emptied as by a discard. `false` (and nothing
-    /// done) for a range outside the device.
-    pub fn free_swap_slots(&self, first: u64, count: u64) -> bool {
-        let page = PAGE_SIZE as u64;
-        let in_device = first
-            .checked_add(count)
-            .and_then(|end| end.checked_mul(page))
-            .is_some_and(|end| end <= self.config.size_bytes);
-        if in_device {
-            self.empty_pages(first, count);
+    /// Swap freed the slot of page `index` (heard of outside the block protocol, see
+    /// `crate::slotfree`): unless `still_freed`, asked while the page's lock is held, says a
+    /// write came since, the page is emptied as by a discard. Whether it was emptied.
+    pub fn free_swap_slot(&self, index: u64, still_freed: &dyn Fn() -> bool) -> bool {
+        if index >= self.config.size_bytes / PAGE_SIZE as u64 {
+            // Nothing to free; forget the report all the same.
+            still_freed();
+            return false;
         }
-        in_device
+        self.empty_page(index, still_freed)
     }
 
-    /// Empty pages `first..first + count` (inside the device) and free their memory.
-    fn empty_pages(&self, first: u64, count: u64) {
-        for index in first..first + count {
-            let old = {
-                let mut entry = self.table.lock(index);
-                if entry.state() == PageState::Empty {
-                    continue;
-                }
-                entry.written(self.idle_clock.now());
-                let old = entry.replace(PageState::Empty);
-                self.counters.transition(old, PageState::Empty);
-                old
-            };
-            add(&self.counters.discarded_pages, 1);
-            if let PageState::Stored { handle, len, .. } = old {
-                self.alloc.free(handle, usize::from(len));
+    /// Empty page `index` (inside the device) and free its memory if `now`, asked while the
+    /// page's lock is held, says so; whether it held anything.
+    fn empty_page(&self, index: u64, now: impl FnOnce() -> bool) -> bool {
+        let old = {
+            let mut entry = self.table.lock(index);
+            if !now() || entry.state() == PageState::Empty {
+                return false;
             }
+            entry.written(self.idle_clock.now());
+            let old = entry.replace(PageState::Empty);
+            self.counters.transition(old, PageState::Empty);
+            old
+        };
+        if let PageState::Stored { handle, len, .. } = old {
+            self.alloc.free(handle, usize::from(len));
         }
+        true
     }
 
     /// Compress whatever is pending now (shutdown, tests, bench).

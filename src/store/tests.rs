@@ -836,7 +836,7 @@ fn writers_flush_for_themselves_until_the_flusher_is_ready() {
 }
 
 #[test]
-fn freed_swap_slots_empty_their_pages_and_a_range_outside_the_device_changes_nothing() {
+fn a_freed_swap_slot_empties_its_page_only_while_the_report_stands() {
     let pages = 64u64;
     let s = store(
         crate::config::StoreSettings::default().store_config(pages * PAGE_SIZE as u64, false),
@@ -846,14 +846,23 @@ fn freed_swap_slots_empty_their_pages_and_a_range_outside_the_device_changes_not
     }
     s.flush_pending().unwrap();
     let data = s.stats().orig_bytes;
-    // Past the end, overflowing, or straddling the end: refused, nothing freed.
-    assert!(!s.free_swap_slots(pages, 1));
-    assert!(!s.free_swap_slots(u64::MAX, 2));
-    assert!(!s.free_swap_slots(pages - 1, 2));
-    assert_eq!(s.stats().orig_bytes, data);
-    assert_eq!(read_page_back(&s, pages - 1), text(pages - 1).to_vec());
-    // Slots 10..20 freed: their pages read as zeros and their memory is gone; the others stay.
-    assert!(s.free_swap_slots(10, 10));
+    // Past the end: nothing freed, but the report is consumed.
+    let asked = std::cell::Cell::new(0);
+    let ask = || {
+        asked.set(asked.get() + 1);
+        true
+    };
+    assert!(!s.free_swap_slot(pages, &ask));
+    assert!(!s.free_swap_slot(u64::MAX, &ask));
+    assert_eq!(asked.get(), 2);
+    // A report withdrawn (a write came since): the page stays.
+    assert!(!s.free_swap_slot(3, &|| false));
+    assert_eq!(read_page_back(&s, 3), text(3).to_vec());
+    // Reports standing for pages 10..20: emptied, and their data gone; the others stay.
+    for i in 10..20 {
+        assert!(s.free_swap_slot(i, &|| true));
+    }
+    assert!(!s.free_swap_slot(10, &|| true), "already empty");
     assert_eq!(s.stats().orig_bytes, data - 10 * PAGE_SIZE as u64);
     for i in 0..pages {
         let want = if (10..20).contains(&i) {

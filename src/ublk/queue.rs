@@ -34,11 +34,6 @@ pub trait BlockHandler: Send + Sync {
     /// Serve one checked request. For `Read` fill `data`, for `Write` take `data` (both exactly
     /// `request.len` bytes); other ops get an empty slice. `Err` carries a negative errno.
     fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32>;
-
-    /// Called on a queue thread when requests have arrived, before any of them is served: a
-    /// handler that hears of events outside the block protocol applies here those that
-    /// happened before the requests were issued.
-    fn requests_arrived(&self) {}
 }
 
 /// Where a queue is and what it may receive.
@@ -206,7 +201,6 @@ impl Queue {
             let arrived = Instant::now();
             if !ready.is_empty() {
                 timing.record_wait(ready.len());
-                handler.requests_arrived();
             }
             for (tag, res) in ready.drain(..) {
                 self.in_flight -= 1;
