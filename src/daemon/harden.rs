@@ -21,8 +21,9 @@ pub(super) fn ready_store_thread(algorithm: Algorithm) {
     crate::codec::prepare_thread(algorithm);
 }
 
-/// Ready a thread that touches the store but compresses nothing (the slot-free watch): as
-/// `ready_store_thread`, without the codec contexts.
+/// Ready a thread that touches the store but compresses nothing (the serving process's main
+/// thread, which frees the slots the probe reports): as `ready_store_thread`, without the
+/// codec contexts.
 pub(super) fn ready_io_thread() {
     crate::mem::prepare_io_thread();
     if let Err(error) = crate::os::set_io_flusher() {

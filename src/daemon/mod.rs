@@ -37,9 +37,8 @@ use detach::{start_detached, Notifier};
 use handler::StoreHandler;
 use harden::{
     disable_writeback_throttling, lock_memory, make_refill_realtime, protect_from_oom_killer,
-    ready_store_thread,
+    ready_io_thread, ready_store_thread,
 };
-use slot_frees::SlotFreeWatch;
 
 /// Where daemons keep their logs and endpoints (root only).
 pub const RUN_DIR: &str = stats::SOCKET_DIR;
@@ -614,10 +613,12 @@ fn serve(
         }
     );
     // Freed swap slots as the kernel frees them (see `crate::slotfree`), once the device is
-    // live: attaching allocates (the kernel's verifier, the ring), which must not wait on a
-    // device that is waiting for us.
-    let slot_frees = if settings.slot_free_probe {
-        SlotFreeWatch::start(
+    // live: attaching allocates (the BTF read, the kernel's verifier, the bitmap), which must
+    // not wait on a device that is waiting for us. This thread frees the reported pages
+    // between signals, holding pages' locks the queue threads may wait for: so it is made an
+    // I/O thread like them.
+    let slot_free_probe = if settings.slot_free_probe {
+        slot_frees::attach(
             id,
             settings.size_bytes / crate::codec::PAGE_SIZE as u64,
             &handler,
@@ -625,19 +626,18 @@ fn serve(
     } else {
         Err("turned off (slot-free-probe = no, or --no-slot-free-probe)".to_string())
     };
-    let slot_free_probe = match &slot_frees {
-        Ok(watch) => {
+    match &slot_free_probe {
+        Ok(_) => {
+            ready_io_thread();
             tracing::info!(
                 function = crate::slotfree::btf::FREE_FUNCTION,
                 "slot-free probe attached: the memory of a freed swap slot comes back at once"
             );
-            Ok(watch.probe())
         }
         Err(why) => {
-            tracing::info!(%why, "no slot-free probe: the memory of freed swap slots comes back with discards (whole free clusters)");
-            Err(why.clone())
+            tracing::info!(%why, "no slot-free probe: the memory of freed swap slots comes back with discards (whole free clusters)")
         }
-    };
+    }
     // Only root can read the endpoint; `stat` still works for the device if it fails.
     let report_store = store.clone();
     let report_settings = settings.clone();
@@ -745,11 +745,12 @@ fn serve(
                 tracing::warn!(device = path, "a queue ended (device stopped from outside?); shutting down");
                 break (StopAction::Delete, false);
             }
+            // Only here are reported slots freed: once the loop ends (a hand-over), no page of
+            // the device changes in this process.
+            default(crate::slotfree::POLL) => handler.free_reported_slots(),
         }
     };
     notifier.send("STOPPING=1");
-    // No slot is freed from here on: a device handed over is the next process's to change.
-    drop(slot_frees);
     let stopped = match action {
         StopAction::Delete => device.shutdown(),
         StopAction::HandOver => device.hand_over(),

@@ -44,6 +44,22 @@ pub struct KernelLayout {
     pub arg_nr_pages: usize,
 }
 
+#[cfg(test)]
+impl KernelLayout {
+    /// A layout of the shape x86-64 Linux 6.12 has, for tests of the program.
+    pub(crate) fn sample() -> Self {
+        Self {
+            si_bdev: 216,
+            si_flags: 0,
+            bd_dev: 144,
+            swp_blkdev: 64,
+            arg_si: 0,
+            arg_entry: 1,
+            arg_nr_pages: 2,
+        }
+    }
+}
+
 /// One type's fixed part: `struct btf_type`.
 #[derive(Clone, Copy, Debug)]
 struct TypeHead {

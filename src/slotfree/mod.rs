@@ -287,15 +287,7 @@ mod kernel_verifier {
     /// load BPF programs (root); elsewhere there is nothing to check and it says so.
     #[test]
     fn the_probe_passes_the_running_kernels_verifier() {
-        let layout = btf::KernelLayout {
-            si_bdev: 216,
-            si_flags: 0,
-            bd_dev: 144,
-            swp_blkdev: 64,
-            arg_si: 0,
-            arg_entry: 1,
-            arg_nr_pages: 2,
-        };
+        let layout = btf::KernelLayout::sample();
         let words = 4096;
         let map = match sys::create_word_array(words + 1, "trueno_test") {
             Ok(map) => map,

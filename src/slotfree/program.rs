@@ -287,15 +287,7 @@ mod tests {
     use super::*;
 
     fn layout() -> KernelLayout {
-        KernelLayout {
-            si_bdev: 216,
-            si_flags: 0,
-            bd_dev: 144,
-            swp_blkdev: 64,
-            arg_si: 0,
-            arg_entry: 1,
-            arg_nr_pages: 2,
-        }
+        KernelLayout::sample()
     }
 
     fn is_jump(code: u8) -> bool {
