@@ -20,6 +20,10 @@ pub(super) fn attach(
     let probe = SlotFreeProbe::attach(major, minor, pages).map_err(|error| error.to_string())?;
     let probe = Arc::new(probe);
     handler.set_slot_frees(probe.clone());
+    // The probe set bits from its attachment on, and writes withdraw their pages' bits only
+    // from here on: a bit set in between may be of a slot given out again and written
+    // meanwhile. Withdraw them all (a free forgotten is only memory, which discards return).
+    probe.forget(0, pages);
     Ok(probe)
 }
 

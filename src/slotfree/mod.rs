@@ -53,13 +53,29 @@ pub enum SlotFreeError {
     Program(#[from] program::ProgramError),
     #[error("the device is too large for the probe's bitmap")]
     TooLarge,
-    #[error("{what}: {source} (needs root with CAP_BPF and CAP_PERFMON, or CAP_SYS_ADMIN, and the bpf and perf_event_open system calls)")]
+    #[error("{what}: {source}")]
     Kernel {
+        what: &'static str,
+        source: std::io::Error,
+    },
+    #[error("{what}: {source} (needs root with CAP_BPF and CAP_PERFMON, or CAP_SYS_ADMIN, and the bpf and perf_event_open system calls)")]
+    Permission {
         what: &'static str,
         source: std::io::Error,
     },
     #[error("the kernel's verifier refused the probe: {error}: {log}")]
     Verifier { error: std::io::Error, log: String },
+}
+
+impl SlotFreeError {
+    /// A kernel call's failure: `Permission` when it was refused for want of privilege.
+    fn from_kernel(what: &'static str, source: std::io::Error) -> Self {
+        if matches!(source.raw_os_error(), Some(libc::EPERM | libc::EACCES)) {
+            Self::Permission { what, source }
+        } else {
+            Self::Kernel { what, source }
+        }
+    }
 }
 
 /// What `stat` shows of the probe.
@@ -89,7 +105,7 @@ impl SlotFreeStats {
 pub struct SlotFreeProbe {
     /// Bits of the device's pages, then the count of calls.
     shared: sys::WordArrayMapping,
-    /// Closed first: detaches the program.
+    /// Closing it detaches the program.
     _event: std::os::fd::OwnedFd,
     _program: std::os::fd::OwnedFd,
     _map: std::os::fd::OwnedFd,
@@ -105,15 +121,21 @@ impl SlotFreeProbe {
             return Err(SlotFreeError::Architecture);
         }
         let layout = btf::kernel_layout(Path::new(VMLINUX_BTF))?;
-        let kernel = |what| move |source| SlotFreeError::Kernel { what, source };
+        let kernel = |what| move |source| SlotFreeError::from_kernel(what, source);
         let words = u32::try_from(pages.div_ceil(64)).map_err(|_| SlotFreeError::TooLarge)?;
         let map_words = words.checked_add(1).ok_or(SlotFreeError::TooLarge)?;
         let map = sys::create_word_array(map_words, "trueno_frees")
             .map_err(kernel("creating the bitmap"))?;
         let map_fd = std::os::fd::AsRawFd::as_raw_fd(&map);
         let code = program::slot_free_probe(&layout, kernel_dev(major, minor), map_fd, words)?;
-        let program = sys::load_kprobe_program(&code, "trueno_frees")
-            .map_err(|(error, log)| SlotFreeError::Verifier { error, log })?;
+        let program = sys::load_kprobe_program(&code, "trueno_frees").map_err(|(error, log)| {
+            match SlotFreeError::from_kernel("loading the probe", error) {
+                SlotFreeError::Kernel { source, .. } => {
+                    SlotFreeError::Verifier { error: source, log }
+                }
+                denied => denied,
+            }
+        })?;
         let shared = sys::WordArrayMapping::map(&map, map_words as usize)
             .map_err(kernel("mapping the bitmap"))?;
         let event = sys::attach_kprobe(btf::FREE_FUNCTION, &program)
