@@ -60,7 +60,8 @@ fn choice<T: Choice>() -> impl TypedValueParser<Value = T> {
 /// file, else the default", so a config file can fill what the command line leaves out.
 #[derive(Clone, Debug, Default, Args)]
 pub struct StoreArgs {
-    /// Compression algorithm of new pages [default: zstd]
+    /// Compression algorithm of new pages [default: lz4; with recompression on, zstd while
+    /// memory is short]
     #[arg(long, value_parser = choice::<AlgorithmChoice>())]
     pub algorithm: Option<AlgorithmChoice>,
     /// zstd level when the algorithm is zstd or adaptive [default: 1]
@@ -81,8 +82,9 @@ pub struct StoreArgs {
     /// Memory limit for stored pages (K/M/G/T suffixes); writes beyond it fail with ENOSPC
     #[arg(long, value_parser = parse_size)]
     pub mem_limit: Option<u64>,
-    /// Recompress idle pages in the background: zstd, zstd:LEVEL, or off [default: zstd:3 for
-    /// lz4 and adaptive, off for zstd]
+    /// Recompress idle pages in the background (and, for lz4, compress new pages with it while
+    /// memory is short): zstd, zstd:LEVEL, or off [default: zstd:3 for lz4 and adaptive, off
+    /// for zstd]
     #[arg(long, value_name = "CODEC", value_parser = RecompressChoice::parse)]
     pub recompress: Option<RecompressChoice>,
     /// How long a page goes unread and unwritten before it is recompressed (ms, s, m, h, d)

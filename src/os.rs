@@ -155,12 +155,59 @@ pub fn ram_bytes() -> std::io::Result<u64> {
 
 /// The `MemTotal:  16318412 kB` line, in bytes.
 pub fn parse_mem_total(meminfo: &str) -> Option<u64> {
-    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let mut words = line["MemTotal:".len()..].split_whitespace();
+    meminfo_bytes(meminfo, "MemTotal:")
+}
+
+/// The value of /proc/meminfo's line `key` (with its colon), in bytes.
+fn meminfo_bytes(meminfo: &str, key: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with(key))?;
+    let mut words = line[key.len()..].split_whitespace();
     let kib: u64 = words.next()?.parse().ok()?;
     match words.next() {
         Some("kB") => kib.checked_mul(1024),
         _ => None,
+    }
+}
+
+/// RAM in total and RAM available to programs without swapping (`MemTotal`, `MemAvailable`), in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryAvailable {
+    pub total: u64,
+    pub available: u64,
+}
+
+impl MemoryAvailable {
+    pub fn parse(meminfo: &str) -> Option<Self> {
+        Some(Self {
+            total: meminfo_bytes(meminfo, "MemTotal:")?,
+            available: meminfo_bytes(meminfo, "MemAvailable:")?,
+        })
+    }
+}
+
+/// /proc/meminfo, kept open and read again at offset 0 into the same buffer: a look costs no
+/// allocation of ours, so a thread on the I/O path may take it under memory pressure.
+pub struct MeminfoReader {
+    file: std::fs::File,
+    buf: Vec<u8>,
+}
+
+impl MeminfoReader {
+    pub fn open() -> std::io::Result<Self> {
+        Ok(Self {
+            file: std::fs::File::open("/proc/meminfo")?,
+            // /proc/meminfo is about 1.5 KiB.
+            buf: vec![0; 8192],
+        })
+    }
+
+    pub fn read(&mut self) -> std::io::Result<MemoryAvailable> {
+        use std::os::unix::fs::FileExt;
+        let n = self.file.read_at(&mut self.buf, 0)?;
+        std::str::from_utf8(&self.buf[..n])
+            .ok()
+            .and_then(MemoryAvailable::parse)
+            .ok_or_else(|| std::io::Error::other("/proc/meminfo has no MemTotal or MemAvailable"))
     }
 }
 
@@ -176,6 +223,23 @@ mod tests {
         assert!(!process_exited(i32::try_from(std::process::id()).unwrap()));
         assert!(process_exited(0));
         assert!(process_exited(-1));
+    }
+
+    #[test]
+    fn available_memory_is_read_from_meminfo() {
+        let text = "MemTotal:        1000 kB\nMemFree:  10 kB\nMemAvailable:     250 kB\n";
+        assert_eq!(
+            MemoryAvailable::parse(text),
+            Some(MemoryAvailable {
+                total: 1000 * 1024,
+                available: 250 * 1024
+            })
+        );
+        assert_eq!(MemoryAvailable::parse("MemTotal: 1000 kB\n"), None);
+        let mut reader = MeminfoReader::open().unwrap();
+        let first = reader.read().unwrap();
+        let second = reader.read().unwrap();
+        assert!(first.available <= first.total && second.total == first.total);
     }
 
     #[test]

@@ -67,19 +67,11 @@ fn defaults_follow_zram_generator() {
     assert_eq!(settings.queues, 1);
     assert_eq!(settings.depth, 32);
     assert_eq!(settings.swap_priority, 100);
-    // zstd for new pages, and so no recompression.
-    assert_eq!(settings.store.algorithm, Algorithm::Zstd { level: 1 });
-    assert_eq!(settings.store.recompress, None);
-    assert_eq!(settings.store.recompress_name(), "off");
-    // LZ4 gets zstd:3 for pages idle 30 s.
-    let lz4 = resolve_with(
-        &create_args(&["--algorithm", "lz4"]),
-        &ConfigFile::default(),
-        8 * GIB,
-    )
-    .unwrap();
+    // LZ4 for new pages, and zstd:3 for pages idle 30 s (and for new pages while memory is
+    // short, which the threads that compress new pages get contexts for).
+    assert_eq!(settings.store.algorithm, Algorithm::Lz4);
     assert_eq!(
-        lz4.store.recompress,
+        settings.store.recompress,
         Some(RecompressConfig {
             algorithm: Algorithm::Zstd { level: 3 },
             idle: Duration::from_secs(30),
@@ -87,7 +79,21 @@ fn defaults_follow_zram_generator() {
             cpu_percent: 50,
         })
     );
-    assert_eq!(lz4.store.recompress_name(), "zstd:3,idle=30s");
+    assert_eq!(settings.store.recompress_name(), "zstd:3,idle=30s");
+    assert_eq!(
+        settings.store.thread_algorithm(),
+        Algorithm::Zstd { level: 3 }
+    );
+    // zstd for new pages: no recompression, and nothing else to switch to.
+    let zstd = resolve_with(
+        &create_args(&["--algorithm", "zstd"]),
+        &ConfigFile::default(),
+        8 * GIB,
+    )
+    .unwrap();
+    assert_eq!(zstd.store.algorithm, Algorithm::Zstd { level: 1 });
+    assert_eq!(zstd.store.recompress_name(), "off");
+    assert_eq!(zstd.store.thread_algorithm(), Algorithm::Zstd { level: 1 });
     assert_eq!(settings.store.forced_backend, None);
     assert!(settings.store.batched);
     assert_eq!(settings.store.batch_threshold, None);
@@ -291,7 +297,14 @@ fn recompression_from_file_and_command_line() {
         recompress(&[], "algorithm = zstd\nzstd-level = 3\n").1,
         None
     );
-    assert_eq!(recompress(&[], "recompress-idle = 5s\n").0, "off");
+    assert_eq!(
+        recompress(&[], "algorithm = zstd\nrecompress-idle = 5s\n").0,
+        "off"
+    );
+    assert_eq!(
+        recompress(&[], "recompress-idle = 5s\n").0,
+        "zstd:3,idle=5s"
+    );
     assert_eq!(
         recompress(&["--recompress", "zstd"], "algorithm = zstd\n").0,
         "zstd:3,idle=30s",

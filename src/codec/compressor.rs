@@ -14,6 +14,7 @@ use super::{
 /// Compresses batches on one core, on all cores, or on a GPU codec, by batch size unless a
 /// backend is forced.
 pub struct Compressor {
+    algorithm: Algorithm,
     simd: CpuCodec,
     parallel: CpuCodec,
     /// Only for LZ4, the one algorithm a GPU codec compresses.
@@ -39,12 +40,18 @@ impl Compressor {
         thresholds: BackendThresholds,
     ) -> Self {
         Self {
+            algorithm,
             simd: CpuCodec::single(algorithm),
             parallel: CpuCodec::parallel(algorithm),
             gpu: gpu.filter(|_| algorithm == Algorithm::Lz4),
             forced_backend,
             thresholds,
         }
+    }
+
+    /// The algorithm of the CPU codecs.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
     }
 
     /// The backend a batch of `pages` pages goes to first.

@@ -45,11 +45,12 @@ pub const DEFAULT_QUEUES: u16 = 1;
 /// Tags per queue: each holds a locked 64 KiB buffer, and one queue thread serves them in turn,
 /// so more tags mostly lock more memory.
 pub const DEFAULT_DEPTH: u16 = 32;
-/// New pages get zstd by default: swap is there to hold more pages in less RAM, and the VM
-/// test's 256 MiB swap storm passes with zstd where LZ4 ran out of memory (README, Limits).
-/// `--algorithm lz4` trades memory for speed on the hot path, and then gets idle pages
-/// recompressed with zstd in the background (`DEFAULT_RECOMPRESS`).
-pub const DEFAULT_ALGORITHM: AlgorithmChoice = AlgorithmChoice::Zstd;
+/// New pages get LZ4 by default, the speed of the hot path; pages idle for
+/// `DEFAULT_RECOMPRESS_IDLE` are recompressed with zstd in the background
+/// (`DEFAULT_RECOMPRESS`), and while memory is short new pages get that zstd at once
+/// (`MEMORY_SHORT_BELOW_DIVISOR`): the VM test's 256 MiB swap storm ran out of memory with LZ4
+/// alone (README, Limits).
+pub const DEFAULT_ALGORITHM: AlgorithmChoice = AlgorithmChoice::Lz4;
 /// The zstd level of `--algorithm zstd` and `adaptive`.
 pub const DEFAULT_ZSTD_LEVEL: i32 = 1;
 /// Idle pages of an LZ4 or adaptive store are recompressed with zstd at this level unless
@@ -70,6 +71,13 @@ pub const MAX_RECOMPRESS_IDLE: Duration = Duration::from_secs(86_400);
 /// A recompressed page is kept only if it is at least 1/8 smaller than before: below that, the
 /// slower reads of zstd cost more than the memory saves.
 pub const RECOMPRESS_MIN_SAVING_DIVISOR: usize = 8;
+/// The system counts as short of memory while `MemAvailable` is below RAM / this, until it is
+/// back above RAM / `MEMORY_SHORT_UNTIL_DIVISOR`: then an LZ4 store compresses new pages with
+/// its recompression codec at once (`store::short_memory_algorithm`), since the pages swap
+/// takes then are the ones it cannot give RAM back for. With file cache left to reclaim,
+/// swapping pages out is not yet a shortage, and LZ4 keeps swap fast.
+pub const MEMORY_SHORT_BELOW_DIVISOR: u64 = 16;
+pub const MEMORY_SHORT_UNTIL_DIVISOR: u64 = 8;
 /// The recompressor uses at most half of one core (and only CPU that nothing else wants: it
 /// runs at nice 19).
 pub const RECOMPRESS_CPU_PERCENT: u32 = 50;
@@ -321,6 +329,12 @@ impl StoreSettings {
             oom_killer: None,
             size_bytes,
         }
+    }
+
+    /// The algorithm whose codec contexts the threads that compress new pages make (see
+    /// `store::thread_algorithm`).
+    pub fn thread_algorithm(&self) -> Algorithm {
+        crate::store::thread_algorithm(self.algorithm, self.recompress)
     }
 
     /// `zstd:3,idle=30s`, or `off` (what `stat` shows as RECOMPRESS).

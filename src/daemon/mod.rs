@@ -13,6 +13,7 @@
 mod detach;
 mod handler;
 mod harden;
+mod memory_watch;
 mod slot_frees;
 mod supervise;
 
@@ -443,6 +444,9 @@ fn serve(
     // the device waits): its stack and heap are faulted in now.
     crate::mem::prepare_io_thread();
     let algorithm = settings.store.algorithm;
+    // The codec contexts every thread that compresses new pages makes before it serves:
+    // those of the stronger codec too, where memory running short switches to it.
+    let thread_algorithm = settings.store.thread_algorithm();
     // The store's compression pool (the flush's), a standby's too, before it waits: made at
     // the takeover, its threads faulted in their stacks, heaps and codec contexts while memory
     // was at the watermark, and the flush that the resumed queue's writes waited for waited
@@ -450,7 +454,7 @@ fn serve(
     // fill left swap stalled for good). It costs a standby its threads' memory.
     let _ = rayon::ThreadPoolBuilder::new()
         .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
-        .start_handler(move |_| ready_store_thread(algorithm))
+        .start_handler(move |_| ready_store_thread(thread_algorithm))
         .build_global();
 
     // Signals first, so a SIGTERM during start-up is not lost.
@@ -468,7 +472,7 @@ fn serve(
             None
         }
     };
-    let handler = Arc::new(StoreHandler::new(algorithm));
+    let handler = Arc::new(StoreHandler::new(thread_algorithm));
     // Heap a standby keeps ready for its takeover; for the log line of the takeover.
     let heap_ready = std::cell::Cell::new(0);
     let (target, started) = if standby {
@@ -477,7 +481,7 @@ fn serve(
         })?;
         let mut standby = Device::standby(id, handler.clone())?;
         // This thread compresses the pending pages of the store it resumes.
-        crate::codec::prepare_thread(algorithm);
+        crate::codec::prepare_thread(thread_algorithm);
         // What the takeover allocates, kept ready (see `SparePages`): heap in this thread's
         // arena, as much as resuming the store as it is now needs (it grows as the serving
         // process stores pages, and is looked at again every ping), and pages for the kernel,
@@ -530,7 +534,7 @@ fn serve(
     let start_flusher = |store: &Arc<BatchedPageStore>| {
         store
             .start_flusher(move |role| {
-                ready_store_thread(algorithm);
+                ready_store_thread(thread_algorithm);
                 if role == StoreThread::Refill {
                     make_refill_realtime();
                 }
@@ -689,6 +693,7 @@ fn serve(
         })
         .map_err(io_error("starting the signal thread"))?;
     let survives = device.survives_daemon();
+    let mut memory_watch = memory_watch::MemoryWatch::open();
     // What to do with the device, and whether the stop was unexpected (a failure to report).
     let (action, unexpected) = loop {
         crossbeam_channel::select! {
@@ -702,7 +707,7 @@ fn serve(
                     Ok(SIGUSR2) => {
                         // `trueno-ublk compact`: in a thread of its own at the lowest priority.
                         match store.start_compaction(
-                            move |_| ready_store_thread(algorithm),
+                            move |_| ready_store_thread(thread_algorithm),
                             |done| tracing::info!(
                                 passes = done.passes,
                                 moved_pages = done.moved_pages,
@@ -747,7 +752,12 @@ fn serve(
             }
             // Only here are reported slots freed: once the loop ends (a hand-over), no page of
             // the device changes in this process.
-            default(crate::slotfree::POLL) => handler.free_reported_slots(),
+            default(crate::slotfree::POLL) => {
+                handler.free_reported_slots();
+                if let Some(watch) = memory_watch.as_mut() {
+                    watch.look(&store);
+                }
+            }
         }
     };
     notifier.send("STOPPING=1");

@@ -38,6 +38,7 @@ pub const COLUMNS: &[&str] = &[
     "PAGES-PARALLEL",
     "PAGES-GPU",
     "RECOMPRESS",
+    "MEM-SHORT",
     "PAGES-LZ4",
     "PAGES-ZSTD",
     "RECOMPRESSED",
@@ -59,7 +60,7 @@ pub const COLUMNS: &[&str] = &[
 ];
 
 /// Columns printed left-aligned (the others are numbers).
-const TEXT_COLUMNS: &[&str] = &["NAME", "ALGORITHM", "RECOMPRESS", "GPU"];
+const TEXT_COLUMNS: &[&str] = &["NAME", "ALGORITHM", "RECOMPRESS", "MEM-SHORT", "GPU"];
 
 /// The output of `stat` for these probes.
 pub fn render(probes: &[Probe], format: StatFormat) -> String {
@@ -103,6 +104,7 @@ pub fn render(probes: &[Probe], format: StatFormat) -> String {
                 s.pages_simd_parallel.to_string(),
                 s.pages_gpu.to_string(),
                 report.recompress.clone(),
+                if s.memory_short { "yes" } else { "no" }.to_string(),
                 s.pages_lz4.to_string(),
                 s.pages_zstd.to_string(),
                 s.recompressed_pages.to_string(),

@@ -56,4 +56,30 @@ impl StoreConfig {
     pub(super) fn compressor(&self, gpu: Option<std::sync::Arc<dyn BatchCodec>>) -> Compressor {
         Compressor::new(self.algorithm, gpu, self.forced_backend, self.thresholds)
     }
+
+    /// The compressor of new pages while memory is short (see `short_memory_algorithm`).
+    pub(super) fn short_memory_compressor(&self) -> Option<Compressor> {
+        short_memory_algorithm(self.algorithm, self.recompress)
+            .map(|algorithm| Compressor::new(algorithm, None, None, self.thresholds))
+    }
+}
+
+/// The codec new pages of a store of `algorithm` get while memory is short (see
+/// `BatchedPageStore::set_memory_short`): the recompressor's stronger one, for an LZ4 store;
+/// `None` (always `algorithm`) for a store without recompression or whose pages are already
+/// zstd or adaptive (whose zstd level differs: one thread keeps a context for one level).
+pub fn short_memory_algorithm(
+    algorithm: Algorithm,
+    recompress: Option<RecompressConfig>,
+) -> Option<Algorithm> {
+    recompress
+        .map(|config| config.algorithm)
+        .filter(|_| algorithm == Algorithm::Lz4)
+}
+
+/// The algorithm whose codec contexts a thread that compresses a store's new pages needs
+/// (`codec::prepare_thread`): the short-memory one when there is one (its zstd contexts also
+/// serve the LZ4 pages, which need none), else `algorithm`.
+pub fn thread_algorithm(algorithm: Algorithm, recompress: Option<RecompressConfig>) -> Algorithm {
+    short_memory_algorithm(algorithm, recompress).unwrap_or(algorithm)
 }

@@ -104,6 +104,13 @@ pub struct StoreStats {
     /// Compactions asked for and finished (`trueno-ublk compact`, see `store::recompress`).
     #[serde(default)]
     pub compactions: u64,
+    /// New pages are compressed with the stronger codec now, because the system is short of
+    /// memory (see `BatchedPageStore::set_memory_short`).
+    #[serde(default)]
+    pub memory_short: bool,
+    /// Pages compressed with the stronger codec when written, because memory was short.
+    #[serde(default)]
+    pub short_memory_pages: u64,
 }
 
 /// Live counters behind `StoreStats`.
@@ -141,6 +148,7 @@ pub(super) struct Counters {
     pub(super) recompress_passes: AtomicU64,
     pub(super) compacted_pages: AtomicU64,
     pub(super) compactions: AtomicU64,
+    pub(super) short_memory_pages: AtomicU64,
 }
 
 pub(super) fn add(c: &AtomicU64, n: u64) {

@@ -87,7 +87,7 @@ impl BatchedPageStore {
         resolved: &[AtomicBool],
     ) {
         let pages: Vec<&Page> = part.iter().map(|s| &*s.page).collect();
-        let done = self.compressor.compress(&pages, out);
+        let done = self.compressor_for(pages.len()).compress(&pages, out);
         if done.fell_back {
             add(&self.counters.gpu_fallback_batches, 1);
         }

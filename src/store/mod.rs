@@ -56,7 +56,7 @@ use crate::codec::{
     CompressedBatch, Compressor, Encoding, Page, PageClass, PAGE_SIZE,
 };
 use alloc::ZsAllocator;
-pub use config::{RecompressConfig, StoreConfig};
+pub use config::{short_memory_algorithm, thread_algorithm, RecompressConfig, StoreConfig};
 pub use counters::StoreStats;
 use counters::{add, sub, Counters};
 pub use error::StoreError;
@@ -91,6 +91,11 @@ pub struct BatchedPageStore {
     table: PageTable,
     alloc: ZsAllocator,
     compressor: Compressor,
+    /// New pages' compressor while memory is short (see `set_memory_short`); `None`: always
+    /// `compressor`.
+    short_memory_compressor: Option<Compressor>,
+    /// The system is short of memory (the daemon says so): new pages get the stronger codec.
+    memory_short: AtomicBool,
     batches: Box<[PendingBatch]>,
     /// Index of the open batch.
     current: AtomicUsize,
@@ -249,6 +254,8 @@ impl BatchedPageStore {
             .collect();
         let store = Self {
             compressor: config.compressor(gpu),
+            short_memory_compressor: config.short_memory_compressor(),
+            memory_short: AtomicBool::new(false),
             table: PageTable::new(regions.table, regions.hints, regions.checksums),
             alloc: ZsAllocator::new(
                 config.reserve_bytes,
@@ -350,7 +357,7 @@ impl BatchedPageStore {
             }
         } else {
             let mut out = [0u8; PAGE_SIZE];
-            let (encoding, len) = compress_page(self.config.algorithm, page, &mut out);
+            let (encoding, len) = compress_page(self.compressor_for(1).algorithm(), page, &mut out);
             add(&self.counters.pages_simd, 1);
             self.oom
                 .note_compressed(1, u64::from(encoding == Encoding::Raw));
@@ -574,6 +581,26 @@ impl BatchedPageStore {
         self.alloc.reserve.stop();
     }
 
+    /// Tell the store whether the system is short of memory. While it is, new pages are
+    /// compressed with the recompressor's stronger codec (an LZ4 store's zstd) rather than
+    /// waiting for them to go idle: a swap device is written to hardest when RAM runs out,
+    /// and then every page's size counts more than its speed. Has no effect on a store
+    /// without such a codec (`config::short_memory_algorithm`).
+    pub fn set_memory_short(&self, short: bool) {
+        self.memory_short.store(short, Ordering::Relaxed);
+    }
+
+    /// The compressor of the next `pages` new pages (see `set_memory_short`), counted.
+    fn compressor_for(&self, pages: usize) -> &Compressor {
+        match &self.short_memory_compressor {
+            Some(small) if self.memory_short.load(Ordering::Relaxed) => {
+                add(&self.counters.short_memory_pages, pages as u64);
+                small
+            }
+            _ => &self.compressor,
+        }
+    }
+
     pub fn stats(&self) -> StoreStats {
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -622,6 +649,9 @@ impl BatchedPageStore {
             recompress_passes: get(&c.recompress_passes),
             compacted_pages: get(&c.compacted_pages),
             compactions: get(&c.compactions),
+            memory_short: self.short_memory_compressor.is_some()
+                && self.memory_short.load(Ordering::Relaxed),
+            short_memory_pages: get(&c.short_memory_pages),
         }
     }
 

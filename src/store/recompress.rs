@@ -33,7 +33,9 @@ use super::config::RecompressConfig;
 use super::counters::add;
 use super::table::{EntryGuard, Hint, PageState};
 use super::BatchedPageStore;
-use crate::codec::{checksum, compress_page, decompress_page, page_len, Encoding, Page, PAGE_SIZE};
+use crate::codec::{
+    checksum, compress_page, decompress_page, page_len, Algorithm, Encoding, Page, PAGE_SIZE,
+};
 
 /// Ticks of the idle clock per idle threshold: a page counts as idle once its hint is this many
 /// ticks old, so it is recompressed between 15/16 and 17/16 of the threshold after its last
@@ -123,6 +125,11 @@ impl BatchedPageStore {
             .set(u64::try_from(ticks).unwrap_or(u64::MAX));
     }
 
+    /// Whether this store compresses its new pages with zstd.
+    fn writes_zstd(&self) -> bool {
+        matches!(self.config.algorithm, Algorithm::Zstd { .. })
+    }
+
     fn stopping(&self) -> bool {
         self.shut_down.load(Ordering::Acquire)
     }
@@ -150,15 +157,19 @@ impl BatchedPageStore {
             let Some((state, hint)) = self.table.peek(index) else {
                 continue; // locked: in use right now, so not idle
             };
-            let PageState::Stored { len, .. } = state else {
+            let PageState::Stored { len, encoding, .. } = state else {
                 continue;
             };
+            // A zstd page of a store that writes LZ4 (or adaptive) got zstd when it was
+            // written, while memory was short (or by adaptive's choice): it is as small as
+            // this would make it, give or take the 1/8 a result must save.
+            let settled = hint.settled() || (encoding == Encoding::Zstd && !self.writes_zstd());
             let idle = hint.age(self.idle_clock.now()) >= TICKS_PER_IDLE;
-            let to_recompress = !hint.settled() && idle;
+            let to_recompress = !settled && idle;
             let to_move = !to_recompress && self.alloc.class_evacuating(usize::from(len));
             if !to_recompress && !to_move {
                 // Not idle yet (unless settled), or nothing to do.
-                backlog += u64::from(!hint.settled());
+                backlog += u64::from(!settled);
                 continue;
             }
             if self.alloc.reserve.starving() {

@@ -264,6 +264,66 @@ fn idle_pages_are_recompressed_once_and_incompressible_ones_not_retried() {
     s.shutdown();
 }
 
+/// While memory is short, an LZ4 store compresses new pages with its recompression codec at
+/// once, and the recompressor leaves them as they are (settled, no backlog); once memory is
+/// back, new pages get LZ4 again. Every page reads back.
+#[test]
+fn new_pages_get_the_stronger_codec_while_memory_is_short() {
+    let (s, config) = recompressing_store(64);
+    s.set_memory_short(true);
+    assert!(s.stats().memory_short);
+    for i in 0..16u64 {
+        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    let st = s.stats();
+    assert_eq!((st.pages_zstd, st.pages_lz4), (16, 0), "{st:?}");
+    assert_eq!(st.short_memory_pages, 16);
+
+    s.set_memory_short(false);
+    for i in 16..24u64 {
+        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    let st = s.stats();
+    assert!(!st.memory_short);
+    assert_eq!((st.pages_zstd, st.pages_lz4), (16, 8), "{st:?}");
+    assert_eq!(st.short_memory_pages, 16);
+
+    // The zstd pages are settled as written: only the LZ4 ones wait for the recompressor.
+    pass(&s, &config);
+    assert_eq!(s.stats().recompress_backlog, 8);
+    let_time_pass(&s);
+    pass(&s, &config);
+    let st = s.stats();
+    assert_eq!(
+        (st.recompressed_pages, st.recompress_backlog, st.pages_zstd),
+        (8, 0, 24),
+        "{st:?}"
+    );
+    for i in 0..24u64 {
+        assert_eq!(&read_page_back(&s, i)[..], &text(i)[..], "page {i}");
+    }
+    s.shutdown();
+}
+
+/// A store without a stronger codec (zstd, or LZ4 with recompression off) keeps its own
+/// algorithm whatever memory does.
+#[test]
+fn memory_short_changes_nothing_without_a_stronger_codec() {
+    let mut c = crate::config::StoreSettings::default().store_config(16 * PAGE_SIZE as u64, false);
+    c.algorithm = Algorithm::Lz4;
+    c.recompress = None;
+    let s = store(c);
+    s.set_memory_short(true);
+    s.write(0, &text(1)[..]).unwrap();
+    s.flush_pending().unwrap();
+    let st = s.stats();
+    assert!(!st.memory_short);
+    assert_eq!((st.pages_lz4, st.short_memory_pages), (1, 0));
+    s.shutdown();
+}
+
 #[test]
 fn a_page_written_read_or_discarded_while_recompressed_wins() {
     let (s, config) = recompressing_store(8);
@@ -596,14 +656,14 @@ fn compaction_brings_memory_after_random_discards_within_5_percent_of_a_fresh_st
 fn compact_asked_for_brings_a_store_without_recompression_within_5_percent_of_a_fresh_one() {
     const PAGES: u64 = 4096;
     let page = PAGE_SIZE as u64;
-    let config =
-        || crate::config::StoreSettings::default().store_config(PAGES * PAGE_SIZE as u64, false);
+    let config = || {
+        let mut config =
+            crate::config::StoreSettings::default().store_config(PAGES * PAGE_SIZE as u64, false);
+        config.recompress = None;
+        config
+    };
     let content = sized_page;
     let s = store(config());
-    assert!(
-        s.config.recompress.is_none(),
-        "the default recompresses nothing"
-    );
     for i in 0..PAGES {
         s.write(i * page, &content(i)[..]).unwrap();
     }
