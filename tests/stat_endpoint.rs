@@ -168,20 +168,20 @@ fn table_json_and_raw_output() {
     );
     // PAGES-SIMD PAGES-PARALLEL PAGES-GPU
     assert_eq!(&row[11..14], ["11", "22", "33"]);
-    // RECOMPRESS PAGES-LZ4 PAGES-ZSTD RECOMPRESSED RECOMP-SAVED RECOMP-CPU
+    // RECOMPRESS MEM-SHORT PAGES-LZ4 PAGES-ZSTD RECOMPRESSED RECOMP-SAVED RECOMP-CPU
     assert_eq!(
-        &row[14..20],
-        ["zstd:3,idle=30s", "5", "6", "7", "3M", "2.5s"]
+        &row[14..21],
+        ["zstd:3,idle=30s", "no", "5", "6", "7", "3M", "2.5s"]
     );
     // FLUSHES READ-ERRS WRITE-ERRS LOST CSUM-ERRS
-    assert_eq!(&row[20..25], ["44", "1", "2", "3", "4"]);
+    assert_eq!(&row[21..26], ["44", "1", "2", "3", "4"]);
     // RSS IDLE-RSS, then READ-P50 READ-P99 WRITE-P50 WRITE-P99: bucket upper bounds in µs,
     // `-` without requests.
-    assert_eq!(&row[25..27], ["30M", "8M"]);
-    assert_eq!(&row[27..31], ["<=3us", "<=132us", "-", "-"]);
+    assert_eq!(&row[26..28], ["30M", "8M"]);
+    assert_eq!(&row[28..32], ["<=3us", "<=132us", "-", "-"]);
     // SLOT-FREES: slots freed through the probe, or `off`.
-    assert_eq!(row[31], "12");
-    assert_eq!(lines[2].split_whitespace().nth(31), Some("off"));
+    assert_eq!(row[32], "12");
+    assert_eq!(lines[2].split_whitespace().nth(32), Some("off"));
     assert!(lines[1].ends_with("unavailable: no libcuda"));
     assert!(lines[2].starts_with("/dev/ublkb7"), "sorted by id: {table}");
     // Nothing stored: no ratio.
