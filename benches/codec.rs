@@ -19,8 +19,8 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use trueno_ublk::codec::{
-    checksum, classify, compress_page, decompress_page, Algorithm, BatchCodec, CompressedBatch,
-    CpuCodec, Encoding, Page, PageClass, PAGE_SIZE,
+    classify, compress_page, decompress_page, Algorithm, BatchCodec, CompressedBatch, CpuCodec,
+    Encoding, Page, PageChecksum, PageClass, PAGE_SIZE,
 };
 
 /// `n` data pages (same-filled pages never reach a codec).
@@ -64,19 +64,25 @@ fn bench_classify(c: &mut Criterion) {
     g.finish();
 }
 
-/// The CRC32C the store takes of every page it stores and checks on every read of one: its
-/// cost against `page_codec`'s figures for the same pages.
+/// The checksum the store takes of every page it stores and checks on every read of one (XXH64
+/// in new stores, CRC32C in stores of layout version 3): its cost against `page_codec`'s
+/// figures for the same pages.
 fn bench_checksum(c: &mut Criterion) {
     let pages = corpus(256);
     let mut g = c.benchmark_group("checksum");
     g.throughput(Throughput::Bytes((pages.len() * PAGE_SIZE) as u64));
-    g.bench_function("crc32c_page", |b| {
-        b.iter(|| {
-            pages
-                .iter()
-                .fold(0u32, |acc, p| acc ^ checksum(std::hint::black_box(p)))
-        })
-    });
+    for (name, kind) in [
+        ("xxh64_page", PageChecksum::Xxh64),
+        ("crc32c_page", PageChecksum::Crc32c),
+    ] {
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                pages
+                    .iter()
+                    .fold(0u32, |acc, p| acc ^ kind.of(std::hint::black_box(p)))
+            })
+        });
+    }
     g.finish();
 }
 

@@ -4,7 +4,7 @@
 # the host through ttyS1: "FIGURE name=value" lines, then "VMTEST RESULT: PASS|FAIL".
 #
 # MODE=bench-fio (1 GiB VM, fio's libraries live in its RAM): for kernel zram with lz4 and with
-#   zstd, and for trueno-ublk with its defaults and with --algorithm lz4, each a fresh 1 GiB
+#   zstd, and for trueno-ublk with its defaults (LZ4) and with --algorithm zstd, each a fresh 1 GiB
 #   device: fio with O_DIRECT and io_uring on 60%-compressible buffers over the first 256 MiB
 #   (written first): 4 KiB random read and write at QD1 and QD32, 1 MiB sequential read and
 #   write at QD4, FIO_RUNTIME_S seconds each. FIGURE fio_<device>_<job>_iops=N.
@@ -107,8 +107,8 @@ bench-fio)
     ublk_up
     fio_table ublk_default /dev/ublkb0
     ublk_down
-    ublk_up --algorithm lz4
-    fio_table ublk_lz4 /dev/ublkb0
+    ublk_up --algorithm zstd
+    fio_table ublk_zstd /dev/ublkb0
     ublk_down
     ;;
 bench-storm)

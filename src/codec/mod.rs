@@ -16,8 +16,8 @@ use thiserror::Error;
 pub use batch::CpuCodec;
 pub use compressor::{Compressed, Compressor};
 pub use page::{
-    checksum, classify, compress_page, decompress_page, fill_page, prepare_thread,
-    sampled_entropy_bits, ADAPTIVE_ZSTD_LEVEL, MAX_COMPRESSED_LEN,
+    classify, compress_page, decompress_page, fill_page, prepare_thread, sampled_entropy_bits,
+    PageChecksum, ADAPTIVE_ZSTD_LEVEL, MAX_COMPRESSED_LEN,
 };
 
 /// Size of one page of the device, in bytes.

@@ -13,8 +13,7 @@ use super::pending::PendingSlot;
 use super::table::PageState;
 use super::{BatchedPageStore, PENDING_BATCHES};
 use crate::codec::{
-    checksum, decompress_page, Backend, CompressedBatch, Encoding, Page, MAX_COMPRESSED_LEN,
-    PAGE_SIZE,
+    decompress_page, Backend, CompressedBatch, Encoding, Page, MAX_COMPRESSED_LEN, PAGE_SIZE,
 };
 
 /// Without a GPU a batch is compressed and installed this many pages at a time, so that the
@@ -144,7 +143,7 @@ impl BatchedPageStore {
         bytes: &[u8],
     ) {
         let index = pending.index;
-        let page_checksum = checksum(&pending.page);
+        let page_checksum = self.checksum.of(&pending.page);
         let handle = self.alloc.store(bytes);
         let len = crate::codec::page_len(bytes.len());
         let installed = {

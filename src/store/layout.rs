@@ -6,7 +6,7 @@
 //! | header (one page) | magic, layout version, device pages, slots per batch, arena size, the allocator's class fingerprint, the arena's carve cursor, the pid of the process using it, then each size class's live chunks (a hint, see `H_CLASS_CHUNKS`) |
 //! | table | one word per device page (see `table`) |
 //! | hints | one 16-bit idle hint per device page (see `table::Hint`); not crash-consistent, started afresh on resume |
-//! | checksums | the CRC32C of each stored page's data, written before its entry names the object |
+//! | checksums | the checksum of each stored page's data (`codec::PageChecksum`: XXH64's low half, or CRC32C in a store of version 3), written before its entry names the object |
 //! | slot indexes | the page index each pending slot holds |
 //! | slot pages | the pending batches' pages |
 //! | arena tags | a word per arena page (see `mem::Arena`) |
@@ -24,12 +24,25 @@ use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::{alloc, StoreError, PENDING_BATCHES};
-use crate::codec::PAGE_SIZE;
+use crate::codec::{PageChecksum, PAGE_SIZE};
 use crate::mem::{Arena, PageSlots, Segment, Words};
 
-/// Version of this layout and of the meaning of its words. A binary refuses a segment of
-/// another version, and leaves it untouched for a binary that reads it.
-pub const LAYOUT_VERSION: u64 = 3;
+/// Version of this layout and of the meaning of its words, which new stores get. A binary
+/// refuses a segment of a version it does not read (`READ_VERSIONS`), and leaves it untouched
+/// for a binary that does. Version 4 checksums pages with XXH64, version 3 with CRC32C (its
+/// words mean the same otherwise): a store of version 3 is resumed as it is, and keeps CRC32C
+/// and its version, so the binary that made it can still take it back.
+pub const LAYOUT_VERSION: u64 = 4;
+const READ_VERSIONS: [u64; 2] = [3, LAYOUT_VERSION];
+
+/// The page checksum of a store of layout `version` (one of `READ_VERSIONS`).
+fn checksum_of_version(version: u64) -> PageChecksum {
+    if version == 3 {
+        PageChecksum::Crc32c
+    } else {
+        PageChecksum::Xxh64
+    }
+}
 const MAGIC: u64 = u64::from_le_bytes(*b"trueublk");
 /// SysV keys of device stores: this plus the device id (ublk ids are below 2^20).
 const DEVICE_KEY_BASE: i32 = 0x7400_0000;
@@ -122,7 +135,7 @@ pub(super) fn peek_shared(device_id: u32) -> Result<Option<ResumeHint>, StoreErr
         .words(0, HEADER_WORDS)
         .map_err(memory_error("mapping the store's header"))?;
     let word = |i: usize| header[i].load(Ordering::Acquire);
-    if word(H_MAGIC) != MAGIC || word(H_VERSION) != LAYOUT_VERSION {
+    if word(H_MAGIC) != MAGIC || !READ_VERSIONS.contains(&word(H_VERSION)) {
         return Ok(None);
     }
     Ok(Some(ResumeHint {
@@ -205,6 +218,8 @@ pub(super) struct Regions {
     /// The header's words from `H_CLASS_CHUNKS` on.
     pub(super) class_chunks: Words<AtomicU64>,
     pub(super) resumed: bool,
+    /// How this store checksums its pages (by its layout version).
+    pub(super) checksum: PageChecksum,
 }
 
 impl Regions {
@@ -233,7 +248,7 @@ impl Regions {
     }
 
     fn fresh(segment: &Arc<Segment>, shape: Shape) -> Result<Self, StoreError> {
-        let regions = Self::map(segment, shape, false)?;
+        let regions = Self::map(segment, shape, None)?;
         let header = &regions.owner.header;
         for (word, value) in [
             (H_VERSION, LAYOUT_VERSION),
@@ -269,10 +284,10 @@ impl Regions {
         if word(H_MAGIC) != MAGIC {
             return Err(layout_error("is not a trueno-ublk store".into()));
         }
-        if word(H_VERSION) != LAYOUT_VERSION {
+        let version = word(H_VERSION);
+        if !READ_VERSIONS.contains(&version) {
             return Err(layout_error(format!(
-                "has layout version {}, and this binary reads version {LAYOUT_VERSION}",
-                word(H_VERSION)
+                "has layout version {version}, and this binary reads versions {READ_VERSIONS:?}"
             )));
         }
         if word(H_PAGES) != wanted.pages as u64 {
@@ -310,13 +325,14 @@ impl Regions {
             ));
         }
         drop(header);
-        let regions = Self::map(segment, shape, true)?;
+        let regions = Self::map(segment, shape, Some(version))?;
         regions.owner.header[H_OWNER].store(u64::from(std::process::id()), Ordering::Release);
         Ok(regions)
     }
 
-    /// Views of every region, the fixed ones committed.
-    fn map(segment: &Arc<Segment>, shape: Shape, resumed: bool) -> Result<Self, StoreError> {
+    /// Views of every region, the fixed ones committed; `resumed`: the layout version of the
+    /// store found, `None` for a fresh one.
+    fn map(segment: &Arc<Segment>, shape: Shape, resumed: Option<u64>) -> Result<Self, StoreError> {
         let o = shape.offsets();
         let mapping = memory_error("mapping the store's memory");
         // Header, table, hints, checksums, slot indexes and slot pages: everything but the tags
@@ -351,7 +367,8 @@ impl Regions {
                 o.tags,
             ))?,
             class_chunks: view(segment.words(H_CLASS_CHUNKS * 8, alloc::MAX_CLASSES))?,
-            resumed,
+            resumed: resumed.is_some(),
+            checksum: checksum_of_version(resumed.unwrap_or(LAYOUT_VERSION)),
         })
     }
 }

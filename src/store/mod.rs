@@ -52,8 +52,8 @@ use rayon::prelude::*;
 
 pub use crate::codec::BackendThresholds;
 use crate::codec::{
-    checksum, classify, compress_page, decompress_page, fill_page, Algorithm, Backend, BatchCodec,
-    CompressedBatch, Compressor, Encoding, Page, PageClass, PAGE_SIZE,
+    classify, compress_page, decompress_page, fill_page, Algorithm, Backend, BatchCodec,
+    CompressedBatch, Compressor, Encoding, Page, PageChecksum, PageClass, PAGE_SIZE,
 };
 use alloc::ZsAllocator;
 pub use config::{short_memory_algorithm, thread_algorithm, RecompressConfig, StoreConfig};
@@ -91,6 +91,8 @@ pub struct BatchedPageStore {
     table: PageTable,
     alloc: ZsAllocator,
     compressor: Compressor,
+    /// How pages' data is checksummed (by the store's layout version).
+    checksum: PageChecksum,
     /// New pages' compressor while memory is short (see `set_memory_short`); `None`: always
     /// `compressor`.
     short_memory_compressor: Option<Compressor>,
@@ -254,6 +256,7 @@ impl BatchedPageStore {
             .collect();
         let store = Self {
             compressor: config.compressor(gpu),
+            checksum: regions.checksum,
             short_memory_compressor: config.short_memory_compressor(),
             memory_short: AtomicBool::new(false),
             table: PageTable::new(regions.table, regions.hints, regions.checksums),
@@ -383,7 +386,7 @@ impl BatchedPageStore {
                     len: crate::codec::page_len(len),
                     encoding,
                 },
-                checksum(page),
+                self.checksum.of(page),
             );
             sub(&self.reserved_bytes, PAGE_SIZE as u64);
         }
@@ -415,7 +418,7 @@ impl BatchedPageStore {
         self.set_written(index, state, None);
     }
 
-    /// `set_state` to a stored object holding data of CRC32C `checksum`.
+    /// `set_state` to a stored object holding data of checksum `checksum`.
     fn set_stored(&self, index: u64, state: PageState, checksum: u32) {
         self.set_written(index, state, Some(checksum));
     }
@@ -496,7 +499,7 @@ impl BatchedPageStore {
                         source,
                     });
                 }
-                let (stored, found) = (entry.checksum(), checksum(out));
+                let (stored, found) = (entry.checksum(), self.checksum.of(out));
                 if found != stored {
                     add(&self.counters.checksum_failures, 1);
                     tracing::error!(

@@ -34,7 +34,7 @@ use super::counters::add;
 use super::table::{EntryGuard, Hint, PageState};
 use super::BatchedPageStore;
 use crate::codec::{
-    checksum, compress_page, decompress_page, page_len, Algorithm, Encoding, Page, PAGE_SIZE,
+    compress_page, decompress_page, page_len, Algorithm, Encoding, Page, PAGE_SIZE,
 };
 
 /// Ticks of the idle clock per idle threshold: a page counts as idle once its hint is this many
@@ -401,7 +401,7 @@ impl BatchedPageStore {
             &scratch.compressed[..old_len],
             &mut scratch.page,
         );
-        let intact = decoded.is_ok() && checksum(&scratch.page) == claim.checksum;
+        let intact = decoded.is_ok() && self.checksum.of(&scratch.page) == claim.checksum;
         if decoded.is_ok() && !intact {
             // Its reads fail with EIO and log it; the data must not be stored again as good.
             add(&self.counters.checksum_failures, 1);

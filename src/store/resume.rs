@@ -16,7 +16,7 @@
 use super::counters::add;
 use super::table::PageState;
 use super::{BatchedPageStore, Opened, StoreError};
-use crate::codec::{checksum, compress_page, Encoding, PAGE_SIZE};
+use crate::codec::{compress_page, Encoding, PAGE_SIZE};
 
 /// Lost pages named one by one in the log; the rest are counted.
 const LOST_PAGES_LOGGED: u64 = 16;
@@ -109,7 +109,7 @@ impl BatchedPageStore {
             },
             None => PageState::Lost,
         };
-        entry.set_checksum(checksum(&source.page));
+        entry.set_checksum(self.checksum.of(&source.page));
         entry.replace(new);
         self.counters.transition(PageState::Empty, new);
         add(&self.counters.pages_simd, 1);

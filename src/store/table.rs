@@ -1,5 +1,5 @@
 //! The page table: one 8-byte word per device page, each with its own lock bit, and beside it
-//! one 16-bit idle hint per page (`Hint`) and the CRC32C of a stored page's data.
+//! one 16-bit idle hint per page (`Hint`) and the checksum of a stored page's data (`codec::PageChecksum`).
 //!
 //! Every change of a page's state is one atomic store of its word, so a process that dies at
 //! any instruction leaves every entry whole: the old state or the new one (the store's memory
@@ -245,7 +245,7 @@ impl EntryGuard<'_> {
         self.word
     }
 
-    /// The CRC32C of the data of the stored object the entry names.
+    /// The checksum of the data of the stored object the entry names.
     pub(super) fn checksum(&self) -> u32 {
         self.checksum.load(Ordering::Relaxed)
     }

@@ -746,6 +746,64 @@ fn a_store_of_another_layout_version_is_refused_and_left_untouched() {
     crate::mem::Segment::remove_shared(key).unwrap();
 }
 
+/// A store of layout version 3 (what binaries before version 4 made: CRC32C checksums) is
+/// resumed with its pages and keeps its checksum and its version, so that the binary that
+/// made it could take it back; new stores are version 4, checksummed with XXH64.
+#[test]
+fn a_store_of_layout_version_3_is_resumed_with_crc32c_and_kept_at_3() {
+    let key = 0x7d00_0000 | i32::try_from(std::process::id() & 0xffff).unwrap();
+    let _ = crate::mem::Segment::remove_shared(key);
+    let backing = Backing::SharedUnlocked { key };
+    let config =
+        || crate::config::StoreSettings::default().store_config(64 * PAGE_SIZE as u64, false);
+    {
+        let (s, _) = BatchedPageStore::open(config(), None, backing).unwrap();
+        assert_eq!(s.checksum, PageChecksum::Xxh64);
+        for i in 0..16u64 {
+            s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+        }
+        s.flush_pending().unwrap();
+    }
+    let segment = crate::mem::Segment::attach_shared(key).unwrap().unwrap();
+    // Header word 1 is the layout version; the checksums of 64 pages are the fourth page
+    // (after the header, the table and the hints: a page each, see `layout`).
+    let header = segment.words(0, 2).unwrap();
+    let checksums = segment.words32(3 * PAGE_SIZE, 64).unwrap();
+    assert_eq!(header[1].load(Ordering::Relaxed), 4);
+    for i in 0..16usize {
+        assert_eq!(
+            checksums[i].load(Ordering::Relaxed),
+            PageChecksum::Xxh64.of(&text(i as u64))
+        );
+    }
+    // What a binary of version 3 leaves.
+    header[1].store(3, Ordering::Relaxed);
+    for i in 0..16usize {
+        checksums[i].store(PageChecksum::Crc32c.of(&text(i as u64)), Ordering::Relaxed);
+    }
+    let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
+    assert_eq!(opened, Opened::Resumed { pages: 16, lost: 0 });
+    assert_eq!(s.checksum, PageChecksum::Crc32c);
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for i in 0..16u64 {
+        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+        assert_eq!(&buf[..], &text(i)[..], "page {i}");
+    }
+    // Pages stored from here on get CRC32C too.
+    s.write(20 * PAGE_SIZE as u64, &text(20)[..]).unwrap();
+    s.flush_pending().unwrap();
+    assert_eq!(
+        checksums[20].load(Ordering::Relaxed),
+        PageChecksum::Crc32c.of(&text(20))
+    );
+    s.read(20 * PAGE_SIZE as u64, &mut buf).unwrap();
+    assert_eq!(s.stats().checksum_failures, 0);
+    assert_eq!(header[1].load(Ordering::Relaxed), 3, "the version stays");
+    drop(s);
+    drop((header, checksums, segment));
+    crate::mem::Segment::remove_shared(key).unwrap();
+}
+
 /// `start_compaction` runs `compact` in a thread of its own, started by the caller's
 /// `thread_init`, and reports what it did; a second one may start once it is done.
 #[test]
