@@ -65,22 +65,24 @@ pub fn probe() -> GpuProbe {
 
 /// The one place that decides whether a store gets a GPU codec: `(codec, state in words)`,
 /// where the state is what `stat` and `bench` show (the device's name, or why there is none).
-/// `forced_backend` is the user's `--backend`: a CPU backend opens no GPU; `gpu` without a
-/// usable one is an error that says why. Only LZ4 runs on the GPU, so other algorithms get no
-/// codec.
+/// `forced_backend` is the user's `--backend`: only `gpu` opens one, and without a usable one
+/// it is an error that says why. `auto` (and a CPU backend) opens none, not even to probe: the
+/// kernels have not run on hardware yet, and a CUDA context in a daemon whose memory is locked
+/// would lock what the driver maps, so a GPU is the administrator's choice, not a default
+/// (LZ4, which the GPU compresses, is the default algorithm). Only LZ4 runs on the GPU, so
+/// other algorithms get no codec.
 pub fn open_for_store(
     algorithm: crate::codec::Algorithm,
     forced_backend: Option<crate::codec::Backend>,
 ) -> Result<(Option<Arc<GpuCodec>>, String), NoGpu> {
     use crate::codec::Backend;
-    if matches!(forced_backend, Some(Backend::Simd | Backend::SimdParallel)) {
-        return Ok((None, "not used (--backend)".to_string()));
+    if forced_backend != Some(Backend::Gpu) {
+        return Ok((None, "not used (--backend gpu to use one)".to_string()));
     }
-    let (codec, state) = open_codec(algorithm);
-    if codec.is_none() && forced_backend == Some(Backend::Gpu) {
-        return Err(NoGpu(state));
+    match open_codec(algorithm) {
+        (Some(codec), state) => Ok((Some(codec), state)),
+        (None, state) => Err(NoGpu(state)),
     }
-    Ok((codec, state))
 }
 
 /// `--backend gpu` and no GPU codec could be opened.
