@@ -61,11 +61,12 @@ pub enum PageChecksum {
     /// CRC32C, with SSE 4.2's crc32 instruction where there is one: stores made before
     /// layout version 4.
     Crc32c,
-    /// The low 32 bits of XXH64. On hardware it costs what CRC32C does (0.19 against 0.20 µs
-    /// a page on this project's machine); where the crc32 instruction is emulated (qemu's
-    /// TCG, the VM tests) CRC32C took 22 µs a page, more than decompressing it, and XXH64
-    /// 0.8 µs. A changed page goes unnoticed with odds of 2^-32, as with any 32-bit check
-    /// (CRC32C also catches every error of up to 3 bits for certain).
+    /// The low 32 bits of XXH64. On hardware it costs about what CRC32C does (0.18 against
+    /// 0.15 µs a page on this project's machine, `cargo bench --bench codec -- checksum`);
+    /// where the crc32 instruction is emulated (qemu's TCG, the VM tests) CRC32C took 22 µs
+    /// a page, more than decompressing it, and XXH64 0.7 µs. A changed page goes unnoticed
+    /// with odds of 2^-32, as with any 32-bit check (CRC32C also catches every error of up to
+    /// 3 bits for certain).
     Xxh64,
 }
 

@@ -59,12 +59,20 @@ impl MemoryWatch {
         let was = self.state;
         let short = self.state.look(memory);
         if self.state != was {
-            tracing::info!(
-                short,
-                available_mib = memory.available >> 20,
-                total_mib = memory.total >> 20,
-                "memory short: new pages get the stronger codec while it lasts"
-            );
+            let (available_mib, total_mib) = (memory.available >> 20, memory.total >> 20);
+            if short {
+                tracing::info!(
+                    available_mib,
+                    total_mib,
+                    "memory short: new pages get the stronger codec while it lasts"
+                );
+            } else {
+                tracing::info!(
+                    available_mib,
+                    total_mib,
+                    "memory back: new pages get the store's own codec again"
+                );
+            }
             store.set_memory_short(short);
         }
     }
