@@ -10,6 +10,7 @@
 
 mod store_common;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use proptest::prelude::*;
@@ -140,6 +141,7 @@ proptest! {
         timeout_us in 0u64..3000,
         algorithm in prop_oneof![Just(Algorithm::Lz4), Just(Algorithm::Zstd { level: 1 }), Just(Algorithm::Adaptive)],
         batched in prop::bool::weighted(0.85),
+        flip_memory_short in prop::bool::weighted(0.5),
     ) {
         let mut c = trueno_ublk::config::StoreSettings::default().store_config(THREADS as u64 * PAGES_PER_THREAD * PAGE, false);
         c.batch_threshold = threshold;
@@ -150,7 +152,21 @@ proptest! {
         c.thresholds.parallel_min_pages = 8;
         let store = BatchedPageStore::new(c, None).unwrap();
         let flusher = store.start_flusher(|_| {}).unwrap();
+        let done = AtomicBool::new(false);
         let results: Vec<Result<Model, String>> = std::thread::scope(|s| {
+            if flip_memory_short {
+                // Memory running short and coming back while pages are written and flushed:
+                // an LZ4 store's new pages switch between LZ4 and zstd mid-batch.
+                let (store, done) = (&store, &done);
+                s.spawn(move || {
+                    let mut short = false;
+                    while !done.load(Ordering::Acquire) {
+                        short = !short;
+                        store.set_memory_short(short);
+                        std::thread::sleep(Duration::from_micros(50));
+                    }
+                });
+            }
             let handles: Vec<_> = threads
                 .iter()
                 .enumerate()
@@ -159,7 +175,9 @@ proptest! {
                     s.spawn(move || run_thread(store, t, ops))
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+            let results = handles.into_iter().map(|h| h.join().unwrap()).collect();
+            done.store(true, Ordering::Release);
+            results
         });
         let models: Vec<Model> = results.into_iter().collect::<Result<_, _>>().map_err(TestCaseError::fail)?;
         check_all(&store, &models).map_err(TestCaseError::fail)?;
