@@ -693,25 +693,40 @@ fn compact_asked_for_brings_a_store_without_recompression_within_5_percent_of_a_
     assert_eq!(s.compact().moved_pages, 0);
 }
 
+/// The configuration of the layout tests' 64-page stores.
+fn layout_test_config() -> StoreConfig {
+    crate::config::StoreSettings::default().store_config(64 * PAGE_SIZE as u64, false)
+}
+
+/// A new shared store (unlocked) under `key_base` and this process's id, holding `text(i)` at
+/// pages 0..16, flushed and closed again (`check` sees it while it is open); its key and
+/// backing.
+fn shared_store_holding_16_pages(
+    key_base: i32,
+    check: impl FnOnce(&BatchedPageStore, Opened),
+) -> (i32, Backing) {
+    let key = key_base | i32::try_from(std::process::id() & 0xffff).unwrap();
+    let _ = crate::mem::Segment::remove_shared(key);
+    let backing = Backing::SharedUnlocked { key };
+    let (s, opened) = BatchedPageStore::open(layout_test_config(), None, backing).unwrap();
+    check(&s, opened);
+    for i in 0..16u64 {
+        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    (key, backing)
+}
+
 /// An upgrade that cannot read the store leaves it as it was: a store whose header names
 /// another layout version is refused with a message that says what to do, its header and
 /// page metadata do not change, and a binary of the store's own version then resumes every
 /// page.
 #[test]
 fn a_store_of_another_layout_version_is_refused_and_left_untouched() {
-    let key = 0x7e00_0000 | i32::try_from(std::process::id() & 0xffff).unwrap();
-    let _ = crate::mem::Segment::remove_shared(key);
-    let backing = Backing::SharedUnlocked { key };
-    let config =
-        || crate::config::StoreSettings::default().store_config(64 * PAGE_SIZE as u64, false);
-    {
-        let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
+    let config = layout_test_config;
+    let (key, backing) = shared_store_holding_16_pages(0x7e00_0000, |_, opened| {
         assert_eq!(opened, Opened::Fresh);
-        for i in 0..16u64 {
-            s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
-        }
-        s.flush_pending().unwrap();
-    }
+    });
     let segment = crate::mem::Segment::attach_shared(key).unwrap().unwrap();
     // The header page, then the table, hints and checksums of 64 pages (a page each).
     let metadata = segment.words(0, 4 * PAGE_SIZE / 8).unwrap();
@@ -751,19 +766,10 @@ fn a_store_of_another_layout_version_is_refused_and_left_untouched() {
 /// made it could take it back; new stores are version 4, checksummed with XXH64.
 #[test]
 fn a_store_of_layout_version_3_is_resumed_with_crc32c_and_kept_at_3() {
-    let key = 0x7d00_0000 | i32::try_from(std::process::id() & 0xffff).unwrap();
-    let _ = crate::mem::Segment::remove_shared(key);
-    let backing = Backing::SharedUnlocked { key };
-    let config =
-        || crate::config::StoreSettings::default().store_config(64 * PAGE_SIZE as u64, false);
-    {
-        let (s, _) = BatchedPageStore::open(config(), None, backing).unwrap();
+    let config = layout_test_config;
+    let (key, backing) = shared_store_holding_16_pages(0x7d00_0000, |s, _| {
         assert_eq!(s.checksum, PageChecksum::Xxh64);
-        for i in 0..16u64 {
-            s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
-        }
-        s.flush_pending().unwrap();
-    }
+    });
     let segment = crate::mem::Segment::attach_shared(key).unwrap().unwrap();
     // Header word 1 is the layout version; the checksums of 64 pages are the fourth page
     // (after the header, the table and the hints: a page each, see `layout`).
