@@ -30,6 +30,8 @@
 #                     daemon-recovery systemd"); the run then fails
 #   VM_TEST_ONLY      debugging: "systemd" runs only the real-systemd stage (the run then fails)
 #   VM_SYSTEMD_RAM_MIB [768]  VM_SYSTEMD_TIMEOUT_S [900]  the real-systemd stage's VM
+#   VM_KERNEL_ARGS    debugging: more kernel command-line options (loglevel=7 puts the stacks
+#                     of hung tasks on the console, .vm/console.log)
 #   VM_CREATE_ARGS    debugging: more options for the 1 GiB device's `create` (store options)
 #   STRESS_CASES [move-inv:100]  --stress: stress-ng vm METHOD:MiB per worker (2 workers),
 #                     space-separated
@@ -348,7 +350,7 @@ fi
 timeout --kill-after=10 "$TIMEOUT_S" qemu-system-x86_64 \
     -nodefaults -no-user-config -accel tcg,thread=multi -cpu max -smp "$CPUS" -m "${RAM_MIB}M" \
     -kernel "$KDIR/vmlinuz" -initrd "$VM_DIR/initrd.cpio.gz" \
-    -append "console=ttyS0 rdinit=/init rootfstype=ramfs panic=-1 loglevel=4" \
+    -append "console=ttyS0 rdinit=/init rootfstype=ramfs panic=-1 loglevel=4 ${VM_KERNEL_ARGS:-}" \
     -nic none -display none -no-reboot "${DISK[@]}" \
     -chardev file,id=console,path="$CONSOLE" -serial chardev:console \
     -chardev file,id=result,path="$RESULT" -serial chardev:result \

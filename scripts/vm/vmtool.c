@@ -311,6 +311,15 @@ static int cmd_pressure(int argc, char **argv)
 	       (unsigned long long)total.words, (unsigned long long)total.bad_words);
 	fflush(stdout);
 	if (argc == 3) {
+		/* Memory held with the pages out on swap and RAM free again (a restart of the
+		 * daemon as an administrator makes one), not at the watermark. */
+		const char *pageout_env = getenv("VMTOOL_PAGEOUT_BEFORE_HOLD");
+		if (pageout_env && *pageout_env == '1') {
+			if (madvise(mem, bytes, MADV_PAGEOUT))
+				perror("vmtool pressure: MADV_PAGEOUT");
+			printf("pressure: paged out before the hold\n");
+			fflush(stdout);
+		}
 		FILE *hold = fopen(argv[2], "w");
 		if (!hold || fclose(hold)) {
 			perror("vmtool pressure: holdfile");

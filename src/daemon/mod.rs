@@ -286,14 +286,15 @@ fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
 /// The device this process will serve: one it adds, or one another daemon served.
 enum Target {
     Fresh(AddedDevice),
-    Resume(Standby),
+    /// With the device's store when the standby could attach it ahead.
+    Resume(Standby, Option<crate::store::AttachedStore>),
 }
 
 impl Target {
     fn id(&self) -> u32 {
         match self {
             Target::Fresh(added) => added.id(),
-            Target::Resume(standby) => standby.id(),
+            Target::Resume(standby, _) => standby.id(),
         }
     }
 }
@@ -306,7 +307,7 @@ fn find_target(
 ) -> Result<Target, DaemonError> {
     if let Some(id) = settings.id {
         if Path::new(&char_class_path(id)).exists() {
-            return Ok(Target::Resume(Device::standby(id, handler)?));
+            return Ok(Target::Resume(Device::standby(id, handler)?, None));
         }
     }
     Ok(Target::Fresh(Device::add(device_spec(settings))?))
@@ -369,6 +370,14 @@ fn wait_for_takeover(
     }
 }
 
+/// How `open_store` opens a device's store.
+enum Opening {
+    /// For a new device.
+    Fresh,
+    /// For a device that has one, attached ahead where a standby could.
+    Resume(Option<crate::store::AttachedStore>),
+}
+
 /// Open the store of device `id`. A new device gets an empty one (stale shared memory a
 /// deleted device of the same id left is freed first). A resumed device must find its pages:
 /// an empty store would serve zeros for every page it held, to processes that swapped them
@@ -377,15 +386,21 @@ fn open_store(
     config: crate::store::StoreConfig,
     gpu: Option<Arc<dyn BatchCodec>>,
     id: u32,
-    resume: bool,
+    opening: Opening,
 ) -> Result<Arc<BatchedPageStore>, DaemonError> {
+    let resume = !matches!(opening, Opening::Fresh);
     if !resume && remove_shared(id)? {
         tracing::warn!(
             id,
             "freed the shared memory of an earlier device {id} (deleted without it being freed)"
         );
     }
-    let (store, opened) = BatchedPageStore::open(config, gpu, Backing::Shared { device_id: id })?;
+    let (store, opened) = match opening {
+        Opening::Resume(Some(attached)) => {
+            BatchedPageStore::open_attached(config, gpu, id, attached)?
+        }
+        _ => BatchedPageStore::open(config, gpu, Backing::Shared { device_id: id })?,
+    };
     match (opened, resume) {
         (Opened::Resumed { pages, lost }, true) => {
             if lost > 0 {
@@ -484,14 +499,24 @@ fn serve(
         crate::codec::prepare_thread(thread_algorithm);
         // What the takeover allocates, kept ready (see `SparePages`): heap in this thread's
         // arena, as much as resuming the store as it is now needs (it grows as the serving
-        // process stores pages, and is looked at again every ping), and pages for the kernel,
-        // given back just before the takeover.
-        let mut keep_heap_ready = || {
-            let need = STANDBY_HEAP_BYTES
-                + crate::store::resume_heap_bytes(id, gpu.is_some()).unwrap_or_else(|error| {
-                    tracing::debug!(%error, "standby: cannot size the takeover's heap");
-                    0
+        // process stores pages, and is looked at again every ping), the page tables of the
+        // store's memory (see `AttachedStore`), and pages for the kernel, given back just
+        // before the takeover.
+        let mut attached: Option<crate::store::AttachedStore> = None;
+        let mut keep_ready = || {
+            if !attached.as_ref().is_some_and(|store| store.is_current()) {
+                attached = crate::store::AttachedStore::attach(id).unwrap_or_else(|error| {
+                    tracing::debug!(%error, "standby: cannot attach the device's store yet");
+                    None
                 });
+            }
+            let store_heap = attached.as_mut().map_or(0, |store| {
+                if let Err(error) = store.make_page_tables() {
+                    tracing::debug!(%error, "standby: cannot map the device's store ahead");
+                }
+                crate::store::resume_heap_bytes(store, gpu.is_some())
+            });
+            let need = STANDBY_HEAP_BYTES + store_heap;
             if need > heap_ready.get() {
                 // With room to grow, so that a filling store does not make this touch the
                 // whole heap every second.
@@ -499,7 +524,7 @@ fn serve(
                 crate::mem::warm_heap(heap_ready.get());
             }
         };
-        keep_heap_ready();
+        keep_ready();
         let spare = crate::mem::SparePages::new(STANDBY_SPARE_BYTES)
             .map_err(io_error("reserving the standby's spare pages"))?;
         tracing::info!(
@@ -510,7 +535,7 @@ fn serve(
             "standby ready to take the device over"
         );
         notifier.send(&format!("STANDBY=1\nPID={}", std::process::id()));
-        if !wait_for_takeover(notifier, &mut signals, &mut standby, &mut keep_heap_ready)? {
+        if !wait_for_takeover(notifier, &mut signals, &mut standby, &mut keep_ready)? {
             tracing::info!(id, "standby told to go; the device was not touched");
             return Ok(());
         }
@@ -520,7 +545,7 @@ fn serve(
         if let Err(error) = crate::os::make_thread_realtime() {
             tracing::warn!(%error, "could not make the takeover real-time");
         }
-        (Target::Resume(standby), Instant::now())
+        (Target::Resume(standby, attached), Instant::now())
     } else {
         (find_target(&settings, handler.clone())?, started)
     };
@@ -530,7 +555,7 @@ fn serve(
     let anon_before = anon_now();
     let setup_done = Instant::now();
     let id = target.id();
-    let resume = matches!(target, Target::Resume(_));
+    let resume = matches!(target, Target::Resume(..));
     let start_flusher = |store: &Arc<BatchedPageStore>| {
         store
             .start_flusher(move |role| {
@@ -551,7 +576,7 @@ fn serve(
                 );
             }
             let found = Instant::now();
-            let store = open_store(store_config, gpu_codec, id, false)?;
+            let store = open_store(store_config, gpu_codec, id, Opening::Fresh)?;
             handler.set_store(store.clone());
             let store_opened = Instant::now();
             let flusher = start_flusher(&store)?;
@@ -567,10 +592,10 @@ fn serve(
                 anon_live,
             )
         }
-        Target::Resume(mut standby) => {
+        Target::Resume(mut standby, attached) => {
             standby.wait_resumable(settings.size_bytes)?;
             let found = Instant::now();
-            let store = open_store(store_config, gpu_codec, id, true)?;
+            let store = open_store(store_config, gpu_codec, id, Opening::Resume(attached))?;
             handler.set_store(store.clone());
             let store_opened = Instant::now();
             let device = standby.resume()?;

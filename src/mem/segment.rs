@@ -30,11 +30,15 @@ use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use super::HOST_PAGE;
 use crate::os::cvt;
 
+/// Bytes of address space one last-level page table maps (x86-64, and arm64 with 4 KiB pages).
+const PAGE_TABLE_SPAN: usize = 2 << 20;
+
 /// Where a segment's memory comes from.
 #[derive(Debug)]
 enum Backing {
     Memfd,
-    SysV,
+    /// The segment's shmid.
+    SysV(libc::c_int),
 }
 
 /// A mapping of `len` bytes (whole pages) of memfd or SysV shared memory; nothing committed
@@ -191,12 +195,78 @@ impl Segment {
             base,
             len,
             fd,
-            backing: Backing::SysV,
+            backing: Backing::SysV(id),
         }))
     }
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Whether this is an attachment of the SysV segment that is `key` now (not of one removed
+    /// since, and so of another device's memory).
+    pub fn is_shared_under(&self, key: i32) -> bool {
+        // SAFETY: shmget takes no pointers.
+        matches!(self.backing, Backing::SysV(id) if unsafe { libc::shmget(key, 0, 0) } == id)
+    }
+
+    /// How many last-level page tables (`PAGE_TABLE_SPAN` of address space each) the mapping
+    /// reaches into.
+    pub fn page_table_count(&self) -> usize {
+        self.page_table_of(self.len.saturating_sub(1)) - self.page_table_of(0) + 1
+    }
+
+    /// Make the page tables that map `[offset, offset + len)` in this process, so that
+    /// touching its pages later allocates nothing (their pages are committed already; only
+    /// the tables are this process's). `made` has an entry per page table of the mapping
+    /// (`page_table_count`): a table not yet made is made by reading one page of its span
+    /// that is in memory (never a hole: that would allocate a page the store gave back), and
+    /// marked; a span with no page in memory is left for a later call.
+    pub fn make_page_tables(
+        &self,
+        offset: usize,
+        len: usize,
+        made: &mut [bool],
+    ) -> std::io::Result<()> {
+        self.check(offset, len)?;
+        let first = self.page_table_of(0);
+        let mut at = offset;
+        let end = offset + len;
+        while at < end {
+            let table = self.page_table_of(at);
+            // The span's end, as an offset into the mapping.
+            let span_end = ((table + 1) * PAGE_TABLE_SPAN - self.base.as_ptr() as usize).min(end);
+            let done = made
+                .get_mut(table - first)
+                .ok_or(std::io::ErrorKind::InvalidInput)?;
+            if !*done {
+                if let Some(page) = self.first_page_in_memory(at, span_end - at)? {
+                    // SAFETY: one page inside our mapping (checked above), committed (it is
+                    // in memory); reading it in changes no contents.
+                    unsafe { madvise(self.ptr(page), HOST_PAGE, MmapAdvise::MADV_POPULATE_READ) }?;
+                    *done = true;
+                }
+            }
+            at = span_end;
+        }
+        Ok(())
+    }
+
+    /// The offset of the first page of `[offset, offset + len)` (at most one page table's
+    /// span) that is in memory, by mincore(2).
+    fn first_page_in_memory(&self, offset: usize, len: usize) -> std::io::Result<Option<usize>> {
+        let mut in_memory = [0u8; PAGE_TABLE_SPAN / HOST_PAGE];
+        let pages = len.div_ceil(HOST_PAGE);
+        if pages > in_memory.len() {
+            return Err(std::io::ErrorKind::InvalidInput.into());
+        }
+        // SAFETY: the range lies inside our mapping (callers check it) and `in_memory` has a
+        // byte for each of its pages; mincore only writes those bytes.
+        cvt(unsafe { libc::mincore(self.ptr(offset).as_ptr(), len, in_memory.as_mut_ptr()) })?;
+        Ok(in_memory[..pages]
+            .iter()
+            .position(|state| state & 1 != 0)
+            .map(|page| offset + page * HOST_PAGE))
     }
 
     /// Whether ranges are committed through a file descriptor (without the mmap lock).
@@ -225,8 +295,6 @@ impl Segment {
     /// Which page table (2 MiB of address space, on x86-64 and 4 KiB-page arm64) maps the
     /// byte at `offset`.
     pub fn page_table_of(&self, offset: usize) -> usize {
-        /// Bytes of address space one last-level page table maps.
-        const PAGE_TABLE_SPAN: usize = 2 << 20;
         (self.base.as_ptr() as usize + offset) / PAGE_TABLE_SPAN
     }
 
@@ -331,7 +399,7 @@ impl Drop for Segment {
         let result = match self.backing {
             // SAFETY: detaching exactly our attachment; every view holds an `Arc` to the
             // segment, so none is alive when this runs.
-            Backing::SysV => cvt(unsafe { libc::shmdt(self.base.as_ptr().cast()) }),
+            Backing::SysV(_) => cvt(unsafe { libc::shmdt(self.base.as_ptr().cast()) }),
             // SAFETY: as above, for our own mapping.
             Backing::Memfd => unsafe { munmap(self.base.cast(), self.len) }.map_err(Into::into),
         };
@@ -577,6 +645,39 @@ mod tests {
             "a given-back range reads as zeros"
         );
         assert!(slots.read(1).iter().all(|&b| b == 9));
+    }
+
+    #[test]
+    fn page_tables_are_made_through_committed_pages_only() {
+        let spans = 4;
+        let seg = Segment::private(spans * PAGE_TABLE_SPAN).unwrap();
+        let mut made = vec![false; seg.page_table_count()];
+        // One page committed, in the middle of the mapping; the rest are holes.
+        let page = 2 * PAGE_TABLE_SPAN + 5 * HOST_PAGE;
+        seg.commit(page, HOST_PAGE).unwrap();
+        seg.make_page_tables(0, seg.len(), &mut made).unwrap();
+        let table = seg.page_table_of(page) - seg.page_table_of(0);
+        for (i, &done) in made.iter().enumerate() {
+            assert_eq!(done, i == table, "page table {i} of {made:?}");
+        }
+        // Nothing was allocated where the store gave memory back.
+        assert_eq!(
+            seg.first_page_in_memory(0, PAGE_TABLE_SPAN - HOST_PAGE)
+                .unwrap(),
+            None
+        );
+        assert_eq!(
+            seg.first_page_in_memory(page - 4 * HOST_PAGE, 8 * HOST_PAGE)
+                .unwrap(),
+            Some(page)
+        );
+        // A table made is not looked at again; a range past the mapping is refused.
+        seg.decommit(page, HOST_PAGE).unwrap();
+        seg.make_page_tables(0, seg.len(), &mut made).unwrap();
+        assert_eq!(made.iter().filter(|&&done| done).count(), 1);
+        assert!(seg
+            .make_page_tables(0, seg.len() + HOST_PAGE, &mut made)
+            .is_err());
     }
 
     #[test]

@@ -124,25 +124,90 @@ pub(super) struct ResumeHint {
     pub(super) class_chunks: [u64; alloc::MAX_CLASSES],
 }
 
-/// Read device `device_id`'s store header without taking the store: `None` if the device has
-/// no store, or one this binary cannot read (which a resume then refuses).
-pub(super) fn peek_shared(device_id: u32) -> Result<Option<ResumeHint>, StoreError> {
-    let attaching = memory_error("attaching the store's shared memory");
-    let Some(segment) = Segment::attach_shared(device_key(device_id)?).map_err(attaching)? else {
-        return Ok(None);
-    };
-    let header = segment
-        .words(0, HEADER_WORDS)
-        .map_err(memory_error("mapping the store's header"))?;
-    let word = |i: usize| header[i].load(Ordering::Acquire);
-    if word(H_MAGIC) != MAGIC || !READ_VERSIONS.contains(&word(H_VERSION)) {
-        return Ok(None);
+/// Device `device_id`'s store, attached ahead of a takeover (a standby's) without taking it:
+/// its header tells the heap a resume needs (`hint`), and the page tables of the part it uses
+/// are made in this process beforehand (`make_page_tables`), so that the takeover maps nothing
+/// new. Why: a process's page tables of shared memory are its own, allocated when it first
+/// touches each 2 MiB of it; a takeover that made them then did so with memory at the
+/// watermark, as an I/O flusher whose reclaim may not write swap, with the device waiting for
+/// it: seen in the VM, its allocation spun in reclaim for good and swap stalled.
+pub struct AttachedStore {
+    key: i32,
+    segment: Arc<Segment>,
+    /// Per page table of the mapping: made already.
+    page_tables: Vec<bool>,
+}
+
+impl AttachedStore {
+    /// Attach device `device_id`'s store; `None` if it has none.
+    pub fn attach(device_id: u32) -> Result<Option<Self>, StoreError> {
+        let key = device_key(device_id)?;
+        let attaching = memory_error("attaching the store's shared memory");
+        let Some(segment) = Segment::attach_shared(key).map_err(attaching)? else {
+            return Ok(None);
+        };
+        let page_tables = crate::mem::faulted_in_vec(segment.page_table_count());
+        let mut attached = Self {
+            key,
+            segment,
+            page_tables,
+        };
+        attached
+            .page_tables
+            .resize(attached.segment.page_table_count(), false);
+        Ok(Some(attached))
     }
-    Ok(Some(ResumeHint {
-        carved_bytes: word(H_CARVED),
-        slots_per_batch: word(H_SLOTS),
-        class_chunks: std::array::from_fn(|class| word(H_CLASS_CHUNKS + class)),
-    }))
+
+    /// Whether this is still the device's store (not one removed since, with its device).
+    pub fn is_current(&self) -> bool {
+        self.segment.is_shared_under(self.key)
+    }
+
+    fn header(&self) -> Option<Words<AtomicU64>> {
+        let header = self.segment.words(0, HEADER_WORDS).ok()?;
+        let word = |i: usize| header[i].load(Ordering::Acquire);
+        (word(H_MAGIC) == MAGIC && READ_VERSIONS.contains(&word(H_VERSION))).then_some(header)
+    }
+
+    /// What the header says about the heap a resume needs; `None` for a store this binary
+    /// cannot read (which the resume then refuses) or one not made yet.
+    pub(super) fn hint(&self) -> Option<ResumeHint> {
+        let header = self.header()?;
+        let word = |i: usize| header[i].load(Ordering::Acquire);
+        Some(ResumeHint {
+            carved_bytes: word(H_CARVED),
+            slots_per_batch: word(H_SLOTS),
+            class_chunks: std::array::from_fn(|class| word(H_CLASS_CHUNKS + class)),
+        })
+    }
+
+    /// Make the page tables of the store's regions and of the arena as far as it is carved
+    /// now (it grows as the serving process stores pages: call again).
+    pub fn make_page_tables(&mut self) -> Result<(), StoreError> {
+        let Some(header) = self.header() else {
+            return Ok(());
+        };
+        let word = |i: usize| usize::try_from(header[i].load(Ordering::Acquire)).ok();
+        let (Some(pages), Some(slots_per_batch), Some(arena_bytes), Some(carved)) =
+            (word(H_PAGES), word(H_SLOTS), word(H_ARENA), word(H_CARVED))
+        else {
+            return Ok(());
+        };
+        let shape = Shape {
+            pages,
+            slots_per_batch,
+            arena_bytes,
+            class_fingerprint: 0,
+        };
+        let used = shape
+            .offsets()
+            .arena
+            .saturating_add(page_round(carved))
+            .min(self.segment.len());
+        self.segment
+            .make_page_tables(0, used, &mut self.page_tables)
+            .map_err(memory_error("making the page tables of the store's memory"))
+    }
 }
 
 /// The sizes a store's memory is made from.
@@ -225,6 +290,19 @@ pub(super) struct Regions {
 impl Regions {
     /// Open the memory of `backing` for a store of `shape`: a fresh one, or the one a previous
     /// process left (whose own slots-per-batch and arena size then apply).
+    /// Resume the store `attached` (see `AttachedStore`) for `shape`; a store replaced since
+    /// it was attached is opened anew (as `Backing::Shared`).
+    pub(super) fn open_attached(
+        attached: AttachedStore,
+        device_id: u32,
+        shape: Shape,
+    ) -> Result<Self, StoreError> {
+        if attached.is_current() {
+            return Self::resume(&attached.segment, shape, attached.key);
+        }
+        Self::open(Backing::Shared { device_id }, shape)
+    }
+
     pub(super) fn open(backing: Backing, shape: Shape) -> Result<Self, StoreError> {
         let (key, lock) = match backing {
             Backing::Private => {

@@ -61,7 +61,7 @@ pub use counters::StoreStats;
 use counters::{add, sub, Counters};
 pub use error::StoreError;
 pub use flusher::{FlusherHandle, StoreThread};
-pub use layout::{remove_shared, shared_exists, Backing, Opened, LAYOUT_VERSION};
+pub use layout::{remove_shared, shared_exists, AttachedStore, Backing, Opened, LAYOUT_VERSION};
 use layout::{Ownership, Regions, Shape};
 pub use oom::OomKiller;
 use pending::PendingBatch;
@@ -178,21 +178,21 @@ fn check_config(config: &StoreConfig, has_gpu: bool) -> Result<usize, StoreError
     Ok(table_pages)
 }
 
-/// Heap a process that resumes device `device_id`'s store allocates while it does: the
-/// allocator's lists and the rebuild's map (from what the store's owner last noted), the
-/// flush's buffers and the list of pending pages; 0 if the device has no store this binary
-/// reads; `gpu`: whether the store will have a GPU codec. A standby keeps that much heap ready:
-/// a takeover comes when memory is scarcest.
-pub fn resume_heap_bytes(device_id: u32, gpu: bool) -> Result<usize, StoreError> {
-    let Some(hint) = layout::peek_shared(device_id)? else {
-        return Ok(0);
+/// Heap a process that resumes the `attached` store allocates while it does: the allocator's
+/// lists and the rebuild's map (from what the store's owner last noted), the flush's buffers
+/// and the list of pending pages; 0 if it is a store this binary cannot read; `gpu`: whether
+/// the store will have a GPU codec. A standby keeps that much heap ready: a takeover comes
+/// when memory is scarcest.
+pub fn resume_heap_bytes(attached: &AttachedStore, gpu: bool) -> usize {
+    let Some(hint) = attached.hint() else {
+        return 0;
     };
     let slots = usize::try_from(hint.slots_per_batch)
         .unwrap_or(0)
         .min(1 << 20);
     let flush = CompressedBatch::heap_bytes(flush::flush_part_pages(slots, gpu));
     let pending = PENDING_BATCHES * slots * std::mem::size_of::<u64>();
-    Ok(alloc::rebuild_heap_bytes(&hint.class_chunks, hint.carved_bytes) + flush + pending)
+    alloc::rebuild_heap_bytes(&hint.class_chunks, hint.carved_bytes) + flush + pending
 }
 
 impl BatchedPageStore {
@@ -208,9 +208,30 @@ impl BatchedPageStore {
     /// previous process left for the same device, resumed with every page it held (see
     /// `resume`). The page table and the pending batches are committed up front.
     pub fn open(
-        mut config: StoreConfig,
+        config: StoreConfig,
         gpu: Option<Arc<dyn BatchCodec>>,
         backing: Backing,
+    ) -> Result<(Arc<Self>, Opened), StoreError> {
+        Self::open_in(config, gpu, |shape| Regions::open(backing, shape))
+    }
+
+    /// Open device `device_id`'s store that a standby attached ahead of its takeover (see
+    /// `AttachedStore`), as `open` with `Backing::Shared` does.
+    pub fn open_attached(
+        config: StoreConfig,
+        gpu: Option<Arc<dyn BatchCodec>>,
+        device_id: u32,
+        attached: AttachedStore,
+    ) -> Result<(Arc<Self>, Opened), StoreError> {
+        Self::open_in(config, gpu, |shape| {
+            Regions::open_attached(attached, device_id, shape)
+        })
+    }
+
+    fn open_in(
+        mut config: StoreConfig,
+        gpu: Option<Arc<dyn BatchCodec>>,
+        regions: impl FnOnce(Shape) -> Result<Regions, StoreError>,
     ) -> Result<(Arc<Self>, Opened), StoreError> {
         let pages = check_config(&config, gpu.is_some())?;
         let batch_pages = if config.batched {
@@ -226,15 +247,12 @@ impl BatchedPageStore {
             .saturating_mul(16)
             .saturating_add(1 << 30)
             .min(alloc::MAX_ARENA_PAGES * PAGE_SIZE as u64);
-        let regions = Regions::open(
-            backing,
-            Shape {
-                pages,
-                slots_per_batch: batch_pages,
-                arena_bytes: usize::try_from(arena_bytes).unwrap_or(usize::MAX),
-                class_fingerprint: alloc::class_fingerprint(),
-            },
-        )?;
+        let regions = regions(Shape {
+            pages,
+            slots_per_batch: batch_pages,
+            arena_bytes: usize::try_from(arena_bytes).unwrap_or(usize::MAX),
+            class_fingerprint: alloc::class_fingerprint(),
+        })?;
         // A resumed store keeps the batch size it was made with.
         let slots = regions.shape.slots_per_batch;
         if config.batched && slots != config.batch_threshold {
