@@ -218,6 +218,24 @@ if [ -e /tmp/hold ]; then
     fi
     check "... the unit's main process (the supervisor, $main0) stayed" [ "$(main_pid)" = "$main0" ]
     check "... and the unit stayed active" systemctl -q is-active trueno-ublk@$ID.service
+    # a2. systemctl reload (SIGHUP to the supervisor): a standby of the binary on disk is
+    #     readied while the serving process serves on, then takes the device over from it.
+    serving0=$(serving_pid)
+    t0=$(now)
+    timeout 60 systemctl reload trueno-ublk@$ID.service
+    rc=$?
+    check "systemctl reload trueno-ublk@$ID with swap on: exit 0 (exit $rc)" [ "$rc" -eq 0 ]
+    if wait_for 60 eval "[ -n \"\$(serving_pid)\" ] && [ \"\$(serving_pid)\" != $serving0 ]"; then
+        took=$(since "$t0")
+        ok "... pid $(serving_pid) took $DEV over from $serving0 $took s after the reload"
+        figure systemd_reload_to_live_s "$took"
+    else
+        fail "... nobody took $DEV over from $serving0 ($(trueno-ublk list | tail -n +2))"
+    fi
+    check "... the old serving process handed the device over for the reload" \
+        eval "journal_units | grep -q 'reload: handing the device over'"
+    check "... the unit's main process (the supervisor, $main0) stayed" [ "$(main_pid)" = "$main0" ]
+    check "... and the unit stayed active" systemctl -q is-active trueno-ublk@$ID.service
     # b. systemctl restart: the daemon hands the device over, the new one resumes it.
     serving0=$(serving_pid)
     t0=$(now)

@@ -407,9 +407,11 @@ daemon_log() { # ID: the last lines of the detached daemon's log
     [ -e "/run/trueno-ublk/ublkb$1.log" ] && tail -n "${2:-12}" "/run/trueno-ublk/ublkb$1.log"
 }
 resumed_count() { daemon_log "$1" 100000 | grep -c 'device resumed'; }
+# standby_ready ID: its supervisor said "standby ready" more often than a standby was used up:
+# by a takeover, or by a reload (which dismisses the standby, its new one coming later).
 standby_ready() {
     [ "$(daemon_log "$1" 100000 | grep -c 'supervise: standby ready')" -gt \
-        "$(daemon_log "$1" 100000 | grep -c 'the standby takes the device over')" ]
+        "$(daemon_log "$1" 100000 | grep -c -e 'the standby takes the device over' -e 'reload: the new standby is ready')" ]
 }
 # log_clock LINE: the time of day (seconds since midnight UTC) of a daemon log line.
 log_clock() { echo "$1" | sed -n 's/^[0-9-]*T\([0-9]*\):\([0-9]*\):\([0-9.]*\)Z.*/\1 \2 \3/p' | awk '{ printf "%.3f", $1 * 3600 + $2 * 60 + $3 }'; }
@@ -439,6 +441,34 @@ kill_serving() {
         echo "$resumed"
     else
         fail "$what: nobody resumed device $id within 30 s of kill -9 of $pid ($(dev_row "$id"))"
+        daemon_log "$id"
+    fi
+}
+# reload_daemon ID WHAT FIGURE: SIGHUP to the supervisor of device ID (what `systemctl reload`
+# sends): a standby of the binary on disk is readied while the serving process serves on, then
+# the serving process hands the device over and the standby takes it over. Checks it and
+# records the pause: from the supervisor's word to hand over to the resumed device's log line.
+reload_daemon() {
+    local id=$1 what=$2 pid sup n0 asked resumed
+    pid=$(serving_pid "$id")
+    sup=$(awk '/^PPid:/ { print $2 }' "/proc/$pid/status" 2>/dev/null)
+    if [ -z "$pid" ] || [ -z "$sup" ]; then
+        fail "$what: no live process serves device $id ($(dev_row "$id"))"
+        return
+    fi
+    n0=$(resumed_count "$id")
+    kill -HUP "$sup"
+    if wait_until 60 live_not_by "$id" "$pid"; then
+        wait_until 10 eval "[ \$(resumed_count $id) -gt $n0 ]"
+        ok "$what: SIGHUP to the supervisor $sup; pid $(serving_pid "$id") took the device over from $pid"
+        asked=$(daemon_log "$id" 100 | grep 'reload: the new standby is ready' | tail -n 1)
+        resumed=$(daemon_log "$id" 30 | grep 'device resumed' | tail -n 1)
+        figure "$3" "$(awk -v a="$(log_clock "$resumed")" -v b="$(log_clock "$asked")" 'BEGIN { printf "%.3f", a - b }')"
+        check "$what: the old serving process handed the device over for it" \
+            eval "daemon_log $id 100 | grep -q 'reload: handing the device over'"
+        check "$what: ... and the supervisor ($sup) stayed" alive "$sup"
+    else
+        fail "$what: nobody took device $id over from $pid within 60 s of SIGHUP to $sup ($(dev_row "$id"))"
         daemon_log "$id"
     fi
 }
@@ -575,6 +605,11 @@ daemon_recovery_checks() {
         kill_serving 0 "daemon recovery, pages coming back ($(($(vmstat_of pswpin) - in0)) in)" recovery_kill_in_to_live_s
     else
         fail "daemon recovery: verify-1 never brought 16 MiB back (phase $(cat /tmp/phase), pswpin +$(($(vmstat_of pswpin) - in0)))"
+    fi
+    # 2a. A reload (what `systemctl reload` does) while pages come back, RAM at the watermark.
+    if phase_is verify-1; then
+        wait_until 30 standby_ready 0
+        reload_daemon 0 "daemon recovery, reload ($(cat /tmp/phase))" recovery_reload_pause_s
     fi
     # 2b. EXTRA_KILLS more, each once a new standby is ready, while pages come back.
     n=0

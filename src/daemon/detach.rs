@@ -150,6 +150,11 @@ pub(super) fn set_mode(path: &Path, mode: u32) -> Result<(), DaemonError> {
 /// (`NOTIFY_SOCKET`, the sd_notify protocol), or, in the serving process, for its supervisor
 /// (a datagram socket pair whose end is the serving process's stdin: nothing on the file
 /// system, nothing another process could write to).
+/// What the supervisor sends a serving process to have it hand its device over.
+pub(super) const HANDOVER: &str = "HANDOVER=1";
+/// What the supervisor sends a standby to have it take the device over.
+pub(super) const TAKEOVER: &str = "TAKEOVER=1";
+
 pub(super) enum Notifier {
     None,
     Socket(String),
@@ -171,6 +176,34 @@ impl Notifier {
             Err(error) => {
                 tracing::warn!(%error, "no channel to the supervisor: it will not hear of readiness");
                 Self::None
+            }
+        }
+    }
+
+    /// Whether the supervisor has asked this serving process to hand its device over to the
+    /// standby it readied (`HANDOVER=1`, see `supervise`'s reload); never waits.
+    pub(super) fn handover_asked(&self) -> bool {
+        let Self::Supervisor(channel) = self else {
+            return false;
+        };
+        let mut buffer = [0u8; 64];
+        let mut asked = false;
+        loop {
+            let mut fds = [nix::poll::PollFd::new(
+                channel.as_fd(),
+                nix::poll::PollFlags::POLLIN,
+            )];
+            let readable =
+                nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO).is_ok_and(|n| n > 0);
+            if !readable {
+                return asked;
+            }
+            match channel.recv(&mut buffer) {
+                Ok(n) => {
+                    asked |= std::str::from_utf8(&buffer[..n])
+                        .is_ok_and(|text| text.lines().any(|line| line == HANDOVER));
+                }
+                Err(_) => return asked,
             }
         }
     }

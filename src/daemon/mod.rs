@@ -110,6 +110,9 @@ enum StopRequest {
     /// SIGUSR1, the parent-death signal: the supervisor is gone, so nobody would restart
     /// this process if it died; the service manager starts a new supervisor.
     SupervisorGone,
+    /// The supervisor's reload (`systemctl reload`, SIGHUP to it): a standby of the binary
+    /// now on disk is ready to take the device over.
+    Replace,
 }
 
 /// What the serving process does with its device when it stops.
@@ -132,8 +135,8 @@ fn stop_action(
     survives_daemon: bool,
 ) -> Option<StopAction> {
     match (request, claimed, survives_daemon) {
-        (StopRequest::SupervisorGone, _, true) => Some(StopAction::HandOver),
-        (StopRequest::SupervisorGone, _, false) => None,
+        (StopRequest::SupervisorGone | StopRequest::Replace, _, true) => Some(StopAction::HandOver),
+        (StopRequest::SupervisorGone | StopRequest::Replace, _, false) => None,
         (StopRequest::Stop, Ok(false), _) => Some(StopAction::Delete),
         // Claimed, or unknown (then as if claimed: a wrong "no" would lose its pages).
         (StopRequest::Stop, _, true) => Some(StopAction::HandOver),
@@ -152,6 +155,10 @@ fn decide_stop(request: StopRequest, path: &str, survives_daemon: bool) -> Optio
         (Some(StopAction::HandOver), _) if request == StopRequest::SupervisorGone => {
             tracing::warn!(device = path, "the supervisor is gone: handing the device over (quiesced, pages kept) for the next daemon")
         }
+        (Some(StopAction::HandOver), _) if request == StopRequest::Replace => tracing::info!(
+            device = path,
+            "reload: handing the device over to the standby of the binary on disk"
+        ),
         (Some(StopAction::HandOver), Ok(true)) => tracing::info!(
             device = path,
             "stopping: the device is in use (active swap or mounted), handing it over: it stays, quiesced with its pages, and the next start resumes it; `trueno-ublk delete --id N --force` deletes it"
@@ -159,6 +166,10 @@ fn decide_stop(request: StopRequest, path: &str, survives_daemon: bool) -> Optio
         (Some(StopAction::HandOver), _) => tracing::info!(
             device = path,
             "stopping: could not tell whether the device is in use, handing it over (quiesced, pages kept); the next start resumes it"
+        ),
+        (None, _) if request == StopRequest::Replace => tracing::warn!(
+            device = path,
+            "reload refused: this kernel cannot hand the device over; serving on"
         ),
         (None, _) if request == StopRequest::SupervisorGone => tracing::warn!(
             device = path,
@@ -363,7 +374,7 @@ fn wait_for_takeover(
                 .recv(&mut buffer)
                 .map_err(io_error("reading from the supervisor"))?;
             let message = std::str::from_utf8(&buffer[..n]).unwrap_or_default();
-            if message.lines().any(|line| line == "TAKEOVER=1") {
+            if message.lines().any(|line| line == detach::TAKEOVER) {
                 return Ok(true);
             }
         }
@@ -778,6 +789,11 @@ fn serve(
             // Only here are reported slots freed: once the loop ends (a hand-over), no page of
             // the device changes in this process.
             default(crate::slotfree::POLL) => {
+                if notifier.handover_asked() {
+                    if let Some(action) = decide_stop(StopRequest::Replace, &path, survives) {
+                        break (action, false);
+                    }
+                }
                 handler.free_reported_slots();
                 if let Some(watch) = memory_watch.as_mut() {
                     watch.look(&store);
@@ -835,9 +851,9 @@ mod tests {
     #[test]
     fn a_stop_never_stops_a_device_in_use() {
         use StopAction::{Delete, HandOver};
-        use StopRequest::{Stop, SupervisorGone};
+        use StopRequest::{Replace, Stop, SupervisorGone};
         let unknown = || Err(std::io::Error::from_raw_os_error(libc::EACCES));
-        let cases: [(StopRequest, std::io::Result<bool>, bool, Option<StopAction>); 10] = [
+        let cases: [(StopRequest, std::io::Result<bool>, bool, Option<StopAction>); 13] = [
             // Unused: deleted, with or without recovery.
             (Stop, Ok(false), true, Some(Delete)),
             (Stop, Ok(false), false, Some(Delete)),
@@ -851,6 +867,10 @@ mod tests {
             (SupervisorGone, Ok(true), true, Some(HandOver)),
             (SupervisorGone, Ok(false), false, None),
             (SupervisorGone, Ok(true), false, None),
+            // A reload: handed over to the new standby, in use or not; never deleted.
+            (Replace, Ok(false), true, Some(HandOver)),
+            (Replace, unknown(), true, Some(HandOver)),
+            (Replace, Ok(true), false, None),
         ];
         for (request, claimed, survives, want) in cases {
             assert_eq!(

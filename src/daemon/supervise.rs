@@ -19,6 +19,14 @@
 //! and afterwards only waits in poll(2), reaps its children and starts the next from a
 //! command made in advance.
 //!
+//! Reload (SIGHUP, `systemctl reload`): the way to swap in a new build without the device
+//! ever waiting for a process to start. The supervisor starts a standby of the binary now on
+//! disk beside the serving process; once it is ready it replaces the standby, the serving
+//! process is asked (`HANDOVER=1` on its channel) to hand the device over, and the new standby
+//! takes it over as after a death. A start that fails, or a standby that ends before it is
+//! ready, leaves the running build serving. Later restarts run the binary on disk; the
+//! supervisor itself stays (a restart of the unit replaces it).
+//!
 //! Why exec and not fork: the serving process is multi-threaded and owns everything the I/O
 //! path needs; a fresh program image starts clean, and `/proc/self/exe` names the binary this
 //! supervisor runs, so a crash restart runs the same build even if a package upgrade replaced
@@ -29,7 +37,7 @@
 use std::os::fd::OwnedFd;
 use std::os::unix::net::{UnixDatagram, UnixStream};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -38,7 +46,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use signal_hook::consts::{SIGCHLD, SIGHUP, SIGINT, SIGTERM};
 
-use super::detach::Notifier;
+use super::detach::{Notifier, HANDOVER, TAKEOVER};
 use super::{io_error, DaemonError, RUN_DIR};
 use crate::config::DeviceSettings;
 
@@ -225,10 +233,21 @@ pub(super) fn supervise(
     // `--id` is in the arguments when the user gave it; otherwise it is learnt below, and a
     // standby (which must know the device) is made only then.
     let mut device = settings.id;
-    let mut serving_command = child_command(None, false);
-    let mut standby_command = device.map(|_| child_command(None, true));
+    // The id the kernel picked, for the children's `--id` (none while the user gave it).
+    let mut learnt_id = None;
+    // The binary the children run: this one (even if a package upgrade replaced the file on
+    // disk) until a reload switches to the file on disk (`installed`).
+    let mut program = PathBuf::from("/proc/self/exe");
+    let installed = std::env::current_exe();
+    let mut serving_command = child_command(&program, None, false);
+    let mut standby_command = device.map(|_| child_command(&program, None, true));
     let mut serving = ServingProcess::spawn(&mut serving_command)?;
     let mut standby: Option<ServingProcess> = None;
+    // A reload (SIGHUP): a standby of the binary on disk, readied while the serving process
+    // serves on; once ready it replaces the standby and the serving process is asked to hand
+    // the device over (`handing_over`), which it then takes over.
+    let mut incoming: Option<ServingProcess> = None;
+    let mut handing_over = false;
     // When to make the next standby: once the device is live, later while backing off.
     let mut standby_due: Option<Instant> = None;
     let mut ready = false;
@@ -246,6 +265,12 @@ pub(super) fn supervise(
                 PollFd::new(
                     std::os::fd::AsFd::as_fd(
                         standby.as_ref().map_or(&serving.channel, |s| &s.channel),
+                    ),
+                    PollFlags::POLLIN,
+                ),
+                PollFd::new(
+                    std::os::fd::AsFd::as_fd(
+                        incoming.as_ref().map_or(&serving.channel, |s| &s.channel),
                     ),
                     PollFlags::POLLIN,
                 ),
@@ -280,6 +305,33 @@ pub(super) fn supervise(
                 if let Some(standby) = standby.take() {
                     standby.dismiss();
                 }
+                if let Some(incoming) = incoming.take() {
+                    incoming.dismiss();
+                }
+            } else if signal == SIGHUP {
+                let refused = if stopping {
+                    Some("stopping")
+                } else if incoming.is_some() || handing_over {
+                    Some("a reload is under way")
+                } else if !ready || device.is_none() {
+                    Some("the device is not live yet")
+                } else {
+                    None
+                };
+                match (refused, &installed, device) {
+                    (Some(why), _, _) => tracing::warn!(why, "reload (SIGHUP) ignored"),
+                    (None, Err(error), _) => {
+                        tracing::warn!(%error, "reload (SIGHUP) ignored: cannot tell which binary this is")
+                    }
+                    (None, Ok(path), Some(_)) => {
+                        tracing::info!(binary = %path.display(), "reload: starting a standby of the binary on disk; the serving process hands the device over once it is ready");
+                        // A failed start fails the reload, never the supervisor.
+                        incoming = ServingProcess::spawn(&mut child_command(path, learnt_id, true))
+                            .map_err(|error| tracing::error!(%error, "reload failed: cannot start the binary on disk; the device is still served by the running build"))
+                            .ok();
+                    }
+                    (None, Ok(_), None) => {}
+                }
             }
         }
         while let Ok(n) = serving.channel.recv(&mut buffer) {
@@ -300,8 +352,9 @@ pub(super) fn supervise(
                 if device.is_none() {
                     // The kernel picked the id: every later serving process resumes that one.
                     device = message.device;
-                    serving_command = child_command(device, false);
-                    standby_command = device.map(|id| child_command(Some(id), true));
+                    learnt_id = device;
+                    serving_command = child_command(&program, learnt_id, false);
+                    standby_command = device.map(|_| child_command(&program, learnt_id, true));
                 }
                 if let (Some(log), Some(id)) = (detached_log, message.device) {
                     let _ = std::fs::rename(log, format!("{RUN_DIR}/ublkb{id}.log"));
@@ -332,6 +385,34 @@ pub(super) fn supervise(
                 }
             }
         }
+        if let Some(process) = incoming.as_mut() {
+            let mut is_ready = false;
+            while let Ok(n) = process.channel.recv(&mut buffer) {
+                is_ready |=
+                    ChildMessage::parse(std::str::from_utf8(&buffer[..n]).unwrap_or_default())
+                        .standby;
+            }
+            if is_ready {
+                if let (Some(process), Ok(path)) = (incoming.take(), &installed) {
+                    tracing::info!(
+                        pid = process.child.id(),
+                        serving = serving.child.id(),
+                        "reload: the new standby is ready; asking the serving process to hand the device over"
+                    );
+                    if let Some(old) = standby.replace(process) {
+                        old.dismiss();
+                    }
+                    program = path.clone();
+                    serving_command = child_command(&program, learnt_id, false);
+                    standby_command = device.map(|_| child_command(&program, learnt_id, true));
+                    let _ = serving.channel.send(HANDOVER.as_bytes());
+                    handing_over = true;
+                }
+            } else if let Ok(Some(status)) = process.child.try_wait() {
+                tracing::error!(pid = process.child.id(), %status, "reload failed: the standby of the binary on disk ended before it was ready (its log says why); the device is still served by the running build");
+                incoming = None;
+            }
+        }
         if let Some(process) = standby.as_mut() {
             while let Ok(n) = process.channel.recv(&mut buffer) {
                 if ChildMessage::parse(std::str::from_utf8(&buffer[..n]).unwrap_or_default())
@@ -355,6 +436,18 @@ pub(super) fn supervise(
             continue;
         };
         match (status.code(), status.signal()) {
+            (Some(0), _) if handing_over && standby.is_some() => {
+                handing_over = false;
+                if let Some(process) = standby.take() {
+                    let _ = process.channel.send(TAKEOVER.as_bytes());
+                    tracing::info!(
+                        pid = serving.child.id(),
+                        standby = process.child.id(),
+                        "reload: the serving process handed the device over; the new build's standby takes it over"
+                    );
+                    serving = process;
+                }
+            }
             (Some(0), _) => break Ok(()),
             (Some(code), _) => {
                 break Err(DaemonError::Daemon(format!(
@@ -367,13 +460,16 @@ pub(super) fn supervise(
                 )))
             }
             (_, signal) => {
+                // A death while handing over for a reload ends the same way: the new build's
+                // standby takes the device over.
+                handing_over = false;
                 let dead = serving.child.id();
                 restarts.record(Instant::now());
                 serving = match standby.take() {
                     Some(process) => {
                         // It takes over as soon as it has its ring ready; if it is still
                         // making it, as soon as that is done.
-                        let _ = process.channel.send(b"TAKEOVER=1");
+                        let _ = process.channel.send(TAKEOVER.as_bytes());
                         tracing::warn!(
                             pid = dead,
                             signal = signal.unwrap_or(0),
@@ -414,11 +510,12 @@ pub(super) fn supervise(
     result
 }
 
-/// A serving process's command, made once (and again when the device's id is learnt) so
-/// that a restart has nothing to build: this program with the supervisor's arguments,
+/// A serving process's command, made once (and again when the device's id is learnt, or a
+/// reload switches to the binary on disk) so that a restart has nothing to build: `program`
+/// (this supervisor's own binary, `/proc/self/exe`, until a reload) with the supervisor's arguments,
 /// `--serve-child` (and `--standby`), and `--id learnt_id` when the kernel picked the id.
-fn child_command(learnt_id: Option<u32>, standby: bool) -> Command {
-    let mut command = Command::new("/proc/self/exe");
+fn child_command(program: &Path, learnt_id: Option<u32>, standby: bool) -> Command {
+    let mut command = Command::new(program);
     command
         .arg0("trueno-ublk")
         .args(std::env::args_os().skip(1))
