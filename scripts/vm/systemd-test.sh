@@ -13,7 +13,8 @@
 #   2. Under pressure (a program holds more than the available memory, with every word
 #      verified): `delete --id 0` is refused at once; kill -9 of the serving process (the
 #      supervisor's standby takes the device over; the unit's main process stays);
-#      `systemctl restart trueno-ublk@0` (the daemon hands the device over, the new one
+#      `systemctl reload trueno-ublk@0` (a standby of the binary on disk takes the device
+#      over from the serving process; the main process stays); `systemctl restart trueno-ublk@0` (the daemon hands the device over, the new one
 #      resumes it: swap stays on, no new mkswap); kill -9 of every process of the unit
 #      (systemd restarts it, and the start resumes the device); the program then verifies
 #      every word once more. The pause of each is a figure.

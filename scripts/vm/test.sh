@@ -43,11 +43,13 @@
 #  8b. (MODE full and recovery) The daemon's recovery: device 0 as swap under the pressure
 #      program (1.5x the RAM, every word verified, and once more after a hold), started by
 #      the previous build (PREVIOUS_BIN, see vm-test.sh) when the VM has it; kill -9 of the
-#      serving process while pages go out and again while they come back, and EXTRA_KILLS
-#      more (the standby takes over; the pause from kill to live is a figure, with its p50
-#      and worst); while the memory is held, an upgrade (SIGTERM to the supervisor hands the
-#      device over, this build's `create` resumes it) and kill -9 of every trueno-ublk
-#      process (the device stays quiesced, `create` again resumes it).
+#      serving process while pages go out and again while they come back, a reload (SIGHUP
+#      to the supervisor: a standby of the binary on disk takes the device over from the
+#      serving process) and EXTRA_KILLS more kills (the standby takes over; the pause from
+#      kill to live is a figure, with its p50 and worst); first, with the pages paged out,
+#      an upgrade (SIGTERM to the supervisor hands the device over, this build's `create`
+#      resumes it), and, while the memory is held, kill -9 of every trueno-ublk process (the
+#      device stays quiesced, `create` again resumes it).
 #      Then a device whose store's shared memory is gone (removed with every daemon dead):
 #      `create` refuses to resume it (it would serve zeros), the device stays quiesced,
 #      `delete` refuses it while it is in use (mounted), --lose-pages deletes it, and its id

@@ -224,8 +224,17 @@ impl Notifier {
                 })
             }
         };
-        if let Err(error) = sent {
-            tracing::warn!(%error, "readiness notification failed");
+        match sent {
+            Ok(()) => {}
+            // A detached daemon's `create` removes its socket once the device is live: the
+            // later status lines (after each takeover) have nobody to go to.
+            Err(error)
+                if matches!(self, Self::Socket(_))
+                    && error.kind() == std::io::ErrorKind::NotFound =>
+            {
+                tracing::debug!(%error, "status notification: nobody listens any more");
+            }
+            Err(error) => tracing::warn!(%error, "readiness notification failed"),
         }
     }
 }
