@@ -41,6 +41,10 @@ pub enum Command {
     /// Compact a device's store now: move compressed pages out of sparse chunks and free
     /// those (what a store with recompression does by itself), and wait until it is done.
     Compact(CompactArgs),
+    /// Take the binary now on disk into use for a device without it ever waiting for a process
+    /// to start (after an upgrade; what `systemctl reload trueno-ublk@N` does): a standby of
+    /// it takes the device over from the serving process. Waits until it has.
+    Reload(ReloadArgs),
     /// Benchmark the page store on a corpus of pages (and kernel zram with --compare-zram). With
     /// recompression on, it then waits for every page to go idle and be recompressed (bounded)
     /// and reports the memory ratio then and right after the writes.
@@ -204,6 +208,16 @@ pub struct CompactArgs {
     pub timeout: std::time::Duration,
 }
 
+#[derive(Clone, Debug, Args)]
+pub struct ReloadArgs {
+    /// Device id N of /dev/ublkbN
+    #[arg(long)]
+    pub id: u32,
+    /// How long to wait for the new process to serve the device
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "60s")]
+    pub timeout: std::time::Duration,
+}
+
 impl StatArgs {
     pub fn format(&self) -> StatFormat {
         match (self.json, self.raw) {
@@ -315,6 +329,7 @@ pub fn main() -> i32 {
         Command::Delete(args) => delete(&args),
         Command::Stat(args) => stat(&args),
         Command::Compact(args) => compact(&args),
+        Command::Reload(args) => reload(&args),
         Command::Bench(args) => run_bench(&args),
         Command::Swapon(args) => swapon(&args),
     };
@@ -400,6 +415,16 @@ fn compact(args: &CompactArgs) -> CommandResult {
         human_size(after.store.mem_used),
         human_size(before.total_bytes()),
         human_size(after.total_bytes()),
+    );
+    Ok(())
+}
+
+fn reload(args: &ReloadArgs) -> CommandResult {
+    let (before, after) =
+        crate::stats::reload(Path::new(crate::stats::SOCKET_DIR), args.id, args.timeout)?;
+    println!(
+        "{}: reloaded: served by pid {} (was {})",
+        after.device, after.pid, before.pid
     );
     Ok(())
 }

@@ -13,8 +13,8 @@ use trueno_ublk::cli::StatArgs;
 use trueno_ublk::procstat::ProcessMemory;
 use trueno_ublk::slotfree::SlotFreeStats;
 use trueno_ublk::stats::{
-    collect, compact, render, report_text, serve_in, socket_path, DeviceReport, Probe, StatError,
-    StatFormat, COLUMNS,
+    collect, compact, reload, render, report_text, serve_in, socket_path, DeviceReport, Probe,
+    StatError, StatFormat, COLUMNS,
 };
 use trueno_ublk::store::StoreStats;
 use trueno_ublk::ublk::{IoTiming, Op};
@@ -79,7 +79,7 @@ fn report(id: u32, orig_bytes: u64) -> DeviceReport {
             }
             timing.snapshot()
         },
-        requests: vec!["compact".into()],
+        requests: vec!["compact".into(), "reload".into()],
         // Device 0 has the probe; device 7 says why not.
         slot_frees: if id == 0 {
             SlotFreeStats {
@@ -422,6 +422,56 @@ fn compact_signals_the_daemon_and_waits_for_its_count() {
     let error = compact(&dir, 5, Duration::from_secs(1)).err().unwrap();
     assert!(
         matches!(error, StatError::NoSuchDevice { id: 5, .. }),
+        "{error}"
+    );
+}
+
+/// `reload` signals only a supervisor: the serving process's parent, and only if that is a
+/// trueno-ublk (here the parent of the reported pid is this test, so nothing is signalled);
+/// a daemon whose report does not list the request is not signalled either, and a device
+/// without a daemon is said to have none.
+#[test]
+fn reload_signals_only_a_trueno_ublk_supervisor() {
+    use std::time::Duration;
+    let dir = temp_dir("reload");
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let _server = serve_in(&dir, 6, move || {
+        let mut r = report(6, 4096);
+        r.pid = pid;
+        r
+    })
+    .unwrap();
+    let error = reload(&dir, 6, Duration::from_secs(1)).err().unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        matches!(&error, StatError::NoSupervisor { id: 6, .. }),
+        "{error}"
+    );
+    assert!(
+        error.to_string().contains("no trueno-ublk supervisor"),
+        "{error}"
+    );
+
+    let _old = serve_in(&dir, 7, || {
+        let mut r = report(7, 4096);
+        r.requests.retain(|request| request != "reload");
+        r
+    })
+    .unwrap();
+    let error = reload(&dir, 7, Duration::from_secs(1)).err().unwrap();
+    assert!(
+        matches!(error, StatError::NoReload { id: 7, pid: 4242 }),
+        "{error}"
+    );
+
+    let error = reload(&dir, 8, Duration::from_secs(1)).err().unwrap();
+    assert!(
+        matches!(error, StatError::NoSuchDevice { id: 8, .. }),
         "{error}"
     );
 }

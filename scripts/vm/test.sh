@@ -119,6 +119,8 @@ daemon_logs() {
         [ -e "$f" ] || continue
         echo "--- $f (last 40 lines)"
         tail -n 40 "$f"
+        echo "--- $f (its first 30 warnings and errors)"
+        grep -E ' (WARN|ERROR) ' "$f" | head -n 30
     done
 }
 finish() {
@@ -446,12 +448,13 @@ kill_serving() {
         daemon_log "$id"
     fi
 }
-# reload_daemon ID WHAT FIGURE: SIGHUP to the supervisor of device ID (what `systemctl reload`
-# sends): a standby of the binary on disk is readied while the serving process serves on, then
-# the serving process hands the device over and the standby takes it over. Checks it and
-# records the pause: from the supervisor's word to hand over to the resumed device's log line.
+# reload_daemon ID WHAT FIGURE: `trueno-ublk reload --id ID` (SIGHUP to the supervisor, what
+# `systemctl reload` sends): a standby of the binary on disk is readied while the serving
+# process serves on, then the serving process hands the device over and the standby takes it
+# over. Checks it and records the pause: from the supervisor's word to hand over to the
+# resumed device's log line.
 reload_daemon() {
-    local id=$1 what=$2 pid sup n0 asked resumed
+    local id=$1 what=$2 pid sup n0 asked resumed rc
     pid=$(serving_pid "$id")
     sup=$(awk '/^PPid:/ { print $2 }' "/proc/$pid/status" 2>/dev/null)
     if [ -z "$pid" ] || [ -z "$sup" ]; then
@@ -459,10 +462,12 @@ reload_daemon() {
         return
     fi
     n0=$(resumed_count "$id")
-    kill -HUP "$sup"
+    trueno-ublk reload --id "$id" >/tmp/reload.out 2>&1
+    rc=$?
+    check "$what: trueno-ublk reload --id $id (exit $rc: $(cat /tmp/reload.out))" [ "$rc" -eq 0 ]
     if wait_until 60 live_not_by "$id" "$pid"; then
         wait_until 10 eval "[ \$(resumed_count $id) -gt $n0 ]"
-        ok "$what: SIGHUP to the supervisor $sup; pid $(serving_pid "$id") took the device over from $pid"
+        ok "$what: pid $(serving_pid "$id") took the device over from $pid"
         asked=$(daemon_log "$id" 100 | grep 'reload: the new standby is ready' | tail -n 1)
         resumed=$(daemon_log "$id" 30 | grep 'device resumed' | tail -n 1)
         figure "$3" "$(awk -v a="$(log_clock "$resumed")" -v b="$(log_clock "$asked")" 'BEGIN { printf "%.3f", a - b }')"

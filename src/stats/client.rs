@@ -13,6 +13,7 @@ use thiserror::Error;
 use super::render::{render, StatFormat};
 use super::{
     socket_path, DeviceReport, COMPACT_REQUEST, COMPACT_SIGNAL, IO_TIMEOUT, MAX_REPORT_BYTES,
+    RELOAD_REQUEST,
 };
 
 #[derive(Debug, Error)]
@@ -37,6 +38,88 @@ pub enum StatError {
     Replaced { id: u32, pid: u32 },
     #[error("the daemon of ublkb{id} has not finished compacting after {} s; it goes on in the background (`trueno-ublk stat --id {id} --json` counts compactions)", waited.as_secs())]
     CompactionTimeout { id: u32, waited: Duration },
+    #[error("the daemon of ublkb{id} (pid {pid}) predates `reload`: restart it instead (`systemctl restart trueno-ublk@{id}` keeps its pages)")]
+    NoReload { id: u32, pid: u32 },
+    #[error("the serving process of ublkb{id} (pid {pid}) has no trueno-ublk supervisor to reload it{why}")]
+    NoSupervisor { id: u32, pid: u32, why: String },
+    #[error("ublkb{id} is still served by pid {pid} {} s after the reload was asked for; its log says why (a new binary that cannot start leaves the running one serving)", waited.as_secs())]
+    ReloadTimeout { id: u32, pid: u32, waited: Duration },
+}
+
+/// Device `id`'s report, read from its socket in `dir`.
+fn device_report(dir: &Path, id: u32) -> Result<DeviceReport, StatError> {
+    match query(&socket_path(dir, id), id) {
+        Ok(report) => Ok(report),
+        Err(QueryError::Gone) => Err(StatError::NoSuchDevice {
+            id,
+            dir: dir.to_path_buf(),
+        }),
+        Err(QueryError::Denied) => Err(StatError::NeedsRoot {
+            dir: dir.to_path_buf(),
+        }),
+        Err(QueryError::Failed(reason)) => Err(StatError::Unreachable { id, reason }),
+    }
+}
+
+/// `trueno-ublk reload --id N`: SIGHUP to the supervisor of device `id`'s serving process (what
+/// `systemctl reload` sends), then wait, `patience` at most, until another process serves it;
+/// returns the reports before and after.
+pub fn reload(
+    dir: &Path,
+    id: u32,
+    patience: Duration,
+) -> Result<(DeviceReport, DeviceReport), StatError> {
+    let before = device_report(dir, id)?;
+    let no_supervisor = |why: String| StatError::NoSupervisor {
+        id,
+        pid: before.pid,
+        why,
+    };
+    if !before.requests.iter().any(|r| r == RELOAD_REQUEST) {
+        return Err(StatError::NoReload {
+            id,
+            pid: before.pid,
+        });
+    }
+    let status = fs::read_to_string(format!("/proc/{}/status", before.pid))
+        .map_err(|error| no_supervisor(format!(": {error}")))?;
+    let parent = status
+        .lines()
+        .find_map(|line| line.strip_prefix("PPid:"))
+        .and_then(|pid| pid.trim().parse::<u32>().ok())
+        .ok_or_else(|| no_supervisor(": no parent in its /proc status".into()))?;
+    let comm = fs::read_to_string(format!("/proc/{parent}/comm")).unwrap_or_default();
+    if comm.trim() != "trueno-ublk" {
+        return Err(no_supervisor(format!(
+            " (its parent {parent} is `{}`)",
+            comm.trim()
+        )));
+    }
+    let supervisor = nix::unistd::Pid::from_raw(i32::try_from(parent).unwrap_or(0));
+    nix::sys::signal::kill(supervisor, nix::sys::signal::Signal::SIGHUP).map_err(|source| {
+        StatError::Signal {
+            id,
+            pid: parent,
+            source,
+        }
+    })?;
+    let asked = Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        // Between the hand-over and the new process's socket the device has none for a moment.
+        if let Ok(now) = device_report(dir, id) {
+            if now.pid != before.pid {
+                return Ok((before, now));
+            }
+        }
+        if asked.elapsed() >= patience {
+            return Err(StatError::ReloadTimeout {
+                id,
+                pid: before.pid,
+                waited: asked.elapsed(),
+            });
+        }
+    }
 }
 
 /// What reading one socket gave.
@@ -151,19 +234,7 @@ pub fn compact(
     id: u32,
     patience: Duration,
 ) -> Result<(DeviceReport, DeviceReport), StatError> {
-    let report = || -> Result<DeviceReport, StatError> {
-        match query(&socket_path(dir, id), id) {
-            Ok(report) => Ok(report),
-            Err(QueryError::Gone) => Err(StatError::NoSuchDevice {
-                id,
-                dir: dir.to_path_buf(),
-            }),
-            Err(QueryError::Denied) => Err(StatError::NeedsRoot {
-                dir: dir.to_path_buf(),
-            }),
-            Err(QueryError::Failed(reason)) => Err(StatError::Unreachable { id, reason }),
-        }
-    };
+    let report = || device_report(dir, id);
     let before = report()?;
     if !before.requests.iter().any(|r| r == COMPACT_REQUEST) {
         return Err(StatError::NoCompaction {

@@ -20,7 +20,7 @@ use crate::slotfree::SlotFreeStats;
 use crate::store::StoreStats;
 use crate::ublk::device::block_path;
 use crate::ublk::IoTimingReport;
-pub use client::{collect, compact, report_text, Probe, StatError};
+pub use client::{collect, compact, reload, report_text, Probe, StatError};
 pub use render::{render, StatFormat, COLUMNS};
 pub use server::{serve, serve_in, StatsServer};
 
@@ -61,8 +61,9 @@ pub struct DeviceReport {
     /// The daemon's own resident memory, now and idle.
     #[serde(default)]
     pub memory: ProcessMemory,
-    /// What the daemon does when asked by a signal to its `pid`: `compact` (SIGUSR2). A
-    /// daemon that predates it lists nothing, and a signal it does not handle would end it.
+    /// What the daemon does when asked by a signal: `compact` (SIGUSR2 to its `pid`), `reload`
+    /// (SIGHUP to its supervisor). A daemon that predates one does not list it, and a signal
+    /// it does not handle would end it or be ignored.
     #[serde(default)]
     pub requests: Vec<String>,
     /// Swap slots freed as the kernel freed them (see `crate::slotfree`).
@@ -72,6 +73,9 @@ pub struct DeviceReport {
 
 /// The request `trueno-ublk compact` makes, and the signal that makes it.
 pub const COMPACT_REQUEST: &str = "compact";
+/// The request `trueno-ublk reload` makes: SIGHUP to the serving process's supervisor (its
+/// parent), which readies a standby of the binary on disk and has it take the device over.
+pub const RELOAD_REQUEST: &str = "reload";
 pub const COMPACT_SIGNAL: nix::sys::signal::Signal = nix::sys::signal::Signal::SIGUSR2;
 
 impl DeviceReport {
@@ -96,7 +100,7 @@ impl DeviceReport {
             store,
             io: IoTimingReport::default(),
             memory: ProcessMemory::default(),
-            requests: vec![COMPACT_REQUEST.to_string()],
+            requests: vec![COMPACT_REQUEST.to_string(), RELOAD_REQUEST.to_string()],
             slot_frees: SlotFreeStats::default(),
         }
     }
