@@ -143,6 +143,14 @@ impl Arena {
         Ok(())
     }
 
+    /// Whether the arena bytes `[offset, offset + len)` (a chunk) are all in memory.
+    pub fn in_memory(&self, offset: usize, len: usize) -> std::io::Result<bool> {
+        if !offset.checked_add(len).is_some_and(|end| end <= self.len) {
+            return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        self.segment.all_in_memory(self.start + offset, len)
+    }
+
     /// The tag word of arena page `page`; `None` past the arena.
     pub fn tag(&self, page: usize) -> Option<&AtomicU32> {
         self.tags.get(page)

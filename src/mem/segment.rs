@@ -256,6 +256,29 @@ impl Segment {
     /// span) that is in memory, by mincore(2).
     fn first_page_in_memory(&self, offset: usize, len: usize) -> std::io::Result<Option<usize>> {
         let mut in_memory = [0u8; PAGE_TABLE_SPAN / HOST_PAGE];
+        let pages = self.residency(offset, len, &mut in_memory)?;
+        Ok(pages
+            .iter()
+            .position(|state| state & 1 != 0)
+            .map(|page| offset + page * HOST_PAGE))
+    }
+
+    /// Whether every page of `[offset, offset + len)` (at most one page table's span) is in
+    /// memory: committed, for memory that is never swapped.
+    pub fn all_in_memory(&self, offset: usize, len: usize) -> std::io::Result<bool> {
+        self.check(offset, len)?;
+        let mut in_memory = [0u8; PAGE_TABLE_SPAN / HOST_PAGE];
+        let pages = self.residency(offset, len, &mut in_memory)?;
+        Ok(pages.iter().all(|state| state & 1 != 0))
+    }
+
+    /// mincore(2) of `[offset, offset + len)` into `in_memory`: a byte per page, returned.
+    fn residency<'a>(
+        &self,
+        offset: usize,
+        len: usize,
+        in_memory: &'a mut [u8],
+    ) -> std::io::Result<&'a [u8]> {
         let pages = len.div_ceil(HOST_PAGE);
         if pages > in_memory.len() {
             return Err(std::io::ErrorKind::InvalidInput.into());
@@ -263,10 +286,7 @@ impl Segment {
         // SAFETY: the range lies inside our mapping (callers check it) and `in_memory` has a
         // byte for each of its pages; mincore only writes those bytes.
         cvt(unsafe { libc::mincore(self.ptr(offset).as_ptr(), len, in_memory.as_mut_ptr()) })?;
-        Ok(in_memory[..pages]
-            .iter()
-            .position(|state| state & 1 != 0)
-            .map(|page| offset + page * HOST_PAGE))
+        Ok(&in_memory[..pages])
     }
 
     /// Whether ranges are committed through a file descriptor (without the mmap lock).

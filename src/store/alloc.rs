@@ -769,28 +769,61 @@ impl ZsAllocator {
         } = occupancy;
         let pages = occupied.len();
         arena.map_page_tables((0..pages).filter(|&page| occupied[page] != 0))?;
+        // Free pages still in memory (the previous process's reserve, chunks it freed) are
+        // kept ready, as far as the reserve's target goes; the rest are given back. Why: a
+        // resume comes when memory is scarcest (a takeover), and what it gave back would have
+        // to be committed again at once, by a refill competing with every other task for the
+        // pages it had just let go (seen in the VM: after a takeover at the watermark the
+        // refill's commit waited in reclaim for good, and the writes behind it).
+        let mut kept = Vec::new();
         let mut page = 0;
         while page < pages {
             if occupied[page] != 0 {
                 page += 1;
                 continue;
             }
-            let run = occupied[page..].iter().take_while(|&&c| c == 0).count();
-            arena
-                .chunk_at(page * PAGE_SIZE, run * PAGE_SIZE)?
-                .decommit()?;
-            let mut left = run;
-            while left > 0 {
-                let n = left.min(MAX_CHUNK_PAGES);
-                let at = page + run - left;
-                self.reserve
-                    .adopt_cold(arena.chunk_at(at * PAGE_SIZE, n * PAGE_SIZE)?);
-                left -= n;
+            let end = page + occupied[page..].iter().take_while(|&&c| c == 0).count();
+            while page < end {
+                let left = end - page;
+                let Some(n) = self.reserve.ready_chunk_wanted(left.min(MAX_CHUNK_PAGES)) else {
+                    self.give_back_free_run(page, left)?;
+                    page = end;
+                    break;
+                };
+                let chunk = arena.chunk_at(page * PAGE_SIZE, n * PAGE_SIZE)?;
+                if arena.in_memory(page * PAGE_SIZE, n * PAGE_SIZE)? {
+                    kept.push(page);
+                    self.reserve.adopt_ready(chunk);
+                } else {
+                    chunk.decommit()?;
+                    self.reserve.adopt_cold(chunk);
+                }
+                page += n;
             }
-            page += run;
         }
+        arena.map_page_tables(kept.into_iter())?;
         self.provision_classes(&|class, _, capacity| capacity > room[class]);
         self.reserve.provision_pools();
+        Ok(())
+    }
+}
+
+impl ZsAllocator {
+    /// Give the free arena pages `[page, page + count)` of a resumed store back to the system
+    /// and take them as cold chunks.
+    fn give_back_free_run(&self, page: usize, count: usize) -> std::io::Result<()> {
+        let arena = self.reserve.arena();
+        arena
+            .chunk_at(page * PAGE_SIZE, count * PAGE_SIZE)?
+            .decommit()?;
+        let mut left = count;
+        while left > 0 {
+            let n = left.min(MAX_CHUNK_PAGES);
+            let at = page + count - left;
+            self.reserve
+                .adopt_cold(arena.chunk_at(at * PAGE_SIZE, n * PAGE_SIZE)?);
+            left -= n;
+        }
         Ok(())
     }
 }

@@ -148,6 +148,37 @@ impl ChunkReserve {
         &self.arena
     }
 
+    /// How many pages the next chunk a resumed store keeps ready should have: of the pool
+    /// furthest below its share (by the demand prior, as `refill` fills it) whose chunks fit
+    /// in `pages`; `None` once no such pool is short.
+    pub(super) fn ready_chunk_wanted(&self, pages: usize) -> Option<usize> {
+        let demand: Vec<u64> = self
+            .demand
+            .iter()
+            .map(|d| d.load(Ordering::Relaxed))
+            .collect();
+        let total: u64 = demand.iter().sum::<u64>().max(1);
+        (0..self.pools.len().min(pages))
+            .filter_map(|k| {
+                let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
+                let share = self.share(demand[k], total);
+                let held = self.pools[k].lock().ready.len() as u64 * chunk_bytes;
+                let short = share.saturating_sub(held);
+                (short >= chunk_bytes).then_some((short, k + 1))
+            })
+            .max()
+            .map(|(_, pages)| pages)
+    }
+
+    /// A free chunk of a resumed store whose pages are still in memory, kept ready (see
+    /// `ready_chunk_wanted`).
+    pub(super) fn adopt_ready(&self, chunk: ArenaChunk) {
+        let k = chunk.len() / PAGE_SIZE - 1;
+        self.held_bytes
+            .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        self.pools[k].lock().ready.push(chunk);
+    }
+
     /// A free chunk whose pages were given back already (a resumed store's free space).
     pub(super) fn adopt_cold(&self, chunk: ArenaChunk) {
         let k = chunk.len() / PAGE_SIZE - 1;
@@ -400,8 +431,7 @@ impl ChunkReserve {
         for k in order {
             let pool = &self.pools[k];
             let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
-            // Every pool gets at least one commit group's worth, so no size ever starves.
-            let share = (self.target_bytes * demand[k] / total).max(COMMIT_GROUP_BYTES as u64);
+            let share = self.share(demand[k], total);
             Self::provision(pool);
             loop {
                 let mut pool = pool.lock();
@@ -435,6 +465,12 @@ impl ChunkReserve {
                 }
             }
         }
+    }
+
+    /// A pool's share of the target, by its `demand` of `total`: at least one commit group's
+    /// worth, so no size ever starves.
+    fn share(&self, demand: u64, total: u64) -> u64 {
+        (self.target_bytes * demand / total.max(1)).max(COMMIT_GROUP_BYTES as u64)
     }
 
     /// Give back the ready chunks of pool `k` beyond its `share` while the reserve holds more

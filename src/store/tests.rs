@@ -998,3 +998,48 @@ fn a_freed_swap_slot_empties_its_page_only_while_the_report_stands() {
     }
     assert_eq!(s.stats().failed_writes, 0);
 }
+
+/// A resumed store keeps the free pages its predecessor still had in memory (its reserve,
+/// the rest of a commit group) ready, up to the reserve's target, instead of giving them back
+/// and committing them again when memory is scarcest; its pages read back as they were, and
+/// the kept chunks take new writes.
+#[test]
+fn a_resumed_store_keeps_the_free_memory_it_finds_ready() {
+    let config = || StoreConfig {
+        reserve_bytes: 1 << 20,
+        ..layout_test_config()
+    };
+    let key = 0x7c00_0000 | i32::try_from(std::process::id() & 0xffff).unwrap();
+    let _ = crate::mem::Segment::remove_shared(key);
+    let backing = Backing::SharedUnlocked { key };
+    let (s, _) = BatchedPageStore::open(config(), None, backing).unwrap();
+    for i in 0..16u64 {
+        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    s.alloc.reserve.refill();
+    let before = s.stats().reserve_bytes;
+    assert!(before > 0, "the first store holds no reserve");
+    drop(s);
+
+    let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
+    assert_eq!(opened, Opened::Resumed { pages: 16, lost: 0 });
+    let kept = s.stats().reserve_bytes;
+    assert!(kept > 0, "nothing kept ready ({before} held before)");
+    assert_eq!(
+        s.alloc.reserve.commits(),
+        0,
+        "the resume committed memory though {kept} bytes were kept ready ({before} before)"
+    );
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for i in 16..32u64 {
+        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    for i in 0..32u64 {
+        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+        assert_eq!(&buf[..], &text(i)[..], "page {i}");
+    }
+    drop(s);
+    crate::mem::Segment::remove_shared(key).unwrap();
+}
