@@ -297,8 +297,15 @@ fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
 /// The device this process will serve: one it adds, or one another daemon served.
 enum Target {
     Fresh(AddedDevice),
-    /// With the device's store when the standby could attach it ahead.
-    Resume(Standby, Option<crate::store::AttachedStore>),
+    /// With what a standby made ahead (boxed: the larger part).
+    Resume(Standby, Box<Ahead>),
+}
+
+/// What a standby makes before its takeover, where it can.
+#[derive(Default)]
+struct Ahead {
+    store: Option<crate::store::AttachedStore>,
+    slot_frees: Option<crate::slotfree::SlotFreeProbe>,
 }
 
 impl Target {
@@ -318,7 +325,10 @@ fn find_target(
 ) -> Result<Target, DaemonError> {
     if let Some(id) = settings.id {
         if Path::new(&char_class_path(id)).exists() {
-            return Ok(Target::Resume(Device::standby(id, handler)?, None));
+            return Ok(Target::Resume(
+                Device::standby(id, handler)?,
+                Box::default(),
+            ));
         }
     }
     Ok(Target::Fresh(Device::add(device_spec(settings))?))
@@ -536,6 +546,14 @@ fn serve(
             }
         };
         keep_ready();
+        let slot_frees = settings
+            .slot_free_probe
+            .then(|| slot_frees::attach_ahead(id, settings.size_bytes / crate::codec::PAGE_SIZE as u64))
+            .and_then(|attached| {
+                attached
+                    .map_err(|why| tracing::info!(%why, "standby: no slot-free probe ahead; the takeover attaches one"))
+                    .ok()
+            });
         let spare = crate::mem::SparePages::new(STANDBY_SPARE_BYTES)
             .map_err(io_error("reserving the standby's spare pages"))?;
         tracing::info!(
@@ -556,7 +574,16 @@ fn serve(
         if let Err(error) = crate::os::make_thread_realtime() {
             tracing::warn!(%error, "could not make the takeover real-time");
         }
-        (Target::Resume(standby, attached), Instant::now())
+        (
+            Target::Resume(
+                standby,
+                Box::new(Ahead {
+                    store: attached,
+                    slot_frees,
+                }),
+            ),
+            Instant::now(),
+        )
     } else {
         (find_target(&settings, handler.clone())?, started)
     };
@@ -578,6 +605,8 @@ fn serve(
             .map_err(io_error("starting the flusher"))
     };
     let gpu_codec = gpu.clone().map(|g| g as Arc<dyn BatchCodec>);
+    // A standby's slot-free probe, attached before its takeover.
+    let mut probe_ahead = None;
     let (device, store, flusher, found, store_opened, live, anon_live) = match target {
         Target::Fresh(added) => {
             if !added.survives_daemon() {
@@ -603,10 +632,11 @@ fn serve(
                 anon_live,
             )
         }
-        Target::Resume(mut standby, attached) => {
+        Target::Resume(mut standby, ahead) => {
             standby.wait_resumable(settings.size_bytes)?;
             let found = Instant::now();
-            let store = open_store(store_config, gpu_codec, id, Opening::Resume(attached))?;
+            let store = open_store(store_config, gpu_codec, id, Opening::Resume(ahead.store))?;
+            probe_ahead = ahead.slot_frees;
             handler.set_store(store.clone());
             let store_opened = Instant::now();
             let device = standby.resume()?;
@@ -662,6 +692,7 @@ fn serve(
             id,
             settings.size_bytes / crate::codec::PAGE_SIZE as u64,
             &handler,
+            probe_ahead,
         )
     } else {
         Err("turned off (slot-free-probe = no, or --no-slot-free-probe)".to_string())

@@ -9,15 +9,28 @@ use std::sync::Arc;
 use super::handler::StoreHandler;
 use crate::slotfree::SlotFreeProbe;
 
-/// Attach the probe for `/dev/ublkb{id}`, of `pages` pages, and give it to the handler; `Err`
-/// says why not (the store then hears of freed slots only through discards).
+/// Attach the probe for `/dev/ublkb{id}`, of `pages` pages, without using it yet: a standby's,
+/// made before its takeover (attaching allocates: the BTF read, the kernel's verifier, the
+/// bitmap; after a takeover at the watermark that failed with ENOMEM in the VM). What it
+/// reports before `attach` gives it to a handler is forgotten there.
+pub(super) fn attach_ahead(id: u32, pages: u64) -> Result<SlotFreeProbe, String> {
+    let (major, minor) = block_device_number(id)?;
+    SlotFreeProbe::attach(major, minor, pages).map_err(|error| error.to_string())
+}
+
+/// Give the probe for `/dev/ublkb{id}`, of `pages` pages, to the handler: the one attached
+/// `ahead`, else one attached now; `Err` says why there is none (the store then hears of
+/// freed slots only through discards).
 pub(super) fn attach(
     id: u32,
     pages: u64,
     handler: &StoreHandler,
+    ahead: Option<SlotFreeProbe>,
 ) -> Result<Arc<SlotFreeProbe>, String> {
-    let (major, minor) = block_device_number(id)?;
-    let probe = SlotFreeProbe::attach(major, minor, pages).map_err(|error| error.to_string())?;
+    let probe = match ahead {
+        Some(probe) => probe,
+        None => attach_ahead(id, pages)?,
+    };
     let probe = Arc::new(probe);
     handler.set_slot_frees(probe.clone());
     // The probe set bits from its attachment on, and writes withdraw their pages' bits only
