@@ -239,8 +239,7 @@ pub(super) fn supervise(
     // disk) until a reload switches to the file on disk (`installed`).
     let mut program = PathBuf::from("/proc/self/exe");
     let installed = std::env::current_exe();
-    let mut serving_command = child_command(&program, None, false);
-    let mut standby_command = device.map(|_| child_command(&program, None, true));
+    let (mut serving_command, mut standby_command) = child_commands(&program, None, device);
     let mut serving = ServingProcess::spawn(&mut serving_command)?;
     let mut standby: Option<ServingProcess> = None;
     // A reload (SIGHUP): a standby of the binary on disk, readied while the serving process
@@ -324,11 +323,22 @@ pub(super) fn supervise(
                         tracing::warn!(%error, "reload (SIGHUP) ignored: cannot tell which binary this is")
                     }
                     (None, Ok(path), Some(_)) => {
-                        tracing::info!(binary = %path.display(), "reload: starting a standby of the binary on disk; the serving process hands the device over once it is ready");
+                        tracing::info!(binary = %path.display(), "reload: starting a standby of the binary on disk in place of the current one; the serving process hands the device over once it is ready");
+                        // The current standby goes first: two at once would lock a second
+                        // standby's memory, and with RAM at the watermark that was an OOM
+                        // kill in the VM. Meanwhile the new one takes over if the serving
+                        // process dies.
+                        if let Some(old) = standby.take() {
+                            old.dismiss();
+                        }
+                        standby_due = None;
                         // A failed start fails the reload, never the supervisor.
                         incoming = ServingProcess::spawn(&mut child_command(path, learnt_id, true))
                             .map_err(|error| tracing::error!(%error, "reload failed: cannot start the binary on disk; the device is still served by the running build"))
                             .ok();
+                        if incoming.is_none() {
+                            standby_due = Some(Instant::now());
+                        }
                     }
                     (None, Ok(_), None) => {}
                 }
@@ -353,8 +363,8 @@ pub(super) fn supervise(
                     // The kernel picked the id: every later serving process resumes that one.
                     device = message.device;
                     learnt_id = device;
-                    serving_command = child_command(&program, learnt_id, false);
-                    standby_command = device.map(|_| child_command(&program, learnt_id, true));
+                    (serving_command, standby_command) =
+                        child_commands(&program, learnt_id, device);
                 }
                 if let (Some(log), Some(id)) = (detached_log, message.device) {
                     let _ = std::fs::rename(log, format!("{RUN_DIR}/ublkb{id}.log"));
@@ -379,7 +389,7 @@ pub(super) fn supervise(
         }
         if standby_due.is_some_and(|due| due <= Instant::now()) {
             standby_due = None;
-            if standby.is_none() && !stopping {
+            if standby.is_none() && incoming.is_none() && !stopping {
                 if let Some(command) = standby_command.as_mut() {
                     standby = Some(ServingProcess::spawn(command)?);
                 }
@@ -403,14 +413,15 @@ pub(super) fn supervise(
                         old.dismiss();
                     }
                     program = path.clone();
-                    serving_command = child_command(&program, learnt_id, false);
-                    standby_command = device.map(|_| child_command(&program, learnt_id, true));
+                    (serving_command, standby_command) =
+                        child_commands(&program, learnt_id, device);
                     let _ = serving.channel.send(HANDOVER.as_bytes());
                     handing_over = true;
                 }
             } else if let Ok(Some(status)) = process.child.try_wait() {
                 tracing::error!(pid = process.child.id(), %status, "reload failed: the standby of the binary on disk ended before it was ready (its log says why); the device is still served by the running build");
                 incoming = None;
+                standby_due = Some(Instant::now());
             }
         }
         if let Some(process) = standby.as_mut() {
@@ -465,7 +476,16 @@ pub(super) fn supervise(
                 handing_over = false;
                 let dead = serving.child.id();
                 restarts.record(Instant::now());
-                serving = match standby.take() {
+                // During a reload the new build's standby is the only one: it takes over,
+                // and the next ones are of its binary.
+                if standby.is_none() && incoming.is_some() {
+                    if let Ok(path) = &installed {
+                        program = path.clone();
+                        (serving_command, standby_command) =
+                            child_commands(&program, learnt_id, device);
+                    }
+                }
+                serving = match standby.take().or_else(|| incoming.take()) {
                     Some(process) => {
                         // It takes over as soon as it has its ring ready; if it is still
                         // making it, as soon as that is done.
@@ -533,6 +553,18 @@ fn child_command(program: &Path, learnt_id: Option<u32>, standby: bool) -> Comma
         .stdout(Stdio::inherit())
         .stderr(Stdio::inherit());
     command
+}
+
+/// The serving process's command and, once the device is known, the standby's.
+fn child_commands(
+    program: &Path,
+    learnt_id: Option<u32>,
+    device: Option<u32>,
+) -> (Command, Option<Command>) {
+    (
+        child_command(program, learnt_id, false),
+        device.map(|_| child_command(program, learnt_id, true)),
+    )
 }
 
 fn child_pid(child: &Child) -> Pid {
