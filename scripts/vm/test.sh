@@ -547,16 +547,19 @@ daemon_recovery_checks() {
     check "daemon recovery: mkswap" $UL/mkswap $dev >/dev/null
     check "daemon recovery: swapon -d" $UL/swapon -d $dev
     # 0. An upgrade, as a package's `systemctl restart` does it, with the previous build's
-    #    pages out: a first pressure program fills its memory, pages it all out and holds it;
+    #    pages out: a first pressure program fills its memory, paging each part out as it
+    #    goes (RAM never at the watermark), and holds it;
     #    SIGTERM to the supervisor of the build that started the device hands the device over
     #    (quiesced, still swap, pages kept) and this build's `create` resumes it; then the
     #    program checks every word. With the pages out and RAM free again, not at the
     #    watermark: there, whatever starts the next daemon needs reclaim, which waits for the
-    #    quiesced device (seen in the VM: the shell's fork blocked for good; README, limits).
+    #    quiesced device (seen in the VM: the shell's fork blocked for good; README, limits),
+    #    and the previous build's fill there once failed writes with ENOMEM (its starvation
+    #    rule; this build keeps its reserve across a takeover).
     #    The kills below, at the watermark, are this build's: its standby is running already.
     rm -f /tmp/hold /tmp/phase
     touch /run/pressure-on
-    VMTOOL_PASSES=0 VMTOOL_VERIFY_AFTER_HOLD=1 VMTOOL_PAGEOUT_BEFORE_HOLD=1 \
+    VMTOOL_PASSES=0 VMTOOL_VERIFY_AFTER_HOLD=1 VMTOOL_PAGEOUT=1 \
         work timeout "$PRESSURE_TIMEOUT_S" $VT pressure "$FILL_MIB" "$(date +%s)" /tmp/hold >/tmp/pressure0.out 2>&1 &
     pid=$!
     if wait_until 300 test -e /tmp/hold; then

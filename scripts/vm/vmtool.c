@@ -274,8 +274,18 @@ static int cmd_pressure(int argc, char **argv)
 	fflush(stdout);
 	double t0 = now_s();
 	phase("fill");
-	for (uint64_t p = 0; p < pages; p++)
+	/* VMTOOL_PAGEOUT=1: each 16 MiB filled is paged out at once, and all of it again before
+	 * the hold: the pages go out to swap without RAM ever reaching the watermark (as an
+	 * administrator's swap looks when the daemon is restarted), not by reclaim. */
+	const char *pageout_env = getenv("VMTOOL_PAGEOUT");
+	int pageout = pageout_env && *pageout_env == '1';
+	const uint64_t part = 16 * 256;
+	for (uint64_t p = 0; p < pages; p++) {
 		make_page(mem + p * PAGE_WORDS, seed_a, p);
+		if (pageout && (p + 1) % part == 0 &&
+		    madvise(mem + (p + 1 - part) * PAGE_WORDS, part * PAGE_BYTES, MADV_PAGEOUT))
+			perror("vmtool pressure: MADV_PAGEOUT");
+	}
 	printf("pressure: fill: %llu words written, %.1f s\n",
 	       (unsigned long long)pages * PAGE_WORDS, now_s() - t0);
 	fflush(stdout);
@@ -311,10 +321,7 @@ static int cmd_pressure(int argc, char **argv)
 	       (unsigned long long)total.words, (unsigned long long)total.bad_words);
 	fflush(stdout);
 	if (argc == 3) {
-		/* Memory held with the pages out on swap and RAM free again (a restart of the
-		 * daemon as an administrator makes one), not at the watermark. */
-		const char *pageout_env = getenv("VMTOOL_PAGEOUT_BEFORE_HOLD");
-		if (pageout_env && *pageout_env == '1') {
+		if (pageout) {
 			if (madvise(mem, bytes, MADV_PAGEOUT))
 				perror("vmtool pressure: MADV_PAGEOUT");
 			printf("pressure: paged out before the hold\n");
