@@ -1043,3 +1043,46 @@ fn a_resumed_store_keeps_the_free_memory_it_finds_ready() {
     drop(s);
     crate::mem::Segment::remove_shared(key).unwrap();
 }
+
+/// A store resumed after a standby readied it (`AttachedStore::keep_ready`) takes the chunks
+/// its reserve wants beyond the free memory it finds from the memory committed ahead past the
+/// carve cursor: the resume commits nothing, and its pages and new writes read back.
+#[test]
+fn a_store_readied_ahead_resumes_without_committing() {
+    let config = |reserve_bytes| StoreConfig {
+        reserve_bytes,
+        ..layout_test_config()
+    };
+    let key = 0x7b00_0000 | i32::try_from(std::process::id() & 0xffff).unwrap();
+    let _ = crate::mem::Segment::remove_shared(key);
+    let backing = Backing::SharedUnlocked { key };
+    let (s, _) = BatchedPageStore::open(config(1 << 20), None, backing).unwrap();
+    for i in 0..16u64 {
+        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    drop(s);
+    let mut ahead = layout::AttachedStore::attach_key(key).unwrap().unwrap();
+    ahead.keep_ready(16 << 20).unwrap();
+    // A larger reserve than the free memory the first store left.
+    let (s, opened) = BatchedPageStore::open(config(8 << 20), None, backing).unwrap();
+    assert_eq!(opened, Opened::Resumed { pages: 16, lost: 0 });
+    assert!(
+        s.stats().reserve_bytes >= 4 << 20,
+        "{}",
+        s.stats().reserve_bytes
+    );
+    assert_eq!(s.alloc.reserve.commits(), 0, "the resume committed memory");
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for i in 16..32u64 {
+        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    for i in 0..32u64 {
+        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+        assert_eq!(&buf[..], &text(i)[..], "page {i}");
+    }
+    drop(s);
+    drop(ahead);
+    crate::mem::Segment::remove_shared(key).unwrap();
+}
