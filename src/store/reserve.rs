@@ -338,28 +338,11 @@ impl ChunkReserve {
     /// group carved from the arena. False if none could be.
     fn commit_more(&self, k: usize) -> bool {
         let chunk_bytes = (k + 1) * PAGE_SIZE;
-        // While a resume has no refill thread yet, memory a standby committed past the carve
-        // cursor (see `AttachedStore::keep_ready`) first, a chunk at a time: carving it
-        // allocates nothing, where a cold chunk would be committed again at the watermark.
-        // Not later: carving ahead of cold chunks would grow the arena for good.
-        let ahead = !self.refill_running()
-            && self
-                .arena
-                .in_memory(self.arena.carved(), chunk_bytes)
-                .unwrap_or(false);
-        let cold = if ahead {
-            None
-        } else {
-            self.pools[k].lock().cold.pop()
-        };
+        let cold = self.pools[k].lock().cold.pop();
         let fresh = match cold {
             Some(chunk) => chunk.recommit().map(|()| vec![chunk]),
             None => {
-                let count = if ahead {
-                    1
-                } else {
-                    (COMMIT_GROUP_BYTES / chunk_bytes).max(1)
-                };
+                let count = (COMMIT_GROUP_BYTES / chunk_bytes).max(1);
                 match self.arena.carve(chunk_bytes, count) {
                     Ok(Some(chunks)) => Ok(chunks),
                     Ok(None) => return false,
