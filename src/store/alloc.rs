@@ -801,24 +801,6 @@ impl ZsAllocator {
                 page += n;
             }
         }
-        // Then chunks past the carve cursor where a standby committed memory ahead (see
-        // `AttachedStore::keep_ready`): carving them allocates nothing.
-        loop {
-            let room = arena.len().saturating_sub(arena.carved()) / PAGE_SIZE;
-            let Some(n) = self.reserve.ready_chunk_wanted(room.min(MAX_CHUNK_PAGES)) else {
-                break;
-            };
-            if !arena.in_memory(arena.carved(), n * PAGE_SIZE)? {
-                break;
-            }
-            let Some(chunks) = arena.carve(n * PAGE_SIZE, 1)? else {
-                break;
-            };
-            for chunk in chunks {
-                kept.push(chunk.page());
-                self.reserve.adopt_ready(chunk);
-            }
-        }
         arena.map_page_tables(kept.into_iter())?;
         self.provision_classes(&|class, _, capacity| capacity > room[class]);
         self.reserve.provision_pools();

@@ -141,11 +141,7 @@ pub struct AttachedStore {
 impl AttachedStore {
     /// Attach device `device_id`'s store; `None` if it has none.
     pub fn attach(device_id: u32) -> Result<Option<Self>, StoreError> {
-        Self::attach_key(device_key(device_id)?)
-    }
-
-    /// Attach the store under SysV `key`; `None` if there is none.
-    pub(super) fn attach_key(key: i32) -> Result<Option<Self>, StoreError> {
+        let key = device_key(device_id)?;
         let attaching = memory_error("attaching the store's shared memory");
         let Some(segment) = Segment::attach_shared(key).map_err(attaching)? else {
             return Ok(None);
@@ -209,8 +205,7 @@ impl AttachedStore {
             arena_bytes,
             class_fingerprint: 0,
         };
-        let offsets = shape.offsets();
-        let arena = offsets.arena;
+        let arena = shape.offsets().arena;
         let used = arena
             .saturating_add(page_round(carved))
             .min(self.segment.len());
@@ -219,20 +214,9 @@ impl AttachedStore {
             .min(arena.saturating_add(arena_bytes))
             .min(self.segment.len());
         if spare_end > used {
-            // The spare's pages and their tag words (4 bytes per arena page), as carving
-            // commits them.
-            let tag_of = |at: usize| offsets.tags + (at - arena) / PAGE_SIZE * 4;
-            let tags_from = tag_of(used) / PAGE_SIZE * PAGE_SIZE;
-            let tags_to = page_round(tag_of(spare_end)).min(arena);
-            let committing = || memory_error("committing spare memory ahead of the store");
-            if tags_to > tags_from {
-                self.segment
-                    .commit(tags_from, tags_to - tags_from)
-                    .map_err(committing())?;
-            }
             self.segment
                 .commit(used, spare_end - used)
-                .map_err(committing())?;
+                .map_err(memory_error("committing spare memory ahead of the store"))?;
         }
         self.segment
             .make_page_tables(0, used, &mut self.page_tables)
