@@ -57,10 +57,6 @@ const STANDBY_HEAP_BYTES: usize = 512 << 10;
 /// Pages a standby holds and frees just before its takeover, for the kernel memory the
 /// takeover needs (page tables of the store's mapping, the descriptor arrays' mappings).
 const STANDBY_SPARE_BYTES: usize = 1 << 20;
-/// Arena memory a standby keeps committed past the store's carve cursor, for the takeover's
-/// first chunks (see `AttachedStore::keep_ready`): about what flushing two full pending
-/// batches takes, and the reserve's first commit groups.
-const STANDBY_ARENA_SPARE_BYTES: usize = 2 << 20;
 /// Bytes of buffer per tag: the largest READ or WRITE the kernel sends us.
 pub const DEFAULT_MAX_IO_BYTES: u32 = 64 << 10;
 
@@ -525,8 +521,7 @@ fn serve(
         // What the takeover allocates, kept ready (see `SparePages`): heap in this thread's
         // arena, as much as resuming the store as it is now needs (it grows as the serving
         // process stores pages, and is looked at again every ping), the page tables of the
-        // store's memory and arena memory committed past its carve cursor for the takeover's
-        // first chunks (see `AttachedStore`), and pages for the kernel, given back just
+        // store's memory (see `AttachedStore`), and pages for the kernel, given back just
         // before the takeover.
         let mut attached: Option<crate::store::AttachedStore> = None;
         let mut keep_ready = || {
@@ -537,8 +532,8 @@ fn serve(
                 });
             }
             let store_heap = attached.as_mut().map_or(0, |store| {
-                if let Err(error) = store.keep_ready(STANDBY_ARENA_SPARE_BYTES) {
-                    tracing::debug!(%error, "standby: cannot ready the device's store ahead");
+                if let Err(error) = store.make_page_tables() {
+                    tracing::debug!(%error, "standby: cannot map the device's store ahead");
                 }
                 crate::store::resume_heap_bytes(store, gpu.is_some())
             });

@@ -126,7 +126,7 @@ pub(super) struct ResumeHint {
 
 /// Device `device_id`'s store, attached ahead of a takeover (a standby's) without taking it:
 /// its header tells the heap a resume needs (`hint`), and the page tables of the part it uses
-/// are made in this process beforehand (`keep_ready`), so that the takeover maps nothing
+/// are made in this process beforehand (`make_page_tables`), so that the takeover maps nothing
 /// new. Why: a process's page tables of shared memory are its own, allocated when it first
 /// touches each 2 MiB of it; a takeover that made them then did so with memory at the
 /// watermark, as an I/O flusher whose reclaim may not write swap, with the device waiting for
@@ -182,14 +182,8 @@ impl AttachedStore {
     }
 
     /// Make the page tables of the store's regions and of the arena as far as it is carved
-    /// now, and commit the `spare` bytes of arena past the carve cursor, the next a store
-    /// carves (it grows as the serving process stores pages: call again). Why the spare: the
-    /// takeover's first chunks (for the pending pages it flushes, then the reserve's first
-    /// refill) are carved there, and committing them then, with memory at the watermark,
-    /// waited in reclaim for good in the VM; committed ahead, they cost no allocation. A page
-    /// the serving process carved meanwhile keeps its data (committing a page that exists
-    /// changes nothing), and what is committed ahead is used as the store grows.
-    pub fn keep_ready(&mut self, spare: usize) -> Result<(), StoreError> {
+    /// now (it grows as the serving process stores pages: call again).
+    pub fn make_page_tables(&mut self) -> Result<(), StoreError> {
         let Some(header) = self.header() else {
             return Ok(());
         };
@@ -205,19 +199,11 @@ impl AttachedStore {
             arena_bytes,
             class_fingerprint: 0,
         };
-        let arena = shape.offsets().arena;
-        let used = arena
+        let used = shape
+            .offsets()
+            .arena
             .saturating_add(page_round(carved))
             .min(self.segment.len());
-        let spare_end = used
-            .saturating_add(page_round(spare))
-            .min(arena.saturating_add(arena_bytes))
-            .min(self.segment.len());
-        if spare_end > used {
-            self.segment
-                .commit(used, spare_end - used)
-                .map_err(memory_error("committing spare memory ahead of the store"))?;
-        }
         self.segment
             .make_page_tables(0, used, &mut self.page_tables)
             .map_err(memory_error("making the page tables of the store's memory"))
