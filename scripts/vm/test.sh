@@ -668,6 +668,8 @@ daemon_recovery_checks() {
     check "daemon recovery: pages went out ($(($(vmstat_of pswpout) - out0))) and came back" \
         [ "$(vmstat_of pswpout)" -gt "$out0" -a "$(vmstat_of pswpin)" -gt "$in0" ]
     daemon_log 0 40 | grep -E 'resumed|died|handed|WARN|ERROR' | tail -n 12
+    # What the daemons warned of (the log goes with the device).
+    grep -E ' (WARN|ERROR) ' /run/trueno-ublk/ublkb0.log | head -n 30
     check "daemon recovery: swapoff $dev" $UL/swapoff $dev
     check "daemon recovery: delete --id 0" trueno-ublk delete --id 0
     check "daemon recovery: $dev is gone" wait_until 10 not test -e $dev
