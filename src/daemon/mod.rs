@@ -30,7 +30,9 @@ use crate::config::{self, DeviceOptions, DeviceSettings};
 use crate::gpu::NoGpu;
 use crate::slotfree::SlotFreeStats;
 use crate::stats::{self, DeviceReport};
-use crate::store::{remove_shared, Backing, BatchedPageStore, Opened, StoreError, StoreThread};
+use crate::store::{
+    remove_shared, Backing, BatchedPageStore, Opened, StoreError, StoreThread, StoreThreads,
+};
 use crate::ublk::device::{block_path, char_class_path};
 use crate::ublk::{AddedDevice, Device, DeviceSpec, Standby, UblkError};
 use crate::units::human_size;
@@ -509,9 +511,20 @@ fn serve(
         }
     };
     let handler = Arc::new(StoreHandler::new(thread_algorithm));
+    // The store's threads, ready before there is a store for them (see `StoreThreads`): a
+    // standby's before it says it is ready.
+    let start_store_threads = || {
+        StoreThreads::start(move |role| {
+            ready_store_thread(thread_algorithm);
+            if role == StoreThread::Refill {
+                make_refill_realtime();
+            }
+        })
+        .map_err(io_error("starting the store's threads"))
+    };
     // Heap a standby keeps ready for its takeover; for the log line of the takeover.
     let heap_ready = std::cell::Cell::new(0);
-    let (target, started) = if standby {
+    let (target, threads, started) = if standby {
         let id = settings.id.ok_or_else(|| {
             DaemonError::Daemon("a standby is started with the device's --id".into())
         })?;
@@ -554,6 +567,7 @@ fn serve(
                     .map_err(|why| tracing::info!(%why, "standby: no slot-free probe ahead; the takeover attaches one"))
                     .ok()
             });
+        let threads = start_store_threads()?;
         let spare = crate::mem::SparePages::new(STANDBY_SPARE_BYTES)
             .map_err(io_error("reserving the standby's spare pages"))?;
         tracing::info!(
@@ -582,10 +596,12 @@ fn serve(
                     slot_frees,
                 }),
             ),
+            threads,
             Instant::now(),
         )
     } else {
-        (find_target(&settings, handler.clone())?, started)
+        let target = find_target(&settings, handler.clone())?;
+        (target, start_store_threads()?, started)
     };
     // What the start from here to live faults in (for a standby: what the takeover needed
     // beyond what it had ready), for the log line below.
@@ -594,14 +610,9 @@ fn serve(
     let setup_done = Instant::now();
     let id = target.id();
     let resume = matches!(target, Target::Resume(..));
-    let start_flusher = |store: &Arc<BatchedPageStore>| {
+    let start_flusher = |store: &Arc<BatchedPageStore>, threads| {
         store
-            .start_flusher(move |role| {
-                ready_store_thread(thread_algorithm);
-                if role == StoreThread::Refill {
-                    make_refill_realtime();
-                }
-            })
+            .start_threads(threads)
             .map_err(io_error("starting the flusher"))
     };
     let gpu_codec = gpu.clone().map(|g| g as Arc<dyn BatchCodec>);
@@ -619,7 +630,7 @@ fn serve(
             let store = open_store(store_config, gpu_codec, id, Opening::Fresh)?;
             handler.set_store(store.clone());
             let store_opened = Instant::now();
-            let flusher = start_flusher(&store)?;
+            let flusher = start_flusher(&store, threads)?;
             let device = added.start(handler.clone())?;
             let anon_live = anon_now();
             (
@@ -645,10 +656,11 @@ fn serve(
             if let Err(error) = crate::os::make_thread_normal() {
                 tracing::warn!(%error, "could not end the takeover's real-time priority");
             }
-            // The flusher's threads once the device is live: what they fault in is then found
-            // the usual way, by reclaim that may swap again. Writes meanwhile go to pending
-            // slots, which the resumed store has ready.
-            let flusher = start_flusher(&store)?;
+            // The store's threads, readied by the standby (see `StoreThreads`), once the
+            // device is live: the refill thread's first commits wait in reclaim, which must
+            // not hold up the resume. Writes meanwhile go to pending slots, which the resumed
+            // store has ready.
+            let flusher = start_flusher(&store, threads)?;
             (device, store, flusher, found, store_opened, live, anon_live)
         }
     };

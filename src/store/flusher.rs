@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 use std::sync::atomic::Ordering;
+use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -79,14 +80,74 @@ impl Drop for FlusherRunning<'_> {
     }
 }
 
+/// One of the store's threads, started and readied (`thread_init` done), waiting for the
+/// store it works for.
+struct ReadyThread {
+    thread: std::thread::JoinHandle<()>,
+    store: SyncSender<Arc<BatchedPageStore>>,
+}
+
+/// The store's threads, started before there is a store for them. Why: a standby makes them
+/// while memory is there, so that its takeover, with RAM at the watermark, allocates none.
+/// Made at the takeover, the refill thread faulted in its stack in reclaim while writers,
+/// with no refill thread running yet, committed chunks themselves, all in reclaim that
+/// waited for the very writes they were to store (seen in the VM: a kill -9 during a fill
+/// left swap stalled for good). A role the store turns out not to need (no reserve, no
+/// recompression) ends its thread as soon as it is handed the store.
+pub struct StoreThreads {
+    flusher: ReadyThread,
+    refill: ReadyThread,
+    recompress: ReadyThread,
+}
+
+impl StoreThreads {
+    /// Start the threads; `thread_init` runs first on each, told which it is (the daemon
+    /// readies them for the I/O path and makes them I/O flushers: see `reserve` for why the
+    /// refill thread is one too).
+    pub fn start(
+        thread_init: impl Fn(StoreThread) + Send + Sync + Clone + 'static,
+    ) -> std::io::Result<Self> {
+        let ready = |role: StoreThread, name: &str| -> std::io::Result<ReadyThread> {
+            let init = thread_init.clone();
+            // Room for the store before it comes: sending then allocates nothing.
+            let (store, handed) = sync_channel::<Arc<BatchedPageStore>>(1);
+            let thread = std::thread::Builder::new()
+                .name(name.into())
+                .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
+                .spawn(move || {
+                    init(role);
+                    if role == StoreThread::Recompress {
+                        lowest_priority();
+                    }
+                    if let Ok(store) = handed.recv() {
+                        store.run_thread(role);
+                    }
+                })?;
+            Ok(ReadyThread { thread, store })
+        };
+        Ok(StoreThreads {
+            flusher: ready(StoreThread::Flusher, "trueno-flusher")?,
+            refill: ready(StoreThread::Refill, "trueno-reserve")?,
+            recompress: ready(StoreThread::Recompress, "trueno-recompress")?,
+        })
+    }
+}
+
 impl BatchedPageStore {
     /// Start the flusher thread and, when the store keeps a chunk reserve, its refill thread,
-    /// and with recompression on, the recompressor. `thread_init` runs first on each, told
-    /// which it is (the daemon readies them for the I/O path and makes them I/O flushers: see
-    /// `reserve` for why the refill thread is one too).
+    /// and with recompression on, the recompressor: `StoreThreads::start(thread_init)`, then
+    /// `start_threads`.
     pub fn start_flusher(
         self: &Arc<Self>,
         thread_init: impl Fn(StoreThread) + Send + Sync + Clone + 'static,
+    ) -> std::io::Result<FlusherHandle> {
+        self.start_threads(StoreThreads::start(thread_init)?)
+    }
+
+    /// Hand the store to its threads, started ahead (see `StoreThreads`).
+    pub fn start_threads(
+        self: &Arc<Self>,
+        threads: StoreThreads,
     ) -> std::io::Result<FlusherHandle> {
         {
             let mut ctl = self.control.lock();
@@ -98,61 +159,46 @@ impl BatchedPageStore {
             }
             ctl.flusher_started = true;
         }
-        let store = Arc::clone(self);
-        let init = thread_init.clone();
-        let spawned = std::thread::Builder::new()
-            .name("trueno-flusher".into())
-            .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
-            .spawn(move || {
-                // Writers flush for themselves until the flusher is ready: what `init` faults
-                // in under memory pressure waits for reclaim, which may wait for the very
-                // writes that would otherwise wait for this thread (a takeover during a swap
-                // storm, seen in the VM).
-                init(StoreThread::Flusher);
-                let _running = FlusherRunning::start(&store);
-                store.flusher_loop();
-            });
-        let thread = match spawned {
-            Ok(thread) => thread,
-            Err(e) => {
-                self.control.lock().flusher_started = false;
-                return Err(e);
-            }
-        };
-        // From here on the handle stops and joins whatever was started if a later spawn fails.
+        // The handle stops and joins whatever was handed the store if a later hand-over fails.
         let mut handle = FlusherHandle {
             store: Arc::clone(self),
-            thread: Some(thread),
+            thread: None,
             refill_thread: None,
             recompress_thread: None,
         };
-        if self.alloc.reserve.enabled() {
-            let store = Arc::clone(self);
-            let init = thread_init.clone();
-            handle.refill_thread = Some(
-                std::thread::Builder::new()
-                    .name("trueno-reserve".into())
-                    .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
-                    .spawn(move || {
-                        init(StoreThread::Refill);
-                        store.alloc.reserve.run_refill(|| store.alloc.provision())
-                    })?,
-            );
-        }
-        if let Some(config) = self.config.recompress {
-            let store = Arc::clone(self);
-            handle.recompress_thread = Some(
-                std::thread::Builder::new()
-                    .name("trueno-recompress".into())
-                    .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
-                    .spawn(move || {
-                        thread_init(StoreThread::Recompress);
-                        lowest_priority();
-                        store.recompress_loop(config);
-                    })?,
-            );
-        }
+        let hand = |ready: ReadyThread| -> std::io::Result<std::thread::JoinHandle<()>> {
+            match ready.store.send(Arc::clone(self)) {
+                Ok(()) => Ok(ready.thread),
+                Err(_) => Err(std::io::Error::other(
+                    "a store thread ended before it was handed the store",
+                )),
+            }
+        };
+        // The refill thread first: until it runs, takers commit chunks themselves.
+        handle.refill_thread = Some(hand(threads.refill)?);
+        handle.thread = Some(hand(threads.flusher)?);
+        handle.recompress_thread = Some(hand(threads.recompress)?);
         Ok(handle)
+    }
+
+    /// What a store thread does once handed the store.
+    fn run_thread(&self, role: StoreThread) {
+        match role {
+            StoreThread::Flusher => {
+                let _running = FlusherRunning::start(self);
+                self.flusher_loop();
+            }
+            StoreThread::Refill => {
+                if self.alloc.reserve.enabled() {
+                    self.alloc.reserve.run_refill(|| self.alloc.provision());
+                }
+            }
+            StoreThread::Recompress => {
+                if let Some(config) = self.config.recompress {
+                    self.recompress_loop(config);
+                }
+            }
+        }
     }
 
     /// Compact now in a thread of its own at the lowest priority (`trueno-ublk compact`),

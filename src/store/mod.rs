@@ -60,7 +60,7 @@ pub use config::{short_memory_algorithm, thread_algorithm, RecompressConfig, Sto
 pub use counters::StoreStats;
 use counters::{add, sub, Counters};
 pub use error::StoreError;
-pub use flusher::{FlusherHandle, StoreThread};
+pub use flusher::{FlusherHandle, StoreThread, StoreThreads};
 pub use layout::{remove_shared, shared_exists, AttachedStore, Backing, Opened, LAYOUT_VERSION};
 use layout::{Ownership, Regions, Shape};
 pub use oom::OomKiller;

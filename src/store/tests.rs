@@ -960,6 +960,50 @@ fn writers_flush_for_themselves_until_the_flusher_is_ready() {
 }
 
 #[test]
+fn store_threads_are_readied_before_the_store_they_serve_exists() {
+    // A standby starts them before its takeover: each has run its `thread_init` with no store
+    // yet, and once handed one they serve it (the flusher flushes, the refill thread refills).
+    let (tx, rx) = std::sync::mpsc::channel();
+    let threads = super::StoreThreads::start(move |role| tx.send(role).unwrap()).unwrap();
+    let mut roles: Vec<StoreThread> = (0..3).map(|_| rx.recv().unwrap()).collect();
+    roles.sort_by_key(|role| *role as u8);
+    assert_eq!(
+        roles,
+        [
+            StoreThread::Flusher,
+            StoreThread::Refill,
+            StoreThread::Recompress
+        ]
+    );
+    let mut c =
+        crate::config::StoreSettings::default().store_config(4096 * PAGE_SIZE as u64, false);
+    c.batch_threshold = 8;
+    c.flush_timeout = std::time::Duration::from_millis(1);
+    c.reserve_bytes = 1 << 20;
+    let s = store(c);
+    let flusher = s.start_threads(threads).unwrap();
+    // Not a whole number of batches: the last one only the flusher flushes (by its age).
+    for i in 0..60u64 {
+        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+    }
+    let deadline = Instant::now() + std::time::Duration::from_secs(5);
+    while s.stats().pending_pages > 0 && Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    assert_eq!(
+        s.stats().pending_pages,
+        0,
+        "the flusher handed the store flushed nothing"
+    );
+    assert!(s.alloc.reserve.refill_running());
+    for i in 0..60u64 {
+        assert_eq!(read_page_back(&s, i)[..], text(i)[..]);
+    }
+    drop(flusher);
+    assert!(!s.alloc.reserve.refill_running());
+}
+
+#[test]
 fn a_freed_swap_slot_empties_its_page_only_while_the_report_stands() {
     let pages = 64u64;
     let s = store(
