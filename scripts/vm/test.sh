@@ -115,7 +115,7 @@ section() {
 }
 daemon_logs() {
     local f
-    for f in /run/trueno-ublk/*.log; do
+    for f in /run/trueno-ublk/*.log /run/trueno-ublk/*.log.1; do
         [ -e "$f" ] || continue
         echo "--- $f (last 40 lines)"
         tail -n 40 "$f"

@@ -367,7 +367,11 @@ pub(super) fn supervise(
                         child_commands(&program, learnt_id, device);
                 }
                 if let (Some(log), Some(id)) = (detached_log, message.device) {
-                    let _ = std::fs::rename(log, format!("{RUN_DIR}/ublkb{id}.log"));
+                    // The previous daemon's log (one that was killed, say) is kept as
+                    // `.log.1`: what it said before it went is what an administrator looks for.
+                    let path = format!("{RUN_DIR}/ublkb{id}.log");
+                    let _ = std::fs::rename(&path, format!("{path}.1"));
+                    let _ = std::fs::rename(log, path);
                 }
                 if detached_log.is_none() {
                     println!("{path}");

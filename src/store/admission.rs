@@ -85,6 +85,18 @@ impl BatchedPageStore {
             let period = u64::try_from(FAIL_FAST_PERIOD.as_nanos()).unwrap_or(u64::MAX);
             self.fail_fast_until
                 .store(self.now_ns().saturating_add(period), Ordering::Release);
+            // Once per fail-fast period at most: where the memory the write waited for is.
+            let reserve = &self.alloc.reserve;
+            let (refill, refill_for) = reserve.refill_activity();
+            tracing::warn!(
+                waited_ms = waited.as_millis(),
+                ?refill,
+                refill_for_ms = refill_for.as_millis(),
+                refill_commits = reserve.commits(),
+                reserve_kib = reserve.held_bytes() >> 10,
+                fail_ms = FAIL_FAST_PERIOD.as_millis(),
+                "a write starved for memory: writes fail with ENOMEM for a while"
+            );
         }
         add(&self.counters.starved_writes, 1);
         StoreError::OutOfMemory {

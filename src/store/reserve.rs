@@ -15,7 +15,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -72,6 +72,64 @@ impl Stall {
     }
 }
 
+/// What the refill thread is doing: for the log line of a write that starved, which says
+/// where the memory it waited for got stuck.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum RefillActivity {
+    /// Asleep until woken or the next period (or no refill thread runs).
+    Waiting,
+    /// Growing the allocator's bookkeeping (heap).
+    Provisioning,
+    /// Committing chunk memory (`fallocate`: where it waits in reclaim).
+    Committing,
+    /// Giving chunks' pages back (hole punches).
+    GivingBack,
+}
+
+impl RefillActivity {
+    const ALL: [RefillActivity; 4] = [
+        RefillActivity::Waiting,
+        RefillActivity::Provisioning,
+        RefillActivity::Committing,
+        RefillActivity::GivingBack,
+    ];
+}
+
+/// `RefillActivity` and since when, in one word each, written by the refill thread alone.
+struct RefillState {
+    activity: AtomicU8,
+    /// Since `epoch`.
+    since_ns: AtomicU64,
+    epoch: Instant,
+}
+
+impl RefillState {
+    fn new() -> Self {
+        Self {
+            activity: AtomicU8::new(RefillActivity::Waiting as u8),
+            since_ns: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
+    }
+
+    fn set(&self, activity: RefillActivity) {
+        if self.activity.load(Ordering::Relaxed) != activity as u8 {
+            let now = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            self.since_ns.store(now, Ordering::Relaxed);
+            self.activity.store(activity as u8, Ordering::Relaxed);
+        }
+    }
+
+    fn get(&self) -> (RefillActivity, Duration) {
+        let activity = RefillActivity::ALL
+            .get(usize::from(self.activity.load(Ordering::Relaxed)))
+            .copied()
+            .unwrap_or(RefillActivity::Waiting);
+        let since = Duration::from_nanos(self.since_ns.load(Ordering::Relaxed));
+        (activity, self.epoch.elapsed().saturating_sub(since))
+    }
+}
+
 #[derive(Default)]
 struct Pool {
     /// Committed chunks, ready.
@@ -111,6 +169,7 @@ pub(super) struct ChunkReserve {
     refill_running: AtomicBool,
     /// Surplus chunks wait for the refill thread to give their pages back.
     surplus_waiting: AtomicBool,
+    refill_state: RefillState,
     stop: AtomicBool,
 }
 
@@ -140,8 +199,14 @@ impl ChunkReserve {
             refilled: Condvar::new(),
             refill_running: AtomicBool::new(false),
             surplus_waiting: AtomicBool::new(false),
+            refill_state: RefillState::new(),
             stop: AtomicBool::new(false),
         }
+    }
+
+    /// What the refill thread is doing, and for how long it has been.
+    pub(super) fn refill_activity(&self) -> (RefillActivity, Duration) {
+        self.refill_state.get()
     }
 
     pub(super) fn arena(&self) -> &Arc<Arena> {
@@ -443,6 +508,7 @@ impl ChunkReserve {
                     pool.ready.push(chunk);
                 } else {
                     drop(pool);
+                    self.refill_state.set(RefillActivity::GivingBack);
                     self.decommit(k, chunk);
                 }
             }
@@ -457,7 +523,9 @@ impl ChunkReserve {
                     break; // another size is waited on: the next pass serves it first
                 }
                 Self::provision(pool);
+                self.refill_state.set(RefillActivity::Provisioning);
                 also();
+                self.refill_state.set(RefillActivity::Committing);
                 let before = self.held_bytes();
                 self.commit_more(k);
                 if self.held_bytes() == before {
@@ -489,6 +557,7 @@ impl ChunkReserve {
             };
             drop(pool);
             self.held_bytes.fetch_sub(chunk_bytes, Ordering::Relaxed);
+            self.refill_state.set(RefillActivity::GivingBack);
             self.decommit(k, chunk);
         }
     }
@@ -515,8 +584,10 @@ impl ChunkReserve {
     pub(super) fn run_refill(&self, also: impl Fn()) {
         self.refill_running.store(true, Ordering::Release);
         while !self.stop.load(Ordering::Acquire) {
+            self.refill_state.set(RefillActivity::Provisioning);
             also();
             self.refill_and(&also);
+            self.refill_state.set(RefillActivity::Waiting);
             let mut guard = self.wake_lock.lock();
             self.refilled.notify_all();
             if !self.stop.load(Ordering::Acquire) {
@@ -625,6 +696,23 @@ mod tests {
         }
         assert!(reserve.held_bytes() <= (4 * PAGE_SIZE) as u64 + held_before);
         assert!(!reserve.pools[0].lock().cold.is_empty());
+    }
+
+    #[test]
+    fn the_refill_threads_activity_is_told_with_its_age() {
+        let state = RefillState::new();
+        assert_eq!(state.get().0, RefillActivity::Waiting);
+        state.set(RefillActivity::Committing);
+        std::thread::sleep(Duration::from_millis(20));
+        // The same activity again keeps its start.
+        state.set(RefillActivity::Committing);
+        let (activity, committing_for) = state.get();
+        assert_eq!(activity, RefillActivity::Committing);
+        assert!(committing_for >= Duration::from_millis(20), "{committing_for:?}");
+        state.set(RefillActivity::GivingBack);
+        let (activity, age) = state.get();
+        assert_eq!(activity, RefillActivity::GivingBack);
+        assert!(age < committing_for, "{age:?}");
     }
 
     #[test]
