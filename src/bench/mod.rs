@@ -187,8 +187,13 @@ fn plan(args: &BenchOptions, corpus: &Corpus) -> Result<Plan, BenchError> {
         .map_err(|e| BenchError::Settings(e.to_string()))?;
     let (gpu, _) = crate::gpu::open_for_store(settings.algorithm, settings.forced_backend)?;
     let gpu = gpu.map(|codec| codec as Arc<dyn BatchCodec>);
+    let mut config = settings.store_config(bytes, gpu.is_some());
+    // The chunk reserve the daemon keeps on this machine: its refill thread commits memory
+    // beside the writes, as in the daemon, instead of the flush committing it.
+    config.reserve_bytes =
+        crate::config::reserve_bytes(crate::config::ram_bytes().unwrap_or(0), config.mem_limit);
     Ok(Plan {
-        config: settings.store_config(bytes, gpu.is_some()),
+        config,
         recompress_name: settings.recompress_name(),
         gpu,
         threads: args.threads.map_or(cores, usize::from),
