@@ -778,8 +778,11 @@ fn serve(
         crossbeam_channel::select! {
             recv(signal_rx) -> signal => {
                 let request = match signal {
+                    // The supervisor's nudge after it asked for a hand-over on the channel
+                    // (see `supervise`'s reload), which is otherwise looked at every poll.
+                    Ok(SIGHUP) if notifier.handover_asked() => StopRequest::Replace,
                     Ok(SIGHUP) => {
-                        tracing::info!("SIGHUP ignored");
+                        tracing::info!("SIGHUP ignored (no hand-over asked for)");
                         continue;
                     }
                     Ok(SIGUSR1) => StopRequest::SupervisorGone,

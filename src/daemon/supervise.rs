@@ -420,6 +420,8 @@ pub(super) fn supervise(
                     (serving_command, standby_command) =
                         child_commands(&program, learnt_id, device);
                     let _ = serving.channel.send(HANDOVER.as_bytes());
+                    // So that it looks at once, not at its next poll.
+                    serving.signal(Signal::SIGHUP);
                     handing_over = true;
                 }
             } else if let Ok(Some(status)) = process.child.try_wait() {
