@@ -177,6 +177,22 @@ impl ArenaChunk {
     pub fn recommit(&self) -> std::io::Result<()> {
         self.chunk.recommit()
     }
+
+    /// The chunk as two: its first `len` bytes (whole pages, fewer than it has) and the rest,
+    /// with their memory as it is. `Err` gives the chunk back whole.
+    pub fn split(self, len: usize) -> Result<(ArenaChunk, ArenaChunk), ArenaChunk> {
+        if len == 0 || len >= self.len() || len % HOST_PAGE != 0 {
+            return Err(self);
+        }
+        let offset = self.page() * HOST_PAGE;
+        match (
+            self.arena.chunk_at(offset, len),
+            self.arena.chunk_at(offset + len, self.len() - len),
+        ) {
+            (Ok(head), Ok(rest)) => Ok((head, rest)),
+            _ => Err(self),
+        }
+    }
 }
 
 impl std::fmt::Debug for ArenaChunk {
@@ -231,5 +247,18 @@ mod tests {
         assert!(arena.tag(16).is_none());
         let again = arena.chunk_at(2 * HOST_PAGE, 2 * HOST_PAGE).unwrap();
         assert_eq!(again.page(), 2);
+    }
+
+    #[test]
+    fn a_chunk_splits_into_two_that_keep_its_data() {
+        let arena = Arena::private(16 * HOST_PAGE).unwrap();
+        let mut chunk = arena.carve(4 * HOST_PAGE, 1).unwrap().unwrap().remove(0);
+        chunk[HOST_PAGE] = 7;
+        let chunk = chunk.split(4 * HOST_PAGE).unwrap_err();
+        let chunk = chunk.split(HOST_PAGE + 1).unwrap_err();
+        let (head, rest) = chunk.split(HOST_PAGE).unwrap();
+        assert_eq!((head.page(), head.len()), (0, HOST_PAGE));
+        assert_eq!((rest.page(), rest.len()), (1, 3 * HOST_PAGE));
+        assert_eq!(rest[0], 7);
     }
 }

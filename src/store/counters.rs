@@ -64,6 +64,13 @@ pub struct StoreStats {
     /// Chunks allocated on the I/O path because the reserve was empty.
     #[serde(default)]
     pub reserve_misses: u64,
+    /// Bytes of ready chunks the reserve gave back to refill a pool a taker waited on while
+    /// memory was short (see `reserve::ChunkReserve::steal_for`).
+    #[serde(default)]
+    pub reserve_stolen_bytes: u64,
+    /// Chunks a write whose size had run dry cut from a larger ready chunk.
+    #[serde(default)]
+    pub reserve_split_chunks: u64,
     /// Pages a resumed store could not find whole: reads of them fail with EIO until they
     /// are written or discarded.
     #[serde(default)]

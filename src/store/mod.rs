@@ -609,6 +609,7 @@ impl BatchedPageStore {
     /// without such a codec (`config::short_memory_algorithm`).
     pub fn set_memory_short(&self, short: bool) {
         self.memory_short.store(short, Ordering::Relaxed);
+        self.alloc.reserve.set_memory_short(short);
     }
 
     /// The compressor of the next `pages` new pages (see `set_memory_short`), counted.
@@ -661,6 +662,8 @@ impl BatchedPageStore {
             gpu_mismatched_pages: get(&c.gpu_mismatched_pages),
             reserve_bytes: self.alloc.reserve.held_bytes(),
             reserve_misses: self.alloc.reserve.misses(),
+            reserve_stolen_bytes: self.alloc.reserve.stolen_bytes(),
+            reserve_split_chunks: self.alloc.reserve.split_chunks(),
             recompressed_pages: get(&c.recompressed_pages),
             recompress_saved_bytes: get(&c.recompress_saved_bytes),
             recompress_rejected_pages: get(&c.recompress_rejected_pages),

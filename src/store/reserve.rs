@@ -155,6 +155,10 @@ pub(super) struct ChunkReserve {
     target_bytes: u64,
     /// Chunks that had to be committed on the I/O path because the reserve was empty.
     misses: AtomicU64,
+    /// Bytes given back from pools nobody waited on for one a taker waited on (`steal_for`).
+    stolen_bytes: AtomicU64,
+    /// Chunks a taker cut from a larger ready one (`split_larger`).
+    split_chunks: AtomicU64,
     /// Takers waiting for the refill thread now.
     waiters: AtomicUsize,
     /// Commit groups committed so far: how a waiting writer tells a slow refill from a stuck one.
@@ -170,6 +174,8 @@ pub(super) struct ChunkReserve {
     /// Surplus chunks wait for the refill thread to give their pages back.
     surplus_waiting: AtomicBool,
     refill_state: RefillState,
+    /// The system is short of memory (the daemon's `MemAvailable` watch, through the store).
+    memory_short: AtomicBool,
     stop: AtomicBool,
 }
 
@@ -191,6 +197,8 @@ impl ChunkReserve {
             held_bytes: AtomicU64::new(0),
             target_bytes,
             misses: AtomicU64::new(0),
+            stolen_bytes: AtomicU64::new(0),
+            split_chunks: AtomicU64::new(0),
             waiters: AtomicUsize::new(0),
             commits: AtomicU64::new(0),
             wanted: AtomicU64::new(0),
@@ -200,8 +208,15 @@ impl ChunkReserve {
             refill_running: AtomicBool::new(false),
             surplus_waiting: AtomicBool::new(false),
             refill_state: RefillState::new(),
+            memory_short: AtomicBool::new(false),
             stop: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the system is short of memory: then a pool a taker waits on is refilled with
+    /// the memory of other pools' ready chunks first (see `steal_for`).
+    pub(super) fn set_memory_short(&self, short: bool) {
+        self.memory_short.store(short, Ordering::Relaxed);
     }
 
     /// What the refill thread is doing, and for how long it has been.
@@ -263,6 +278,14 @@ impl ChunkReserve {
         self.misses.load(Ordering::Relaxed)
     }
 
+    pub(super) fn stolen_bytes(&self) -> u64 {
+        self.stolen_bytes.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn split_chunks(&self) -> u64 {
+        self.split_chunks.load(Ordering::Relaxed)
+    }
+
     /// Whether a taker waits for the refill thread now: the system has, for the moment, no
     /// memory to give the store.
     pub(super) fn starving(&self) -> bool {
@@ -318,7 +341,7 @@ impl ChunkReserve {
             self.note_waiting();
             let mut stall = Stall::new(self);
             loop {
-                if let Some(chunk) = self.pop_committed(k) {
+                if let Some(chunk) = self.pop_committed(k).or_else(|| self.split_larger(k)) {
                     self.served(k);
                     return Ok(chunk);
                 }
@@ -367,6 +390,38 @@ impl ChunkReserve {
             return Some(chunk);
         }
         pool.surplus.pop()
+    }
+
+    /// A chunk of `k + 1` pages cut from a larger ready chunk, the rest of which stays ready
+    /// in the pool of its size; `None` if no larger one is ready (or the rest's list has no
+    /// room: the I/O path never grows a list). Why: a taker whose pool ran dry otherwise waits
+    /// for the refill thread's commit, which with memory short waits in reclaim, while the
+    /// reserve's memory sits ready in other sizes (the near-OOM stage of `scripts/vm-test.sh
+    /// --stress`, 2026-11-25 04:36: writes starved for a second, then failed, with 0.7-3.5
+    /// MiB held ready).
+    fn split_larger(&self, k: usize) -> Option<ArenaChunk> {
+        let len = (k + 1) * PAGE_SIZE;
+        for j in k + 1..self.pools.len() {
+            // Larger pool first, then the rest's (always smaller): nothing else holds two.
+            let mut larger = self.pools[j].lock();
+            let mut rest_pool = self.pools[j - k - 1].lock();
+            if rest_pool.ready.len() == rest_pool.ready.capacity() {
+                continue;
+            }
+            let Some(chunk) = larger.ready.pop() else {
+                continue;
+            };
+            match chunk.split(len) {
+                Ok((head, rest)) => {
+                    rest_pool.ready.push(rest);
+                    self.held_bytes.fetch_sub(len as u64, Ordering::Relaxed);
+                    self.split_chunks.fetch_add(1, Ordering::Relaxed);
+                    return Some(head);
+                }
+                Err(chunk) => larger.ready.push(chunk),
+            }
+        }
+        None
     }
 
     /// Take back a chunk that is no longer used: kept ready while the reserve is below its
@@ -525,6 +580,10 @@ impl ChunkReserve {
                 Self::provision(pool);
                 self.refill_state.set(RefillActivity::Provisioning);
                 also();
+                if self.memory_short.load(Ordering::Relaxed) {
+                    self.refill_state.set(RefillActivity::GivingBack);
+                    self.steal_for(k, waited_on, &demand, total);
+                }
                 self.refill_state.set(RefillActivity::Committing);
                 let before = self.held_bytes();
                 self.commit_more(k);
@@ -533,6 +592,49 @@ impl ChunkReserve {
                 }
                 self.tell_waiters();
             }
+        }
+    }
+
+    /// Before a commit for pool `k` while memory is short: give back the ready chunks that
+    /// other pools nobody waits on (`wanted` has a bit per pool waited on) hold beyond their
+    /// share by `demand` alone (without `share`'s floor), as much as the commit takes. Why:
+    /// with memory short a commit waits in reclaim, and writes whose pool ran dry starved for
+    /// a second (then fail with ENOMEM) while the reserve held 1.7 MiB ready in the floors of
+    /// the sizes nobody wrote (the near-OOM stage of `scripts/vm-test.sh --stress`, 2026-11-25
+    /// 04:28, incompressible pages: every starved write was logged with its refill thread in
+    /// `Committing` for over a second and 1752 KiB held). Pages given back go to this CPU's
+    /// free lists, where the commit right after finds them: the reserve's memory moves to the
+    /// size in demand instead of waiting for reclaim.
+    fn steal_for(&self, k: usize, wanted: u64, demand: &[u64], total: u64) {
+        let needed = if self.pools[k].lock().cold.is_empty() {
+            COMMIT_GROUP_BYTES
+        } else {
+            (k + 1) * PAGE_SIZE
+        };
+        let mut stolen = 0;
+        for j in (0..self.pools.len()).filter(|&j| j != k && wanted & (1 << j) == 0) {
+            let chunk_bytes = ((j + 1) * PAGE_SIZE) as u64;
+            let share = self.target_bytes * demand.get(j).copied().unwrap_or(0) / total.max(1);
+            while stolen < needed {
+                let chunk = {
+                    let mut pool = self.pools[j].lock();
+                    if pool.ready.len() as u64 * chunk_bytes <= share {
+                        break;
+                    }
+                    pool.ready.pop()
+                };
+                let Some(chunk) = chunk else {
+                    break;
+                };
+                stolen += chunk.len();
+                self.held_bytes
+                    .fetch_sub(chunk.len() as u64, Ordering::Relaxed);
+                self.decommit(j, chunk);
+            }
+        }
+        if stolen > 0 {
+            self.stolen_bytes
+                .fetch_add(stolen as u64, Ordering::Relaxed);
         }
     }
 
@@ -675,6 +777,64 @@ mod tests {
     }
 
     #[test]
+    fn with_memory_short_the_size_in_demand_is_refilled_from_the_others_first() {
+        let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, arena(), &[1, 1]);
+        reserve.refill();
+        assert!(!reserve.pools[0].lock().ready.is_empty());
+        // Writes take two-page chunks only: that size is in demand, the other is not.
+        let drain = || {
+            while !reserve.pools[1].lock().ready.is_empty() {
+                reserve.take(2, None).unwrap();
+            }
+        };
+        drain();
+        // With memory plentiful the other pool's chunks are not touched to refill it.
+        reserve.refill();
+        assert_eq!(reserve.stolen_bytes(), 0);
+        assert!(!reserve.pools[1].lock().ready.is_empty());
+        drain();
+        let (ready, cold) = {
+            let pool = reserve.pools[0].lock();
+            (pool.ready.len(), pool.cold.len())
+        };
+        assert!(ready > 0);
+        reserve.set_memory_short(true);
+        reserve.refill();
+        assert!(
+            !reserve.pools[1].lock().ready.is_empty(),
+            "the size in demand is refilled"
+        );
+        let stolen = usize::try_from(reserve.stolen_bytes()).unwrap();
+        assert!(stolen >= COMMIT_GROUP_BYTES, "{stolen} bytes stolen");
+        let pool = reserve.pools[0].lock();
+        assert!(pool.ready.len() <= ready - stolen / PAGE_SIZE);
+        assert!(
+            pool.cold.len() >= cold + stolen / PAGE_SIZE,
+            "the stolen chunks' pages were given back"
+        );
+    }
+
+    #[test]
+    fn a_taker_whose_size_ran_dry_cuts_a_larger_ready_chunk() {
+        let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, arena(), &[1, 1]);
+        reserve.refill();
+        while reserve.pop_committed(0).is_some() {}
+        let held = reserve.held_bytes();
+        let larger = reserve.pools[1].lock().ready.len();
+        // A refill thread that commits nothing (memory is short): the taker is served at once
+        // from the two-page pool, and the other page stays ready as a one-page chunk.
+        reserve.refill_running.store(true, Ordering::Release);
+        let chunk = reserve.take(1, None).unwrap();
+        assert_eq!(chunk.len(), PAGE_SIZE);
+        assert_eq!(reserve.split_chunks(), 1);
+        assert_eq!(reserve.pools[1].lock().ready.len(), larger - 1);
+        assert_eq!(reserve.pools[0].lock().ready.len(), 1);
+        assert_eq!(reserve.held_bytes(), held - PAGE_SIZE as u64);
+        assert_eq!(reserve.take(1, None).unwrap().page(), chunk.page() + 1);
+        reserve.stop();
+    }
+
+    #[test]
     fn demand_steers_the_refill() {
         let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, arena(), &[1, 1]);
         for _ in 0..200 {
@@ -720,7 +880,10 @@ mod tests {
         state.set(RefillActivity::Committing);
         let (activity, committing_for) = state.get();
         assert_eq!(activity, RefillActivity::Committing);
-        assert!(committing_for >= Duration::from_millis(20), "{committing_for:?}");
+        assert!(
+            committing_for >= Duration::from_millis(20),
+            "{committing_for:?}"
+        );
         state.set(RefillActivity::GivingBack);
         let (activity, age) = state.get();
         assert_eq!(activity, RefillActivity::GivingBack);
