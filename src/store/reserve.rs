@@ -455,14 +455,19 @@ impl ChunkReserve {
     }
 
     /// Make at least one more chunk of `k + 1` pages ready: a cold one committed again, or a
-    /// group carved from the arena. False if none could be.
+    /// group carved from the arena (one chunk while a taker waits: see `one_at_a_time`).
+    /// False if none could be.
     fn commit_more(&self, k: usize) -> bool {
         let chunk_bytes = (k + 1) * PAGE_SIZE;
         let cold = self.pools[k].lock().cold.pop();
         let fresh = match cold {
             Some(chunk) => chunk.recommit().map(|()| vec![chunk]),
             None => {
-                let count = (COMMIT_GROUP_BYTES / chunk_bytes).max(1);
+                let count = if self.one_at_a_time() {
+                    1
+                } else {
+                    (COMMIT_GROUP_BYTES / chunk_bytes).max(1)
+                };
                 match self.arena.carve(chunk_bytes, count) {
                     Ok(Some(chunks)) => Ok(chunks),
                     Ok(None) => return false,
@@ -606,7 +611,7 @@ impl ChunkReserve {
     /// free lists, where the commit right after finds them: the reserve's memory moves to the
     /// size in demand instead of waiting for reclaim.
     fn steal_for(&self, k: usize, wanted: u64, demand: &[u64], total: u64) {
-        let needed = if self.pools[k].lock().cold.is_empty() {
+        let needed = if self.pools[k].lock().cold.is_empty() && !self.one_at_a_time() {
             COMMIT_GROUP_BYTES
         } else {
             (k + 1) * PAGE_SIZE
@@ -636,6 +641,15 @@ impl ChunkReserve {
             self.stolen_bytes
                 .fetch_add(stolen as u64, Ordering::Relaxed);
         }
+    }
+
+    /// Whether commits are of one chunk instead of a group: while a taker waits. Why: with RAM
+    /// at the watermark the pages of a commit come one by one as reclaim frees them, and a
+    /// group's 64 took over a second after a takeover during a fill, the waiting writes
+    /// failing with ENOMEM meanwhile (clean-clone CI run of 2026-11-25 04:49: the starved
+    /// write's log line had the refill thread in one commit for 1011 ms); the taker needs one.
+    fn one_at_a_time(&self) -> bool {
+        self.waiters.load(Ordering::Relaxed) > 0
     }
 
     /// A pool's share of the target, by its `demand` of `total`: at least one commit group's
@@ -832,6 +846,20 @@ mod tests {
         assert_eq!(reserve.held_bytes(), held - PAGE_SIZE as u64);
         assert_eq!(reserve.take(1, None).unwrap().page(), chunk.page() + 1);
         reserve.stop();
+    }
+
+    #[test]
+    fn while_a_taker_waits_commits_are_of_one_chunk() {
+        let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, arena(), &[1, 1]);
+        assert!(reserve.commit_more(1));
+        assert_eq!(
+            reserve.pools[1].lock().ready.len(),
+            COMMIT_GROUP_BYTES / (2 * PAGE_SIZE)
+        );
+        reserve.note_waiting();
+        assert!(reserve.commit_more(0));
+        assert_eq!(reserve.pools[0].lock().ready.len(), 1);
+        reserve.note_served();
     }
 
     #[test]
