@@ -44,7 +44,13 @@ fn batched_run_round_trips_every_page_and_reports_figures() {
     assert!(settle.settled, "{settle:?}");
     assert!(settle.recompressed_pages > 0);
     assert_eq!(settle.stats.recompress_backlog, 0);
-    assert!(settle.stats.pages_zstd > 0 && report.stats.pages_zstd == 0);
+    // More zstd pages once settled than right after the writes (with a 100 ms idle
+    // threshold a slow machine recompresses some before that snapshot: CI run of
+    // 2026-11-25 05:40).
+    assert!(
+        settle.stats.pages_zstd > report.stats.pages_zstd,
+        "{settle:?}"
+    );
     assert!(
         report.mem_ratio > report.mem_ratio_hot,
         "settled {} against {} right after the writes",
