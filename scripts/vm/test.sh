@@ -1061,6 +1061,9 @@ if [ "$MODE" = full ]; then
     cat /tmp/list.out
     check "list shows no device" not grep -q ublkb /tmp/list.out
     check "trueno-ublk stat with no device exits 0" trueno-ublk stat
+    # The recovery stage makes /dev/ublkb0 again and the supervisor rotates its log twice;
+    # keep this stage's log under its own name for daemon_logs.
+    mv /run/trueno-ublk/ublkb0.log /run/trueno-ublk/swap-stage-ublkb0.log 2>/dev/null || true
 fi
 if { [ "$MODE" = full ] || [ "$MODE" = recovery ]; } && ! skipped daemon-recovery; then
     section "the daemon's recovery: kill -9 under swap pressure, an upgrade, and create again"

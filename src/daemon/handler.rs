@@ -4,11 +4,12 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::time::Instant;
 
 use crate::codec::Algorithm;
 use crate::slotfree::SlotFreeProbe;
-use crate::store::BatchedPageStore;
-use crate::ublk::{BlockHandler, Op, Request};
+use crate::store::{BatchedPageStore, WriteOutcome};
+use crate::ublk::{BlockHandler, Handled, Op, Request};
 
 /// Bytes of a device page (and a swap slot).
 const PAGE_BYTES: u64 = crate::codec::PAGE_SIZE as u64;
@@ -62,9 +63,35 @@ impl BlockHandler for StoreHandler {
     }
 
     fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32> {
+        match self.serve(request, data, None) {
+            Handled::Done(result) => result,
+            // Only a write that may be deferred is.
+            Handled::Deferred { .. } => Err(-libc::EIO),
+        }
+    }
+
+    fn try_handle(
+        &self,
+        request: &Request,
+        data: &mut [u8],
+        deferred_since: Option<Instant>,
+    ) -> Handled {
+        self.serve(request, data, Some(deferred_since))
+    }
+}
+
+impl StoreHandler {
+    /// Serve `request`; a write may be deferred when `deferral` is `Some` (with when it was
+    /// first deferred, see `BatchedPageStore::try_write`).
+    fn serve(
+        &self,
+        request: &Request,
+        data: &mut [u8],
+        deferral: Option<Option<Instant>>,
+    ) -> Handled {
         // Set before the device goes live, so never missing here.
         let Some(store) = self.store.get() else {
-            return Err(-libc::EIO);
+            return Handled::Done(Err(-libc::EIO));
         };
         let result = match request.op {
             Op::Read => store.read(request.offset, data),
@@ -74,20 +101,29 @@ impl BlockHandler for StoreHandler {
                 if let Some(probe) = self.slot_frees.get() {
                     probe.forget(request.offset / PAGE_BYTES, request.len / PAGE_BYTES);
                 }
-                store.write(request.offset, data)
+                match deferral {
+                    None => store.write(request.offset, data),
+                    Some(since) => match store.try_write(request.offset, data, since) {
+                        Ok(WriteOutcome::Done) => Ok(()),
+                        Ok(WriteOutcome::Deferred { done_bytes }) => {
+                            return Handled::Deferred { done_bytes }
+                        }
+                        Err(error) => Err(error),
+                    },
+                }
             }
             // Pages are in daemon memory as soon as a write is acknowledged: nothing to flush.
             Op::Flush => Ok(()),
             Op::Discard | Op::WriteZeroes => store.discard(request.offset, request.len),
-            Op::Unsupported(_) => return Err(-libc::EOPNOTSUPP),
+            Op::Unsupported(_) => return Handled::Done(Err(-libc::EOPNOTSUPP)),
         };
-        result.map_err(|error| {
+        Handled::Done(result.map_err(|error| {
             // Log the first errors and then every 1024th, so a full device cannot flood the log.
             let count = self.errors.fetch_add(1, Ordering::Relaxed);
             if count < 16 || count % 1024 == 0 {
                 tracing::warn!(?request, %error, errors = count + 1, "request failed");
             }
             error.errno()
-        })
+        }))
     }
 }

@@ -55,6 +55,7 @@ use crate::codec::{
     classify, compress_page, decompress_page, fill_page, Algorithm, Backend, BatchCodec,
     CompressedBatch, Compressor, Encoding, Page, PageChecksum, PageClass, PAGE_SIZE,
 };
+use admission::SlotWait;
 use alloc::ZsAllocator;
 pub use config::{short_memory_algorithm, thread_algorithm, RecompressConfig, StoreConfig};
 pub use counters::StoreStats;
@@ -67,6 +68,16 @@ pub use oom::OomKiller;
 use pending::PendingBatch;
 pub use recompress::Compaction;
 use table::{IdleClock, PageState, PageTable};
+
+/// How a `BatchedPageStore::try_write` went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteOutcome {
+    /// Every page is stored.
+    Done,
+    /// The pages from byte `done_bytes` of the write on would have waited for memory: try
+    /// them again later.
+    Deferred { done_bytes: u64 },
+}
 
 /// Pending batches: one fills while the flusher compresses the other.
 const PENDING_BATCHES: usize = 2;
@@ -342,20 +353,56 @@ impl BatchedPageStore {
         }
     }
 
-    /// Write whole pages at byte `offset`.
+    /// Write whole pages at byte `offset`; waits for memory while the store has none (see
+    /// `admission`).
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), StoreError> {
+        self.write_with(offset, data, SlotWait::Block).map(|_| ())
+    }
+
+    /// Write whole pages at byte `offset`, but not wait for memory: when a page would wait for
+    /// a pending slot (every batch full while the flusher waits for memory), return
+    /// `WriteOutcome::Deferred` with the bytes written before it, for the caller to try the
+    /// rest again later, so that its other requests (reads above all) are served meanwhile.
+    /// `deferred_since`: when the caller's first try of this write was deferred; the
+    /// starvation rule counts from then. With `batched` off, this waits as `write` does.
+    pub fn try_write(
+        &self,
+        offset: u64,
+        data: &[u8],
+        deferred_since: Option<Instant>,
+    ) -> Result<WriteOutcome, StoreError> {
+        self.write_with(
+            offset,
+            data,
+            SlotWait::Defer {
+                since: deferred_since,
+            },
+        )
+    }
+
+    fn write_with(
+        &self,
+        offset: u64,
+        data: &[u8],
+        wait: SlotWait,
+    ) -> Result<WriteOutcome, StoreError> {
         let result = self
             .check_range(offset, data.len() as u64)
             .and_then(|first| {
-                data.chunks_exact(PAGE_SIZE)
-                    .zip(first..)
-                    .try_for_each(|(bytes, index)| match <&Page>::try_from(bytes) {
-                        Ok(page) => self.write_page(index, page),
-                        Err(_) => Err(StoreError::Misaligned {
+                for (i, bytes) in data.chunks_exact(PAGE_SIZE).enumerate() {
+                    let Ok(page) = <&Page>::try_from(bytes) else {
+                        return Err(StoreError::Misaligned {
                             offset,
                             len: data.len() as u64,
-                        }),
-                    })
+                        });
+                    };
+                    if !self.write_page(first + i as u64, page, wait)? {
+                        return Ok(WriteOutcome::Deferred {
+                            done_bytes: (i * PAGE_SIZE) as u64,
+                        });
+                    }
+                }
+                Ok(WriteOutcome::Done)
             });
         if result.is_err() {
             add(&self.counters.failed_writes, 1);
@@ -363,18 +410,22 @@ impl BatchedPageStore {
         result
     }
 
-    fn write_page(&self, index: u64, page: &Page) -> Result<(), StoreError> {
+    /// Store one page; false if it was deferred (see `try_write`), which leaves it as it was.
+    fn write_page(&self, index: u64, page: &Page, wait: SlotWait) -> Result<bool, StoreError> {
         if let PageClass::SameFilled(word) = classify(page) {
             if let Some(same) = PageState::same(word) {
                 self.set_state(index, same);
-                return Ok(());
+                return Ok(true);
             }
         }
         self.admit()?;
         if self.config.batched {
-            if let Err(error) = self.write_pending(index, page) {
-                sub(&self.reserved_bytes, PAGE_SIZE as u64);
-                return Err(error);
+            match self.write_pending(index, page, wait) {
+                Ok(true) => {}
+                done => {
+                    sub(&self.reserved_bytes, PAGE_SIZE as u64);
+                    return done;
+                }
             }
         } else {
             let mut out = [0u8; PAGE_SIZE];
@@ -408,12 +459,15 @@ impl BatchedPageStore {
             );
             sub(&self.reserved_bytes, PAGE_SIZE as u64);
         }
-        Ok(())
+        Ok(true)
     }
 
-    /// Copy a page into the open batch and point its entry at the slot.
-    fn write_pending(&self, index: u64, page: &Page) -> Result<(), StoreError> {
-        let reserved = self.reserve_slot()?;
+    /// Copy a page into the open batch and point its entry at the slot; false if it was
+    /// deferred (see `try_write`).
+    fn write_pending(&self, index: u64, page: &Page, wait: SlotWait) -> Result<bool, StoreError> {
+        let Some(reserved) = self.reserve_slot(wait)? else {
+            return Ok(false);
+        };
         let (batch, slot) = (reserved.batch(), reserved.slot);
         // Data and index first, then the entry: a process that dies in between leaves the
         // entry as it was (the write was never acknowledged).
@@ -428,7 +482,7 @@ impl BatchedPageStore {
         if wake {
             self.wake_flusher();
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Set a page's state (it was written now); frees what it held before.

@@ -61,7 +61,7 @@ pub(super) struct OomNudge {
 }
 
 impl OomNudge {
-    /// Without a `killer` (tests, bench: they must never kill) it does nothing.
+    /// Without a `killer` (tests, bench: they must never kill) it never asks.
     pub(super) fn new(killer: Option<OomKiller>) -> Self {
         Self {
             killer,
@@ -72,11 +72,9 @@ impl OomNudge {
     }
 
     /// `pages` pages were compressed for writes, `raw` of them did not compress. Noted before
-    /// they are stored: storing them is what may starve.
+    /// they are stored: storing them is what may starve. Kept without a killer too: the
+    /// starvation rule's patience depends on it (see `admission`).
     pub(super) fn note_compressed(&self, pages: u64, raw: u64) {
-        if self.killer.is_none() {
-            return;
-        }
         self.recent_raw.fetch_add(raw, Ordering::Relaxed);
         let mut seen = self.recent_pages.fetch_add(pages, Ordering::Relaxed) + pages;
         while seen >= RECENT_PAGES {
@@ -90,7 +88,7 @@ impl OomNudge {
 
     /// Whether most pages compressed lately were raw: swapping such a page out frees a page and
     /// costs one, so no reclaim through this store makes progress, only an OOM kill does.
-    fn swap_frees_nothing(&self) -> bool {
+    pub(super) fn swap_frees_nothing(&self) -> bool {
         2 * self.recent_raw.load(Ordering::Relaxed) > self.recent_pages.load(Ordering::Relaxed)
     }
 

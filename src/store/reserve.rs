@@ -45,30 +45,29 @@ pub(super) enum Shortage {
 /// How long a taker has waited for memory with the refill thread committing none: a refill
 /// that is slow but commits starts it again, one the system gives no memory does not. The one
 /// clock of the store's starvation rule (see `admission`), for writers waiting on a pending
-/// slot and takers waiting here alike.
+/// slot (or deferred by their queue, from when it first deferred them) and takers waiting here
+/// alike.
 pub(super) struct Stall {
     since: Instant,
-    commits: u64,
 }
 
 impl Stall {
-    pub(super) fn new(reserve: &ChunkReserve) -> Self {
-        Self {
-            since: Instant::now(),
-            commits: reserve.commits(),
-        }
+    /// Waiting from now.
+    pub(super) fn new() -> Self {
+        Self::since(Instant::now())
     }
 
-    /// Time since the refill thread last committed a group (as this taker saw it).
-    pub(super) fn waited(&mut self, reserve: &ChunkReserve) -> Duration {
-        let commits = reserve.commits();
-        if commits != self.commits {
-            *self = Self {
-                since: Instant::now(),
-                commits,
-            };
-        }
-        self.since.elapsed()
+    /// Waiting since `since`.
+    pub(super) fn since(since: Instant) -> Self {
+        Self { since }
+    }
+
+    /// Time since the later of the start of the wait and the refill thread's last commit.
+    pub(super) fn waited(&self, reserve: &ChunkReserve) -> Duration {
+        reserve
+            .last_commit()
+            .map_or(self.since, |at| at.max(self.since))
+            .elapsed()
     }
 }
 
@@ -161,8 +160,11 @@ pub(super) struct ChunkReserve {
     split_chunks: AtomicU64,
     /// Takers waiting for the refill thread now.
     waiters: AtomicUsize,
-    /// Commit groups committed so far: how a waiting writer tells a slow refill from a stuck one.
+    /// Commit groups committed so far.
     commits: AtomicU64,
+    /// When the last of them was committed (ns since `refill_state.epoch`, 0: none yet): how a
+    /// waiting writer tells a slow refill from a stuck one (see `Stall`).
+    last_commit_ns: AtomicU64,
     /// Pools (bit `k` for chunks of `k + 1` pages) a taker waits on: refilled first.
     wanted: AtomicU64,
     wake: Condvar,
@@ -201,6 +203,7 @@ impl ChunkReserve {
             split_chunks: AtomicU64::new(0),
             waiters: AtomicUsize::new(0),
             commits: AtomicU64::new(0),
+            last_commit_ns: AtomicU64::new(0),
             wanted: AtomicU64::new(0),
             wake: Condvar::new(),
             wake_lock: Mutex::new(()),
@@ -297,6 +300,14 @@ impl ChunkReserve {
         self.commits.load(Ordering::Relaxed)
     }
 
+    /// When the last commit group was committed, if one was.
+    fn last_commit(&self) -> Option<Instant> {
+        match self.last_commit_ns.load(Ordering::Acquire) {
+            0 => None,
+            ns => Some(self.refill_state.epoch + Duration::from_nanos(ns)),
+        }
+    }
+
     /// A taker starts waiting for the refill thread (see `starving`).
     pub(super) fn note_waiting(&self) {
         self.waiters.fetch_add(1, Ordering::Relaxed);
@@ -339,7 +350,7 @@ impl ChunkReserve {
                 );
             }
             self.note_waiting();
-            let mut stall = Stall::new(self);
+            let stall = Stall::new();
             loop {
                 if let Some(chunk) = self.pop_committed(k).or_else(|| self.split_larger(k)) {
                     self.served(k);
@@ -478,6 +489,11 @@ impl ChunkReserve {
         match fresh {
             Ok(chunks) => {
                 self.commits.fetch_add(1, Ordering::Relaxed);
+                let since_epoch = self.refill_state.epoch.elapsed().as_nanos();
+                self.last_commit_ns.store(
+                    u64::try_from(since_epoch).unwrap_or(u64::MAX).max(1),
+                    Ordering::Release,
+                );
                 self.held_bytes
                     .fetch_add((chunks.len() * chunk_bytes) as u64, Ordering::Relaxed);
                 self.pools[k].lock().ready.extend(chunks);
@@ -929,5 +945,20 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(!reserve.starving(), "the taker no longer counts as waiting");
+    }
+
+    #[test]
+    fn a_stall_counts_from_the_later_of_its_start_and_the_last_commit() {
+        let reserve = ChunkReserve::new(8 * PAGE_SIZE as u64, arena(), &[1]);
+        let minute = Duration::from_secs(60);
+        // A write first deferred a minute ago, no commit since: it has starved that long.
+        let long_ago = Instant::now().checked_sub(minute).unwrap();
+        assert!(Stall::since(long_ago).waited(&reserve) >= minute);
+        // The refill thread commits: the stall starts again from there.
+        assert!(reserve.commit_more(0));
+        assert!(Stall::since(long_ago).waited(&reserve) < minute);
+        // A wait that starts later counts from its own start.
+        let stall = Stall::new();
+        assert!(stall.waited(&reserve) < minute);
     }
 }

@@ -916,11 +916,13 @@ fn a_starving_writer_asks_for_an_oom_kill_only_when_pages_do_not_compress() {
     assert_eq!(s.stats().oom_kills_asked, 1);
     s.alloc.reserve.note_served();
 
-    // Pages that compress: swapping frees memory, a starving store is only slow.
+    // Pages that compress: swapping frees memory, a starving store is only slow, and a
+    // writer waits longer before it gives up.
     let (s, asked) = starving_store(64, text);
     s.alloc.reserve.note_waiting();
-    assert!(!s.gives_up(ms(900)));
-    assert!(s.gives_up(ms(1000)));
+    assert!(!s.gives_up(ms(1000)));
+    assert!(!s.gives_up(ms(4900)));
+    assert!(s.gives_up(ms(5000)));
     assert_eq!(asked.load(Ordering::Relaxed), 0);
     assert_eq!(s.stats().oom_kills_asked, 0);
     s.alloc.reserve.note_served();
@@ -1086,4 +1088,50 @@ fn a_resumed_store_keeps_the_free_memory_it_finds_ready() {
     }
     drop(s);
     crate::mem::Segment::remove_shared(key).unwrap();
+}
+
+#[test]
+fn a_write_that_would_wait_for_a_pending_slot_is_deferred_with_what_it_wrote() {
+    use std::time::Duration;
+    let mut c =
+        crate::config::StoreSettings::default().store_config(1024 * PAGE_SIZE as u64, false);
+    c.batch_threshold = 8;
+    let s = store(c);
+    let pages: Vec<Box<Page>> = (0..12).map(text).collect();
+    let data: Vec<u8> = pages.iter().flat_map(|p| p.iter().copied()).collect();
+    // A flusher that runs but flushes nothing (as one waiting for memory): the open batch
+    // takes 8 pages, and the write is given back with them written.
+    s.control.lock().flusher_running = true;
+    assert_eq!(
+        s.try_write(0, &data, None).unwrap(),
+        WriteOutcome::Deferred {
+            done_bytes: 8 * PAGE_SIZE as u64
+        }
+    );
+    // Tried again: still no slot, and nobody waits for the refill thread: deferred, however
+    // long ago it was first deferred (memory is not short, only the flusher is slow).
+    let rest = &data[8 * PAGE_SIZE..];
+    let long_ago = Instant::now().checked_sub(Duration::from_secs(60));
+    assert_eq!(
+        s.try_write(8 * PAGE_SIZE as u64, rest, long_ago).unwrap(),
+        WriteOutcome::Deferred { done_bytes: 0 }
+    );
+    // While writes fail fast (one starved a moment ago), so does a deferred one.
+    let in_a_while = s.now_ns() + Duration::from_secs(60).as_nanos() as u64;
+    s.fail_fast_until.store(in_a_while, Ordering::Release);
+    assert!(matches!(
+        s.try_write(8 * PAGE_SIZE as u64, rest, long_ago),
+        Err(StoreError::OutOfMemory { .. })
+    ));
+    s.fail_fast_until.store(0, Ordering::Release);
+    // The flusher gets going (here: writers flush for themselves): the rest is stored.
+    s.control.lock().flusher_running = false;
+    assert_eq!(
+        s.try_write(8 * PAGE_SIZE as u64, rest, long_ago).unwrap(),
+        WriteOutcome::Done
+    );
+    let mut back = vec![0u8; data.len()];
+    s.read(0, &mut back).unwrap();
+    assert!(back == data, "every page reads back as written");
+    assert_eq!(s.stats().failed_writes, 1, "the one that starved");
 }

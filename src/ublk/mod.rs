@@ -16,7 +16,7 @@ pub use ctrl::Control;
 pub use device::{AddedDevice, Device, Standby};
 pub use io::{Op, Request};
 pub use params::{survives_daemon, DeviceSpec};
-pub use queue::BlockHandler;
+pub use queue::{BlockHandler, Handled};
 pub use timing::{IoTiming, IoTimingReport};
 
 /// Errors of the ublk layer, worded so a user knows what to do.

@@ -34,6 +34,54 @@ pub trait BlockHandler: Send + Sync {
     /// Serve one checked request. For `Read` fill `data`, for `Write` take `data` (both exactly
     /// `request.len` bytes); other ops get an empty slice. `Err` carries a negative errno.
     fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32>;
+
+    /// As `handle`, but a request that would wait (a write waiting for memory) may be given
+    /// back as `Handled::Deferred`: the queue serves its other requests meanwhile and calls
+    /// again with the rest of it. `deferred_since`: when it was first deferred (`None` on its
+    /// first try). By default nothing is deferred.
+    fn try_handle(
+        &self,
+        request: &Request,
+        data: &mut [u8],
+        deferred_since: Option<Instant>,
+    ) -> Handled {
+        let _ = deferred_since;
+        Handled::Done(self.handle(request, data))
+    }
+}
+
+/// What became of a request given to `BlockHandler::try_handle`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Handled {
+    /// Served: commit it with this result (`Err`: a negative errno).
+    Done(Result<(), i32>),
+    /// Its first `done_bytes` are served; the rest would wait: try it again later.
+    Deferred { done_bytes: u64 },
+}
+
+/// A request the queue holds from its arrival until it is served: its tag stays with the
+/// queue, uncommitted, for as long as the handler defers it.
+#[derive(Clone, Copy, Debug)]
+struct HeldRequest {
+    tag: u16,
+    /// The part still to serve.
+    rest: Request,
+    /// Where `rest` starts in the tag's buffer.
+    buffer_offset: usize,
+    /// When it was first deferred (its arrival, before that).
+    since: Instant,
+    /// When its completion arrived, for `IoTiming`.
+    arrived: Instant,
+    /// What it commits once served: the bytes of data of the whole request.
+    served: i32,
+}
+
+/// Where a try of a request left it.
+enum Progress {
+    /// Done: commit with this (bytes done or a negative errno).
+    Served(i32),
+    /// Deferred again, with what is left.
+    Deferred(HeldRequest),
 }
 
 /// Where a queue is and what it may receive.
@@ -50,6 +98,9 @@ pub struct QueueSetup {
 /// How long the loop sleeps in the kernel before it looks at the stop flag (a stop also wakes
 /// it at once through the wake-up socket; this is the fallback).
 const STOP_POLL: types::Timespec = types::Timespec::new().sec(1);
+/// How long the loop sleeps at most while requests are deferred, before it tries them again
+/// (only while a write waits for memory: an idle device never polls).
+const DEFERRED_POLL: types::Timespec = types::Timespec::new().nsec(2_000_000);
 /// `user_data` of the wake-up poll: above every tag, so never mistaken for one.
 const WAKE: u64 = 1 << 32;
 
@@ -178,10 +229,19 @@ impl Queue {
         stop: &AtomicBool,
         timing: &IoTiming,
     ) -> Result<(), UblkError> {
-        let mut ready: Vec<(u16, i32)> = Vec::with_capacity(self.setup.depth as usize);
-        let args = types::SubmitArgs::new().timespec(&STOP_POLL);
-        while self.in_flight > 0 {
-            match self.ring.submitter().submit_with_args(1, &args) {
+        let depth = usize::from(self.setup.depth);
+        let mut ready: Vec<(u16, i32)> = Vec::with_capacity(depth);
+        let mut deferred: Vec<HeldRequest> = Vec::with_capacity(depth);
+        let mut still_deferred: Vec<HeldRequest> = Vec::with_capacity(depth);
+        let idle_wait = types::SubmitArgs::new().timespec(&STOP_POLL);
+        let deferred_wait = types::SubmitArgs::new().timespec(&DEFERRED_POLL);
+        while self.in_flight > 0 || !deferred.is_empty() {
+            let args = if deferred.is_empty() {
+                &idle_wait
+            } else {
+                &deferred_wait
+            };
+            match self.ring.submitter().submit_with_args(1, args) {
                 Ok(_) => {}
                 Err(error) if matches!(error.raw_os_error(), Some(libc::ETIME | libc::EINTR)) => {}
                 Err(source) => {
@@ -202,6 +262,16 @@ impl Queue {
             if !ready.is_empty() {
                 timing.record_wait(ready.len());
             }
+            let stopping = stop.load(Ordering::Acquire);
+            // Deferred requests first, oldest first; at a stop they may wait no longer.
+            for waiting in deferred.drain(..) {
+                let (tag, op, arrived) = (waiting.tag, waiting.rest.op, waiting.arrived);
+                match self.serve_part(waiting, Some(waiting.since), handler, !stopping) {
+                    Progress::Deferred(waiting) => still_deferred.push(waiting),
+                    Progress::Served(result) => self.commit(tag, op, result, arrived, timing)?,
+                }
+            }
+            std::mem::swap(&mut deferred, &mut still_deferred);
             for (tag, res) in ready.drain(..) {
                 self.in_flight -= 1;
                 if res == sys::UBLK_IO_RES_ABORT {
@@ -216,17 +286,40 @@ impl Queue {
                     );
                     continue;
                 }
-                let (op, result) = self.serve_tag(tag, handler);
-                self.push_command(sys::UBLK_U_IO_COMMIT_AND_FETCH_REQ, tag, result)?;
-                let ns = u64::try_from(arrived.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                timing.record_request(op, ns);
+                let request = match self.decode(tag) {
+                    Ok(request) => request,
+                    Err(errno) => {
+                        self.push_command(sys::UBLK_U_IO_COMMIT_AND_FETCH_REQ, tag, errno)?;
+                        timing.record_request(None, elapsed_ns(arrived));
+                        continue;
+                    }
+                };
+                let first = HeldRequest {
+                    tag,
+                    rest: request,
+                    buffer_offset: 0,
+                    since: arrived,
+                    arrived,
+                    served: data_len(&request),
+                };
+                match self.serve_part(first, None, handler, !stopping) {
+                    Progress::Deferred(waiting) => {
+                        timing.record_deferred();
+                        deferred.push(waiting);
+                    }
+                    Progress::Served(result) => {
+                        self.commit(tag, request.op, result, arrived, timing)?;
+                    }
+                }
             }
-            if stop.load(Ordering::Acquire) {
+            if stopping {
                 // Stop now, even while requests keep coming (waiting for a quiet moment took
                 // 14 s under a steady load in the VM): commit what was served, so that every
                 // tag is with the kernel again, where a hand-over's end cancels it at once.
                 // (A tag left with us would be re-issued to the next daemon, but if every tag
-                // were, only a request timeout would quiesce the device.)
+                // were, only a request timeout would quiesce the device.) Deferred requests
+                // were served to the end above, waiting as long as the handler's rule lets
+                // them.
                 self.ring.submit().map_err(|source| UblkError::Io {
                     what: "committing the last requests",
                     source,
@@ -237,40 +330,94 @@ impl Queue {
         Ok(())
     }
 
-    /// Serve the request in tag `tag`; returns its op (`None` if it had none we know) and
-    /// what to commit (bytes done or -errno).
-    fn serve_tag(&mut self, tag: u16, handler: &dyn BlockHandler) -> (Option<Op>, i32) {
+    /// Decode tag `tag`'s descriptor; `Err`: the negative errno to commit it with.
+    fn decode(&self, tag: u16) -> Result<Request, i32> {
         let desc = self.descs.get(tag);
-        let request = match Request::decode(
+        Request::decode(
             &desc,
             self.setup.dev_bytes,
             BLOCK_SIZE,
             u64::from(self.setup.max_io_bytes),
-        ) {
-            Ok(request) => request,
-            Err(error) => {
-                tracing::warn!(q = self.setup.q_id, tag, ?desc, %error, "request refused");
-                return (None, error.errno());
+        )
+        .map_err(|error| {
+            tracing::warn!(q = self.setup.q_id, tag, ?desc, %error, "request refused");
+            error.errno()
+        })
+    }
+
+    /// Commit tag `tag` (a request of `op`) with `result` (bytes done or a negative errno) and
+    /// fetch its next request; its time since `arrived` goes to `timing`.
+    fn commit(
+        &mut self,
+        tag: u16,
+        op: Op,
+        result: i32,
+        arrived: Instant,
+        timing: &IoTiming,
+    ) -> Result<(), UblkError> {
+        self.push_command(sys::UBLK_U_IO_COMMIT_AND_FETCH_REQ, tag, result)?;
+        timing.record_request(Some(op), elapsed_ns(arrived));
+        Ok(())
+    }
+
+    /// Serve what is left of `request` (`deferred_since`: when it was first deferred, `None`
+    /// on its first try); unless `may_defer`, the handler waits as long as its rule lets it.
+    fn serve_part(
+        &mut self,
+        mut request: HeldRequest,
+        deferred_since: Option<Instant>,
+        handler: &dyn BlockHandler,
+        may_defer: bool,
+    ) -> Progress {
+        let (tag, rest) = (request.tag, request.rest);
+        let len = usize::try_from(data_len(&rest)).unwrap_or(0);
+        let Some(data) = self
+            .buffers
+            .tag_mut(tag)
+            .get_mut(request.buffer_offset..request.buffer_offset + len)
+        else {
+            return Progress::Served(-libc::EIO);
+        };
+        let handled = catch_unwind(AssertUnwindSafe(|| {
+            if may_defer {
+                handler.try_handle(&rest, data, deferred_since)
+            } else {
+                Handled::Done(handler.handle(&rest, data))
             }
-        };
-        let data_len = match request.op {
-            Op::Read | Op::Write => usize::try_from(request.len).unwrap_or(usize::MAX),
-            _ => 0,
-        };
-        let data = &mut self.buffers.tag_mut(tag)[..data_len];
-        let result = match catch_unwind(AssertUnwindSafe(|| handler.handle(&request, data))) {
-            Ok(Ok(())) => i32::try_from(data_len).unwrap_or(-libc::EIO),
-            Ok(Err(errno)) => errno,
+        }));
+        match handled {
+            Ok(Handled::Done(Ok(()))) => Progress::Served(request.served),
+            Ok(Handled::Done(Err(errno))) => Progress::Served(errno),
+            Ok(Handled::Deferred { done_bytes }) => match rest.len.checked_sub(done_bytes) {
+                Some(left) if left > 0 => {
+                    request.rest.offset += done_bytes;
+                    request.rest.len = left;
+                    request.buffer_offset += usize::try_from(done_bytes).unwrap_or(0);
+                    Progress::Deferred(request)
+                }
+                _ => Progress::Served(request.served),
+            },
             Err(_) => {
                 tracing::error!(
                     q = self.setup.q_id,
                     tag,
-                    ?request,
+                    request = ?rest,
                     "handler panicked; request failed with EIO"
                 );
-                -libc::EIO
+                Progress::Served(-libc::EIO)
             }
-        };
-        (Some(request.op), result)
+        }
     }
+}
+
+/// Bytes of data a request carries (what a served one commits).
+fn data_len(request: &Request) -> i32 {
+    match request.op {
+        Op::Read | Op::Write => i32::try_from(request.len).unwrap_or(-libc::EIO),
+        _ => 0,
+    }
+}
+
+fn elapsed_ns(since: Instant) -> u64 {
+    u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }

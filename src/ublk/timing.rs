@@ -91,6 +91,7 @@ pub struct IoTiming {
     discard_ns: Histogram,
     other_ns: Histogram,
     ready_per_wait: Histogram,
+    deferred: AtomicU64,
 }
 
 impl IoTiming {
@@ -111,8 +112,15 @@ impl IoTiming {
             .record(u64::try_from(ready).unwrap_or(u64::MAX));
     }
 
+    /// A request was deferred by its handler (a write waiting for memory; see
+    /// `BlockHandler::try_handle`).
+    pub fn record_deferred(&self) {
+        self.deferred.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn snapshot(&self) -> IoTimingReport {
         IoTimingReport {
+            deferred: self.deferred.load(Ordering::Relaxed),
             read_ns: self.read_ns.snapshot(),
             write_ns: self.write_ns.snapshot(),
             discard_ns: self.discard_ns.snapshot(),
@@ -131,6 +139,10 @@ pub struct IoTimingReport {
     /// Flushes, and requests refused before they had an op.
     pub other_ns: Buckets,
     pub ready_per_wait: Buckets,
+    /// Requests deferred by the handler (writes that waited for memory while the queue served
+    /// others); absent from an older daemon's report.
+    #[serde(default)]
+    pub deferred: u64,
 }
 
 #[cfg(test)]
