@@ -48,11 +48,14 @@ failed_writes() {
 
 # stress_case NAME METHOD MIB: one stress-ng run with swap on; figures under NAME_METHOD_MIB.
 stress_case() {
-    local name=$1 method=$2 mib=$3 tag w0 w1 k0 rc wk kills others delay bogo vfail
+    local name=$1 method=$2 mib=$3 tag w0 w1 k0 d0 rc wk kills others delay bogo vfail
     tag="${name}_$(echo "$method" | tr -c 'a-z0-9\n' _)_${mib}"
     dmesg -c >>/tmp/dmesg.kept
     w0=$(failed_writes "$name")
-    [ "$name" = zram ] || k0=$(json_field oom_kills_asked)
+    [ "$name" = zram ] || {
+        k0=$(json_field oom_kills_asked)
+        d0=$(json_field deferred)
+    }
     work "$VT" wakeup 100 $((STRESS_S + 10)) >/tmp/wakeup.out 2>&1 &
     wk=$!
     # Still running well past its time: the blocked tasks go to the console (sysrq w), from a
@@ -94,7 +97,10 @@ stress_case() {
     sfigure "${tag}_oom_kills" "$kills"
     sfigure "${tag}_oom_kills_not_workers" "$others"
     sfigure "${tag}_wakeup_max_delay_ms" "${delay:--1}"
-    [ "$name" = zram ] || sfigure "${tag}_oom_kills_asked" "$(($(json_field oom_kills_asked) - k0))"
+    [ "$name" = zram ] || {
+        sfigure "${tag}_oom_kills_asked" "$(($(json_field oom_kills_asked) - k0))"
+        sfigure "${tag}_deferred_writes" "$(($(json_field deferred) - d0))"
+    }
 }
 
 # sfig TAG NAME: figure TAG_NAME of this stage.

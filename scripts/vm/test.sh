@@ -825,6 +825,11 @@ swap_in_use_kib() { awk '/^SwapTotal:/ { t = $2 } /^SwapFree:/ { f = $2 } END { 
 ublk_slots_freed() {
     trueno-ublk stat --json 2>/dev/null | sed -n 's/.*"slots": *\([0-9]*\).*/\1/p' | head -n1
 }
+# ublk_deferred_writes: writes the daemon serving device 0 set aside while they waited for
+# memory, its queue serving other requests meanwhile (`stat --json`, io.deferred).
+ublk_deferred_writes() {
+    trueno-ublk stat --json 2>/dev/null | sed -n 's/.*"deferred": *\([0-9]*\).*/\1/p' | head -n1
+}
 # ublk_held_kib: what the daemon serving device 0 holds beyond its idle footprint (its RSS
 # less its IDLE-RSS, from `stat --json`).
 ublk_held_kib() {
@@ -858,6 +863,7 @@ memory_settles() {
     if [ "$name" = ublk ]; then
         figure ublk_memory_held_kib "$(ublk_held_kib)"
         figure ublk_slots_freed "$(ublk_slots_freed)"
+        figure ublk_deferred_writes "$(ublk_deferred_writes)"
         check "ublk: the slot-free probe freed the slots the kernel freed ($(ublk_slots_freed) slots)" \
             [ "$(ublk_slots_freed)" -gt 0 ]
     fi

@@ -63,7 +63,7 @@ impl BlockHandler for StoreHandler {
     }
 
     fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32> {
-        match self.serve(request, data, None) {
+        match self.serve(request, data, Writes::Wait) {
             Handled::Done(result) => result,
             // Only a write that may be deferred is.
             Handled::Deferred { .. } => Err(-libc::EIO),
@@ -76,19 +76,23 @@ impl BlockHandler for StoreHandler {
         data: &mut [u8],
         deferred_since: Option<Instant>,
     ) -> Handled {
-        self.serve(request, data, Some(deferred_since))
+        self.serve(request, data, Writes::MayDefer { deferred_since })
     }
 }
 
+/// What a write does that would wait for memory.
+#[derive(Clone, Copy)]
+enum Writes {
+    /// Waits (`BatchedPageStore::write`).
+    Wait,
+    /// Is deferred (`BatchedPageStore::try_write`; `deferred_since`: when it first was).
+    MayDefer { deferred_since: Option<Instant> },
+}
+
 impl StoreHandler {
-    /// Serve `request`; a write may be deferred when `deferral` is `Some` (with when it was
-    /// first deferred, see `BatchedPageStore::try_write`).
-    fn serve(
-        &self,
-        request: &Request,
-        data: &mut [u8],
-        deferral: Option<Option<Instant>>,
-    ) -> Handled {
+    /// Serve `request`; a write that would wait for memory waits or is deferred as `writes`
+    /// says.
+    fn serve(&self, request: &Request, data: &mut [u8], writes: Writes) -> Handled {
         // Set before the device goes live, so never missing here.
         let Some(store) = self.store.get() else {
             return Handled::Done(Err(-libc::EIO));
@@ -101,15 +105,17 @@ impl StoreHandler {
                 if let Some(probe) = self.slot_frees.get() {
                     probe.forget(request.offset / PAGE_BYTES, request.len / PAGE_BYTES);
                 }
-                match deferral {
-                    None => store.write(request.offset, data),
-                    Some(since) => match store.try_write(request.offset, data, since) {
-                        Ok(WriteOutcome::Done) => Ok(()),
-                        Ok(WriteOutcome::Deferred { done_bytes }) => {
-                            return Handled::Deferred { done_bytes }
+                match writes {
+                    Writes::Wait => store.write(request.offset, data),
+                    Writes::MayDefer { deferred_since } => {
+                        match store.try_write(request.offset, data, deferred_since) {
+                            Ok(WriteOutcome::Done) => Ok(()),
+                            Ok(WriteOutcome::Deferred { done_bytes }) => {
+                                return Handled::Deferred { done_bytes }
+                            }
+                            Err(error) => Err(error),
                         }
-                        Err(error) => Err(error),
-                    },
+                    }
                 }
             }
             // Pages are in daemon memory as soon as a write is acknowledged: nothing to flush.
