@@ -127,6 +127,28 @@ impl BatchedPageStore {
         }
     }
 
+    /// A deferred write was stored `waited` after it was first deferred: counted, and said
+    /// when that is over a second and the longest wait yet.
+    pub(super) fn note_write_wait(&self, waited: Duration) {
+        let ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX);
+        let longest = self
+            .counters
+            .longest_write_wait_ms
+            .fetch_max(ms, Ordering::Relaxed);
+        if waited >= STARVED_WRITE_TIMEOUT {
+            add(&self.counters.long_waited_writes, 1);
+            if ms > longest {
+                let (refill, refill_for) = self.alloc.reserve.refill_activity();
+                tracing::warn!(
+                    waited_ms = ms,
+                    ?refill,
+                    refill_for_ms = refill_for.as_millis(),
+                    "a write waited over a second for memory before it was stored (the longest wait yet)"
+                );
+            }
+        }
+    }
+
     /// Reserve a page's worth of the memory limit for a page about to be compressed.
     pub(super) fn admit(&self) -> Result<(), StoreError> {
         let Some(limit) = self.config.mem_limit else {

@@ -58,6 +58,12 @@ pub struct StoreStats {
     /// compress (see `store::oom`).
     #[serde(default)]
     pub oom_kills_asked: u64,
+    /// Writes stored after waiting over a second for memory (deferred by their queue; see
+    /// `admission`'s patience), and the longest such wait of any stored write, in ms.
+    #[serde(default)]
+    pub long_waited_writes: u64,
+    #[serde(default)]
+    pub longest_write_wait_ms: u64,
     /// Bytes of chunk memory held ready in the reserve (not in `mem_used`).
     #[serde(default)]
     pub reserve_bytes: u64,
@@ -143,6 +149,8 @@ pub(super) struct Counters {
     pub(super) mem_limit_hits: AtomicU64,
     pub(super) starved_writes: AtomicU64,
     pub(super) oom_kills_asked: AtomicU64,
+    pub(super) long_waited_writes: AtomicU64,
+    pub(super) longest_write_wait_ms: AtomicU64,
     pub(super) lost_pages: AtomicU64,
     pub(super) checksum_failures: AtomicU64,
     pub(super) gpu_mismatched_pages: AtomicU64,

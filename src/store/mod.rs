@@ -402,6 +402,9 @@ impl BatchedPageStore {
                         });
                     }
                 }
+                if let SlotWait::Defer { since: Some(since) } = wait {
+                    self.note_write_wait(since.elapsed());
+                }
                 Ok(WriteOutcome::Done)
             });
         if result.is_err() {
@@ -710,6 +713,8 @@ impl BatchedPageStore {
             discarded_pages: get(&c.discarded_pages),
             mem_limit_hits: get(&c.mem_limit_hits),
             starved_writes: get(&c.starved_writes),
+            long_waited_writes: get(&c.long_waited_writes),
+            longest_write_wait_ms: get(&c.longest_write_wait_ms),
             oom_kills_asked: get(&c.oom_kills_asked),
             lost_pages: get(&c.lost_pages),
             checksum_failures: get(&c.checksum_failures),

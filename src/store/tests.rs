@@ -1134,4 +1134,10 @@ fn a_write_that_would_wait_for_a_pending_slot_is_deferred_with_what_it_wrote() {
     s.read(0, &mut back).unwrap();
     assert!(back == data, "every page reads back as written");
     assert_eq!(s.stats().failed_writes, 1, "the one that starved");
+    assert_eq!(
+        s.stats().long_waited_writes,
+        1,
+        "stored a minute after it was deferred"
+    );
+    assert!(s.stats().longest_write_wait_ms >= 60_000);
 }
