@@ -68,8 +68,8 @@ struct HeldRequest {
     rest: Request,
     /// Where `rest` starts in the tag's buffer.
     buffer_offset: usize,
-    /// When it was first deferred (its arrival, before that).
-    since: Instant,
+    /// When it was first deferred (`None` before that).
+    deferred_since: Option<Instant>,
     /// When its completion arrived, for `IoTiming`.
     arrived: Instant,
     /// What it commits once served: the bytes of data of the whole request.
@@ -266,7 +266,7 @@ impl Queue {
             // Deferred requests first, oldest first; at a stop they may wait no longer.
             for waiting in deferred.drain(..) {
                 let (tag, op, arrived) = (waiting.tag, waiting.rest.op, waiting.arrived);
-                match self.serve_part(waiting, Some(waiting.since), handler, !stopping) {
+                match self.serve_part(waiting, handler, !stopping) {
                     Progress::Deferred(waiting) => still_deferred.push(waiting),
                     Progress::Served(result) => self.commit(tag, op, result, arrived, timing)?,
                 }
@@ -298,11 +298,11 @@ impl Queue {
                     tag,
                     rest: request,
                     buffer_offset: 0,
-                    since: arrived,
+                    deferred_since: None,
                     arrived,
                     served: data_len(&request),
                 };
-                match self.serve_part(first, None, handler, !stopping) {
+                match self.serve_part(first, handler, !stopping) {
                     Progress::Deferred(waiting) => {
                         timing.record_deferred();
                         deferred.push(waiting);
@@ -360,12 +360,11 @@ impl Queue {
         Ok(())
     }
 
-    /// Serve what is left of `request` (`deferred_since`: when it was first deferred, `None`
-    /// on its first try); unless `may_defer`, the handler waits as long as its rule lets it.
+    /// Serve what is left of `request`; unless `may_defer`, the handler waits as long as its
+    /// rule lets it.
     fn serve_part(
         &mut self,
         mut request: HeldRequest,
-        deferred_since: Option<Instant>,
         handler: &dyn BlockHandler,
         may_defer: bool,
     ) -> Progress {
@@ -380,7 +379,7 @@ impl Queue {
         };
         let handled = catch_unwind(AssertUnwindSafe(|| {
             if may_defer {
-                handler.try_handle(&rest, data, deferred_since)
+                handler.try_handle(&rest, data, request.deferred_since)
             } else {
                 Handled::Done(handler.handle(&rest, data))
             }
@@ -393,6 +392,7 @@ impl Queue {
                     request.rest.offset += done_bytes;
                     request.rest.len = left;
                     request.buffer_offset += usize::try_from(done_bytes).unwrap_or(0);
+                    request.deferred_since.get_or_insert(request.arrived);
                     Progress::Deferred(request)
                 }
                 _ => Progress::Served(request.served),
