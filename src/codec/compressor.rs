@@ -69,40 +69,47 @@ impl Compressor {
         }
     }
 
+    /// The CPU backend that compresses a batch of `pages` pages (one core or all of them), or
+    /// `None` if it goes to the GPU codec.
+    pub fn cpu_backend_for(&self, pages: usize) -> Option<Backend> {
+        match (self.backend_for(pages), &self.gpu) {
+            (Backend::Gpu, Some(_)) => None,
+            (Backend::Simd, _) => Some(Backend::Simd),
+            _ => Some(Backend::SimdParallel),
+        }
+    }
+
     /// Compress `pages` into `out`. A GPU failure, or GPU output that does not hold together,
     /// sends the batch to all cores; CPU codecs do not fail (pages that do not compress are
     /// stored raw).
     pub fn compress(&self, pages: &[&Page], out: &mut CompressedBatch) -> Compressed {
-        let backend = self.backend_for(pages.len());
-        let cpu = match (backend, &self.gpu) {
-            (Backend::Gpu, Some(gpu)) => {
-                match gpu.compress_batch(pages, out) {
-                    Ok(()) if out.is_well_formed(pages.len()) => {
-                        return Compressed {
-                            backend,
-                            fell_back: false,
-                        }
+        if let Some(cpu) = self.cpu_backend_for(pages.len()) {
+            return Compressed {
+                backend: self.compress_on_cpu(cpu, pages, out),
+                fell_back: false,
+            };
+        }
+        if let Some(gpu) = &self.gpu {
+            match gpu.compress_batch(pages, out) {
+                Ok(()) if out.is_well_formed(pages.len()) => {
+                    return Compressed {
+                        backend: Backend::Gpu,
+                        fell_back: false,
                     }
-                    Ok(()) => tracing::warn!(
-                        pages = pages.len(),
-                        "GPU batch output malformed; compressing on the CPU"
-                    ),
-                    Err(error) => tracing::warn!(
-                        pages = pages.len(),
-                        "GPU batch failed ({error}); compressing on the CPU"
-                    ),
                 }
-                return Compressed {
-                    backend: self.compress_on_cpu(Backend::SimdParallel, pages, out),
-                    fell_back: true,
-                };
+                Ok(()) => tracing::warn!(
+                    pages = pages.len(),
+                    "GPU batch output malformed; compressing on the CPU"
+                ),
+                Err(error) => tracing::warn!(
+                    pages = pages.len(),
+                    "GPU batch failed ({error}); compressing on the CPU"
+                ),
             }
-            (Backend::Simd, _) => Backend::Simd,
-            _ => Backend::SimdParallel,
-        };
+        }
         Compressed {
-            backend: self.compress_on_cpu(cpu, pages, out),
-            fell_back: false,
+            backend: self.compress_on_cpu(Backend::SimdParallel, pages, out),
+            fell_back: true,
         }
     }
 

@@ -13,12 +13,12 @@ use super::pending::PendingSlot;
 use super::table::PageState;
 use super::{BatchedPageStore, PENDING_BATCHES};
 use crate::codec::{
-    decompress_page, Backend, CompressedBatch, Encoding, Page, MAX_COMPRESSED_LEN, PAGE_SIZE,
+    compress_page, decompress_page, Algorithm, Backend, CompressedBatch, Encoding, Page,
+    MAX_COMPRESSED_LEN, PAGE_SIZE,
 };
 
-/// Without a GPU a batch is compressed and installed this many pages at a time, so that the
-/// compression buffer (locked memory, like everything the daemon has) holds 1 MiB rather than
-/// a whole batch; rayon still spreads each part over every core. A GPU takes whole batches.
+/// Without a GPU a batch is flushed this many pages at a time: what a panic while compressing
+/// leaves to store raw. A GPU takes whole batches.
 const FLUSH_PART_PAGES: usize = 256;
 
 /// Pages a flush compresses at a time, for batches of `slots` pages.
@@ -27,6 +27,17 @@ pub(super) fn flush_part_pages(slots: usize, gpu: bool) -> usize {
         slots.max(1)
     } else {
         slots.clamp(1, FLUSH_PART_PAGES)
+    }
+}
+
+/// Pages the flush's output buffer holds, for batches of `slots` pages: a part, for a GPU
+/// codec's output; none without one, where each page is compressed into its thread's stack and
+/// stored from there (see `flush_part_on_cpu`), so the daemon locks no buffer for it.
+pub(super) fn flush_buffer_pages(slots: usize, gpu: bool) -> usize {
+    if gpu {
+        flush_part_pages(slots, gpu)
+    } else {
+        0
     }
 }
 
@@ -85,8 +96,13 @@ impl BatchedPageStore {
         out: &mut CompressedBatch,
         resolved: &[AtomicBool],
     ) {
+        let compressor = self.compressor_for(part.len());
+        if let Some(cpu) = compressor.cpu_backend_for(part.len()) {
+            self.flush_part_on_cpu(compressor.algorithm(), cpu, b, first, part, resolved);
+            return;
+        }
         let pages: Vec<&Page> = part.iter().map(|s| &*s.page).collect();
-        let done = self.compressor_for(pages.len()).compress(&pages, out);
+        let done = compressor.compress(&pages, out);
         if done.fell_back {
             add(&self.counters.gpu_fallback_batches, 1);
         }
@@ -128,6 +144,40 @@ impl BatchedPageStore {
             part.iter().enumerate().for_each(install);
         } else {
             part.par_iter().enumerate().for_each(install);
+        }
+    }
+
+    /// `flush_part` on the CPU (`backend`: one core or all of them): each page compressed into
+    /// its thread's stack and installed from there at once, so a part is one pass over its
+    /// pages, not a compression pass and then an installing one, and the compressed bytes are
+    /// still in the core's cache when they are copied into the store.
+    fn flush_part_on_cpu(
+        &self,
+        algorithm: Algorithm,
+        backend: Backend,
+        b: usize,
+        first: usize,
+        part: &[PendingSlot<'_>],
+        resolved: &[AtomicBool],
+    ) {
+        add(self.counters.backend(backend), part.len() as u64);
+        let flush_one = |(i, s): (usize, &PendingSlot<'_>)| {
+            let mut compressed = [0u8; PAGE_SIZE];
+            let (encoding, len) = compress_page(algorithm, &s.page, &mut compressed);
+            // Noted before the page is stored, which is what may starve (see `oom`).
+            self.oom
+                .note_compressed(1, u64::from(encoding == Encoding::Raw));
+            let bytes = match encoding {
+                Encoding::Raw => &s.page[..],
+                _ => &compressed[..len],
+            };
+            self.install(b, first + i, s, encoding, bytes);
+            resolved[i].store(true, Ordering::Release);
+        };
+        if backend == Backend::Simd {
+            part.iter().enumerate().for_each(flush_one);
+        } else {
+            part.par_iter().enumerate().for_each(flush_one);
         }
     }
 

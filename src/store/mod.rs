@@ -117,7 +117,8 @@ pub struct BatchedPageStore {
     writers_wake: Condvar,
     /// Wakes the recompressor early: only to stop it.
     recompress_wake: Condvar,
-    /// Held for a whole flush; holds the reused output buffer, of `flush_part_pages` pages.
+    /// Held for a whole flush; holds the reused output buffer of a GPU codec (see
+    /// `flush::flush_buffer_pages`).
     flush: Mutex<CompressedBatch>,
     flush_part_pages: usize,
     /// Bytes promised to written pages not yet compressed: each may need a whole page.
@@ -201,7 +202,7 @@ pub fn resume_heap_bytes(attached: &AttachedStore, gpu: bool) -> usize {
     let slots = usize::try_from(hint.slots_per_batch)
         .unwrap_or(0)
         .min(1 << 20);
-    let flush = CompressedBatch::heap_bytes(flush::flush_part_pages(slots, gpu));
+    let flush = CompressedBatch::heap_bytes(flush::flush_buffer_pages(slots, gpu));
     let pending = PENDING_BATCHES * slots * std::mem::size_of::<u64>();
     alloc::rebuild_heap_bytes(&hint.class_chunks, hint.carved_bytes) + flush + pending
 }
@@ -276,6 +277,7 @@ impl BatchedPageStore {
             config.batch_threshold = slots.max(1);
         }
         let flush_part_pages = flush::flush_part_pages(slots, gpu.is_some());
+        let flush_buffer_pages = flush::flush_buffer_pages(slots, gpu.is_some());
         let resumed = regions.resumed;
         let owner = regions.owner;
         let batches: Box<[PendingBatch]> = regions
@@ -308,7 +310,7 @@ impl BatchedPageStore {
             flush_part_pages,
             flush: Mutex::new({
                 let mut out = CompressedBatch::default();
-                out.reset(flush_part_pages);
+                out.reset(flush_buffer_pages);
                 crate::mem::populate(&out.data);
                 crate::mem::populate(&out.lens);
                 crate::mem::populate(&out.encodings);
