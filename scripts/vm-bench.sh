@@ -12,7 +12,9 @@
 #      swap on zram lz4 and on trueno-ublk.
 # Prints a table of IOPS and of ratios against zram lz4. Under emulation absolute figures mean
 # little: compare only ratios taken in the same run. Environment: VM_FIO_RUNTIME_S [5] seconds
-# per fio job, VM_CPUS [2].
+# per fio job, VM_CPUS [2], VM_CREATE_ARGS (more options for trueno-ublk's `create`, e.g.
+# "--queues 2"). After each fio job on trueno-ublk the log has a "CPU" line: the CPU time
+# (ticks) the daemon's threads have used so far, by thread name.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

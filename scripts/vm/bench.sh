@@ -38,7 +38,9 @@ zram_up() { # ALGORITHM
     echo "$DEV_BYTES" >/sys/block/zram0/disksize
 }
 ublk_up() { # create options...
-    trueno-ublk create --size "$DEV_BYTES" --id 0 "$@" >/dev/null || fail "trueno-ublk create $*"
+    # shellcheck disable=SC2086 # VM_CREATE_ARGS: options, split on purpose
+    trueno-ublk create --size "$DEV_BYTES" --id 0 "$@" $CREATE_ARGS >/dev/null ||
+        fail "trueno-ublk create $* $CREATE_ARGS"
 }
 ublk_down() {
     trueno-ublk delete --id 0 >/dev/null || fail "trueno-ublk delete --id 0"
@@ -59,6 +61,17 @@ fio_job() {
         awk -F';' -v f="$field" 'NR == 1 { printf "%d\n", $f }'
 }
 
+# cpu_report LABEL: CPU time (clock ticks, user + system) the daemon's threads have used so
+# far, by thread name: which of them a fio job kept busy (the queue thread, the flusher or the
+# compression pool, the reserve's refill thread).
+cpu_report() {
+    local stats
+    stats=$(cat /proc/[0-9]*/task/[0-9]*/stat 2>/dev/null)
+    echo "$stats" | awk -v label="$1" '
+        $2 ~ /^\((trueno|ublk)/ { t[$2] += $14 + $15; any = 1 }
+        END { if (any) { printf "CPU %s:", label; for (n in t) printf " %s=%d", n, t[n]; print "" } }'
+}
+
 fio_table() { # NAME DEV
     local name=$1 dev=$2 spec iops
     # The region is written once, so that reads find data (and the device holds it).
@@ -77,6 +90,7 @@ fio_table() { # NAME DEV
         else
             fail "$name: fio $1 gave no figure: $(cat /tmp/fio.err)"
         fi
+        cpu_report "$name after $1"
     done
 }
 

@@ -491,6 +491,7 @@ fn serve(
     // on them, in reclaim that waited for those writes (seen in the VM: a kill -9 during a
     // fill left swap stalled for good). It costs a standby its threads' memory.
     let _ = rayon::ThreadPoolBuilder::new()
+        .thread_name(|i| format!("trueno-pool{i}"))
         .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
         .start_handler(move |_| ready_store_thread(thread_algorithm))
         .build_global();
