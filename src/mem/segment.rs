@@ -613,10 +613,6 @@ impl Chunk {
     pub fn decommit(&self) -> std::io::Result<()> {
         self.segment.decommit(self.offset, self.len)
     }
-
-    pub fn recommit(&self) -> std::io::Result<()> {
-        self.segment.commit(self.offset, self.len)
-    }
 }
 
 impl std::fmt::Debug for Chunk {
@@ -659,7 +655,7 @@ mod tests {
         let mut chunk = Chunk::new(&seg, 4 * HOST_PAGE, 2 * HOST_PAGE).unwrap();
         chunk.fill(5);
         chunk.decommit().unwrap();
-        chunk.recommit().unwrap();
+        seg.commit(4 * HOST_PAGE, 2 * HOST_PAGE).unwrap();
         assert!(
             chunk.iter().all(|&b| b == 0),
             "a given-back range reads as zeros"

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
+use smallvec::SmallVec;
 
 use crate::codec::PAGE_SIZE;
 use crate::mem::{Arena, ArenaChunk};
@@ -31,6 +32,13 @@ const REFILL_PERIOD: Duration = Duration::from_millis(50);
 const POOL_SLACK: usize = 1024;
 /// Chunks are committed this many bytes at a time (one fallocate call).
 const COMMIT_GROUP_BYTES: usize = 256 << 10;
+/// The most chunks in one commit group (of one-page chunks).
+const GROUP_CHUNKS: usize = COMMIT_GROUP_BYTES / PAGE_SIZE;
+
+/// Chunks committed or given back together, in one system call per run of adjacent ones
+/// (`ArenaChunk::recommit_all`, `decommit_all`); on the stack, so that the refill thread
+/// allocates nothing to move memory.
+type ChunkGroup = SmallVec<[ArenaChunk; GROUP_CHUNKS]>;
 
 /// Why a taker got no chunk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -455,38 +463,55 @@ impl ChunkReserve {
             }
             return;
         }
-        self.decommit(k, chunk);
+        self.decommit(k, smallvec::smallvec![chunk]);
     }
 
-    fn decommit(&self, k: usize, chunk: ArenaChunk) {
-        if let Err(error) = chunk.decommit() {
+    /// Give the pages of `chunks`, of pool `k`, back to the system; they wait in the pool's
+    /// cold list.
+    fn decommit(&self, k: usize, mut chunks: ChunkGroup) {
+        if let Err(error) = ArenaChunk::decommit_all(&mut chunks) {
             tracing::warn!(%error, "giving a chunk's memory back failed");
         }
-        self.pools[k].lock().cold.push(chunk);
+        self.pools[k].lock().cold.extend(chunks);
     }
 
-    /// Make at least one more chunk of `k + 1` pages ready: a cold one committed again, or a
-    /// group carved from the arena (one chunk while a taker waits: see `one_at_a_time`).
-    /// False if none could be.
+    /// Make at least one more chunk of `k + 1` pages ready: a group of cold ones committed
+    /// again, or a group carved from the arena (one chunk while a taker waits: see
+    /// `one_at_a_time`). False if none could be.
     fn commit_more(&self, k: usize) -> bool {
         let chunk_bytes = (k + 1) * PAGE_SIZE;
-        let cold = self.pools[k].lock().cold.pop();
-        let fresh = match cold {
-            Some(chunk) => chunk.recommit().map(|()| vec![chunk]),
-            None => {
-                let count = if self.one_at_a_time() {
-                    1
-                } else {
-                    (COMMIT_GROUP_BYTES / chunk_bytes).max(1)
+        let count = if self.one_at_a_time() {
+            1
+        } else {
+            (COMMIT_GROUP_BYTES / chunk_bytes).max(1)
+        };
+        let mut cold = ChunkGroup::new();
+        {
+            let mut pool = self.pools[k].lock();
+            while cold.len() < count {
+                let Some(chunk) = pool.cold.pop() else {
+                    break;
                 };
-                match self.arena.carve(chunk_bytes, count) {
-                    Ok(Some(chunks)) => Ok(chunks),
-                    Ok(None) => return false,
-                    Err(error) => Err(error),
+                cold.push(chunk);
+            }
+        }
+        let committed = if cold.is_empty() {
+            match self.arena.carve(chunk_bytes, count) {
+                Ok(Some(chunks)) => Ok(chunks.into_iter().collect()),
+                Ok(None) => return false,
+                Err(error) => Err(error),
+            }
+        } else {
+            match ArenaChunk::recommit_all(&mut cold) {
+                Ok(()) => Ok(cold),
+                Err(error) => {
+                    // Still cold; a later commit tries them again.
+                    self.pools[k].lock().cold.extend(cold);
+                    Err(error)
                 }
             }
         };
-        match fresh {
+        match committed {
             Ok(chunks) => {
                 self.commits.fetch_add(1, Ordering::Relaxed);
                 let since_epoch = self.refill_state.epoch.elapsed().as_nanos();
@@ -575,17 +600,28 @@ impl ChunkReserve {
             let share = self.share(demand[k], total);
             Self::provision(pool);
             loop {
-                let mut pool = pool.lock();
-                let Some(chunk) = pool.surplus.pop() else {
-                    break;
+                let mut beyond_share = ChunkGroup::new();
+                let more = {
+                    let mut pool = pool.lock();
+                    while beyond_share.len() < GROUP_CHUNKS {
+                        let Some(chunk) = pool.surplus.pop() else {
+                            break;
+                        };
+                        if (pool.ready.len() as u64 + 1) * chunk_bytes <= share {
+                            self.held_bytes.fetch_add(chunk_bytes, Ordering::Relaxed);
+                            pool.ready.push(chunk);
+                        } else {
+                            beyond_share.push(chunk);
+                        }
+                    }
+                    !pool.surplus.is_empty()
                 };
-                if (pool.ready.len() as u64 + 1) * chunk_bytes <= share {
-                    self.held_bytes.fetch_add(chunk_bytes, Ordering::Relaxed);
-                    pool.ready.push(chunk);
-                } else {
-                    drop(pool);
+                if !beyond_share.is_empty() {
                     self.refill_state.set(RefillActivity::GivingBack);
-                    self.decommit(k, chunk);
+                    self.decommit(k, beyond_share);
+                }
+                if !more {
+                    break;
                 }
             }
             self.trim(k, share);
@@ -637,20 +673,26 @@ impl ChunkReserve {
             let chunk_bytes = ((j + 1) * PAGE_SIZE) as u64;
             let share = self.target_bytes * demand.get(j).copied().unwrap_or(0) / total.max(1);
             while stolen < needed {
-                let chunk = {
+                let mut taken = ChunkGroup::new();
+                {
                     let mut pool = self.pools[j].lock();
-                    if pool.ready.len() as u64 * chunk_bytes <= share {
-                        break;
+                    while stolen < needed
+                        && taken.len() < GROUP_CHUNKS
+                        && pool.ready.len() as u64 * chunk_bytes > share
+                    {
+                        let Some(chunk) = pool.ready.pop() else {
+                            break;
+                        };
+                        stolen += chunk.len();
+                        self.held_bytes
+                            .fetch_sub(chunk.len() as u64, Ordering::Relaxed);
+                        taken.push(chunk);
                     }
-                    pool.ready.pop()
-                };
-                let Some(chunk) = chunk else {
+                }
+                if taken.is_empty() {
                     break;
-                };
-                stolen += chunk.len();
-                self.held_bytes
-                    .fetch_sub(chunk.len() as u64, Ordering::Relaxed);
-                self.decommit(j, chunk);
+                }
+                self.decommit(j, taken);
             }
         }
         if stolen > 0 {
@@ -680,18 +722,26 @@ impl ChunkReserve {
     /// fill and its discard), and all of it is locked memory nobody else can use.
     fn trim(&self, k: usize, share: u64) {
         let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
-        while self.held_bytes() > self.target_bytes {
-            let mut pool = self.pools[k].lock();
-            if pool.ready.len() as u64 * chunk_bytes <= share {
-                break;
+        loop {
+            let mut cut = ChunkGroup::new();
+            {
+                let mut pool = self.pools[k].lock();
+                while cut.len() < GROUP_CHUNKS
+                    && self.held_bytes() > self.target_bytes
+                    && pool.ready.len() as u64 * chunk_bytes > share
+                {
+                    let Some(chunk) = pool.ready.pop() else {
+                        break;
+                    };
+                    self.held_bytes.fetch_sub(chunk_bytes, Ordering::Relaxed);
+                    cut.push(chunk);
+                }
             }
-            let Some(chunk) = pool.ready.pop() else {
-                break;
-            };
-            drop(pool);
-            self.held_bytes.fetch_sub(chunk_bytes, Ordering::Relaxed);
+            if cut.is_empty() {
+                return;
+            }
             self.refill_state.set(RefillActivity::GivingBack);
-            self.decommit(k, chunk);
+            self.decommit(k, cut);
         }
     }
 
