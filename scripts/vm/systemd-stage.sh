@@ -36,6 +36,8 @@ die() {
     printf 'vm-test systemd: %s\n' "$*" >&2
     exit 1
 }
+# shellcheck source=boot.sh
+. "$ROOT/scripts/vm/boot.sh"
 START_S=$SECONDS
 SUDO=()
 [ "$(id -u)" -eq 0 ] || SUDO=(sudo -n)
@@ -130,6 +132,7 @@ log "initramfs $(du -h "$INITRD" | cut -f1) (Debian $SUITE + systemd, trueno-ubl
 # --- 3. Boot -------------------------------------------------------------------------------
 CONSOLE="$VM_DIR/systemd-console.log"
 RESULT="$VM_DIR/systemd-result.log"
+for attempt in 1 2; do
 : >"$CONSOLE"
 : >"$RESULT"
 log "booting systemd: ${RAM_MIB} MiB RAM, $CPUS vCPUs, TCG (limit ${TIMEOUT_S} s)"
@@ -149,6 +152,13 @@ TAIL_PID=$!
 wait "$QEMU_PID" || QEMU_RC=$?
 wait "$TAIL_PID" 2>/dev/null || true
 VM_S=$((SECONDS - VM_START))
+if [ "$attempt" -eq 1 ] && died_before_test "$CONSOLE" "$RESULT"; then
+    log "the guest kernel died in its own boot before the test began (an emulator fault; console below): booting again"
+    tr -d '\r' <"$CONSOLE" | head -n 6
+    continue
+fi
+break
+done
 rm -f "$INITRD"
 
 # --- 4. Verdict, with the shutdown in the console log ----------------------------------------
