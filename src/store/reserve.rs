@@ -382,7 +382,7 @@ impl ChunkReserve {
         }
         // Another taker of this size may pop what this one committed: commit again then.
         loop {
-            let committed = self.commit_more(k);
+            let committed = self.commit_more(k, usize::MAX);
             if let Some(chunk) = self.pop_committed(k) {
                 return Ok(chunk);
             }
@@ -475,15 +475,17 @@ impl ChunkReserve {
         self.pools[k].lock().cold.extend(chunks);
     }
 
-    /// Make at least one more chunk of `k + 1` pages ready: a group of cold ones committed
-    /// again, or a group carved from the arena (one chunk while a taker waits: see
-    /// `one_at_a_time`). False if none could be.
-    fn commit_more(&self, k: usize) -> bool {
+    /// Make at least one more chunk of `k + 1` pages ready, and at most `wanted`: a group of
+    /// cold ones committed again, or a group carved from the arena (one chunk while a taker
+    /// waits: see `one_at_a_time`). False if none could be. Why at most `wanted`: a whole
+    /// group for a pool one chunk short of its share put up to a group per pool (2 MiB for
+    /// the eight sizes) of locked memory beyond the target, and `trim` then gave it back.
+    fn commit_more(&self, k: usize, wanted: usize) -> bool {
         let chunk_bytes = (k + 1) * PAGE_SIZE;
         let count = if self.one_at_a_time() {
             1
         } else {
-            (COMMIT_GROUP_BYTES / chunk_bytes).max(1)
+            (COMMIT_GROUP_BYTES / chunk_bytes).clamp(1, wanted.max(1))
         };
         let mut cold = ChunkGroup::new();
         {
@@ -643,7 +645,9 @@ impl ChunkReserve {
                 }
                 self.refill_state.set(RefillActivity::Committing);
                 let before = self.held_bytes();
-                self.commit_more(k);
+                // What the share misses, not a whole group beyond it.
+                let missing = usize::try_from((share - held) / chunk_bytes).unwrap_or(usize::MAX);
+                self.commit_more(k, missing);
                 if self.held_bytes() == before {
                     break; // nothing could be committed
                 }
@@ -917,15 +921,25 @@ mod tests {
     #[test]
     fn while_a_taker_waits_commits_are_of_one_chunk() {
         let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, arena(), &[1, 1]);
-        assert!(reserve.commit_more(1));
+        assert!(reserve.commit_more(1, usize::MAX));
         assert_eq!(
             reserve.pools[1].lock().ready.len(),
             COMMIT_GROUP_BYTES / (2 * PAGE_SIZE)
         );
         reserve.note_waiting();
-        assert!(reserve.commit_more(0));
+        assert!(reserve.commit_more(0, usize::MAX));
         assert_eq!(reserve.pools[0].lock().ready.len(), 1);
         reserve.note_served();
+    }
+
+    #[test]
+    fn a_refill_commits_each_pool_up_to_its_share_and_no_further() {
+        let target = 4 << 20;
+        let reserve = ChunkReserve::new(target, arena(), &[3, 1, 1, 1, 1, 1, 1, 1]);
+        reserve.refill();
+        // Shares of 1.2 MiB and 0.4 MiB: whole commit groups would pass them.
+        assert!(reserve.held_bytes() <= target, "{}", reserve.held_bytes());
+        assert!(reserve.held_bytes() >= target - 8 * 8 * PAGE_SIZE as u64);
     }
 
     #[test]
@@ -1005,7 +1019,7 @@ mod tests {
         let long_ago = Instant::now().checked_sub(minute).unwrap();
         assert!(Stall::since(long_ago).waited(&reserve) >= minute);
         // The refill thread commits: the stall starts again from there.
-        assert!(reserve.commit_more(0));
+        assert!(reserve.commit_more(0, usize::MAX));
         assert!(Stall::since(long_ago).waited(&reserve) < minute);
         // A wait that starts later counts from its own start.
         let stall = Stall::new();
