@@ -487,10 +487,20 @@ impl ChunkReserve {
         } else {
             (COMMIT_GROUP_BYTES / chunk_bytes).clamp(1, wanted.max(1))
         };
+        // Cold chunks one at a time while memory is short: each commit then waits in reclaim
+        // for one chunk, not for a group, holding the segment file's lock that hole punches
+        // need (near-OOM stage of `scripts/vm-test.sh --stress`, 2026-11-26 00:00: with cold
+        // chunks recommitted by the group, one run of four left the serving process holding
+        // 132 MiB for 25 MiB of swap and the VM wedged, another ended in the OOM panic).
+        let cold_count = if self.memory_short.load(Ordering::Relaxed) {
+            1
+        } else {
+            count
+        };
         let mut cold = ChunkGroup::new();
         {
             let mut pool = self.pools[k].lock();
-            while cold.len() < count {
+            while cold.len() < cold_count {
                 let Some(chunk) = pool.cold.pop() else {
                     break;
                 };
