@@ -611,31 +611,7 @@ impl ChunkReserve {
             let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
             let share = self.share(demand[k], total);
             Self::provision(pool);
-            loop {
-                let mut beyond_share = ChunkGroup::new();
-                let more = {
-                    let mut pool = pool.lock();
-                    while beyond_share.len() < GROUP_CHUNKS {
-                        let Some(chunk) = pool.surplus.pop() else {
-                            break;
-                        };
-                        if (pool.ready.len() as u64 + 1) * chunk_bytes <= share {
-                            self.held_bytes.fetch_add(chunk_bytes, Ordering::Relaxed);
-                            pool.ready.push(chunk);
-                        } else {
-                            beyond_share.push(chunk);
-                        }
-                    }
-                    !pool.surplus.is_empty()
-                };
-                if !beyond_share.is_empty() {
-                    self.refill_state.set(RefillActivity::GivingBack);
-                    self.decommit(k, beyond_share);
-                }
-                if !more {
-                    break;
-                }
-            }
+            self.settle_surplus(k, share);
             self.trim(k, share);
             while !self.stop.load(Ordering::Relaxed) {
                 let held = pool.lock().ready.len() as u64 * chunk_bytes;
@@ -651,6 +627,15 @@ impl ChunkReserve {
                 also();
                 if self.memory_short.load(Ordering::Relaxed) {
                     self.refill_state.set(RefillActivity::GivingBack);
+                    // Chunks freed since the pass began first: with memory short, this thread
+                    // may commit for one size for seconds, and the pages of the chunks a
+                    // killed program's slots left (which only this thread punches) are what
+                    // its own commit waits for in reclaim.
+                    if self.surplus_waiting.swap(false, Ordering::AcqRel) {
+                        for (j, &seen) in demand.iter().enumerate() {
+                            self.settle_surplus(j, self.share(seen, total));
+                        }
+                    }
                     self.steal_for(k, waited_on, &demand, total);
                 }
                 self.refill_state.set(RefillActivity::Committing);
@@ -662,6 +647,37 @@ impl ChunkReserve {
                     break; // nothing could be committed
                 }
                 self.tell_waiters();
+            }
+        }
+    }
+
+    /// The surplus chunks of pool `k` (given back beyond the target): kept ready up to the
+    /// pool's `share`, their pages given back to the system beyond it.
+    fn settle_surplus(&self, k: usize, share: u64) {
+        let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
+        loop {
+            let mut beyond_share = ChunkGroup::new();
+            let more = {
+                let mut pool = self.pools[k].lock();
+                while beyond_share.len() < GROUP_CHUNKS {
+                    let Some(chunk) = pool.surplus.pop() else {
+                        break;
+                    };
+                    if (pool.ready.len() as u64 + 1) * chunk_bytes <= share {
+                        self.held_bytes.fetch_add(chunk_bytes, Ordering::Relaxed);
+                        pool.ready.push(chunk);
+                    } else {
+                        beyond_share.push(chunk);
+                    }
+                }
+                !pool.surplus.is_empty()
+            };
+            if !beyond_share.is_empty() {
+                self.refill_state.set(RefillActivity::GivingBack);
+                self.decommit(k, beyond_share);
+            }
+            if !more {
+                return;
             }
         }
     }
@@ -950,6 +966,39 @@ mod tests {
         // Shares of 1.2 MiB and 0.4 MiB: whole commit groups would pass them.
         assert!(reserve.held_bytes() <= target, "{}", reserve.held_bytes());
         assert!(reserve.held_bytes() >= target - 8 * 8 * PAGE_SIZE as u64);
+    }
+
+    #[test]
+    fn with_memory_short_chunks_freed_during_a_pass_are_settled_before_the_next_commit() {
+        let reserve = ChunkReserve::new(64 * PAGE_SIZE as u64, arena(), &[1, 1]);
+        let freed: Vec<ArenaChunk> = (0..64).map(|_| reserve.take(2, None).unwrap()).collect();
+        reserve.refill();
+        while reserve.pop_committed(0).is_some() {}
+        reserve.refill_running.store(true, Ordering::Release);
+        reserve.set_memory_short(true);
+        // One chunk per commit (a taker waits): the pass commits for one-page chunks many times.
+        reserve.note_waiting();
+        let freed = Mutex::new(freed);
+        let commits = AtomicUsize::new(0);
+        let surplus_seen = Mutex::new(Vec::new());
+        reserve.refill_and(&|| {
+            if commits.fetch_add(1, Ordering::Relaxed) == 0 {
+                // A program's pages freed while the pass commits: beyond the target, surplus.
+                for chunk in freed.lock().drain(..) {
+                    reserve.give_back(chunk);
+                }
+                assert!(!reserve.pools[1].lock().surplus.is_empty());
+            } else {
+                surplus_seen
+                    .lock()
+                    .push(reserve.pools[1].lock().surplus.len());
+            }
+        });
+        reserve.note_served();
+        let surplus_seen = surplus_seen.into_inner();
+        assert!(surplus_seen.len() > 1, "{surplus_seen:?}");
+        assert!(surplus_seen.iter().all(|&n| n == 0), "{surplus_seen:?}");
+        assert!(!reserve.pools[1].lock().cold.is_empty(), "pages given back");
     }
 
     #[test]
