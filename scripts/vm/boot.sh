@@ -8,5 +8,15 @@
 # before init ran. Such a boot is tried once more; every other death counts.
 died_before_test() { # console result
     [ ! -s "$2" ] || return 1
-    tr -d '\r' <"$1" | grep -A2 -m1 'Oops:' | grep -q 'Comm: swapper'
+    local first_oops
+    first_oops=$(tr -d '\r' <"$1" | grep -A2 -m1 'Oops:' || true)
+    [[ $first_oops == *'Comm: swapper'* ]]
+}
+
+# Whether boot number $1 (of two) is to be tried again: the first, if it died before its test
+# began (said through the sourcing script's `log`, with the console's first lines).
+boot_again() { # attempt console result
+    { [ "$1" -eq 1 ] && died_before_test "$2" "$3"; } || return 1
+    log "the guest kernel died in its own boot before the test began (an emulator fault; console below): booting again"
+    tr -d '\r' <"$2" | head -n 6 || true
 }

@@ -152,12 +152,7 @@ TAIL_PID=$!
 wait "$QEMU_PID" || QEMU_RC=$?
 wait "$TAIL_PID" 2>/dev/null || true
 VM_S=$((SECONDS - VM_START))
-if [ "$attempt" -eq 1 ] && died_before_test "$CONSOLE" "$RESULT"; then
-    log "the guest kernel died in its own boot before the test began (an emulator fault; console below): booting again"
-    tr -d '\r' <"$CONSOLE" | head -n 6
-    continue
-fi
-break
+boot_again "$attempt" "$CONSOLE" "$RESULT" || break
 done
 rm -f "$INITRD"
 
