@@ -206,6 +206,10 @@ stress_phase() {
     echo "idle RSS (KiB): serving process $(rss_kib "$pid"), supervisor $(rss_kib "$sup"), standby $(rss_kib "$sby")"
     sfigure ublk_idle_rss_kB "$(rss_kib "$pid")"
     sfigure ublk_idle_rss_all_processes_kB "$(($(rss_kib "$pid") + $(rss_kib "$sup") + $(rss_kib "$sby")))"
+    # Quiet: nothing written for seconds, the chunk reserve down to a quarter of its target.
+    sleep 3
+    echo "quiet RSS (KiB): serving process $(rss_kib "$pid")"
+    sfigure ublk_quiet_rss_kB "$(rss_kib "$pid")"
     trueno-ublk stat
     "$UL"/mkswap /dev/ublkb0 >/dev/null
     check "ublk: swapon -d /dev/ublkb0" "$UL"/swapon -d /dev/ublkb0

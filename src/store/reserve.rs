@@ -32,6 +32,12 @@ const REFILL_PERIOD: Duration = Duration::from_millis(50);
 const POOL_SLACK: usize = 1024;
 /// Chunks are committed this many bytes at a time (one fallocate call).
 const COMMIT_GROUP_BYTES: usize = 256 << 10;
+/// A reserve nobody took a chunk from for this long, while memory is not short, keeps only
+/// `1 / QUIET_TARGET_DIVISOR` of its target ready (see `target_for_pass`). One second: once a
+/// program that swapped exits, the daemon's memory is to be back near its idle footprint
+/// within two.
+const QUIET_AFTER: Duration = Duration::from_secs(1);
+const QUIET_TARGET_DIVISOR: u64 = 4;
 /// The most chunks in one commit group (of one-page chunks).
 const GROUP_CHUNKS: usize = COMMIT_GROUP_BYTES / PAGE_SIZE;
 
@@ -159,7 +165,15 @@ pub(super) struct ChunkReserve {
     /// follows recent demand, not what the device held long ago.
     demand: Box<[AtomicU64]>,
     held_bytes: AtomicU64,
+    /// The target while chunks are taken or memory is short.
     target_bytes: u64,
+    /// The target of the refill thread's latest pass: `target_bytes`, or a quarter of it while
+    /// the reserve is quiet (see `target_for_pass`).
+    current_target: AtomicU64,
+    /// Chunks taken since the refill thread's latest pass.
+    taken: AtomicU64,
+    /// When the refill thread last saw a chunk taken, or memory short.
+    last_busy: Mutex<Instant>,
     /// Chunks that had to be committed on the I/O path because the reserve was empty.
     misses: AtomicU64,
     /// Bytes given back from pools nobody waited on for one a taker waited on (`steal_for`).
@@ -206,6 +220,9 @@ impl ChunkReserve {
                 .collect(),
             held_bytes: AtomicU64::new(0),
             target_bytes,
+            current_target: AtomicU64::new(target_bytes),
+            taken: AtomicU64::new(0),
+            last_busy: Mutex::new(Instant::now()),
             misses: AtomicU64::new(0),
             stolen_bytes: AtomicU64::new(0),
             split_chunks: AtomicU64::new(0),
@@ -252,7 +269,7 @@ impl ChunkReserve {
         (0..self.pools.len().min(pages))
             .filter_map(|k| {
                 let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
-                let share = self.share(demand[k], total);
+                let share = self.share(demand[k], total, self.target_bytes);
                 let held = self.pools[k].lock().ready.len() as u64 * chunk_bytes;
                 let short = share.saturating_sub(held);
                 (short >= chunk_bytes).then_some((short, k + 1))
@@ -343,6 +360,7 @@ impl ChunkReserve {
     ) -> Result<ArenaChunk, Shortage> {
         let k = pages - 1;
         self.demand[k].fetch_add(1, Ordering::Relaxed);
+        self.taken.fetch_add(1, Ordering::Relaxed);
         if let Some(chunk) = self.pop_committed(k) {
             return Ok(chunk);
         }
@@ -403,7 +421,7 @@ impl ChunkReserve {
             let held = self
                 .held_bytes
                 .fetch_sub(chunk.len() as u64, Ordering::Relaxed);
-            if held < self.target_bytes * 3 / 4 {
+            if held < self.current_target.load(Ordering::Relaxed) * 3 / 4 {
                 self.wake_refill();
             }
             return Some(chunk);
@@ -448,7 +466,9 @@ impl ChunkReserve {
     pub(super) fn give_back(&self, chunk: ArenaChunk) {
         let len = chunk.len() as u64;
         let k = chunk.len() / PAGE_SIZE - 1;
-        if self.held_bytes.load(Ordering::Relaxed) + len <= self.target_bytes {
+        if self.held_bytes.load(Ordering::Relaxed) + len
+            <= self.current_target.load(Ordering::Relaxed)
+        {
             self.held_bytes.fetch_add(len, Ordering::Relaxed);
             self.pools[k].lock().ready.push(chunk);
             return;
@@ -589,6 +609,7 @@ impl ChunkReserve {
     /// not wait behind commits that wait in reclaim.
     fn refill_and(&self, also: &dyn Fn()) {
         self.surplus_waiting.store(false, Ordering::Release);
+        let target = self.target_for_pass();
         let demand: Vec<u64> = self
             .demand
             .iter()
@@ -609,10 +630,10 @@ impl ChunkReserve {
         for k in order {
             let pool = &self.pools[k];
             let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
-            let share = self.share(demand[k], total);
+            let share = self.share(demand[k], total, target);
             Self::provision(pool);
             self.settle_surplus(k, share);
-            self.trim(k, share);
+            self.trim(k, share, target);
             while !self.stop.load(Ordering::Relaxed) {
                 let held = pool.lock().ready.len() as u64 * chunk_bytes;
                 if held + chunk_bytes > share {
@@ -633,10 +654,10 @@ impl ChunkReserve {
                     // its own commit waits for in reclaim.
                     if self.surplus_waiting.swap(false, Ordering::AcqRel) {
                         for (j, &seen) in demand.iter().enumerate() {
-                            self.settle_surplus(j, self.share(seen, total));
+                            self.settle_surplus(j, self.share(seen, total, target));
                         }
                     }
-                    self.steal_for(k, waited_on, &demand, total);
+                    self.steal_for(k, waited_on, &demand, total, target);
                 }
                 self.refill_state.set(RefillActivity::Committing);
                 let before = self.held_bytes();
@@ -692,7 +713,7 @@ impl ChunkReserve {
     /// `Committing` for over a second and 1752 KiB held). Pages given back go to this CPU's
     /// free lists, where the commit right after finds them: the reserve's memory moves to the
     /// size in demand instead of waiting for reclaim.
-    fn steal_for(&self, k: usize, wanted: u64, demand: &[u64], total: u64) {
+    fn steal_for(&self, k: usize, wanted: u64, demand: &[u64], total: u64, target: u64) {
         let needed = if self.pools[k].lock().cold.is_empty() && !self.one_at_a_time() {
             COMMIT_GROUP_BYTES
         } else {
@@ -701,7 +722,7 @@ impl ChunkReserve {
         let mut stolen = 0;
         for j in (0..self.pools.len()).filter(|&j| j != k && wanted & (1 << j) == 0) {
             let chunk_bytes = ((j + 1) * PAGE_SIZE) as u64;
-            let share = self.target_bytes * demand.get(j).copied().unwrap_or(0) / total.max(1);
+            let share = target * demand.get(j).copied().unwrap_or(0) / total.max(1);
             while stolen < needed {
                 let mut taken = ChunkGroup::new();
                 {
@@ -740,24 +761,50 @@ impl ChunkReserve {
         self.waiters.load(Ordering::Relaxed) > 0
     }
 
-    /// A pool's share of the target, by its `demand` of `total`: at least one commit group's
-    /// worth, so no size ever starves.
-    fn share(&self, demand: u64, total: u64) -> u64 {
-        (self.target_bytes * demand / total.max(1)).max(COMMIT_GROUP_BYTES as u64)
+    /// A pool's share of `target`, by its `demand` of `total`: at least one commit group's
+    /// worth, so no size ever starves (of a quiet reserve's smaller target, at most an equal
+    /// part of it: the floors alone would otherwise keep 2 MiB).
+    fn share(&self, demand: u64, total: u64, target: u64) -> u64 {
+        let mut floor = COMMIT_GROUP_BYTES as u64;
+        if target < self.target_bytes {
+            floor = floor.min(target / self.pools.len().max(1) as u64);
+        }
+        (target * demand / total.max(1)).max(floor)
+    }
+
+    /// The target of a refill pass: `target_bytes`, or a quarter of it once no chunk has been
+    /// taken for `QUIET_AFTER` while memory is not short. Why: the reserve is locked memory
+    /// held for the next burst of writes, and a swap device is idle most of its life (the
+    /// issue's idle footprint); the first chunk taken, or memory getting short, brings the
+    /// whole target back at the next pass, which the taker wakes.
+    fn target_for_pass(&self) -> u64 {
+        let taken = self.taken.swap(0, Ordering::Relaxed);
+        let mut last_busy = self.last_busy.lock();
+        if taken > 0 || self.memory_short.load(Ordering::Relaxed) {
+            *last_busy = Instant::now();
+        }
+        let target = if last_busy.elapsed() >= QUIET_AFTER {
+            self.target_bytes / QUIET_TARGET_DIVISOR
+        } else {
+            self.target_bytes
+        };
+        self.current_target.store(target, Ordering::Relaxed);
+        target
     }
 
     /// Give back the ready chunks of pool `k` beyond its `share` while the reserve holds more
-    /// than its target: demand moved to other sizes, or a commit group overshot. Without it
-    /// the reserve only grows (seen on the old layout: 7.5 MiB held for a 4 MiB target after a
-    /// fill and its discard), and all of it is locked memory nobody else can use.
-    fn trim(&self, k: usize, share: u64) {
+    /// than `target`: demand moved to other sizes, a commit group overshot, or the reserve
+    /// went quiet. Without it the reserve only grows (seen on the old layout: 7.5 MiB held for
+    /// a 4 MiB target after a fill and its discard), and all of it is locked memory nobody
+    /// else can use.
+    fn trim(&self, k: usize, share: u64, target: u64) {
         let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
         loop {
             let mut cut = ChunkGroup::new();
             {
                 let mut pool = self.pools[k].lock();
                 while cut.len() < GROUP_CHUNKS
-                    && self.held_bytes() > self.target_bytes
+                    && self.held_bytes() > target
                     && pool.ready.len() as u64 * chunk_bytes > share
                 {
                     let Some(chunk) = pool.ready.pop() else {
@@ -999,6 +1046,43 @@ mod tests {
         assert!(surplus_seen.len() > 1, "{surplus_seen:?}");
         assert!(surplus_seen.iter().all(|&n| n == 0), "{surplus_seen:?}");
         assert!(!reserve.pools[1].lock().cold.is_empty(), "pages given back");
+    }
+
+    #[test]
+    fn a_quiet_reserve_keeps_a_quarter_of_its_target_until_a_chunk_is_taken() {
+        let target = 4 << 20;
+        let reserve = ChunkReserve::new(target, arena(), &[1; 8]);
+        reserve.refill();
+        let full = reserve.held_bytes();
+        assert!(full > target / 2, "{full}");
+        let quiet = || {
+            *reserve.last_busy.lock() = Instant::now()
+                .checked_sub(QUIET_AFTER + Duration::from_secs(1))
+                .unwrap();
+        };
+        // Short of memory, the whole target stays however quiet the reserve is.
+        reserve.set_memory_short(true);
+        quiet();
+        reserve.refill();
+        assert_eq!(reserve.held_bytes(), full);
+        reserve.set_memory_short(false);
+        quiet();
+        reserve.refill();
+        let quarter = target / QUIET_TARGET_DIVISOR;
+        assert!(reserve.held_bytes() <= quarter, "{}", reserve.held_bytes());
+        assert!(
+            reserve.held_bytes() >= quarter / 2,
+            "{}",
+            reserve.held_bytes()
+        );
+        // A chunk taken brings the whole target back at the next pass.
+        reserve.take(1, None).unwrap();
+        reserve.refill();
+        assert!(
+            reserve.held_bytes() > target / 2,
+            "{}",
+            reserve.held_bytes()
+        );
     }
 
     #[test]
