@@ -205,12 +205,20 @@ impl ArenaChunk {
         Self::for_each_run(chunks, Segment::commit)
     }
 
-    /// `op(segment, offset, len)` for each run of adjacent chunks of `chunks`, sorted first.
+    /// `op(segment, offset, len)` for each run of adjacent chunks of `chunks`, sorted first;
+    /// every run is tried, and the first error is returned.
     fn for_each_run(
         chunks: &mut [ArenaChunk],
         op: impl Fn(&Segment, usize, usize) -> std::io::Result<()>,
     ) -> std::io::Result<()> {
         chunks.sort_unstable_by_key(|chunk| chunk.chunk.offset());
+        let mut result = Ok(());
+        let mut run_op = |segment: &Segment, start: usize, len: usize| {
+            let done = op(segment, start, len);
+            if result.is_ok() {
+                result = done;
+            }
+        };
         let mut run: Option<(&Arc<Segment>, usize, usize)> = None;
         for chunk in chunks.iter() {
             let segment = &chunk.arena.segment;
@@ -225,15 +233,15 @@ impl ArenaChunk {
                     if let Some((run_segment, start, len)) =
                         run.replace((segment, offset, chunk.len()))
                     {
-                        op(run_segment, start, len)?;
+                        run_op(run_segment, start, len);
                     }
                 }
             }
         }
-        match run {
-            Some((segment, start, len)) => op(segment, start, len),
-            None => Ok(()),
+        if let Some((segment, start, len)) = run {
+            run_op(segment, start, len);
         }
+        result
     }
 
     /// The chunk as two: its first `len` bytes (whole pages, fewer than it has) and the rest,
