@@ -67,7 +67,8 @@ pub fn probe() -> GpuProbe {
 /// where the state is what `stat` and `bench` show (the device's name, or why there is none).
 /// `forced_backend` is the user's `--backend`: only `gpu` opens one, and without a usable one
 /// it is an error that says why. `auto` (and a CPU backend) opens none, not even to probe: the
-/// kernels have not run on hardware yet, and a CUDA context in a daemon whose memory is locked
+/// kernels have passed their tests on one GPU but never served a device, are no faster than
+/// 16 CPU cores there (README, Benchmarks), and a CUDA context in a daemon whose memory is locked
 /// would lock what the driver maps, so a GPU is the administrator's choice, not a default
 /// (LZ4, which the GPU compresses, is the default algorithm). Only LZ4 runs on the GPU, so
 /// other algorithms get no codec.
