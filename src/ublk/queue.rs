@@ -101,6 +101,9 @@ const STOP_POLL: types::Timespec = types::Timespec::new().sec(1);
 /// How long the loop sleeps at most while requests are deferred, before it tries them again
 /// (only while a write waits for memory: an idle device never polls).
 const DEFERRED_POLL: types::Timespec = types::Timespec::new().nsec(2_000_000);
+/// How long the loop watches the ring for the next request after serving some, before it
+/// sleeps in it (see `Queue::poll_briefly`).
+const POLL_WINDOW: std::time::Duration = std::time::Duration::from_micros(50);
 /// `user_data` of the wake-up poll: above every tag, so never mistaken for one.
 const WAKE: u64 = 1 << 32;
 
@@ -124,8 +127,16 @@ impl QueueParts {
         let io = |what| move |source| UblkError::Io { what, source };
         let buffers = IoBuffers::new(setup.depth, setup.max_io_bytes as usize)
             .map_err(io("allocating I/O buffers"))?;
-        // Room for a command per tag and the wake-up poll.
-        let ring = IoUring::new((u32::from(setup.depth) + 1).next_power_of_two())
+        // Room for a command per tag and the wake-up poll. Cooperative task running: the
+        // driver's completion of a command (a new request) wakes this thread when it sleeps
+        // in the ring, but does not interrupt it with an IPI while it serves other requests;
+        // it picks the completions up at its next wait, all at once. Safe because the thread
+        // that waits on the ring is the one that submitted its commands (Linux 5.19, older
+        // than every ublk driver).
+        let ring = IoUring::builder()
+            .setup_coop_taskrun()
+            .setup_taskrun_flag()
+            .build((u32::from(setup.depth) + 1).next_power_of_two())
             .map_err(io("creating a queue io_uring"))?;
         Ok(Self {
             setup,
@@ -235,7 +246,11 @@ impl Queue {
         let mut still_deferred: Vec<HeldRequest> = Vec::with_capacity(depth);
         let idle_wait = types::SubmitArgs::new().timespec(&STOP_POLL);
         let deferred_wait = types::SubmitArgs::new().timespec(&DEFERRED_POLL);
+        let mut busy = false;
         while self.in_flight > 0 || !deferred.is_empty() {
+            if busy && deferred.is_empty() {
+                self.poll_briefly();
+            }
             let args = if deferred.is_empty() {
                 &idle_wait
             } else {
@@ -259,7 +274,8 @@ impl Queue {
                     .map(|cqe| (tag_of(cqe.user_data()), cqe.result())),
             );
             let arrived = Instant::now();
-            if !ready.is_empty() {
+            busy = !ready.is_empty();
+            if busy {
                 timing.record_wait(ready.len());
             }
             let stopping = stop.load(Ordering::Acquire);
@@ -328,6 +344,27 @@ impl Queue {
             }
         }
         Ok(())
+    }
+
+    /// Hybrid polling, after a wait that brought requests: hand the commits to the kernel,
+    /// then watch the ring for up to `POLL_WINDOW` before sleeping in it, so that the next
+    /// request of a busy client (a page fault waiting on a swap-in, say) is picked up without
+    /// this thread going to sleep and being woken. The ring flags pending completions
+    /// (`taskrun`: the driver's task work waits for this thread to enter the kernel), and the
+    /// wait that follows runs them at once. An idle device never polls: the window follows
+    /// only a wait that brought requests. A failed submission (EINTR, say) skips the
+    /// polling: the wait that follows submits again and reports what is wrong.
+    fn poll_briefly(&mut self) {
+        if self.ring.submit().is_err() {
+            return;
+        }
+        let since = Instant::now();
+        while !self.ring.submission().taskrun() && self.ring.completion().is_empty() {
+            if since.elapsed() >= POLL_WINDOW {
+                break;
+            }
+            std::hint::spin_loop();
+        }
     }
 
     /// Decode tag `tag`'s descriptor; `Err`: the negative errno to commit it with.
