@@ -10,6 +10,14 @@
 #      write at QD1 and QD32, 1 MiB sequential read and write at QD4.
 #   2. --bench-storm, 256 MiB RAM: 1.5x RAM of mixed pages filled and verified twice through
 #      swap on zram lz4 and on trueno-ublk.
+#   scripts/vm-bench.sh --compare BIN [ROUNDS]
+#
+# Compares this build with another (BIN, say a build of the commit before a change): one
+# 1 GiB VM, ROUNDS [3] rounds of the fio table on zram lz4, this build and BIN (defaults
+# both), the two builds' order swapped each round. Prints each round's ratios against that
+# round's zram and BIN's IOPS over this build's, and the median of those: the host's speed
+# drifts within minutes, so only the rounds' paired ratios say which build is faster.
+#
 # Prints a table of IOPS and of ratios against zram lz4. Under emulation absolute figures mean
 # little: compare only ratios taken in the same run. Environment: VM_FIO_RUNTIME_S [5] seconds
 # per fio job, VM_CPUS [2], VM_CREATE_ARGS (more options for trueno-ublk's `create`, e.g.
@@ -20,6 +28,40 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT
+
+if [ "${1:-}" = --compare ]; then
+    other=${2:?usage: scripts/vm-bench.sh --compare BIN [ROUNDS]}
+    rounds=${3:-3}
+    VM_RAM_MIB=1024 VM_TIMEOUT_S=$((300 + rounds * 300)) VM_COMPARE_BIN=$other \
+        VM_COMPARE_ROUNDS=$rounds bash "$ROOT/scripts/vm-test.sh" --bench-fio | tee "$LOGS/fio.log"
+    echo
+    echo "================ this build (a) against $other (b), $(date -u '+%Y-%m-%d %H:%M UTC') ================"
+    tr -d '\r' <"$LOGS/fio.log" | sed -n 's/^FIGURE //p' | awk -F= -v rounds="$rounds" '
+        { v[$1] = $2 }
+        function median(list, count,   i, j, t) {
+            for (i = 2; i <= count; i++)
+                for (j = i; j > 1 && list[j - 1] > list[j]; j--) { t = list[j]; list[j] = list[j - 1]; list[j - 1] = t }
+            return count % 2 ? list[(count + 1) / 2] : (list[count / 2] + list[count / 2 + 1]) / 2
+        }
+        END {
+            n = split("randread_4k_qd1 randread_4k_qd32 randwrite_4k_qd1 randwrite_4k_qd32 read_1m_qd4 write_1m_qd4", job, " ")
+            printf "%-18s %-40s %s\n", "fio job", "per round: a/zram b/zram b/a", "median b/a"
+            for (i = 1; i <= n; i++) {
+                line = ""; count = 0
+                for (r = 1; r <= rounds; r++) {
+                    z = v["fio_zram_lz4_r" r "_" job[i] "_iops"]
+                    a = v["fio_ublk_a_r" r "_" job[i] "_iops"]; b = v["fio_ublk_b_r" r "_" job[i] "_iops"]
+                    if (z > 0 && a > 0 && b > 0) {
+                        line = line sprintf("%.2f %.2f %.2f; ", a / z, b / z, b / a)
+                        ratios[++count] = b / a
+                    } else line = line "- ; "
+                }
+                printf "%-18s %-40s %s\n", job[i], line, count ? sprintf("%.2f", median(ratios, count)) : "-"
+            }
+            print "(b/a above 1: BIN is faster than this build)"
+        }'
+    exit 0
+fi
 
 VM_RAM_MIB=1024 bash "$ROOT/scripts/vm-test.sh" --bench-fio | tee "$LOGS/fio.log"
 VM_RAM_MIB=256 bash "$ROOT/scripts/vm-test.sh" --bench-storm | tee "$LOGS/storm.log"

@@ -33,6 +33,8 @@
 #   VM_KERNEL_ARGS    debugging: more kernel command-line options (loglevel=7 puts the stacks
 #                     of hung tasks on the console, .vm/console.log)
 #   VM_CREATE_ARGS    debugging: more options for the 1 GiB device's `create` (store options)
+#   VM_COMPARE_BIN, VM_COMPARE_ROUNDS [3]  --bench-fio: compare this build with another one in
+#                     the same VM (scripts/vm-bench.sh --compare)
 #   STRESS_CASES [move-inv:100]  --stress: stress-ng vm METHOD:MiB per worker (2 workers),
 #                     space-separated
 #   STRESS_S [30]     --stress: seconds per stress-ng run
@@ -312,6 +314,11 @@ if [ "$MODE" != kernel-only ]; then
         objcopy --strip-debug "$PREVIOUS_BIN" "$STAGE/opt/previous/trueno-ublk"
         xz -9 "$STAGE/opt/previous/trueno-ublk"
     fi
+    if [ "$MODE" = bench-fio ] && [ -n "${VM_COMPARE_BIN:-}" ]; then
+        [ -x "$VM_COMPARE_BIN" ] || die "no binary at $VM_COMPARE_BIN (VM_COMPARE_BIN)"
+        objcopy --strip-debug "$VM_COMPARE_BIN" "$STAGE/usr/bin/trueno-ublk-b"
+        copy_libs "$VM_COMPARE_BIN"
+    fi
     if [ -x "$RAMDISK" ]; then
         objcopy --strip-debug "$RAMDISK" "$STAGE/usr/bin/ublk_ramdisk"
         copy_libs "$RAMDISK"
@@ -330,6 +337,7 @@ EXTRA_KILLS=${VM_EXTRA_KILLS:-8}
 PREVIOUS_BIN=${PREVIOUS_BIN:+/opt/previous/trueno-ublk}
 CREATE_ARGS="${VM_CREATE_ARGS:-}"
 FIO_RUNTIME_S=${VM_FIO_RUNTIME_S:-5}
+COMPARE_ROUNDS=${VM_COMPARE_BIN:+${VM_COMPARE_ROUNDS:-3}}
 STRESS_CASES="${STRESS_CASES:-move-inv:100}"
 STRESS_S=${STRESS_S:-30}
 EOF

@@ -8,6 +8,9 @@
 #   device: fio with O_DIRECT and io_uring on 60%-compressible buffers over the first 256 MiB
 #   (written first): 4 KiB random read and write at QD1 and QD32, 1 MiB sequential read and
 #   write at QD4, FIO_RUNTIME_S seconds each. FIGURE fio_<device>_<job>_iops=N.
+#   With COMPARE_ROUNDS set (scripts/vm-bench.sh --compare BIN), instead: that many rounds of
+#   zram lz4, this build ("a") and the other build ("b", /usr/bin/trueno-ublk-b), both with
+#   their defaults, the two builds' order swapped each round. FIGURE fio_<device>_r<N>_<job>_iops.
 # MODE=bench-storm (256 MiB VM, as the VM test's): the swap storm on zram lz4 and on
 #   trueno-ublk with its defaults: 1.5x RAM of the mixed pattern filled and verified twice
 #   (vmtool pressure), every word checked. FIGURE storm_<device>_seconds=S.
@@ -37,13 +40,15 @@ zram_up() { # ALGORITHM
     echo "$1" >/sys/block/zram0/comp_algorithm
     echo "$DEV_BYTES" >/sys/block/zram0/disksize
 }
+# The build ublk_up and ublk_down run: this one, or the other of a comparison.
+UBLK=trueno-ublk
 ublk_up() { # create options...
     # shellcheck disable=SC2086 # VM_CREATE_ARGS: options, split on purpose
-    trueno-ublk create --size "$DEV_BYTES" --id 0 "$@" $CREATE_ARGS >/dev/null ||
-        fail "trueno-ublk create $* $CREATE_ARGS"
+    $UBLK create --size "$DEV_BYTES" --id 0 "$@" $CREATE_ARGS >/dev/null ||
+        fail "$UBLK create $* $CREATE_ARGS"
 }
 ublk_down() {
-    trueno-ublk delete --id 0 >/dev/null || fail "trueno-ublk delete --id 0"
+    $UBLK delete --id 0 >/dev/null || fail "$UBLK delete --id 0"
 }
 
 # fio_job NAME DEV RW BS DEPTH: one job on the region; prints its IOPS (reads or writes).
@@ -111,19 +116,50 @@ storm() { # NAME DEV
     $UL/swapoff "$dev" || fail "$name: swapoff"
 }
 
+# compare_build NAME BINARY ROUND: this round's fio table on a fresh device of that build.
+compare_build() {
+    UBLK=$2
+    ublk_up
+    fio_table "$1_r$3" /dev/ublkb0
+    ublk_down
+    UBLK=trueno-ublk
+}
+
+# compare_rounds: COMPARE_ROUNDS rounds of zram lz4 and both builds (see the top).
+compare_rounds() {
+    local round=1
+    while [ "$round" -le "$COMPARE_ROUNDS" ]; do
+        zram_up lz4
+        fio_table "zram_lz4_r$round" /dev/zram0
+        echo 1 >/sys/block/zram0/reset
+        if [ $((round % 2)) -eq 1 ]; then
+            compare_build ublk_a trueno-ublk "$round"
+            compare_build ublk_b trueno-ublk-b "$round"
+        else
+            compare_build ublk_b trueno-ublk-b "$round"
+            compare_build ublk_a trueno-ublk "$round"
+        fi
+        round=$((round + 1))
+    done
+}
+
 case "$MODE" in
 bench-fio)
-    for algorithm in lz4 zstd; do
-        zram_up "$algorithm"
-        fio_table "zram_$algorithm" /dev/zram0
-    done
-    echo 1 >/sys/block/zram0/reset
-    ublk_up
-    fio_table ublk_default /dev/ublkb0
-    ublk_down
-    ublk_up --algorithm zstd
-    fio_table ublk_zstd /dev/ublkb0
-    ublk_down
+    if [ -n "${COMPARE_ROUNDS:-}" ]; then
+        compare_rounds
+    else
+        for algorithm in lz4 zstd; do
+            zram_up "$algorithm"
+            fio_table "zram_$algorithm" /dev/zram0
+        done
+        echo 1 >/sys/block/zram0/reset
+        ublk_up
+        fio_table ublk_default /dev/ublkb0
+        ublk_down
+        ublk_up --algorithm zstd
+        fio_table ublk_zstd /dev/ublkb0
+        ublk_down
+    fi
     ;;
 bench-storm)
     zram_up lz4
