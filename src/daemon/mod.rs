@@ -20,7 +20,7 @@ mod supervise;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
 use thiserror::Error;
@@ -726,8 +726,12 @@ fn serve(
     let report_store = store.clone();
     let report_settings = settings.clone();
     let timing = device.timing();
-    // The idle footprint: everything set up, nothing stored yet.
-    let idle_rss = crate::procstat::ProcessMemory::now(0).rss_bytes;
+    // The idle footprint: everything set up, nothing stored yet; taken again by the main
+    // loop once the chunk reserve has gone quiet (its next refill pass after the quiet time).
+    let idle = Arc::new(crate::procstat::IdleFootprint::at_go_live(
+        crate::store::RESERVE_QUIET_AFTER + Duration::from_secs(1),
+    ));
+    let report_idle = Arc::clone(&idle);
     let _stats_endpoint = stats::serve(id, move || {
         let gpu = match &gpu {
             Some(codec) => {
@@ -745,7 +749,7 @@ fn serve(
         };
         let mut report = DeviceReport::new(id, &report_settings, gpu, report_store.stats());
         report.io = timing.snapshot();
-        report.memory = crate::procstat::ProcessMemory::now(idle_rss);
+        report.memory = crate::procstat::ProcessMemory::now(report_idle.rss_bytes());
         report.slot_frees = match &slot_free_probe {
             Ok(probe) => probe.stats(),
             Err(why) => SlotFreeStats::off(why),
@@ -842,6 +846,10 @@ fn serve(
                     }
                 }
                 handler.free_reported_slots();
+                idle.settle(|| {
+                    let stats = store.stats();
+                    stats.pages_stored + stats.same_pages + stats.pending_pages == 0
+                });
                 if let Some(watch) = memory_watch.as_mut() {
                     watch.look(&store);
                 }

@@ -36,7 +36,7 @@ const COMMIT_GROUP_BYTES: usize = 256 << 10;
 /// `1 / QUIET_TARGET_DIVISOR` of its target ready (see `target_for_pass`). One second: once a
 /// program that swapped exits, the daemon's memory is to be back near its idle footprint
 /// within two.
-const QUIET_AFTER: Duration = Duration::from_secs(1);
+pub const QUIET_AFTER: Duration = Duration::from_secs(1);
 const QUIET_TARGET_DIVISOR: u64 = 4;
 /// The most chunks in one commit group (of one-page chunks).
 const GROUP_CHUNKS: usize = COMMIT_GROUP_BYTES / PAGE_SIZE;
