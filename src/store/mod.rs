@@ -673,6 +673,11 @@ impl BatchedPageStore {
         self.alloc.reserve.set_memory_short(short);
     }
 
+    /// Whether the system is short of memory, as last told (`set_memory_short`).
+    pub fn memory_short(&self) -> bool {
+        self.memory_short.load(Ordering::Relaxed)
+    }
+
     /// The compressor of the next `pages` new pages (see `set_memory_short`), counted.
     fn compressor_for(&self, pages: usize) -> &Compressor {
         match &self.short_memory_compressor {

@@ -31,6 +31,13 @@ pub trait BlockHandler: Send + Sync {
     /// on this thread now, while allocating cannot wait on this device.
     fn prepare_thread(&self);
 
+    /// Whether the queue may watch its ring for the next request after serving some, before
+    /// it sleeps in it (hybrid polling, see `Queue::poll_briefly`). A handler says no while
+    /// the CPU is better left to others. By default yes.
+    fn may_poll(&self) -> bool {
+        true
+    }
+
     /// Serve one checked request. For `Read` fill `data`, for `Write` take `data` (both exactly
     /// `request.len` bytes); other ops get an empty slice. `Err` carries a negative errno.
     fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32>;
@@ -248,7 +255,7 @@ impl Queue {
         let deferred_wait = types::SubmitArgs::new().timespec(&DEFERRED_POLL);
         let mut busy = false;
         while self.in_flight > 0 || !deferred.is_empty() {
-            if busy && deferred.is_empty() {
+            if busy && deferred.is_empty() && handler.may_poll() {
                 self.poll_briefly();
             }
             let args = if deferred.is_empty() {
