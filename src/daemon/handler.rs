@@ -65,7 +65,7 @@ impl BlockHandler for StoreHandler {
     /// Not while the system is short of memory: near OOM the queue thread's spinning took
     /// CPU from what gives memory back (the OOM victims' exit, the slot-free probe's frees,
     /// the refill thread), and in the VM's near-OOM stage the OOM killer went on to the shell
-    /// in 2 runs of 6 with it, against none of 5 without (2026-11-26).
+    /// in 2 runs of 7 with it, against none of 6 without (2026-11-26).
     fn may_poll(&self) -> bool {
         self.store.get().is_some_and(|store| !store.memory_short())
     }
