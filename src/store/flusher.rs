@@ -32,6 +32,16 @@ pub struct FlusherHandle {
     recompress_thread: Option<std::thread::JoinHandle<()>>,
 }
 
+impl FlusherHandle {
+    /// Whether the flusher thread has ended (a store without batching ends it at once).
+    #[cfg(test)]
+    pub(super) fn flusher_finished(&self) -> bool {
+        self.thread
+            .as_ref()
+            .map_or(true, std::thread::JoinHandle::is_finished)
+    }
+}
+
 impl Drop for FlusherHandle {
     fn drop(&mut self) {
         self.store.shutdown();
@@ -184,9 +194,13 @@ impl BatchedPageStore {
     /// What a store thread does once handed the store.
     fn run_thread(&self, role: StoreThread) {
         match role {
+            // Without batching there is nothing to flush: its batches have no slots, so the
+            // loop would find the open one "full" forever and spin on a core.
             StoreThread::Flusher => {
-                let _running = FlusherRunning::start(self);
-                self.flusher_loop();
+                if self.config.batched {
+                    let _running = FlusherRunning::start(self);
+                    self.flusher_loop();
+                }
             }
             StoreThread::Refill => {
                 if self.alloc.reserve.enabled() {

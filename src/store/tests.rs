@@ -1141,3 +1141,24 @@ fn a_write_that_would_wait_for_a_pending_slot_is_deferred_with_what_it_wrote() {
     );
     assert!(s.stats().longest_write_wait_ms >= 60_000);
 }
+
+#[test]
+fn unbatched_store_has_no_flusher_spinning() {
+    let mut c = crate::config::StoreSettings::default().store_config(16 * PAGE_SIZE as u64, false);
+    c.batched = false;
+    let s = store(c);
+    let flusher = s.start_flusher(|_| ()).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !flusher.flusher_finished() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the flusher of a store without batching still runs (it spins: its batches have no slots)"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    s.write(0, &text(1)[..]).unwrap();
+    let mut buf = vec![0u8; PAGE_SIZE];
+    s.read(0, &mut buf).unwrap();
+    assert_eq!(&buf[..], &text(1)[..]);
+    drop(flusher);
+}
