@@ -11,12 +11,17 @@
 #   2. --bench-storm, 256 MiB RAM: 1.5x RAM of mixed pages filled and verified twice through
 #      swap on zram lz4 and on trueno-ublk.
 #   scripts/vm-bench.sh --compare BIN [ROUNDS]
+#   scripts/vm-bench.sh --store
 #
 # Compares this build with another (BIN, say a build of the commit before a change): one
 # 1 GiB VM, ROUNDS [3] rounds of the fio table on zram lz4, this build and BIN (defaults
 # both), the two builds' order swapped each round. Prints each round's ratios against that
 # round's zram and BIN's IOPS over this build's, and the median of those: the host's speed
 # drifts within minutes, so only the rounds' paired ratios say which build is faster.
+#
+# --store: one 1 GiB VM running `trueno-ublk bench --compare-zram` (no ublk involved): the
+# store and the codec alone, on every vCPU and on one, against kernel zram lz4 under the same
+# emulation: what the device rows that compress can reach there at best.
 #
 # Prints a table of IOPS and of ratios against zram lz4. Under emulation absolute figures mean
 # little: compare only ratios taken in the same run. Environment: VM_FIO_RUNTIME_S [5] seconds
@@ -59,6 +64,25 @@ if [ "${1:-}" = --compare ]; then
                 printf "%-18s %-40s %s\n", job[i], line, count ? sprintf("%.2f", median(ratios, count)) : "-"
             }
             print "(b/a above 1: BIN is faster than this build)"
+        }'
+    exit 0
+fi
+
+if [ "${1:-}" = --store ]; then
+    VM_RAM_MIB=1024 bash "$ROOT/scripts/vm-test.sh" --bench-store | tee "$LOGS/store.log"
+    echo
+    echo "================ store and codec against zram inside the VM ($(date -u '+%Y-%m-%d %H:%M UTC')) ================"
+    tr -d '\r' <"$LOGS/store.log" | sed -n 's/^FIGURE //p' | awk -F= '
+        { v[$1] = $2 }
+        END {
+            printf "%-8s %12s %12s %14s %16s %12s %14s\n", "backend", "store write", "store read", "codec compress", "zram lz4 write", "store/zram", "codec/zram"
+            n = split("auto simd", b, " ")
+            for (i = 1; i <= n; i++) {
+                w = v["store_" b[i] "_write_gbps"]; r = v["store_" b[i] "_read_gbps"]
+                c = v["store_" b[i] "_codec_compress_gbps"]; z = v["store_" b[i] "_zram_write_gbps"]
+                printf "%-8s %12s %12s %14s %16s %12s %14s\n", b[i], w, r, c, z, (z > 0 ? sprintf("%.2f", w / z) : "-"), (z > 0 ? sprintf("%.2f", c / z) : "-")
+            }
+            print "(GB/s; auto: every vCPU compresses, simd: one; zram: one stream)"
         }'
     exit 0
 fi

@@ -13,6 +13,9 @@
 #                                      not part of the full run until it passes reliably
 #   scripts/vm-test.sh --bench-fio     the benchmark's fio table (scripts/vm/bench.sh; see
 #   scripts/vm-test.sh --bench-storm   scripts/vm-bench.sh, which runs both)
+#   scripts/vm-test.sh --bench-store   `trueno-ublk bench --compare-zram` inside the VM: the store
+#                                      and the codec alone against kernel zram under the same
+#                                      emulation (scripts/vm-bench.sh --store)
 #
 # What the VM tests do is described at the top of scripts/vm/test.sh (a busybox initramfs
 # driving the daemon directly) and scripts/vm/systemd-test.sh (Debian with systemd as PID 1,
@@ -63,6 +66,7 @@ for arg in "$@"; do
     --stress) MODE=stress ;;
     --bench-fio) MODE=bench-fio ;;
     --bench-storm) MODE=bench-storm ;;
+    --bench-store) MODE=bench-store ;;
     -h | --help)
         sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
         exit 0

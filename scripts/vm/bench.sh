@@ -14,6 +14,10 @@
 # MODE=bench-storm (256 MiB VM, as the VM test's): the swap storm on zram lz4 and on
 #   trueno-ublk with its defaults: 1.5x RAM of the mixed pattern filled and verified twice
 #   (vmtool pressure), every word checked. FIGURE storm_<device>_seconds=S.
+# MODE=bench-store (1 GiB VM): `trueno-ublk bench --compare-zram` on the built-in mix, with
+#   the default backend (every vCPU) and with one core (--backend simd): the store, the codec
+#   alone and kernel zram (lz4, one stream) under the same emulation, no ublk involved.
+#   FIGURE store_<backend>_<write|read|codec_compress|zram_write>_gbps=G.
 
 . /test/env
 VT=/test/vmtool
@@ -160,6 +164,20 @@ bench-fio)
         fio_table ublk_zstd /dev/ublkb0
         ublk_down
     fi
+    ;;
+bench-store)
+    for backend in auto simd; do
+        trueno-ublk bench --compare-zram --backend "$backend" --size 64M --overwrites 0 \
+            --latency-samples 200 --repeat 2 --recompress off >/tmp/store.txt 2>/tmp/store.err ||
+            fail "bench --backend $backend: $(tail -n 3 /tmp/store.err)"
+        cat /tmp/store.txt
+        awk -v b="$backend" '
+            /^  write +[0-9.]+ GB\/s/ && !s { s = 1; printf "FIGURE store_%s_write_gbps=%s\nFIGURE store_%s_read_gbps=%s\n", b, $2, b, $5 }
+            /^codec alone/ { for (i = 1; i <= NF; i++) if ($i == "compress") printf "FIGURE store_%s_codec_compress_gbps=%s\n", b, $(i + 1) }
+            /^kernel zram/ { z = 1 }
+            z && /^  write +[0-9.]+ GB\/s/ { printf "FIGURE store_%s_zram_write_gbps=%s\n", b, $2; z = 0 }
+        ' /tmp/store.txt
+    done
     ;;
 bench-storm)
     zram_up lz4
