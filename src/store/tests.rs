@@ -1162,3 +1162,50 @@ fn unbatched_store_has_no_flusher_spinning() {
     assert_eq!(&buf[..], &text(1)[..]);
     drop(flusher);
 }
+
+#[test]
+fn many_writers_with_a_chunk_reserve_keep_every_page() {
+    // More writers than cores and a chunk reserve (whose waits slow installs down), through
+    // 256-page batches: pages written in groups, as the bench does. A version of the flush
+    // that handed batches to pool workers lost a batch here (2026-11-26): its late "batch
+    // flushed" reopened a batch that a seal had already reopened and filled.
+    const PAGES: u64 = 8192;
+    const THREADS: u64 = 16;
+    const GROUP: u64 = 64;
+    let mut c =
+        crate::config::StoreSettings::default().store_config(PAGES * PAGE_SIZE as u64, false);
+    c.batch_threshold = 256;
+    c.reserve_bytes = 4 << 20;
+    let s = store(c);
+    let flusher = s.start_flusher(|_| ()).unwrap();
+    for round in 0..3u64 {
+        std::thread::scope(|scope| {
+            for t in 0..THREADS {
+                let s = &s;
+                scope.spawn(move || {
+                    for g in (t..PAGES / GROUP).step_by(THREADS as usize) {
+                        for i in g * GROUP..(g + 1) * GROUP {
+                            s.write(i * PAGE_SIZE as u64, &text(i + round * PAGES)[..])
+                                .unwrap();
+                        }
+                    }
+                });
+            }
+        });
+        s.flush_pending().unwrap();
+        let mut buf = vec![0u8; PAGE_SIZE];
+        let bad: Vec<u64> = (0..PAGES)
+            .filter(|&i| {
+                s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+                buf[..] != text(i + round * PAGES)[..]
+            })
+            .collect();
+        assert!(
+            bad.is_empty(),
+            "round {round}: {} pages differ, first {:?}",
+            bad.len(),
+            &bad[..bad.len().min(8)]
+        );
+    }
+    drop(flusher);
+}
