@@ -22,9 +22,11 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64};
 use std::sync::Arc;
 
+use nix::errno::Errno;
 use nix::fcntl::{fallocate, FallocateFlags};
 use nix::sys::memfd::{memfd_create, MFdFlags};
 use nix::sys::mman::{madvise, mmap, munmap, MapFlags, MmapAdvise, ProtFlags};
+use nix::unistd::{lseek, Whence};
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::HOST_PAGE;
@@ -49,6 +51,10 @@ pub struct Segment {
     len: usize,
     /// For `fallocate`: the memfd, or the SysV segment's file through /proc/self/map_files.
     fd: Option<OwnedFd>,
+    /// A committed page stays in memory (a SysV segment locked with `SHM_LOCK`): which pages
+    /// are in memory is then which are committed, and the file says so without mincore(2)
+    /// (see `first_page_in_memory`).
+    committed_stays: bool,
     backing: Backing,
 }
 
@@ -58,6 +64,10 @@ pub struct Segment {
 unsafe impl Send for Segment {}
 // SAFETY: see `Send`.
 unsafe impl Sync for Segment {}
+
+/// `SHM_LOCKED` from `include/uapi/linux/shm.h`: the mode bit of a segment locked with
+/// `SHM_LOCK`.
+const SHM_LOCKED: libc::c_ushort = 0o2000;
 
 /// A byte count or position as the `off_t` that ftruncate and fallocate take.
 pub(super) fn file_offset(bytes: usize) -> std::io::Result<i64> {
@@ -98,6 +108,7 @@ impl Segment {
             base: base.cast(),
             len,
             fd: Some(fd),
+            committed_stays: false,
             backing: Backing::Memfd,
         }))
     }
@@ -191,10 +202,12 @@ impl Segment {
             .open(format!("/proc/self/map_files/{start:x}-{:x}", start + len))
             .ok()
             .map(OwnedFd::from);
+        let committed_stays = stat(id).is_ok_and(|ds| ds.shm_perm.mode & SHM_LOCKED != 0);
         Ok(Arc::new(Self {
             base,
             len,
             fd,
+            committed_stays,
             backing: Backing::SysV(id),
         }))
     }
@@ -252,9 +265,32 @@ impl Segment {
         Ok(())
     }
 
+    /// The segment's file, when it tells which pages are in memory (`committed_stays`).
+    ///
+    /// Why not mincore(2) there: it takes a free page from the kernel for every call
+    /// (`__get_free_page(GFP_USER)`), and a resume asks at a takeover, with RAM at the
+    /// watermark and swap waiting for this very process: seen in the VM (the clean-clone CI
+    /// run of 2026-11-26 06:17), the new serving process spent 100 s in reclaim inside
+    /// mincore and swap stalled. lseek(2)'s SEEK_DATA and SEEK_HOLE walk the file's pages and
+    /// allocate nothing.
+    fn residency_file(&self) -> Option<&OwnedFd> {
+        self.fd.as_ref().filter(|_| self.committed_stays)
+    }
+
     /// The offset of the first page of `[offset, offset + len)` (at most one page table's
-    /// span) that is in memory, by mincore(2).
+    /// span) that is in memory: by the segment's file (`residency_file`), else mincore(2).
     fn first_page_in_memory(&self, offset: usize, len: usize) -> std::io::Result<Option<usize>> {
+        if let Some(fd) = self.residency_file() {
+            let data = match lseek(fd, file_offset(offset)?, Whence::SeekData) {
+                Ok(at) => usize::try_from(at).ok(),
+                // No data from `offset` to the end of the file.
+                Err(Errno::ENXIO) => None,
+                Err(error) => return Err(error.into()),
+            };
+            return Ok(data
+                .filter(|&at| at < offset + len)
+                .map(|at| at / HOST_PAGE * HOST_PAGE));
+        }
         let mut in_memory = [0u8; PAGE_TABLE_SPAN / HOST_PAGE];
         let pages = self.residency(offset, len, &mut in_memory)?;
         Ok(pages
@@ -267,6 +303,11 @@ impl Segment {
     /// memory: committed, for memory that is never swapped.
     pub fn all_in_memory(&self, offset: usize, len: usize) -> std::io::Result<bool> {
         self.check(offset, len)?;
+        if let Some(fd) = self.residency_file() {
+            // The end of the file counts as a hole.
+            let hole = lseek(fd, file_offset(offset)?, Whence::SeekHole)?;
+            return Ok(usize::try_from(hole).is_ok_and(|hole| hole >= offset + len));
+        }
         let mut in_memory = [0u8; PAGE_TABLE_SPAN / HOST_PAGE];
         let pages = self.residency(offset, len, &mut in_memory)?;
         Ok(pages.iter().all(|state| state & 1 != 0))
@@ -694,6 +735,50 @@ mod tests {
         assert!(seg
             .make_page_tables(0, seg.len() + HOST_PAGE, &mut made)
             .is_err());
+    }
+
+    #[test]
+    fn residency_by_the_file_matches_mincore() {
+        // Pages committed and given back in a pattern across two page tables' spans; every
+        // window asked both ways (memfd pages committed here stay in memory, as a locked SysV
+        // segment's do).
+        let mut seg = Segment::private(2 * PAGE_TABLE_SPAN).unwrap();
+        for page in [0, 1, 5, 6, 7, 300, 511, 512, 700, 1023] {
+            seg.commit(page * HOST_PAGE, HOST_PAGE).unwrap();
+        }
+        seg.decommit(6 * HOST_PAGE, HOST_PAGE).unwrap();
+        let pages = 2 * PAGE_TABLE_SPAN / HOST_PAGE;
+        let windows: Vec<(usize, usize)> = (0..pages)
+            .step_by(7)
+            .flat_map(|first| {
+                [1, 2, 3, 40, 512]
+                    .into_iter()
+                    .filter(move |&n| first + n <= pages && n <= PAGE_TABLE_SPAN / HOST_PAGE)
+                    .map(move |n| (first * HOST_PAGE, n * HOST_PAGE))
+            })
+            .collect();
+        let ask = |seg: &Segment| -> Vec<(Option<usize>, bool)> {
+            windows
+                .iter()
+                .map(|&(offset, len)| {
+                    (
+                        seg.first_page_in_memory(offset, len).unwrap(),
+                        seg.all_in_memory(offset, len).unwrap(),
+                    )
+                })
+                .collect()
+        };
+        let by_mincore = ask(&seg);
+        Arc::get_mut(&mut seg).unwrap().committed_stays = true;
+        assert!(seg.residency_file().is_some());
+        assert_eq!(ask(&seg), by_mincore);
+        assert!(by_mincore
+            .iter()
+            .any(|&(first, all)| first.is_some() && all));
+        assert!(by_mincore
+            .iter()
+            .any(|&(first, all)| first.is_some() && !all));
+        assert!(by_mincore.iter().any(|&(first, _)| first.is_none()));
     }
 
     #[test]
