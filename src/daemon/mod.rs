@@ -846,10 +846,7 @@ fn serve(
                     }
                 }
                 handler.free_reported_slots();
-                idle.settle(|| {
-                    let stats = store.stats();
-                    stats.pages_stored + stats.same_pages + stats.pending_pages == 0
-                });
+                idle.settle(|| store.stats().orig_bytes == 0);
                 if let Some(watch) = memory_watch.as_mut() {
                     watch.look(&store);
                 }
