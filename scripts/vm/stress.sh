@@ -172,6 +172,22 @@ memory_return() {
         awk -v s="$(echo "$out" | sed -n 's/^RSS_SETTLE_S=//p')" 'BEGIN { exit !(s >= 0 && s <= 2) }'
 }
 
+# rss_by_mapping PID [MIN_KB]: what PID's resident memory is made of, summed per mapping name from
+# /proc/PID/smaps (anonymous mappings without a name are thread stacks, glibc's per-thread
+# malloc arenas and mmaps), largest first, then each mapping with at least MIN_KB (128) of it:
+# the README's account of the idle footprint.
+rss_by_mapping() {
+    awk '/^[0-9a-f]+-[0-9a-f]+ / { name = (NF >= 6 ? $6 : "[anonymous]"); next }
+         /^Rss:/ { rss[name] += $2; n[name]++ }
+         END { for (k in rss) if (rss[k] > 0) printf "rss by mapping: %7d kB %4d mappings  %s\n", rss[k], n[k], k }' \
+        "/proc/$1/smaps" | sort -k4 -n -r
+    awk '/^[0-9a-f]+-[0-9a-f]+ / { split($1, r, "-"); name = (NF >= 6 ? $6 : "[anonymous]"); next }
+         /^Size:/ { size = $2 }
+         /^Rss:/ && $2 >= min { printf "rss by mapping:   %7d of %8d kB  %s %s\n", $2, size, r[1], name }' \
+        min="${2:-128}" "/proc/$1/smaps"
+    echo "threads:$(cat /proc/"$1"/task/*/comm | sort | uniq -c | tr -s ' ' | tr '\n' ',')"
+}
+
 # rss_kib PID: VmRSS of PID in KiB (0 if it is gone).
 rss_kib() { awk '/^VmRSS/ { print $2 }' "/proc/$1/status" 2>/dev/null || echo 0; }
 
@@ -210,6 +226,7 @@ stress_phase() {
     sleep 3
     echo "quiet RSS (KiB): serving process $(rss_kib "$pid")"
     sfigure ublk_quiet_rss_kB "$(rss_kib "$pid")"
+    rss_by_mapping "$pid"
     trueno-ublk stat
     "$UL"/mkswap /dev/ublkb0 >/dev/null
     check "ublk: swapon -d /dev/ublkb0" "$UL"/swapon -d /dev/ublkb0
@@ -220,6 +237,7 @@ stress_phase() {
     done
     trueno-ublk stat
     echo "RSS now (KiB): serving process $(rss_kib "$(serving_pid 0)"), supervisor $(rss_kib "$sup")"
+    rss_by_mapping "$(serving_pid 0)" 8
     "$UL"/swapoff /dev/ublkb0 || fail "ublk: swapoff after stress-ng"
     check "trueno-ublk delete --id 0 after the stress stage" trueno-ublk delete --id 0
     rm -rf $SNG

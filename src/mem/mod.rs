@@ -27,14 +27,17 @@ const HOST_PAGE: usize = 4096;
 
 /// Stack every I/O-path thread (queue, flusher, rayon worker) is given.
 pub const IO_THREAD_STACK_BYTES: usize = 1 << 20;
-/// How much of it is faulted in up front: far deeper than any I/O path goes (liblz4's
-/// compressor, the deepest frame, takes 16 KiB).
-const IO_STACK_PREFAULT_BYTES: usize = 256 << 10;
+/// How much of it is faulted in up front: deeper than any I/O path goes. liblz4's compressor,
+/// the deepest frame, takes 16 KiB; the deepest stack measured was 36 KiB (a build faulting in
+/// 4 KiB, `trueno-ublk bench` with lz4, zstd and recompression, each thread's stack mapping's
+/// Rss sampled from /proc/PID/smaps, 2026-11-26). Every KiB here is locked memory in the
+/// serving process and the standby alike, for each of their I/O threads.
+const IO_STACK_PREFAULT_BYTES: usize = 64 << 10;
 /// Free heap each I/O-path thread faults in for its own malloc arena.
 const IO_HEAP_WARM_BYTES: usize = 256 << 10;
 
 /// Ready the calling thread for the I/O path: fault in (and so, under `mlockall`, lock) the
-/// next 256 KiB of its stack and 256 KiB of free space in its malloc arena.
+/// next 64 KiB of its stack and 256 KiB of free space in its malloc arena.
 ///
 /// Why: under `MCL_ONFAULT` pages are only faulted in when first written. A thread serving
 /// swap I/O that touches a fresh page under memory pressure waits in reclaim for the very
