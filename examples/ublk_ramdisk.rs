@@ -5,6 +5,7 @@
 //!
 //!   cargo build --release --example ublk_ramdisk
 //!   sudo target/release/examples/ublk_ramdisk --size 64M [--id N] [--queues Q] [--depth D]
+//!        [--user-copy]
 //!
 //! Prints the block device's path once it is live, serves until a signal (or until the device
 //! is stopped from outside), then prints how many requests of each kind it served:
@@ -56,6 +57,10 @@ struct Args {
     /// Requests in flight per queue.
     #[arg(long, default_value_t = 64)]
     depth: u16,
+    /// Copy request data with pread/pwrite on the char device (UBLK_F_USER_COPY) where the
+    /// driver offers it, instead of a buffer per tag.
+    #[arg(long)]
+    user_copy: bool,
 }
 
 fn parse_size(text: &str) -> Result<u64, String> {
@@ -212,6 +217,7 @@ fn run(args: &Args) -> Result<(), String> {
         queues: args.queues,
         depth: args.depth,
         max_io_bytes: MAX_IO_BYTES,
+        user_copy: args.user_copy,
     };
     spec.validate().map_err(|e| e.to_string())?;
     // Installed before the device exists, so a signal during start-up is not lost.
@@ -241,11 +247,16 @@ fn run(args: &Args) -> Result<(), String> {
     };
     println!("{}", block_path(device.id()));
     eprintln!(
-        "ublk_ramdisk: {} {} (pid {}) in {} ms",
+        "ublk_ramdisk: {} {} (pid {}) in {} ms, {}",
         if resumed { "resumed" } else { "created" },
         block_path(device.id()),
         std::process::id(),
-        started.elapsed().as_millis()
+        started.elapsed().as_millis(),
+        if device.user_copy() {
+            "user copy"
+        } else {
+            "a buffer per tag"
+        }
     );
     let mut hand_over = false;
     loop {

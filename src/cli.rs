@@ -143,6 +143,10 @@ pub struct CreateArgs {
     /// kernel probe that frees a slot's memory as swap frees the slot
     #[arg(long)]
     pub no_slot_free_probe: bool,
+    /// Give every tag a buffer the kernel copies request data to and from, instead of
+    /// moving the data with pread/pwrite on the char device (UBLK_F_USER_COPY, Linux 6.5+)
+    #[arg(long)]
+    pub no_user_copy: bool,
     #[command(flatten)]
     pub store: StoreArgs,
 }
@@ -157,6 +161,7 @@ impl CreateArgs {
             config: self.config.clone(),
             store: self.store.options(),
             no_slot_free_probe: self.no_slot_free_probe,
+            no_user_copy: self.no_user_copy,
         }
     }
 }

@@ -9,7 +9,8 @@ use clap::Parser;
 use trueno_ublk::cli::{Cli, Command as CliCommand};
 use trueno_ublk::codec::{Algorithm, Backend};
 use trueno_ublk::config::{
-    self, parse, resolve_with, ConfigError, ConfigFile, DeviceOptions, RecompressChoice, SizeExpr,
+    self, parse, resolve_with, ConfigError, ConfigFile, DeviceOptions, DeviceSettings,
+    RecompressChoice, SizeExpr,
 };
 use trueno_ublk::store::RecompressConfig;
 
@@ -637,21 +638,25 @@ fn swapon_uses_the_configured_priority_with_discard() {
 }
 
 #[test]
-fn the_slot_free_probe_is_on_unless_the_file_or_the_command_line_turns_it_off() {
-    let off_in_file = conf("[ublkb0]\nslot-free-probe = no\n");
-    let on_in_file = conf("[ublkb0]\nslot-free-probe = yes\n");
-    let resolve = |flags: &[&str], file: &ConfigFile| {
-        resolve_with(&create_args(flags), file, 8 * GIB)
-            .unwrap()
-            .slot_free_probe
-    };
-    assert!(resolve(&["--id", "0"], &ConfigFile::default()));
-    assert!(resolve(&["--id", "0"], &on_in_file));
-    assert!(!resolve(&["--id", "0"], &off_in_file));
-    assert!(!resolve(
-        &["--id", "0", "--no-slot-free-probe"],
-        &on_in_file
-    ));
-    let error = parse("[ublkb0]\nslot-free-probe = maybe\n", Path::new("t.conf")).unwrap_err();
-    assert!(error.to_string().contains("slot-free-probe"), "{error}");
+fn device_switches_are_on_unless_the_file_or_the_command_line_turns_them_off() {
+    type Switch = fn(&DeviceSettings) -> bool;
+    let switches: [(&str, &str, Switch); 2] = [
+        ("slot-free-probe", "--no-slot-free-probe", |s| {
+            s.slot_free_probe
+        }),
+        ("user-copy", "--no-user-copy", |s| s.user_copy),
+    ];
+    for (key, flag, switch) in switches {
+        let off_in_file = conf(&format!("[ublkb0]\n{key} = no\n"));
+        let on_in_file = conf(&format!("[ublkb0]\n{key} = yes\n"));
+        let resolve = |flags: &[&str], file: &ConfigFile| {
+            switch(&resolve_with(&create_args(flags), file, 8 * GIB).unwrap())
+        };
+        assert!(resolve(&["--id", "0"], &ConfigFile::default()), "{key}");
+        assert!(resolve(&["--id", "0"], &on_in_file), "{key}");
+        assert!(!resolve(&["--id", "0"], &off_in_file), "{key}");
+        assert!(!resolve(&["--id", "0", flag], &on_in_file), "{key}");
+        let error = parse(&format!("[ublkb0]\n{key} = maybe\n"), Path::new("t.conf")).unwrap_err();
+        assert!(error.to_string().contains(key), "{error}");
+    }
 }

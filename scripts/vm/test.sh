@@ -244,16 +244,20 @@ discard_checks() { # DEV OFFSET
 }
 
 # --- the ublk layer alone ------------------------------------------------------------------
-# ramdisk_checks: examples/ublk_ramdisk serves a 64 MiB device from plain memory (no store,
-# no compression), so a failure here is the ublk layer's and not the store's.
+# ramdisk_checks [--user-copy]: examples/ublk_ramdisk serves a 64 MiB device from plain memory
+# (no store, no compression), so a failure here is the ublk layer's and not the store's. Run
+# with a buffer per tag, then with user copy (UBLK_F_USER_COPY: the data moved by
+# pread/pwrite on the char device, the daemon's default).
 ramdisk_checks() {
-    local size=$((64 * MIB)) mid=$((32 * MIB)) pid dev spec rc n tag
+    local size=$((64 * MIB)) mid=$((32 * MIB)) pid dev spec rc n tag mode="${1:-}" rd
+    rd="ramdisk${mode:+ $mode}"
     if ! command -v ublk_ramdisk >/dev/null; then
         fail "ublk_ramdisk is not in the initramfs"
         return
     fi
     rm -f /tmp/ramdisk.out /tmp/ramdisk.err
-    ublk_ramdisk --size 64M --id 9 --queues 2 >/tmp/ramdisk.out 2>/tmp/ramdisk.err &
+    # shellcheck disable=SC2086 # no mode, no argument
+    ublk_ramdisk --size 64M --id 9 --queues 2 $mode >/tmp/ramdisk.out 2>/tmp/ramdisk.err &
     pid=$!
     if ! wait_until 30 grep -q '^/dev/ublkb' /tmp/ramdisk.out; then
         fail "ublk_ramdisk --size 64M --id 9 did not print a device path within 30 s: $(cat /tmp/ramdisk.err)"
@@ -261,7 +265,10 @@ ramdisk_checks() {
         return
     fi
     dev=$(grep -o '^/dev/ublkb[0-9]*' /tmp/ramdisk.out | head -n1)
-    check "ublk_ramdisk printed its device path ($dev)" [ "$dev" = /dev/ublkb9 ]
+    check "ublk_ramdisk${mode:+ $mode} printed its device path ($dev)" [ "$dev" = /dev/ublkb9 ]
+    if [ -n "$mode" ]; then
+        check "$rd: the driver took user copy" grep -q ', user copy$' /tmp/ramdisk.err
+    fi
     check "$dev is 64 MiB" [ "$($UL/blockdev --getsize64 "$dev")" -eq "$size" ]
     # 1 MiB at the start, across the middle and at the end by each block size, all written
     # before any is read back (the ramdisk's I/O buffer is 256 KiB, so 1M writes are split).
@@ -270,33 +277,33 @@ ramdisk_checks() {
         "1M $MIB $((4 * MIB)) $((mid + 8 * MIB)) $((size - MIB))"; do
         # shellcheck disable=SC2086 # word splitting wanted
         set -- $spec
-        check "ramdisk: O_DIRECT write bs=$1 at the start ($3)" pat_write "rd-start-$1" "$dev" "$2" "$3" $MIB
-        check "ramdisk: O_DIRECT write bs=$1 in the middle ($4)" pat_write "rd-mid-$1" "$dev" "$2" "$4" $MIB
-        check "ramdisk: O_DIRECT write bs=$1 at the end ($5)" pat_write "rd-end-$1" "$dev" "$2" "$5" $MIB
+        check "$rd: O_DIRECT write bs=$1 at the start ($3)" pat_write "rd-start-$1" "$dev" "$2" "$3" $MIB
+        check "$rd: O_DIRECT write bs=$1 in the middle ($4)" pat_write "rd-mid-$1" "$dev" "$2" "$4" $MIB
+        check "$rd: O_DIRECT write bs=$1 at the end ($5)" pat_write "rd-end-$1" "$dev" "$2" "$5" $MIB
     done
     for spec in 4k 64k 1M; do
         for tag in start mid end; do
-            check "ramdisk: read back bs=$spec at $tag matches" pat_read "rd-$tag-$spec"
+            check "$rd: read back bs=$spec at $tag matches" pat_read "rd-$tag-$spec"
         done
     done
     discard_checks "$dev" $((44 * MIB))
     rc=0
     n=$(dd if="$dev" bs=4096 skip=$((size / 4096)) count=1 iflag=direct status=none | wc -c)
-    check "ramdisk: a read at the device end returns nothing (got $n bytes)" [ "$n" -eq 0 ]
+    check "$rd: a read at the device end returns nothing (got $n bytes)" [ "$n" -eq 0 ]
     dd if=/dev/zero of="$dev" bs=4096 seek=$((size / 4096)) count=1 oflag=direct conv=notrunc status=none 2>/dev/null || rc=$?
-    check "ramdisk: a write at the device end fails (dd exit $rc)" [ "$rc" -ne 0 ]
-    check "ramdisk: the last MiB is intact after it" pat_read rd-end-1M
-    check "ramdisk: still serving after the out-of-range access" alive "$pid"
+    check "$rd: a write at the device end fails (dd exit $rc)" [ "$rc" -ne 0 ]
+    check "$rd: the last MiB is intact after it" pat_read rd-end-1M
+    check "$rd: still serving after the out-of-range access" alive "$pid"
     kill -TERM "$pid"
-    check "ramdisk: exits on SIGTERM" wait_until 10 not alive "$pid"
+    check "$rd: exits on SIGTERM" wait_until 10 not alive "$pid"
     rc=0
     wait "$pid" || rc=$?
-    check "ramdisk: exit status 0 (got $rc)" [ "$rc" -eq 0 ]
-    check "ramdisk: $dev is gone" wait_until 5 not test -e "$dev"
-    check "ramdisk: /dev/ublkc9 is gone" wait_until 5 not test -e /dev/ublkc9
-    echo "ramdisk $(grep '^served:' /tmp/ramdisk.out)"
-    [ -s /tmp/ramdisk.err ] && echo "ramdisk stderr: $(cat /tmp/ramdisk.err)"
-    check "ramdisk: discard and write-zeroes reached the handler, no request refused" \
+    check "$rd: exit status 0 (got $rc)" [ "$rc" -eq 0 ]
+    check "$rd: $dev is gone" wait_until 5 not test -e "$dev"
+    check "$rd: /dev/ublkc9 is gone" wait_until 5 not test -e /dev/ublkc9
+    echo "$rd $(grep '^served:' /tmp/ramdisk.out)"
+    [ -s /tmp/ramdisk.err ] && echo "$rd stderr: $(cat /tmp/ramdisk.err)"
+    check "$rd: discard and write-zeroes reached the handler, no request refused" \
         grep -q '^served:.* discard=[1-9][0-9]* write_zeroes=[1-9][0-9]* refused=0$' /tmp/ramdisk.out
 }
 
@@ -919,6 +926,8 @@ skipped() {
 if [ "$MODE" = full ] && ! skipped ramdisk; then
     section "the ublk layer alone: ublk_ramdisk --size 64M (plain memory, no store)"
     ramdisk_checks
+    section "the ublk layer alone, user copy: ublk_ramdisk --size 64M --user-copy"
+    ramdisk_checks --user-copy
 fi
 if { [ "$MODE" = full ] || [ "$MODE" = recovery ]; } && ! skipped ramdisk-recovery; then
     section "the ublk layer's recovery alone: ublk_ramdisk killed, handed over and resumed"

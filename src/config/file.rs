@@ -45,6 +45,8 @@ pub struct DeviceSection {
     pub swap: Option<Setting<bool>>,
     /// `slot-free-probe = no`: freed swap slots come back through discards only.
     pub slot_free_probe: Option<Setting<bool>>,
+    /// `user-copy = no`: a buffer per tag instead of pread/pwrite on the char device.
+    pub user_copy: Option<Setting<bool>>,
 }
 
 /// A parsed configuration file.
@@ -165,6 +167,7 @@ pub const KEYS: &[&str] = &[
     "swap-priority",
     "swap",
     "slot-free-probe",
+    "user-copy",
 ];
 
 enum KeyProblem {
@@ -232,6 +235,7 @@ fn set_key(
         ),
         "swap" => store(&mut section.swap, parse_bool(value), line),
         "slot-free-probe" => store(&mut section.slot_free_probe, parse_bool(value), line),
+        "user-copy" => store(&mut section.user_copy, parse_bool(value), line),
         _ => Err(KeyProblem::Unknown),
     }
 }

@@ -290,6 +290,8 @@ pub struct DeviceOptions {
     pub store: StoreOptions,
     /// `--no-slot-free-probe`.
     pub no_slot_free_probe: bool,
+    /// `--no-user-copy`.
+    pub no_user_copy: bool,
 }
 
 /// Page-store settings after merging, ready to become a `store::StoreConfig`.
@@ -416,6 +418,9 @@ pub struct DeviceSettings {
     /// Hear of freed swap slots as the kernel frees them (see `crate::slotfree`), where the
     /// kernel allows it.
     pub slot_free_probe: bool,
+    /// Move request data with pread/pwrite on the char device (`UBLK_F_USER_COPY`) where the
+    /// driver offers it, rather than through a buffer per tag.
+    pub user_copy: bool,
 }
 
 impl Default for StoreSettings {
@@ -512,6 +517,7 @@ pub fn resolve_with(
             && section
                 .slot_free_probe
                 .map_or(true, |setting| setting.value),
+        user_copy: !args.no_user_copy && section.user_copy.map_or(true, |setting| setting.value),
     })
 }
 

@@ -197,6 +197,7 @@ fn device_spec(settings: &DeviceSettings) -> DeviceSpec {
         queues: settings.queues,
         depth: settings.depth,
         max_io_bytes: DEFAULT_MAX_IO_BYTES,
+        user_copy: settings.user_copy,
     }
 }
 
@@ -680,6 +681,7 @@ fn serve(
         size = settings.size_bytes,
         queues = device.info().nr_hw_queues,
         depth = device.info().queue_depth,
+        user_copy = device.user_copy(),
         standby,
         ms = ms(started, live),
         setup_ms = ms(started, setup_done),

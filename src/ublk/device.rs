@@ -498,6 +498,7 @@ impl Device {
                 max_io_bytes: self.info.max_io_buf_bytes,
                 dev_bytes: self.size_bytes,
                 ioctl_encode,
+                user_copy: self.user_copy(),
             };
             let (go_tx, go_rx) = crossbeam_channel::bounded::<Arc<File>>(1);
             let (handler, stop, wake) = (handler.clone(), self.stop.clone(), self.wake_rx.clone());
@@ -544,6 +545,12 @@ impl Device {
 
     pub fn size_bytes(&self) -> u64 {
         self.size_bytes
+    }
+
+    /// Whether request data moves by pread/pwrite on the char device (`UBLK_F_USER_COPY`)
+    /// rather than through a buffer per tag: fixed when the device was added.
+    pub fn user_copy(&self) -> bool {
+        self.info.flags & sys::UBLK_F_USER_COPY != 0
     }
 
     /// Whether the device outlives this daemon (see `AddedDevice::survives_daemon`): then

@@ -30,8 +30,12 @@ pub struct DeviceSpec {
     pub size_bytes: u64,
     pub queues: u16,
     pub depth: u16,
-    /// Bytes of the buffer per tag, the largest READ or WRITE the kernel will send.
+    /// The largest READ or WRITE the kernel will send (and, without user copy, the bytes of
+    /// the buffer each tag has).
     pub max_io_bytes: u32,
+    /// Copy request data with pread/pwrite on the char device (`UBLK_F_USER_COPY`, Linux 6.5+)
+    /// where the driver offers it, instead of a buffer per tag: one staging buffer per queue.
+    pub user_copy: bool,
 }
 
 impl DeviceSpec {
@@ -69,9 +73,13 @@ impl DeviceSpec {
     }
 
     /// The `ADD_DEV` payload, asking only for features the driver reported: encoded opcodes,
-    /// and recovery with re-issue when the driver has both (see `survives_daemon`).
+    /// recovery with re-issue when the driver has both (see `survives_daemon`), and user copy
+    /// when the spec wants it.
     pub fn dev_info(&self, driver_features: u64) -> CtrlDevInfo {
         let mut flags = driver_features & sys::UBLK_F_CMD_IOCTL_ENCODE;
+        if self.user_copy {
+            flags |= driver_features & sys::UBLK_F_USER_COPY;
+        }
         if survives_daemon(driver_features) {
             flags |= sys::UBLK_F_RECOVERY_REISSUE;
         }
@@ -132,6 +140,7 @@ mod tests {
             queues: 1,
             depth: 64,
             max_io_bytes: 256 << 10,
+            user_copy: false,
         }
     }
 
@@ -178,6 +187,14 @@ mod tests {
             (3, 1, 64)
         );
         assert_eq!(info.max_io_buf_bytes, 256 << 10);
+        // User copy only when asked for and offered.
+        let wanted = DeviceSpec {
+            user_copy: true,
+            ..spec()
+        };
+        assert_ne!(wanted.dev_info(0x1fe).flags & sys::UBLK_F_USER_COPY, 0);
+        assert_eq!(wanted.dev_info(0x7e).flags & sys::UBLK_F_USER_COPY, 0);
+        assert_eq!(spec().dev_info(0x1fe).flags & sys::UBLK_F_USER_COPY, 0);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -100,6 +101,39 @@ pub struct QueueSetup {
     pub max_io_bytes: u32,
     pub dev_bytes: u64,
     pub ioctl_encode: bool,
+    /// The device moves data by pread/pwrite on the char device (`UBLK_F_USER_COPY`).
+    pub user_copy: bool,
+}
+
+/// Where a request's data is while its queue thread serves it.
+enum DataPath {
+    /// A buffer per tag, which the kernel fills with a WRITE's data before the tag's command
+    /// completes and copies a READ's data from when the tag is committed.
+    TagBuffers(IoBuffers),
+    /// `UBLK_F_USER_COPY`: one staging buffer of the largest request, since the thread serves
+    /// one request at a time. The thread reads a WRITE's data from the request (pread on the
+    /// char device) and writes a READ's into it (pwrite) before committing the tag: a system
+    /// call more per request, and `depth` times less locked memory.
+    UserCopy(IoBuffers),
+}
+
+impl DataPath {
+    fn new(setup: &QueueSetup) -> std::io::Result<Self> {
+        let max_io = setup.max_io_bytes as usize;
+        Ok(if setup.user_copy {
+            Self::UserCopy(IoBuffers::new(1, max_io)?)
+        } else {
+            Self::TagBuffers(IoBuffers::new(setup.depth, max_io)?)
+        })
+    }
+
+    /// The buffer address a tag's command names: none with user copy (the driver refuses one).
+    fn command_addr(&self, tag: u16) -> u64 {
+        match self {
+            Self::TagBuffers(buffers) => buffers.addr(tag),
+            Self::UserCopy(_) => 0,
+        }
+    }
 }
 
 /// How long the loop sleeps in the kernel before it looks at the stop flag (a stop also wakes
@@ -120,7 +154,7 @@ const WAKE: u64 = 1 << 32;
 pub struct QueueParts {
     setup: QueueSetup,
     ring: IoUring,
-    buffers: IoBuffers,
+    data: DataPath,
 }
 
 impl QueueParts {
@@ -132,8 +166,7 @@ impl QueueParts {
             tracing::warn!(q = setup.q_id, %error, "could not raise the queue thread's priority");
         }
         let io = |what| move |source| UblkError::Io { what, source };
-        let buffers = IoBuffers::new(setup.depth, setup.max_io_bytes as usize)
-            .map_err(io("allocating I/O buffers"))?;
+        let data = DataPath::new(&setup).map_err(io("allocating I/O buffers"))?;
         // Room for a command per tag and the wake-up poll. Cooperative task running: the
         // driver's completion of a command (a new request) wakes this thread when it sleeps
         // in the ring, but does not interrupt it with an IPI while it serves other requests;
@@ -145,11 +178,7 @@ impl QueueParts {
             .setup_taskrun_flag()
             .build((u32::from(setup.depth) + 1).next_power_of_two())
             .map_err(io("creating a queue io_uring"))?;
-        Ok(Self {
-            setup,
-            ring,
-            buffers,
-        })
+        Ok(Self { setup, ring, data })
     }
 }
 
@@ -158,7 +187,7 @@ pub struct Queue {
     setup: QueueSetup,
     ring: IoUring,
     descs: DescArray,
-    buffers: IoBuffers,
+    data: DataPath,
     /// Declared after the ring, so dropped after it: the ring's commands name this file.
     char_dev: Arc<File>,
     /// The read end of the device's wake-up socket, polled by the ring (see `Device`).
@@ -176,11 +205,7 @@ impl Queue {
         char_dev: Arc<File>,
         wake: Arc<UnixStream>,
     ) -> Result<Self, UblkError> {
-        let QueueParts {
-            setup,
-            ring,
-            buffers,
-        } = parts;
+        let QueueParts { setup, ring, data } = parts;
         let io = |what| move |source| UblkError::Io { what, source };
         let descs = DescArray::map(char_dev.as_ref(), setup.q_id, setup.depth)
             .map_err(io("mapping the descriptor array"))?;
@@ -188,7 +213,7 @@ impl Queue {
             setup,
             ring,
             descs,
-            buffers,
+            data,
             char_dev,
             wake,
             in_flight: 0,
@@ -216,7 +241,7 @@ impl Queue {
             q_id: self.setup.q_id,
             tag,
             result,
-            addr: self.buffers.addr(tag),
+            addr: self.data.command_addr(tag),
         };
         let entry = opcode::UringCmd16::new(
             types::Fd(self.char_dev.as_raw_fd()),
@@ -225,8 +250,9 @@ impl Queue {
         .cmd(sys::command_bytes(&cmd))
         .build()
         .user_data(u64::from(tag));
-        // SAFETY: the command names tag `tag`'s buffer, which lives in `self.buffers` for as
-        // long as the queue (and so the ring, declared before it and dropped first) exists.
+        // SAFETY: the command names tag `tag`'s buffer (or none, with user copy), which lives in
+        // `self.data` for as long as the queue (and so the ring, declared before it and
+        // dropped first) exists.
         unsafe { self.ring.submission().push(&entry) }.map_err(|_| UblkError::Io {
             what: "queueing an I/O command",
             source: std::io::ErrorKind::OutOfMemory.into(),
@@ -412,15 +438,33 @@ impl Queue {
         handler: &dyn BlockHandler,
         may_defer: bool,
     ) -> Progress {
-        let (tag, rest) = (request.tag, request.rest);
+        let (tag, rest, q_id) = (request.tag, request.rest, self.setup.q_id);
         let len = usize::try_from(data_len(&rest)).unwrap_or(0);
-        let Some(data) = self
-            .buffers
-            .tag_mut(tag)
-            .get_mut(request.buffer_offset..request.buffer_offset + len)
-        else {
+        // With user copy: the char device, and where in it the part left to serve begins.
+        let (data, user_copy) = match &mut self.data {
+            DataPath::TagBuffers(buffers) => (
+                buffers
+                    .tag_mut(tag)
+                    .get_mut(request.buffer_offset..request.buffer_offset + len),
+                None,
+            ),
+            DataPath::UserCopy(staging) => (
+                staging.tag_mut(0).get_mut(..len),
+                Some((
+                    self.char_dev.as_ref(),
+                    sys::user_copy_pos(q_id, tag, request.buffer_offset),
+                )),
+            ),
+        };
+        let Some(data) = data else {
             return Progress::Served(-libc::EIO);
         };
+        if let (Some((char_dev, at)), Op::Write) = (user_copy, rest.op) {
+            if let Err(error) = char_dev.read_exact_at(data, at) {
+                tracing::warn!(q = q_id, tag, request = ?rest, %error, "reading a write's data from the request failed; request failed with EIO");
+                return Progress::Served(-libc::EIO);
+            }
+        }
         let handled = catch_unwind(AssertUnwindSafe(|| {
             if may_defer {
                 handler.try_handle(&rest, data, request.deferred_since)
@@ -428,6 +472,21 @@ impl Queue {
                 Handled::Done(handler.handle(&rest, data))
             }
         }));
+        if let (Some((char_dev, at)), Op::Read) = (user_copy, rest.op) {
+            // What the handler read, into the request before its commit (a deferred part's
+            // data would not survive in the staging buffer).
+            let filled = match &handled {
+                Ok(Handled::Done(Ok(()))) => len,
+                Ok(Handled::Deferred { done_bytes }) => {
+                    usize::try_from(*done_bytes).map_or(len, |done| done.min(len))
+                }
+                _ => 0,
+            };
+            if let Err(error) = char_dev.write_all_at(&data[..filled], at) {
+                tracing::warn!(q = q_id, tag, request = ?rest, %error, "writing a read's data into the request failed; request failed with EIO");
+                return Progress::Served(-libc::EIO);
+            }
+        }
         match handled {
             Ok(Handled::Done(Ok(()))) => Progress::Served(request.served),
             Ok(Handled::Done(Err(errno))) => Progress::Served(errno),
@@ -443,7 +502,7 @@ impl Queue {
             },
             Err(_) => {
                 tracing::error!(
-                    q = self.setup.q_id,
+                    q = q_id,
                     tag,
                     request = ?rest,
                     "handler panicked; request failed with EIO"

@@ -52,6 +52,21 @@ pub const UBLK_IO_RES_ABORT: i32 = -libc::ENODEV;
 
 /// Offset of queue 0's descriptor array in the char device's mmap space.
 pub const UBLKSRV_CMD_BUF_OFFSET: i64 = 0;
+/// With `UBLK_F_USER_COPY`, where a request's data is in the char device's file space (for
+/// pread/pwrite): this, plus the queue id and the tag shifted into place, plus the byte offset
+/// within the request (below 32 MiB).
+const UBLKSRV_IO_BUF_OFFSET: u64 = 0x8000_0000;
+const UBLK_TAG_OFF: u32 = 25;
+const UBLK_QID_OFF: u32 = UBLK_TAG_OFF + 16;
+
+/// The char device file position of byte `offset` of the request held by tag `tag` of queue
+/// `q_id` (`UBLK_F_USER_COPY`).
+pub fn user_copy_pos(q_id: u16, tag: u16, offset: usize) -> u64 {
+    UBLKSRV_IO_BUF_OFFSET
+        + (u64::from(q_id) << UBLK_QID_OFF)
+        + (u64::from(tag) << UBLK_TAG_OFF)
+        + offset as u64
+}
 /// The descriptor arrays are laid out for this depth whatever the device's depth is.
 pub const UBLK_MAX_QUEUE_DEPTH: u16 = 4096;
 
@@ -278,6 +293,16 @@ pub fn command_bytes<T: Pod, const N: usize>(value: &T) -> [u8; N] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn user_copy_positions_put_queue_tag_and_offset_where_the_driver_reads_them() {
+        assert_eq!(user_copy_pos(0, 0, 0), 0x8000_0000);
+        // ublk_pos_to_hwq / ublk_pos_to_tag / ublk_pos_to_buf_off in the 6.12 driver.
+        let pos = user_copy_pos(3, 31, 61_440) - 0x8000_0000;
+        assert_eq!(pos >> 41 & 0xfff, 3);
+        assert_eq!(pos >> 25 & 0xffff, 31);
+        assert_eq!(pos & ((1 << 25) - 1), 61_440);
+    }
 
     #[test]
     fn command_bytes_are_little_endian_fields_in_header_order() {
