@@ -217,7 +217,7 @@ fn run(args: &Args) -> Result<(), String> {
         queues: args.queues,
         depth: args.depth,
         max_io_bytes: MAX_IO_BYTES,
-        user_copy: args.user_copy,
+        user_copy_max_io_bytes: args.user_copy.then_some(MAX_IO_BYTES),
     };
     spec.validate().map_err(|e| e.to_string())?;
     // Installed before the device exists, so a signal during start-up is not lost.

@@ -59,8 +59,12 @@ const STANDBY_HEAP_BYTES: usize = 512 << 10;
 /// Pages a standby holds and frees just before its takeover, for the kernel memory the
 /// takeover needs (page tables of the store's mapping, the descriptor arrays' mappings).
 const STANDBY_SPARE_BYTES: usize = 1 << 20;
-/// Bytes of buffer per tag: the largest READ or WRITE the kernel sends us.
-pub const DEFAULT_MAX_IO_BYTES: u32 = 64 << 10;
+/// The largest READ or WRITE the kernel sends us when every tag has a buffer that large (no
+/// user copy).
+const TAG_BUFFER_MAX_IO_BYTES: u32 = 64 << 10;
+/// The largest READ or WRITE with user copy, whose data goes through the queue's staging
+/// buffer a piece at a time.
+const USER_COPY_MAX_IO_BYTES: u32 = 1 << 20;
 
 #[derive(Debug, Error)]
 pub enum DaemonError {
@@ -196,8 +200,8 @@ fn device_spec(settings: &DeviceSettings) -> DeviceSpec {
         size_bytes: settings.size_bytes,
         queues: settings.queues,
         depth: settings.depth,
-        max_io_bytes: DEFAULT_MAX_IO_BYTES,
-        user_copy: settings.user_copy,
+        max_io_bytes: TAG_BUFFER_MAX_IO_BYTES,
+        user_copy_max_io_bytes: settings.user_copy.then_some(USER_COPY_MAX_IO_BYTES),
     }
 }
 

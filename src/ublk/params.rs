@@ -21,6 +21,9 @@ pub const MAX_DEVICE_BYTES: u64 = 1 << 50;
 pub const MAX_QUEUES: u16 = 64;
 /// Most tags per queue: the driver's limit.
 pub const MAX_DEPTH: u16 = UBLK_MAX_QUEUE_DEPTH;
+/// Largest READ or WRITE: what a user-copy position can address within a request (32 MiB,
+/// the driver's `UBLK_IO_BUF_BITS`).
+const MAX_IO_BYTES: u32 = 1 << sys::UBLK_IO_BUF_BITS;
 
 /// What the user asked for, before the kernel has seen it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,12 +33,14 @@ pub struct DeviceSpec {
     pub size_bytes: u64,
     pub queues: u16,
     pub depth: u16,
-    /// The largest READ or WRITE the kernel will send (and, without user copy, the bytes of
-    /// the buffer each tag has).
+    /// The largest READ or WRITE the kernel will send when every tag has a buffer of that
+    /// size (no user copy).
     pub max_io_bytes: u32,
-    /// Copy request data with pread/pwrite on the char device (`UBLK_F_USER_COPY`, Linux 6.5+)
-    /// where the driver offers it, instead of a buffer per tag: one staging buffer per queue.
-    pub user_copy: bool,
+    /// `Some(largest READ or WRITE)`: copy request data with pread/pwrite on the char device
+    /// (`UBLK_F_USER_COPY`, Linux 6.5+) where the driver offers it, through one staging buffer
+    /// per queue, a piece at a time; requests may then be larger than a tag buffer could
+    /// sensibly be.
+    pub user_copy_max_io_bytes: Option<u32>,
 }
 
 impl DeviceSpec {
@@ -60,11 +65,15 @@ impl DeviceSpec {
         if self.depth == 0 || self.depth > MAX_DEPTH {
             return bad(format!("queue depth {}: use 1 to {MAX_DEPTH}", self.depth));
         }
-        if self.max_io_bytes < BLOCK_SIZE_U32 || self.max_io_bytes % BLOCK_SIZE_U32 != 0 {
-            return bad(format!(
-                "I/O buffer of {} bytes is not a multiple of 4 KiB",
-                self.max_io_bytes
-            ));
+        for max_io in [Some(self.max_io_bytes), self.user_copy_max_io_bytes]
+            .into_iter()
+            .flatten()
+        {
+            if max_io < BLOCK_SIZE_U32 || max_io % BLOCK_SIZE_U32 != 0 || max_io > MAX_IO_BYTES {
+                return bad(format!(
+                    "requests of up to {max_io} bytes: use a multiple of 4 KiB up to 32 MiB"
+                ));
+            }
         }
         if self.id == Some(u32::MAX) {
             return bad("device id 4294967295 is reserved".into());
@@ -77,8 +86,12 @@ impl DeviceSpec {
     /// when the spec wants it.
     pub fn dev_info(&self, driver_features: u64) -> CtrlDevInfo {
         let mut flags = driver_features & sys::UBLK_F_CMD_IOCTL_ENCODE;
-        if self.user_copy {
-            flags |= driver_features & sys::UBLK_F_USER_COPY;
+        let mut max_io_buf_bytes = self.max_io_bytes;
+        if let Some(max_io) = self.user_copy_max_io_bytes {
+            if driver_features & sys::UBLK_F_USER_COPY != 0 {
+                flags |= sys::UBLK_F_USER_COPY;
+                max_io_buf_bytes = max_io;
+            }
         }
         if survives_daemon(driver_features) {
             flags |= sys::UBLK_F_RECOVERY_REISSUE;
@@ -86,7 +99,7 @@ impl DeviceSpec {
         CtrlDevInfo {
             nr_hw_queues: self.queues,
             queue_depth: self.depth,
-            max_io_buf_bytes: self.max_io_bytes,
+            max_io_buf_bytes,
             dev_id: self.id.unwrap_or(u32::MAX),
             flags,
             ..Default::default()
@@ -140,7 +153,7 @@ mod tests {
             queues: 1,
             depth: 64,
             max_io_bytes: 256 << 10,
-            user_copy: false,
+            user_copy_max_io_bytes: None,
         }
     }
 
@@ -187,13 +200,17 @@ mod tests {
             (3, 1, 64)
         );
         assert_eq!(info.max_io_buf_bytes, 256 << 10);
-        // User copy only when asked for and offered.
+        // User copy, and its larger requests, only when asked for and offered.
         let wanted = DeviceSpec {
-            user_copy: true,
+            user_copy_max_io_bytes: Some(1 << 20),
             ..spec()
         };
-        assert_ne!(wanted.dev_info(0x1fe).flags & sys::UBLK_F_USER_COPY, 0);
-        assert_eq!(wanted.dev_info(0x7e).flags & sys::UBLK_F_USER_COPY, 0);
+        let info = wanted.dev_info(0x1fe);
+        assert_ne!(info.flags & sys::UBLK_F_USER_COPY, 0);
+        assert_eq!(info.max_io_buf_bytes, 1 << 20);
+        let info = wanted.dev_info(0x7e);
+        assert_eq!(info.flags & sys::UBLK_F_USER_COPY, 0);
+        assert_eq!(info.max_io_buf_bytes, 256 << 10);
         assert_eq!(spec().dev_info(0x1fe).flags & sys::UBLK_F_USER_COPY, 0);
     }
 
@@ -224,6 +241,14 @@ mod tests {
             },
             DeviceSpec {
                 max_io_bytes: 1000,
+                ..spec()
+            },
+            DeviceSpec {
+                user_copy_max_io_bytes: Some(1000),
+                ..spec()
+            },
+            DeviceSpec {
+                user_copy_max_io_bytes: Some(64 << 20),
                 ..spec()
             },
             DeviceSpec {

@@ -92,6 +92,14 @@ enum Progress {
     Deferred(HeldRequest),
 }
 
+/// How a piece of a request ended (see `Queue::serve_piece`).
+enum Piece {
+    /// Served whole.
+    Whole,
+    /// The handler deferred the rest of it.
+    Deferred,
+}
+
 /// Where a queue is and what it may receive.
 #[derive(Clone, Copy, Debug)]
 pub struct QueueSetup {
@@ -110,18 +118,22 @@ enum DataPath {
     /// A buffer per tag, which the kernel fills with a WRITE's data before the tag's command
     /// completes and copies a READ's data from when the tag is committed.
     TagBuffers(IoBuffers),
-    /// `UBLK_F_USER_COPY`: one staging buffer of the largest request, since the thread serves
-    /// one request at a time. The thread reads a WRITE's data from the request (pread on the
+    /// `UBLK_F_USER_COPY`: one staging buffer, since the thread serves one request at a time
+    /// (a larger request a piece at a time). The thread reads a WRITE's data from the request (pread on the
     /// char device) and writes a READ's into it (pwrite) before committing the tag: a system
     /// call more per request, and `depth` times less locked memory.
     UserCopy(IoBuffers),
 }
 
+/// Bytes of the user-copy staging buffer: larger requests go through it a piece at a time
+/// (a pread or pwrite each, far less than a request's round trip through the ring).
+const USER_COPY_STAGING_BYTES: usize = 64 << 10;
+
 impl DataPath {
     fn new(setup: &QueueSetup) -> std::io::Result<Self> {
         let max_io = setup.max_io_bytes as usize;
         Ok(if setup.user_copy {
-            Self::UserCopy(IoBuffers::new(1, max_io)?)
+            Self::UserCopy(IoBuffers::new(1, max_io.min(USER_COPY_STAGING_BYTES))?)
         } else {
             Self::TagBuffers(IoBuffers::new(setup.depth, max_io)?)
         })
@@ -430,86 +442,112 @@ impl Queue {
         Ok(())
     }
 
-    /// Serve what is left of `request`; unless `may_defer`, the handler waits as long as its
-    /// rule lets it.
+    /// Serve what is left of `request`, a piece at a time when its data moves through the
+    /// user-copy staging buffer and is larger than it; unless `may_defer`, the handler waits
+    /// as long as its rule lets it.
     fn serve_part(
         &mut self,
         mut request: HeldRequest,
         handler: &dyn BlockHandler,
         may_defer: bool,
     ) -> Progress {
-        let (tag, rest, q_id) = (request.tag, request.rest, self.setup.q_id);
-        let len = usize::try_from(data_len(&rest)).unwrap_or(0);
-        // With user copy: the char device, and where in it the part left to serve begins.
+        loop {
+            match self.serve_piece(&mut request, handler, may_defer) {
+                Err(errno) => return Progress::Served(errno),
+                Ok(_) if request.rest.len == 0 => return Progress::Served(request.served),
+                Ok(Piece::Whole) => {}
+                Ok(Piece::Deferred) => {
+                    request.deferred_since.get_or_insert(request.arrived);
+                    return Progress::Deferred(request);
+                }
+            }
+        }
+    }
+
+    /// Serve the first piece of `request.rest` (all of it unless the staging buffer is
+    /// smaller) and take what was served off it: all of the piece, or, deferred, part of it.
+    /// `Err`: the negative errno the request fails with.
+    fn serve_piece(
+        &mut self,
+        request: &mut HeldRequest,
+        handler: &dyn BlockHandler,
+        may_defer: bool,
+    ) -> Result<Piece, i32> {
+        let (tag, q_id) = (request.tag, self.setup.q_id);
+        let rest_len = usize::try_from(data_len(&request.rest)).map_err(|_| -libc::EIO)?;
+        // The piece's buffer and, with user copy, the char device and where in it the piece's
+        // data begins.
         let (data, user_copy) = match &mut self.data {
             DataPath::TagBuffers(buffers) => (
                 buffers
                     .tag_mut(tag)
-                    .get_mut(request.buffer_offset..request.buffer_offset + len),
+                    .get_mut(request.buffer_offset..request.buffer_offset + rest_len),
                 None,
             ),
-            DataPath::UserCopy(staging) => (
-                staging.tag_mut(0).get_mut(..len),
-                Some((
-                    self.char_dev.as_ref(),
-                    sys::user_copy_pos(q_id, tag, request.buffer_offset),
-                )),
-            ),
+            DataPath::UserCopy(staging) => {
+                let staging = staging.tag_mut(0);
+                let len = rest_len.min(staging.len());
+                (
+                    staging.get_mut(..len),
+                    Some((
+                        self.char_dev.as_ref(),
+                        sys::user_copy_pos(q_id, tag, request.buffer_offset),
+                    )),
+                )
+            }
         };
-        let Some(data) = data else {
-            return Progress::Served(-libc::EIO);
+        let data = data.ok_or(-libc::EIO)?;
+        let piece = Request {
+            len: if rest_len == 0 {
+                request.rest.len
+            } else {
+                data.len() as u64
+            },
+            ..request.rest
         };
-        if let (Some((char_dev, at)), Op::Write) = (user_copy, rest.op) {
+        if let (Some((char_dev, at)), Op::Write) = (user_copy, piece.op) {
             if let Err(error) = char_dev.read_exact_at(data, at) {
-                tracing::warn!(q = q_id, tag, request = ?rest, %error, "reading a write's data from the request failed; request failed with EIO");
-                return Progress::Served(-libc::EIO);
+                tracing::warn!(q = q_id, tag, request = ?piece, %error, "reading a write's data from the request failed; request failed with EIO");
+                return Err(-libc::EIO);
             }
         }
+        let deferred_since = request.deferred_since;
         let handled = catch_unwind(AssertUnwindSafe(|| {
             if may_defer {
-                handler.try_handle(&rest, data, request.deferred_since)
+                handler.try_handle(&piece, data, deferred_since)
             } else {
-                Handled::Done(handler.handle(&rest, data))
+                Handled::Done(handler.handle(&piece, data))
             }
         }));
-        if let (Some((char_dev, at)), Op::Read) = (user_copy, rest.op) {
-            // What the handler read, into the request before its commit (a deferred part's
-            // data would not survive in the staging buffer).
-            let filled = match &handled {
-                Ok(Handled::Done(Ok(()))) => len,
-                Ok(Handled::Deferred { done_bytes }) => {
-                    usize::try_from(*done_bytes).map_or(len, |done| done.min(len))
-                }
-                _ => 0,
-            };
-            if let Err(error) = char_dev.write_all_at(&data[..filled], at) {
-                tracing::warn!(q = q_id, tag, request = ?rest, %error, "writing a read's data into the request failed; request failed with EIO");
-                return Progress::Served(-libc::EIO);
-            }
-        }
-        match handled {
-            Ok(Handled::Done(Ok(()))) => Progress::Served(request.served),
-            Ok(Handled::Done(Err(errno))) => Progress::Served(errno),
-            Ok(Handled::Deferred { done_bytes }) => match rest.len.checked_sub(done_bytes) {
-                Some(left) if left > 0 => {
-                    request.rest.offset += done_bytes;
-                    request.rest.len = left;
-                    request.buffer_offset += usize::try_from(done_bytes).unwrap_or(0);
-                    request.deferred_since.get_or_insert(request.arrived);
-                    Progress::Deferred(request)
-                }
-                _ => Progress::Served(request.served),
-            },
+        let (done_bytes, end) = match handled {
+            Ok(Handled::Done(Ok(()))) => (piece.len, Piece::Whole),
+            Ok(Handled::Done(Err(errno))) => return Err(errno),
+            Ok(Handled::Deferred { done_bytes }) => (done_bytes.min(piece.len), Piece::Deferred),
             Err(_) => {
                 tracing::error!(
                     q = q_id,
                     tag,
-                    request = ?rest,
+                    request = ?piece,
                     "handler panicked; request failed with EIO"
                 );
-                Progress::Served(-libc::EIO)
+                return Err(-libc::EIO);
+            }
+        };
+        let done = usize::try_from(done_bytes).map_err(|_| -libc::EIO)?;
+        if let (Some((char_dev, at)), Op::Read) = (user_copy, piece.op) {
+            // What the handler read, into the request before its commit (a deferred part's
+            // data would not survive in the staging buffer).
+            if let Err(error) = char_dev.write_all_at(&data[..done], at) {
+                tracing::warn!(q = q_id, tag, request = ?piece, %error, "writing a read's data into the request failed; request failed with EIO");
+                return Err(-libc::EIO);
             }
         }
+        request.rest.offset += done_bytes;
+        request.rest.len -= done_bytes;
+        if rest_len > 0 {
+            request.buffer_offset += done;
+        }
+        Ok(end)
     }
 }
 

@@ -56,7 +56,8 @@ pub const UBLKSRV_CMD_BUF_OFFSET: i64 = 0;
 /// pread/pwrite): this, plus the queue id and the tag shifted into place, plus the byte offset
 /// within the request (below 32 MiB).
 const UBLKSRV_IO_BUF_OFFSET: u64 = 0x8000_0000;
-const UBLK_TAG_OFF: u32 = 25;
+pub const UBLK_IO_BUF_BITS: u32 = 25;
+const UBLK_TAG_OFF: u32 = UBLK_IO_BUF_BITS;
 const UBLK_QID_OFF: u32 = UBLK_TAG_OFF + 16;
 
 /// The char device file position of byte `offset` of the request held by tag `tag` of queue
