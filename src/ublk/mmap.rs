@@ -89,7 +89,8 @@ impl Drop for DescArray {
 }
 
 /// The I/O buffers of one queue: `depth` buffers of `tag_size` bytes in one anonymous
-/// mapping, populated up front (and locked by the daemon's `mlockall`).
+/// mapping, populated up front (and locked by the daemon's `mlockall`). With user copy, one
+/// such buffer: the queue's staging buffer.
 pub struct IoBuffers {
     base: NonNull<u8>,
     tag_size: usize,
@@ -132,10 +133,6 @@ impl IoBuffers {
         // has checked against depth; a bad tag here is a bug, not input.
         assert!(tag < self.depth);
         self.base.as_ptr() as u64 + tag as u64 * self.tag_size as u64
-    }
-
-    pub fn tag_size(&self) -> usize {
-        self.tag_size
     }
 
     /// Tag `tag`'s buffer. Only called for a tag whose command has completed, so the kernel is

@@ -119,9 +119,9 @@ enum DataPath {
     /// completes and copies a READ's data from when the tag is committed.
     TagBuffers(IoBuffers),
     /// `UBLK_F_USER_COPY`: one staging buffer, since the thread serves one request at a time
-    /// (a larger request a piece at a time). The thread reads a WRITE's data from the request (pread on the
-    /// char device) and writes a READ's into it (pwrite) before committing the tag: a system
-    /// call more per request, and `depth` times less locked memory.
+    /// (a larger one a piece at a time). The thread reads a WRITE's data from the request
+    /// (pread on the char device) and writes a READ's into it (pwrite) before committing the
+    /// tag: a system call more per piece, and `depth` times less locked memory.
     UserCopy(IoBuffers),
 }
 
