@@ -617,6 +617,28 @@ static int next_daemon(DIR *proc, char *pid, size_t cap)
 	return 0;
 }
 
+/* Where thread TID of PID is in the kernel (/proc/PID/task/TID/stack, root only): its
+ * innermost frames on one line, "fn < caller < ...", offsets left out. */
+static void print_kernel_stack(const char *pid, const char *tid)
+{
+	char path[600];
+	static char stack[4096];
+	snprintf(path, sizeof(path), "/proc/%s/task/%s/stack", pid, tid);
+	if (!read_small(path, stack, sizeof(stack)))
+		return;
+	printf("watchdog:   kernel:");
+	int frames = 0;
+	for (char *line = strtok(stack, "\n"); line && frames < 12; line = strtok(NULL, "\n")) {
+		char *fn = strchr(line, ' ');
+		if (!fn)
+			continue;
+		fn++;
+		fn[strcspn(fn, "+")] = 0;
+		printf("%s %s", frames++ ? " <" : "", fn);
+	}
+	printf("\n");
+}
+
 /* Every thread of every trueno-ublk process: its state, page faults and CPU time from
  * /proc/PID/task/TID/stat, and what it is doing (/proc/.../syscall: the syscall and its
  * arguments, or "running", or -1 with the user stack and instruction pointers). Called twice,
@@ -665,6 +687,7 @@ static void print_daemon_threads(void)
 			       "syscall %s",
 			       pid, t->d_name, name + 1, state, minflt, majflt, utime, stime,
 			       syscall);
+			print_kernel_stack(pid, t->d_name);
 		}
 		closedir(tasks);
 	}
@@ -766,10 +789,12 @@ static int cmd_monitor(int argc, char **argv)
 		if (stalled || t >= deadline) {
 			if (!stalled)
 				printf("FAIL: watchdog: the test was still running after %.0f s\n", t);
-			print_daemon_log_tails();
+			/* The threads first: a report that keeps only the lines after the FAIL sees
+			 * where each one waits. */
 			print_daemon_threads();
 			sleep(1);
 			print_daemon_threads();
+			print_daemon_log_tails();
 			printf("FAIL: watchdog: blocked tasks, all tasks, the running CPUs and memory "
 			       "are in the VM console (sysrq w, t, l, m)\n");
 			printf("VMTEST RESULT: FAIL\n");
