@@ -513,11 +513,8 @@ pub fn resolve_with(
         depth,
         store,
         swap_priority: pick(None, section.swap_priority, DEFAULT_SWAP_PRIORITY),
-        slot_free_probe: !args.no_slot_free_probe
-            && section
-                .slot_free_probe
-                .map_or(true, |setting| setting.value),
-        user_copy: !args.no_user_copy && section.user_copy.map_or(true, |setting| setting.value),
+        slot_free_probe: switch_on(args.no_slot_free_probe, section.slot_free_probe),
+        user_copy: switch_on(args.no_user_copy, section.user_copy),
     })
 }
 
@@ -540,6 +537,11 @@ pub(crate) fn pick<T: Copy>(command_line: Option<T>, file: Option<Setting<T>>, d
     command_line
         .or(file.map(|setting| setting.value))
         .unwrap_or(default)
+}
+
+/// A switch that is on unless its `--no-...` flag is given or the file says `no`.
+fn switch_on(turned_off: bool, file: Option<Setting<bool>>) -> bool {
+    !turned_off && pick(None, file, true)
 }
 
 fn check_range<T: PartialOrd + std::fmt::Display>(
@@ -617,7 +619,7 @@ fn merge_store(
     let algorithm =
         pick(args.algorithm, section.algorithm, DEFAULT_ALGORITHM).with_level(zstd_level);
     let forced_backend = pick(args.backend, section.backend, BackendChoice::Auto).forced();
-    let batched = !args.no_batched && section.batched.map_or(true, |s| s.value);
+    let batched = switch_on(args.no_batched, section.batched);
     let batch_threshold = args
         .batch_threshold
         .or(section.batch_threshold.map(|setting| setting.value));
