@@ -450,6 +450,9 @@ kill_serving() {
         ok "$what: kill -9 of the serving process $pid; pid $(serving_pid "$id") resumed the device (seen by list $pause s after the kill)"
         figure "$3" "$(awk -v a="$(log_clock "$resumed")" -v b="$c0" 'BEGIN { printf "%.3f", a - b }')"
         echo "$resumed"
+        # Where the resume's queue start waited (the kernel's release of the old daemon, the
+        # tags' fetch, END_USER_RECOVERY).
+        daemon_log "$id" 30 | grep 'resume: queues started' | tail -n 1
     else
         fail "$what: nobody resumed device $id within 30 s of kill -9 of $pid ($(dev_row "$id"))"
         daemon_log "$id"

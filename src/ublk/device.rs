@@ -69,6 +69,9 @@ const LIVE_DAEMON_GRACE: Duration = Duration::from_secs(2);
 const HAND_OVER_WAIT: Duration = Duration::from_secs(5);
 /// Poll interval of those waits: short, since every waiting request pauses that long.
 const POLL: Duration = Duration::from_millis(2);
+/// START_USER_RECOVERY refused this many times in a row (a second of `POLL`s) is worth a
+/// warning: the device is quiesced, and every task that reclaims memory waits with it.
+const SLOW_RELEASE_TRIES: u32 = 500;
 
 pub fn block_path(dev_id: u32) -> String {
     format!("/dev/ublkb{dev_id}")
@@ -268,13 +271,26 @@ impl Standby {
         let id = device.id();
         // START_USER_RECOVERY is EBUSY until the old daemon's `/dev/ublkcN` is released, which
         // the kernel does once the last of its io_uring commands is gone.
-        let deadline = Instant::now() + QUIESCE_WAIT;
+        let started = Instant::now();
+        let deadline = started + QUIESCE_WAIT;
+        let mut busy_tries = 0u32;
         loop {
             match device.control.start_user_recovery(id) {
                 Ok(()) => break,
                 Err(UblkError::Command {
                     errno: libc::EBUSY, ..
-                }) if Instant::now() < deadline => std::thread::sleep(POLL),
+                }) if Instant::now() < deadline => {
+                    busy_tries += 1;
+                    if busy_tries == SLOW_RELEASE_TRIES {
+                        tracing::warn!(
+                            id,
+                            waited_ms = started.elapsed().as_millis(),
+                            "the kernel has not yet released the old daemon's {}: the device stays quiesced until it does",
+                            char_path(id)
+                        );
+                    }
+                    std::thread::sleep(POLL);
+                }
                 Err(UblkError::Command {
                     errno: libc::EBUSY, ..
                 }) => {
@@ -305,9 +321,22 @@ impl Standby {
                 Err(error) => return Err(error),
             }
         }
+        let recovery_started = Instant::now();
         let char_dev = Arc::new(open_char_dev(id)?);
         device.fetch_all(go, &char_dev)?;
+        let fetched = Instant::now();
         device.control.end_user_recovery(id, std::process::id())?;
+        let ended = Instant::now();
+        // Where a slow resume waited: for the kernel to let go of the old daemon, for the
+        // queue threads to fetch every tag, or in END_USER_RECOVERY.
+        tracing::info!(
+            id,
+            release_wait_ms = (recovery_started - started).as_millis(),
+            busy_tries,
+            fetch_ms = (fetched - recovery_started).as_millis(),
+            end_ms = (ended - fetched).as_millis(),
+            "resume: queues started"
+        );
         device.info = device.control.dev_info(id)?;
         // Again, for a device that an older build started (only what differs is written: a
         // write of nr_requests freezes the queue, even with the value it has).
