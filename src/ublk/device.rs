@@ -739,7 +739,18 @@ fn run_queue(
     let Ok(char_dev) = go.recv() else {
         return (None, Ok(()));
     };
-    match Queue::fetch_all(parts, char_dev, wake) {
+    // Real-time while it fetches, as the thread that resumes a device is: until every tag is
+    // fetched the device waits (for a resume, quiesced, with RAM at the watermark), and the
+    // kernel lets a real-time task allocate below the min watermark what the fetch still
+    // needs (the descriptors' mapping, the commands' data).
+    let realtime = crate::os::make_thread_realtime().is_ok();
+    let fetched = Queue::fetch_all(parts, char_dev, wake);
+    if realtime {
+        if let Err(error) = crate::os::make_thread_normal() {
+            tracing::warn!(%error, "could not end the queue thread's real-time priority");
+        }
+    }
+    match fetched {
         Ok(mut queue) => {
             let _ = ready.send(QueueReady::Fetched);
             let result = queue.serve(handler, stop, timing);

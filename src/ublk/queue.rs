@@ -159,6 +159,8 @@ const DEFERRED_POLL: types::Timespec = types::Timespec::new().nsec(2_000_000);
 const POLL_WINDOW: std::time::Duration = std::time::Duration::from_micros(50);
 /// `user_data` of the wake-up poll: above every tag, so never mistaken for one.
 const WAKE: u64 = 1 << 32;
+/// `user_data` of the NOPs that warm the ring's request cache (`QueueParts::prepare`).
+const WARM_UP: u64 = WAKE + 1;
 
 /// What a queue thread makes before it may touch the device: its ring and its tags' buffers.
 /// Made ahead so that a recovery, which must fetch every tag soon after START_USER_RECOVERY,
@@ -190,7 +192,43 @@ impl QueueParts {
             .setup_taskrun_flag()
             .build((u32::from(setup.depth) + 1).next_power_of_two())
             .map_err(io("creating a queue io_uring"))?;
-        Ok(Self { setup, ring, data })
+        let mut parts = Self { setup, ring, data };
+        if let Err(error) = parts.warm_request_cache() {
+            tracing::warn!(q = setup.q_id, %error, "could not warm the queue ring's request cache: a resume under memory pressure may wait in reclaim");
+        }
+        Ok(parts)
+    }
+
+    /// Have the kernel allocate the ring's requests now: a NOP in every submission slot,
+    /// submitted and reaped. The ring keeps finished requests for reuse, so the fetch of
+    /// every tag at a resume (and every command after it) takes no new memory. Why: without
+    /// it that fetch allocated its requests from the slab at the takeover, with RAM at the
+    /// watermark and the device quiesced until the fetch is done; the queue thread then spun
+    /// in reclaim that could free nothing (seen in the VM: `__io_alloc_req_refill` →
+    /// `try_to_free_pages`, swap stalled for 28 s once and for good in CI on 2026-11-26).
+    fn warm_request_cache(&mut self) -> std::io::Result<()> {
+        let slots = self.ring.params().sq_entries();
+        let nop = opcode::Nop::new().build().user_data(WARM_UP);
+        for _ in 0..slots {
+            // SAFETY: a NOP names no memory.
+            unsafe { self.ring.submission().push(&nop) }
+                .map_err(|_| std::io::Error::from(std::io::ErrorKind::OutOfMemory))?;
+        }
+        let want = usize::try_from(slots).unwrap_or(usize::MAX);
+        let mut reaped = 0;
+        self.ring.submit_and_wait(want)?;
+        for entry in self.ring.completion() {
+            reaped += 1;
+            if entry.result() < 0 {
+                return Err(std::io::Error::from_raw_os_error(-entry.result()));
+            }
+        }
+        if reaped < want {
+            return Err(std::io::Error::other(format!(
+                "{reaped} of {want} NOPs completed"
+            )));
+        }
+        Ok(())
     }
 }
 
