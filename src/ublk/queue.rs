@@ -215,17 +215,16 @@ impl QueueParts {
                 .map_err(|_| std::io::Error::from(std::io::ErrorKind::OutOfMemory))?;
         }
         let want = usize::try_from(slots).unwrap_or(usize::MAX);
-        let mut reaped = 0;
         self.ring.submit_and_wait(want)?;
-        for entry in self.ring.completion() {
-            reaped += 1;
-            if entry.result() < 0 {
-                return Err(std::io::Error::from_raw_os_error(-entry.result()));
-            }
+        // Every completion reaped, failed or not (the serving loop takes only tags).
+        let results: Vec<i32> = self.ring.completion().map(|entry| entry.result()).collect();
+        if let Some(errno) = results.iter().find(|&&result| result < 0) {
+            return Err(std::io::Error::from_raw_os_error(-errno));
         }
-        if reaped < want {
+        if results.len() < want {
             return Err(std::io::Error::other(format!(
-                "{reaped} of {want} NOPs completed"
+                "{} of {want} NOPs completed",
+                results.len()
             )));
         }
         Ok(())
@@ -349,11 +348,12 @@ impl Queue {
                     })
                 }
             }
-            // The wake-up poll completes once, when a stop is asked for; it is no tag.
+            // Only commands name tags: the wake-up poll (which completes once, when a stop is
+            // asked for) and a warm-up NOP that completed late are no tag.
             ready.extend(
                 self.ring
                     .completion()
-                    .filter(|cqe| cqe.user_data() != WAKE)
+                    .filter(|cqe| cqe.user_data() < WAKE)
                     .map(|cqe| (tag_of(cqe.user_data()), cqe.result())),
             );
             let arrived = Instant::now();
