@@ -18,9 +18,11 @@ use std::ptr::NonNull;
 use nix::sys::mman::{madvise, MmapAdvise};
 
 mod arena;
+mod lists;
 mod segment;
 
 pub use arena::{Arena, ArenaChunk};
+pub use lists::{empty_list, faulted_in_list, ListAlloc, ListVec};
 pub use segment::{PageSlots, Segment, SlotRead, SlotWrite, Words};
 
 const HOST_PAGE: usize = 4096;

@@ -29,12 +29,12 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use super::reserve::ChunkReserve;
 pub(super) use super::reserve::Shortage;
 use crate::codec::PAGE_SIZE;
-use crate::mem::{faulted_in_vec, Arena, ArenaChunk, Words};
+use crate::mem::{empty_list, faulted_in_list, Arena, ArenaChunk, ListAlloc, ListVec, Words};
 
 /// Object sizes are multiples of this.
 const GRANULE: usize = 16;
@@ -62,6 +62,12 @@ const UNUSED_CLASS_SLACK: usize = 8;
 /// The same for a rebuilt class until the first `provision` after the resume (see
 /// `rebuild_room`).
 const REBUILD_MIN_SLACK: usize = 8;
+/// A class's lists are made small again (see `provision`) once they have room for at least
+/// this many times what its live chunks and their slack need...
+const SHRINK_FACTOR: usize = 2;
+/// ...and that room is at least this many bytes: below it, making them anew frees too little
+/// to be worth a pass over them under the class lock.
+const SHRINK_MIN_BYTES: usize = 256 << 10;
 /// A class is compacted once it holds more chunks than its objects need by at least one
 /// chunk and by at least 1/`COMPACT_SLACK_DIVISOR` of its chunks (3%).
 const COMPACT_SLACK_DIVISOR: usize = 32;
@@ -109,14 +115,14 @@ struct ChunkUsage {
     evacuating: bool,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct ClassState {
     /// Indexed by chunk id; `None` for ids whose chunk was freed.
-    usage: Vec<Option<ChunkUsage>>,
+    usage: ListVec<Option<ChunkUsage>>,
     /// Chunks with at least one free object.
-    partial: Vec<u32>,
+    partial: ListVec<u32>,
     /// Chunk ids free for reuse.
-    free_ids: Vec<u32>,
+    free_ids: ListVec<u32>,
     /// Objects held and live chunks, for `plan_evacuation`.
     objects: usize,
     chunks: usize,
@@ -124,16 +130,38 @@ struct ClassState {
     evacuating: usize,
 }
 
+impl ClassState {
+    fn new() -> Self {
+        Self {
+            usage: empty_list(ListAlloc::Mapped),
+            partial: empty_list(ListAlloc::Mapped),
+            free_ids: empty_list(ListAlloc::Mapped),
+            objects: 0,
+            chunks: 0,
+            evacuating: 0,
+        }
+    }
+}
+
+/// Bookkeeping bytes per chunk id: its entries in the four lists.
+const LIST_BYTES_PER_CHUNK: usize = std::mem::size_of::<Option<ChunkUsage>>()
+    + std::mem::size_of::<Option<Chunk>>()
+    + 2 * std::mem::size_of::<u32>();
+
 /// One chunk's bytes, shared by readers, exclusive to the writer copying an object in.
 type Chunk = RwLock<ArenaChunk>;
+
+/// A class's chunks by id, read-locked.
+type ChunkDirectory<'a> = RwLockReadGuard<'a, ListVec<Option<Chunk>>>;
 
 struct SizeClass {
     obj_size: usize,
     objs_per_chunk: usize,
     chunk_bytes: usize,
     /// The chunks, by id. Readers take this lock shared; it is taken exclusively only to add
-    /// or remove a chunk.
-    chunks: RwLock<Vec<Option<Chunk>>>,
+    /// or remove a chunk, or to renumber them (see `provision`), and always with `state`
+    /// held.
+    chunks: RwLock<ListVec<Option<Chunk>>>,
     state: Mutex<ClassState>,
     /// `ClassState::evacuating`, readable without the lock: whether any object of the class
     /// may need moving.
@@ -182,8 +210,8 @@ fn size_classes() -> (Box<[SizeClass]>, Box<[u8]>) {
                 obj_size,
                 objs_per_chunk,
                 chunk_bytes,
-                chunks: RwLock::new(Vec::new()),
-                state: Mutex::new(ClassState::default()),
+                chunks: RwLock::new(empty_list(ListAlloc::Mapped)),
+                state: Mutex::new(ClassState::new()),
                 evacuating: AtomicU64::new(0),
             });
         }
@@ -264,43 +292,73 @@ impl ZsAllocator {
         (total + std::mem::size_of_val(&*self.classes) + self.class_of.len()) as u64
     }
 
-    /// Grow each class's bookkeeping ahead of need, from the calling (refill) thread.
+    /// Grow each class's bookkeeping ahead of need, and make it small again once most of
+    /// the class's chunks are gone, from the calling (refill) thread.
     ///
-    /// Why: adding a chunk on the I/O path pushes onto these vectors, and a push past their
-    /// capacity reallocates: fresh heap pages faulted in under memory pressure by a thread that
-    /// serves swap (seen in the VM: a rayon worker stuck in such a fault while every swap bio
-    /// waited for it). Here the new buffers are allocated and faulted in outside every lock,
-    /// and only the move of the entries happens under the class lock.
+    /// Why grow here: adding a chunk on the I/O path pushes onto these vectors, and a push
+    /// past their capacity reallocates: fresh heap pages faulted in under memory pressure by a
+    /// thread that serves swap (seen in the VM: a rayon worker stuck in such a fault while
+    /// every swap bio waited for it). Here the new buffers are allocated and faulted in
+    /// outside every lock, and only the move of the entries happens under the class lock.
+    ///
+    /// Why shrink: the lists only ever grew, and after a near-OOM fill whose pages were then
+    /// freed (its programs killed) they held room for every chunk the fill had, about 100
+    /// bytes a chunk, all locked (9.6 MiB in the VM after stress-ng's workers died). Chunk ids
+    /// are the allocator's own (a handle names an arena page, and the chunk there names its
+    /// id in its tag), so the live chunks are renumbered 0.. and the lists cut to them; their
+    /// old buffers, large ones being mappings of their own (`ListAlloc`), go back to the
+    /// system when dropped.
+    /// Not while memory is short: a class then keeps what it has, since its chunks may be
+    /// needed again at once.
     pub(super) fn provision(&self) {
-        self.provision_classes(&|_, len, capacity| capacity - len < provision_slack(len));
+        self.provision_classes(
+            &|_, len, capacity| capacity - len < provision_slack(len),
+            !self.reserve.memory_short(),
+        );
     }
 
     /// `provision` for the classes `remake` picks (given a class, its lists' length and
-    /// capacity): their lists are made anew with faulted-in room. Each class's live chunks
-    /// are noted (`chunk_notes`).
-    fn provision_classes(&self, remake: &dyn Fn(usize, usize, usize) -> bool) {
+    /// capacity), and with `shrink`, for the classes whose lists are far larger than their
+    /// live chunks need: their lists are made anew with faulted-in room. Each class's live
+    /// chunks are noted (`chunk_notes`).
+    fn provision_classes(&self, remake: &dyn Fn(usize, usize, usize) -> bool, shrink: bool) {
         for (index, class) in self.classes.iter().enumerate() {
             let (len, capacity, chunks) = {
                 let st = class.state.lock();
                 (st.usage.len(), st.usage.capacity(), st.chunks)
             };
             self.note_chunks(index, chunks);
-            let remake = remake(index, len, capacity);
-            if !remake {
+            let compact_want = chunks + 2 * provision_slack(chunks);
+            let compact = shrink
+                && capacity >= SHRINK_FACTOR * compact_want
+                && capacity * LIST_BYTES_PER_CHUNK >= SHRINK_MIN_BYTES;
+            if !compact && !remake(index, len, capacity) {
                 continue;
             }
-            let want = len + 2 * provision_slack(len);
-            let mut usage = faulted_in_vec::<Option<ChunkUsage>>(want);
-            let mut dir = faulted_in_vec::<Option<Chunk>>(want);
-            let mut partial = faulted_in_vec::<u32>(want);
-            let mut free_ids = faulted_in_vec::<u32>(want);
+            let want = if compact {
+                compact_want
+            } else {
+                len + 2 * provision_slack(len)
+            };
+            let mut usage = faulted_in_list::<Option<ChunkUsage>>(want, ListAlloc::Mapped);
+            let mut dir = faulted_in_list::<Option<Chunk>>(want, ListAlloc::Mapped);
+            let mut partial = faulted_in_list::<u32>(want, ListAlloc::Mapped);
+            let mut free_ids = faulted_in_list::<u32>(want, ListAlloc::Mapped);
             {
                 let mut st = class.state.lock();
                 let mut chunks = class.chunks.write();
                 // `partial` and `free_ids` never hold more entries than `usage`: one capacity
                 // covers all four.
                 // Moved only if it still fits: nothing may allocate under the class lock.
-                if (remake || st.usage.capacity() < want) && st.usage.len() <= want {
+                if compact && st.chunks <= want && st.usage.len() == chunks.len() {
+                    self.renumber_into(&mut st, &mut chunks, &mut usage, &mut dir, &mut partial);
+                    std::mem::swap(&mut st.usage, &mut usage);
+                    std::mem::swap(&mut *chunks, &mut dir);
+                    std::mem::swap(&mut st.partial, &mut partial);
+                    std::mem::swap(&mut st.free_ids, &mut free_ids);
+                } else if (remake(index, len, capacity) || st.usage.capacity() < want)
+                    && st.usage.len() <= want
+                {
                     usage.append(&mut st.usage);
                     dir.append(&mut chunks);
                     partial.append(&mut st.partial);
@@ -315,6 +373,50 @@ impl ZsAllocator {
         }
     }
 
+    /// Move a class's live chunks into the empty lists given (room for every live chunk),
+    /// numbered 0.. in their old order, each chunk's tag naming its new id, and the partial
+    /// list into `partial` with the new ids; the old lists are left empty. Under the class
+    /// lock and its directory's write lock: every id in use is taken under the one, every
+    /// chunk looked up under the other.
+    fn renumber_into(
+        &self,
+        st: &mut ClassState,
+        dir: &mut ListVec<Option<Chunk>>,
+        new_usage: &mut ListVec<Option<ChunkUsage>>,
+        new_dir: &mut ListVec<Option<Chunk>>,
+        new_partial: &mut ListVec<u32>,
+    ) {
+        // Within the room given: `partial` never holds more entries than there are chunks.
+        new_partial.resize(st.partial.len(), u32::MAX);
+        for (usage, chunk) in st.usage.drain(..).zip(dir.drain(..)) {
+            let (usage, mut chunk) = match (usage, chunk) {
+                (Some(usage), Some(chunk)) => (usage, chunk),
+                (None, None) => continue,
+                (usage, chunk) => {
+                    tracing::error!(
+                        usage = usage.is_some(),
+                        chunk = chunk.is_some(),
+                        "a chunk id with bookkeeping but no chunk, or the reverse: dropped"
+                    );
+                    continue;
+                }
+            };
+            let id = new_usage.len() as u32;
+            if let Some(slot) = usage
+                .partial_pos
+                .and_then(|pos| new_partial.get_mut(pos as usize))
+            {
+                *slot = id;
+            }
+            if let Some(tag) = self.reserve.arena().tag(chunk.get_mut().page()) {
+                tag.store(id + 1, Ordering::Release);
+            }
+            new_usage.push(Some(usage));
+            new_dir.push(Some(chunk));
+        }
+        st.partial.clear();
+        st.free_ids.clear();
+    }
     fn note_chunks(&self, class: usize, chunks: usize) {
         if let Some(note) = self.chunk_notes.as_ref().and_then(|notes| notes.get(class)) {
             note.store(chunks as u64, Ordering::Relaxed);
@@ -335,8 +437,7 @@ impl ZsAllocator {
     ) -> Result<Handle, Shortage> {
         let class_idx = self.class_index(bytes.len());
         let class = &self.classes[class_idx];
-        let (chunk, obj) = self.take_object(class_idx, give_up)?;
-        let dir = class.chunks.read();
+        let (dir, chunk, obj) = self.take_object(class_idx, give_up)?;
         let Some(Some(lock)) = dir.get(chunk as usize) else {
             return Err(Shortage::ArenaFull);
         };
@@ -349,11 +450,14 @@ impl ZsAllocator {
         Ok(Handle::new(data.page(), usize::from(obj)))
     }
 
+    /// Take a free object of class `class_idx`: its chunk's id and its index there, with the
+    /// class's directory read-locked, taken before the class lock is let go, so that the id
+    /// still names the chunk when it is looked up (`provision` renumbers chunks).
     fn take_object(
         &self,
         class_idx: usize,
         give_up: Option<&dyn Fn(std::time::Duration) -> bool>,
-    ) -> Result<(u32, u16), Shortage> {
+    ) -> Result<(ChunkDirectory<'_>, u32, u16), Shortage> {
         let class = &self.classes[class_idx];
         let mut st = class.state.lock();
         loop {
@@ -405,7 +509,7 @@ impl ZsAllocator {
                 remove_partial(partial, usage, pos);
             }
             st.objects += 1;
-            return Ok((chunk, (word * 64 + bit) as u16));
+            return Ok((class.chunks.read(), chunk, (word * 64 + bit) as u16));
         }
     }
 
@@ -593,8 +697,9 @@ impl ZsAllocator {
         if handle.obj() >= class.objs_per_chunk {
             return None;
         }
-        let id = self.chunk_id(handle.page())?;
+        // The id under the directory's lock: `provision` renumbers chunks under its write lock.
         let dir = class.chunks.read();
+        let id = self.chunk_id(handle.page())?;
         let chunk = dir.get(id)?.as_ref()?.read();
         if chunk.page() != handle.page() {
             return None;
@@ -635,9 +740,6 @@ fn rebuild_room(noted: u64) -> usize {
 /// Heap bytes a rebuild allocates for classes of `noted` live chunks and a carved arena of
 /// `carved_bytes`: the lists, and the occupancy map.
 pub(super) fn rebuild_heap_bytes(noted: &[u64], carved_bytes: u64) -> usize {
-    let per_chunk = std::mem::size_of::<Option<ChunkUsage>>()
-        + std::mem::size_of::<Option<Chunk>>()
-        + 2 * std::mem::size_of::<u32>();
     let pages = usize::try_from(carved_bytes).unwrap_or(usize::MAX) / PAGE_SIZE;
     // All classes together hold no more chunks than the carved arena has pages: wild notes
     // ask for no more than room for those.
@@ -647,7 +749,7 @@ pub(super) fn rebuild_heap_bytes(noted: &[u64], carved_bytes: u64) -> usize {
         .map(|&n| rebuild_room(n.min(pages as u64)))
         .fold(0, usize::saturating_add)
         .min(rebuild_room(pages as u64).saturating_add(MAX_CLASSES * REBUILD_MIN_SLACK));
-    room.saturating_mul(per_chunk)
+    room.saturating_mul(LIST_BYTES_PER_CHUNK)
         .saturating_add(pages.saturating_mul(std::mem::size_of::<u16>()))
 }
 
@@ -684,10 +786,11 @@ impl ZsAllocator {
             let most = (pages / (class.chunk_bytes / PAGE_SIZE)) as u64;
             let want = rebuild_room(noted.min(most));
             let mut st = class.state.lock();
-            st.usage = faulted_in_vec(want);
-            st.partial = faulted_in_vec(want);
-            st.free_ids = faulted_in_vec(want);
-            *class.chunks.write() = faulted_in_vec(want);
+            // From the heap the standby faulted in (see `rebuild_heap_bytes`), not new mappings.
+            st.usage = faulted_in_list(want, ListAlloc::Heap);
+            st.partial = faulted_in_list(want, ListAlloc::Heap);
+            st.free_ids = faulted_in_list(want, ListAlloc::Heap);
+            *class.chunks.write() = faulted_in_list(want, ListAlloc::Heap);
             room[index] = st.usage.capacity();
         }
         Ok(Occupancy {
@@ -807,7 +910,7 @@ impl ZsAllocator {
             }
         }
         arena.map_page_tables(kept.into_iter())?;
-        self.provision_classes(&|class, _, capacity| capacity > room[class]);
+        self.provision_classes(&|class, _, capacity| capacity > room[class], false);
         self.reserve.provision_pools();
         Ok(())
     }
@@ -849,7 +952,7 @@ fn has_room(st: &ClassState) -> bool {
 }
 
 /// Remove the entry at `pos` of `partial` (swap-remove), fixing the moved chunk's position.
-fn remove_partial(partial: &mut Vec<u32>, usage: &mut [Option<ChunkUsage>], pos: u32) {
+fn remove_partial(partial: &mut ListVec<u32>, usage: &mut [Option<ChunkUsage>], pos: u32) {
     partial.swap_remove(pos as usize);
     if let Some(&moved) = partial.get(pos as usize) {
         if let Some(Some(m)) = usage.get_mut(moved as usize) {
@@ -1038,6 +1141,138 @@ mod tests {
         a.provision();
         let st = a.classes[class].state.lock();
         assert!(st.usage.capacity() - st.usage.len() >= PROVISION_MIN_SLACK);
+    }
+
+    /// Bytes of object number `n` of a test: a pattern no other object repeats.
+    fn object_bytes(n: u64, len: usize) -> Vec<u8> {
+        (0..len as u64)
+            .map(|i| (n.wrapping_mul(0x9e37_79b9) ^ (i * 7)) as u8)
+            .collect()
+    }
+
+    #[test]
+    fn lists_shrink_to_the_live_chunks_and_every_object_stays_readable() {
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None);
+        let class = a.class_index(PAGE_SIZE);
+        // One object a chunk: 6,000 chunk ids, then all but every 500th freed (so the ids
+        // left are spread up to the highest).
+        let handles: Vec<Handle> = (0..6000u64)
+            .map(|n| a.store(&object_bytes(n, PAGE_SIZE)).unwrap())
+            .collect();
+        a.provision();
+        let full = a.metadata_bytes();
+        let mut kept = Vec::new();
+        for (n, &h) in handles.iter().enumerate() {
+            if n % 500 == 499 {
+                kept.push((n as u64, h));
+            } else {
+                a.free(h, PAGE_SIZE);
+            }
+        }
+        a.provision();
+        let small = a.metadata_bytes();
+        assert!(small * 4 < full, "bookkeeping {full} -> {small} bytes");
+        {
+            let st = a.classes[class].state.lock();
+            assert_eq!(st.usage.len(), kept.len(), "ids renumbered 0..");
+            assert!(st.free_ids.is_empty());
+        }
+        let check = |kept: &[(u64, Handle)]| {
+            for &(n, h) in kept {
+                let same = a.with_object(h, PAGE_SIZE, |b| b == &object_bytes(n, PAGE_SIZE)[..]);
+                assert_eq!(same, Some(true), "object {n}");
+            }
+        };
+        check(&kept);
+        // The renumbered class takes new objects and frees old ones as before.
+        for n in 10_000..10_100u64 {
+            kept.push((n, a.store(&object_bytes(n, PAGE_SIZE)).unwrap()));
+        }
+        check(&kept);
+        for &(_, h) in &kept {
+            a.free(h, PAGE_SIZE);
+        }
+        assert_eq!(a.chunk_bytes(), 0);
+        a.provision();
+        assert!(
+            a.metadata_bytes() * 4 < full,
+            "{} bytes",
+            a.metadata_bytes()
+        );
+    }
+
+    #[test]
+    fn renumbering_while_objects_come_and_go_loses_none() {
+        let a = Arc::new(ZsAllocator::new(
+            0,
+            Arena::private(128 << 20).unwrap(),
+            None,
+        ));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let provisioner = {
+            let (a, stop) = (Arc::clone(&a), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut passes = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    a.provision();
+                    passes += 1;
+                }
+                passes
+            })
+        };
+        let workers: Vec<_> = (0..4u64)
+            .map(|w| {
+                let a = Arc::clone(&a);
+                std::thread::spawn(move || {
+                    let mut live: Vec<(u64, usize, Handle)> = Vec::new();
+                    let mut rng = 0x2545_f491_4f6c_dd1d_u64 ^ w;
+                    let mut next = || {
+                        rng ^= rng << 13;
+                        rng ^= rng >> 7;
+                        rng ^= rng << 17;
+                        rng
+                    };
+                    for round in 0..4u64 {
+                        // Up to 1,500 objects each (mostly one a chunk), then all but a
+                        // twentieth freed: the lists grow past the shrink threshold and fall
+                        // far below it.
+                        for i in 0..1500u64 {
+                            let n = (w << 40) | (round << 20) | i;
+                            let len = [PAGE_SIZE, PAGE_SIZE, 3000, 100][(next() % 4) as usize];
+                            live.push((n, len, a.store(&object_bytes(n, len)).unwrap()));
+                            let (n, len, h) = live[(next() % live.len() as u64) as usize];
+                            let same = a.with_object(h, len, |b| b == &object_bytes(n, len)[..]);
+                            assert_eq!(same, Some(true), "object {n:x} while storing");
+                        }
+                        while live.len() > 75 {
+                            let (_, len, h) =
+                                live.swap_remove((next() % live.len() as u64) as usize);
+                            a.free(h, len);
+                        }
+                        for &(n, len, h) in &live {
+                            let same = a.with_object(h, len, |b| b == &object_bytes(n, len)[..]);
+                            assert_eq!(same, Some(true), "object {n:x} after the frees");
+                        }
+                        std::thread::sleep(std::time::Duration::from_millis(5));
+                    }
+                    live
+                })
+            })
+            .collect();
+        let live: Vec<_> = workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap())
+            .collect();
+        stop.store(true, Ordering::Relaxed);
+        assert!(provisioner.join().unwrap() > 0);
+        for &(n, len, h) in &live {
+            assert_eq!(
+                a.with_object(h, len, |b| b == &object_bytes(n, len)[..]),
+                Some(true)
+            );
+            a.free(h, len);
+        }
+        assert_eq!(a.chunk_bytes(), 0);
     }
 
     /// A memory of its own for one word per class, as a store's header has them.

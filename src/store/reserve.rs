@@ -247,6 +247,11 @@ impl ChunkReserve {
         self.memory_short.store(short, Ordering::Relaxed);
     }
 
+    /// Whether the system is short of memory, as last told (`set_memory_short`).
+    pub(super) fn memory_short(&self) -> bool {
+        self.memory_short.load(Ordering::Relaxed)
+    }
+
     /// What the refill thread is doing, and for how long it has been.
     pub(super) fn refill_activity(&self) -> (RefillActivity, Duration) {
         self.refill_state.get()
