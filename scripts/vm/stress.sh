@@ -192,7 +192,7 @@ rss_by_mapping() {
 rss_kib() { awk '/^VmRSS/ { print $2 }' "/proc/$1/status" 2>/dev/null || echo 0; }
 
 stress_phase() {
-    local pid sup sby p
+    local pid sup sby p idle out
     section "near OOM: stress-ng vm ($STRESS_CASES, ${STRESS_S} s) on zram, then trueno-ublk"
     if ! stress_unpack; then
         fail "stress-ng could not be unpacked from /dev/vda"
@@ -219,7 +219,8 @@ stress_phase() {
     sup=$(awk '/^PPid:/ { print $2 }' "/proc/$pid/status")
     sby=$(for p in $(pidof trueno-ublk); do [ "$p" != "$pid" ] && [ "$p" != "$sup" ] && echo "$p"; done)
     grep -E '^(VmRSS|RssAnon|RssFile|RssShmem|VmLck)' "/proc/$pid/status"
-    echo "idle RSS (KiB): serving process $(rss_kib "$pid"), supervisor $(rss_kib "$sup"), standby $(rss_kib "$sby")"
+    idle=$(rss_kib "$pid")
+    echo "idle RSS (KiB): serving process $idle, supervisor $(rss_kib "$sup"), standby $(rss_kib "$sby")"
     sfigure ublk_idle_rss_kB "$(rss_kib "$pid")"
     sfigure ublk_idle_rss_all_processes_kB "$(($(rss_kib "$pid") + $(rss_kib "$sup") + $(rss_kib "$sby")))"
     # Quiet: nothing written for seconds, the chunk reserve down to a quarter of its target.
@@ -235,6 +236,14 @@ stress_phase() {
     for p in $STRESS_CASES; do
         stress_compare "${p%%:*}" "${p##*:}"
     done
+    # Memory follows the data after the cases too: their workers are gone and so are their
+    # pages, so the serving process comes back within 4 MiB of its idle RSS (its chunk lists
+    # and the reserve's cold list made small again, issue 16).
+    out=$($VT rss-settle "$(serving_pid 0)" $((idle + 4096)) 10)
+    echo "after the stress cases: $out"
+    sfigure ublk_rss_after_stress_settle_s "$(echo "$out" | sed -n 's/^RSS_SETTLE_S=//p')"
+    check "after the stress cases: serving process's RSS back within 4 MiB of its idle RSS ($idle kB) within 10 s: $(echo "$out" | tr '\n' ' ')" \
+        awk -v s="$(echo "$out" | sed -n 's/^RSS_SETTLE_S=//p')" 'BEGIN { exit !(s >= 0 && s <= 10) }'
     trueno-ublk stat
     echo "RSS now (KiB): serving process $(rss_kib "$(serving_pid 0)"), supervisor $(rss_kib "$sup")"
     rss_by_mapping "$(serving_pid 0)" 8

@@ -23,13 +23,15 @@ use parking_lot::{Condvar, Mutex};
 use smallvec::SmallVec;
 
 use crate::codec::PAGE_SIZE;
-use crate::mem::{Arena, ArenaChunk};
+use crate::mem::{empty_list, faulted_in_list, Arena, ArenaChunk, ListAlloc, ListVec};
 
 /// How often the refill thread looks even when nobody woke it.
 const REFILL_PERIOD: Duration = Duration::from_millis(50);
 /// Room kept in each pool's lists for chunks given back on the I/O path or committed by the
 /// refill thread (see `provision`); more than one commit group holds.
 const POOL_SLACK: usize = 1024;
+/// A cold list is made small again (`shrink_cold`) only when its room is at least this large.
+const COLD_SHRINK_MIN_BYTES: usize = 64 << 10;
 /// Chunks are committed this many bytes at a time (one fallocate call).
 const COMMIT_GROUP_BYTES: usize = 256 << 10;
 /// A reserve nobody took a chunk from for this long, while memory is not short, keeps only
@@ -143,17 +145,28 @@ impl RefillState {
     }
 }
 
-#[derive(Default)]
 struct Pool {
     /// Committed chunks, ready.
     ready: Vec<ArenaChunk>,
-    /// Chunks whose pages were given back; committed again before use.
-    cold: Vec<ArenaChunk>,
+    /// The arena pages of the chunks whose pages were given back; committed again before
+    /// use. Pages, not chunks: a near-OOM fill given back leaves tens of thousands here, and
+    /// a page is 8 bytes where a chunk is 32 (see `give_cold_room`).
+    cold: ListVec<u64>,
     /// Chunks given back beyond the target while the refill thread runs, still committed: the
     /// refill thread punches their holes, because a hole punch takes the memfd's inode lock,
     /// which the refill thread holds while it waits in reclaim to commit more (seen in the VM:
     /// a queue thread freeing a chunk waited there while every swap bio waited for it).
     surplus: Vec<ArenaChunk>,
+}
+
+impl Default for Pool {
+    fn default() -> Self {
+        Self {
+            ready: Vec::new(),
+            cold: empty_list(ListAlloc::Mapped),
+            surplus: Vec::new(),
+        }
+    }
 }
 
 pub(super) struct ChunkReserve {
@@ -295,7 +308,8 @@ impl ChunkReserve {
     /// A free chunk whose pages were given back already (a resumed store's free space).
     pub(super) fn adopt_cold(&self, chunk: ArenaChunk) {
         let k = chunk.len() / PAGE_SIZE - 1;
-        self.pools[k].lock().cold.push(chunk);
+        self.give_cold_room(k, 1);
+        self.pools[k].lock().cold.push(chunk.page() as u64);
     }
 
     pub(super) fn enabled(&self) -> bool {
@@ -497,7 +511,58 @@ impl ChunkReserve {
         if let Err(error) = ArenaChunk::decommit_all(&mut chunks) {
             tracing::warn!(%error, "giving a chunk's memory back failed");
         }
-        self.pools[k].lock().cold.extend(chunks);
+        self.make_cold(k, &chunks);
+    }
+
+    /// Note `chunks`, of pool `k`, whose pages were given back, in the pool's cold list.
+    fn make_cold(&self, k: usize, chunks: &[ArenaChunk]) {
+        self.give_cold_room(k, chunks.len());
+        self.pools[k]
+            .lock()
+            .cold
+            .extend(chunks.iter().map(|chunk| chunk.page() as u64));
+    }
+
+    /// Make sure pool `k`'s cold list has room for `more` pages, growing it outside the pool's
+    /// lock (a grown list's fresh pages are faulted in here, not under the lock that takers
+    /// wait for). Only the refill thread adds to a cold list while one runs, so the room is
+    /// still there when it adds.
+    fn give_cold_room(&self, k: usize, more: usize) {
+        let (len, capacity) = {
+            let pool = self.pools[k].lock();
+            (pool.cold.len(), pool.cold.capacity())
+        };
+        if capacity - len >= more {
+            return;
+        }
+        let want = (len + more) + (len + more) / 4 + GROUP_CHUNKS;
+        self.remake_cold(k, want);
+    }
+
+    /// Give pool `k`'s cold list room for `capacity` pages (made anew, outside the lock), if
+    /// it still holds no more than that.
+    fn remake_cold(&self, k: usize, capacity: usize) {
+        let mut fresh = faulted_in_list::<u64>(capacity, ListAlloc::Mapped);
+        {
+            let mut pool = self.pools[k].lock();
+            if pool.cold.len() <= fresh.capacity() {
+                fresh.append(&mut pool.cold);
+                std::mem::swap(&mut pool.cold, &mut fresh);
+            }
+        }
+        // The old list is freed here, outside the lock.
+    }
+
+    /// Make pool `k`'s cold list small again once it holds far fewer pages than it has room
+    /// for (the chunks a near-OOM fill gave back, reused since): its room is locked memory.
+    fn shrink_cold(&self, k: usize) {
+        let (len, capacity) = {
+            let pool = self.pools[k].lock();
+            (pool.cold.len(), pool.cold.capacity())
+        };
+        if capacity * std::mem::size_of::<u64>() >= COLD_SHRINK_MIN_BYTES && len * 4 <= capacity {
+            self.remake_cold(k, 2 * len + GROUP_CHUNKS);
+        }
     }
 
     /// Make at least one more chunk of `k + 1` pages ready, and at most `wanted`: a group of
@@ -526,10 +591,19 @@ impl ChunkReserve {
         {
             let mut pool = self.pools[k].lock();
             while cold.len() < cold_count {
-                let Some(chunk) = pool.cold.pop() else {
+                let Some(page) = pool.cold.pop() else {
                     break;
                 };
-                cold.push(chunk);
+                let at = usize::try_from(page)
+                    .unwrap_or(usize::MAX)
+                    .saturating_mul(PAGE_SIZE);
+                match self.arena.chunk_at(at, chunk_bytes) {
+                    Ok(chunk) => cold.push(chunk),
+                    // Not reachable: the page was a chunk's of this pool.
+                    Err(error) => {
+                        tracing::error!(%error, page, "a cold chunk outside the arena dropped")
+                    }
+                }
             }
         }
         let committed = if cold.is_empty() {
@@ -543,7 +617,7 @@ impl ChunkReserve {
                 Ok(()) => Ok(cold),
                 Err(error) => {
                     // Still cold; a later commit tries them again.
-                    self.pools[k].lock().cold.extend(cold);
+                    self.make_cold(k, &cold);
                     Err(error)
                 }
             }
@@ -639,6 +713,9 @@ impl ChunkReserve {
             Self::provision(pool);
             self.settle_surplus(k, share);
             self.trim(k, share, target);
+            if !self.memory_short.load(Ordering::Relaxed) {
+                self.shrink_cold(k);
+            }
             while !self.stop.load(Ordering::Relaxed) {
                 let held = pool.lock().ready.len() as u64 * chunk_bytes;
                 if held + chunk_bytes > share {
@@ -1112,6 +1189,43 @@ mod tests {
         assert_eq!(reserve.pools[2].lock().cold.len(), 1);
         let again = reserve.take(3, None).unwrap();
         assert!(again.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn a_cold_list_that_emptied_is_made_small_again_and_its_chunks_come_back_whole() {
+        let reserve = ChunkReserve::new(0, arena(), &[1; 8]);
+        let chunks: Vec<ArenaChunk> = (0..12_000)
+            .map(|_| reserve.take(1, None).unwrap())
+            .collect();
+        let mut pages: std::collections::HashSet<usize> = chunks.iter().map(|c| c.page()).collect();
+        for chunk in chunks {
+            reserve.give_back(chunk);
+        }
+        let room = {
+            let pool = reserve.pools[0].lock();
+            assert_eq!(pool.cold.len(), 12_000);
+            // The rest of the last group committed, ready.
+            pages.extend(pool.ready.iter().map(|c| c.page()));
+            pool.cold.capacity()
+        };
+        // Every chunk taken again is one given back (or ready), whole and zeroed.
+        let again: Vec<ArenaChunk> = (0..11_900)
+            .map(|_| reserve.take(1, None).unwrap())
+            .collect();
+        for chunk in &again {
+            assert!(pages.contains(&chunk.page()));
+            assert_eq!(chunk.len(), PAGE_SIZE);
+            assert!(chunk.iter().all(|&b| b == 0));
+        }
+        reserve.shrink_cold(0);
+        let pool = reserve.pools[0].lock();
+        // About 100 left (a commit takes a group of them: some may be ready by now).
+        assert!(pool.cold.len() <= 200, "{}", pool.cold.len());
+        assert!(
+            pool.cold.capacity() * 8 < room,
+            "{} of {room}",
+            pool.cold.capacity()
+        );
     }
 
     #[test]
