@@ -66,17 +66,7 @@ unsafe impl Allocator for ListAlloc {
             return Global.allocate(layout);
         }
         let len = layout.size().div_ceil(HOST_PAGE) * HOST_PAGE;
-        let length = std::num::NonZeroUsize::new(len).ok_or(AllocError)?;
-        // SAFETY: a fresh private anonymous mapping; it aliases no Rust object.
-        let base = unsafe {
-            nix::sys::mman::mmap_anonymous(
-                None,
-                length,
-                nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
-                nix::sys::mman::MapFlags::MAP_PRIVATE,
-            )
-        }
-        .map_err(|_| AllocError)?;
+        let base = super::map_private(len).map_err(|_| AllocError)?;
         Ok(NonNull::slice_from_raw_parts(base.cast::<u8>(), len))
     }
 

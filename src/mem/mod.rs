@@ -126,6 +126,22 @@ pub fn configure_heap() {
     }
 }
 
+/// A fresh private anonymous mapping of `len` bytes, readable and writable; nothing is
+/// faulted in yet. Unmapping it is the caller's.
+fn map_private(len: usize) -> std::io::Result<NonNull<std::ffi::c_void>> {
+    let length = std::num::NonZeroUsize::new(len).ok_or(std::io::ErrorKind::InvalidInput)?;
+    // SAFETY: a fresh private anonymous mapping; it aliases no Rust object.
+    let base = unsafe {
+        nix::sys::mman::mmap_anonymous(
+            None,
+            length,
+            nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
+            nix::sys::mman::MapFlags::MAP_PRIVATE,
+        )
+    }?;
+    Ok(base)
+}
+
 /// Pages held only to be given back: faulted in (and, under `mlockall`, locked) when made,
 /// returned to the kernel when dropped.
 ///
@@ -142,16 +158,7 @@ pub struct SparePages {
 impl SparePages {
     pub fn new(bytes: usize) -> std::io::Result<Self> {
         let len = bytes.div_ceil(HOST_PAGE).max(1) * HOST_PAGE;
-        let length = std::num::NonZeroUsize::new(len).ok_or(std::io::ErrorKind::InvalidInput)?;
-        // SAFETY: a fresh private anonymous mapping; it aliases no Rust object.
-        let base = unsafe {
-            nix::sys::mman::mmap_anonymous(
-                None,
-                length,
-                nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
-                nix::sys::mman::MapFlags::MAP_PRIVATE,
-            )
-        }?;
+        let base = map_private(len)?;
         // SAFETY: exactly the mapping just made, which nothing reads; populating it changes
         // no byte anyone sees.
         unsafe { madvise(base, len, MmapAdvise::MADV_POPULATE_WRITE) }?;
