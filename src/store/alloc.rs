@@ -307,9 +307,8 @@ impl ZsAllocator {
     /// are the allocator's own (a handle names an arena page, and the chunk there names its
     /// id in its tag), so the live chunks are renumbered 0.. and the lists cut to them; their
     /// old buffers, large ones being mappings of their own (`ListAlloc`), go back to the
-    /// system when dropped.
-    /// Not while memory is short: a class then keeps what it has, since its chunks may be
-    /// needed again at once.
+    /// system when dropped. Not while memory is short: a class then keeps what it has, since
+    /// its chunks may be needed again at once.
     pub(super) fn provision(&self) {
         self.provision_classes(
             &|_, len, capacity| capacity - len < provision_slack(len),
@@ -417,6 +416,7 @@ impl ZsAllocator {
         st.partial.clear();
         st.free_ids.clear();
     }
+
     fn note_chunks(&self, class: usize, chunks: usize) {
         if let Some(note) = self.chunk_notes.as_ref().and_then(|notes| notes.get(class)) {
             note.store(chunks as u64, Ordering::Relaxed);
