@@ -331,7 +331,8 @@ impl ZsAllocator {
             let compact = shrink
                 && capacity >= SHRINK_FACTOR * compact_want
                 && capacity * LIST_BYTES_PER_CHUNK >= SHRINK_MIN_BYTES;
-            if !compact && !remake(index, len, capacity) {
+            let grow = remake(index, len, capacity);
+            if !compact && !grow {
                 continue;
             }
             let want = if compact {
@@ -355,9 +356,7 @@ impl ZsAllocator {
                     std::mem::swap(&mut *chunks, &mut dir);
                     std::mem::swap(&mut st.partial, &mut partial);
                     std::mem::swap(&mut st.free_ids, &mut free_ids);
-                } else if (remake(index, len, capacity) || st.usage.capacity() < want)
-                    && st.usage.len() <= want
-                {
+                } else if (grow || st.usage.capacity() < want) && st.usage.len() <= want {
                     usage.append(&mut st.usage);
                     dir.append(&mut chunks);
                     partial.append(&mut st.partial);

@@ -217,14 +217,19 @@ impl QueueParts {
         let want = usize::try_from(slots).unwrap_or(usize::MAX);
         self.ring.submit_and_wait(want)?;
         // Every completion reaped, failed or not (the serving loop takes only tags).
-        let results: Vec<i32> = self.ring.completion().map(|entry| entry.result()).collect();
-        if let Some(errno) = results.iter().find(|&&result| result < 0) {
-            return Err(std::io::Error::from_raw_os_error(-errno));
+        let (mut completed, mut failed) = (0usize, None);
+        for entry in self.ring.completion() {
+            completed += 1;
+            if entry.result() < 0 {
+                failed = failed.or(Some(-entry.result()));
+            }
         }
-        if results.len() < want {
+        if let Some(errno) = failed {
+            return Err(std::io::Error::from_raw_os_error(errno));
+        }
+        if completed < want {
             return Err(std::io::Error::other(format!(
-                "{} of {want} NOPs completed",
-                results.len()
+                "{completed} of {want} NOPs completed"
             )));
         }
         Ok(())
