@@ -299,6 +299,13 @@ impl Segment {
             .map(|page| offset + page * HOST_PAGE))
     }
 
+    /// Whether any page of `[offset, offset + len)` (at most one page table's span) is in
+    /// memory; allocates nothing (see `residency_file`).
+    pub fn any_in_memory(&self, offset: usize, len: usize) -> std::io::Result<bool> {
+        self.check(offset, len)?;
+        Ok(self.first_page_in_memory(offset, len)?.is_some())
+    }
+
     /// Whether every page of `[offset, offset + len)` (at most one page table's span) is in
     /// memory: committed, for memory that is never swapped.
     pub fn all_in_memory(&self, offset: usize, len: usize) -> std::io::Result<bool> {

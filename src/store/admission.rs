@@ -4,12 +4,14 @@
 
 #![forbid(unsafe_code)]
 
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::counters::{add, sub};
 use super::pending::{PendingBatch, Reserve};
 use super::reserve::Stall;
+use super::table_memory::TableMemory;
 use super::{BatchedPageStore, StoreError, PAGE_SIZE};
 
 /// A writer that has waited this long for memory (a pending slot while the flusher waits for
@@ -64,6 +66,20 @@ impl Drop for SlotGuard<'_> {
     }
 }
 
+/// The table groups of a write's pages, pinned (see `TableMemory::pin`) until dropped.
+pub(super) struct TablePins<'a> {
+    memory: &'a TableMemory,
+    groups: Range<usize>,
+}
+
+impl Drop for TablePins<'_> {
+    fn drop(&mut self) {
+        for group in self.groups.clone() {
+            self.memory.unpin(group);
+        }
+    }
+}
+
 /// What a writer does while every pending batch is full (the flusher waits for memory).
 #[derive(Clone, Copy, Debug)]
 pub(super) enum SlotWait {
@@ -86,10 +102,15 @@ impl BatchedPageStore {
     /// giving up after `STARVED_WRITE_TIMEOUT`; while pages compress, giving up after
     /// `SLOW_REFILL_PATIENCE`.
     pub(super) fn gives_up(&self, waited: Duration) -> bool {
+        self.gives_up_waiting(self.alloc.reserve.starving(), waited)
+    }
+
+    /// `gives_up`, where `for_refill` says whether a taker waits for the refill thread.
+    fn gives_up_waiting(&self, for_refill: bool, waited: Duration) -> bool {
         if self.failing_fast() {
             return true;
         }
-        if !self.alloc.reserve.starving() {
+        if !for_refill {
             return false;
         }
         if !self.oom.swap_frees_nothing() {
@@ -145,6 +166,90 @@ impl BatchedPageStore {
                     refill_for_ms = refill_for.as_millis(),
                     "a write waited over a second for memory before it was stored (the longest wait yet)"
                 );
+            }
+        }
+    }
+
+    /// Pin the table groups of pages `first..first + pages` for a write (see `table_memory`),
+    /// asking the refill thread to commit those that are not, and the group after the last
+    /// (so that writes moving through the device find it committed). A group not committed
+    /// yet: with `SlotWait::Block`, waits for it; with `SlotWait::Defer`, returns `None` (the
+    /// caller tries again later); both unless the starvation rule gives up.
+    pub(super) fn pin_table(
+        &self,
+        first: u64,
+        pages: usize,
+        wait: SlotWait,
+    ) -> Result<Option<TablePins<'_>>, StoreError> {
+        let memory = self.table.memory();
+        let start = TableMemory::group_of(first);
+        let mut pins = TablePins {
+            memory,
+            groups: start..start,
+        };
+        if pages == 0 {
+            return Ok(Some(pins));
+        }
+        let last = TableMemory::group_of(first + pages as u64 - 1);
+        for group in start..=last {
+            if !self.pin_group(group, wait)? {
+                return Ok(None);
+            }
+            pins.groups.end = group + 1;
+        }
+        if last + 1 < memory.groups() && memory.want(last + 1) {
+            self.alloc.reserve.wake_refill();
+        }
+        Ok(Some(pins))
+    }
+
+    /// Pin table group `group`, committed first (see `pin_table`); false if deferred.
+    fn pin_group(&self, group: usize, wait: SlotWait) -> Result<bool, StoreError> {
+        let memory = self.table.memory();
+        if memory.pin(group) {
+            return Ok(true);
+        }
+        let reserve = &self.alloc.reserve;
+        if !reserve.refill_running() {
+            // No refill thread (tests, bench): nothing else would commit it.
+            loop {
+                memory.commit(group).map_err(|source| StoreError::Memory {
+                    what: "committing the page table's memory".into(),
+                    source,
+                })?;
+                if memory.pin(group) {
+                    return Ok(true);
+                }
+            }
+        }
+        if memory.want(group) {
+            reserve.wake_refill();
+        }
+        match wait {
+            SlotWait::Defer { since } => {
+                let waited =
+                    since.map_or(Duration::ZERO, |since| Stall::since(since).waited(reserve));
+                if self.gives_up_waiting(true, waited) {
+                    return Err(self.starved_write(waited));
+                }
+                Ok(false)
+            }
+            SlotWait::Block => {
+                reserve.note_waiting();
+                let stall = Stall::new();
+                let pinned = loop {
+                    if memory.pin(group) {
+                        break Ok(true);
+                    }
+                    memory.want(group);
+                    let waited = stall.waited(reserve);
+                    if self.gives_up(waited) {
+                        break Err(self.starved_write(waited));
+                    }
+                    reserve.await_refill_unless(&|| memory.is_committed_group(group));
+                };
+                reserve.note_served();
+                pinned
             }
         }
     }

@@ -197,9 +197,10 @@ impl BatchedPageStore {
         let handle = self.alloc.store(bytes);
         let len = crate::codec::page_len(bytes.len());
         let installed = {
+            // A pending entry's group is committed: it holds a page, so it is not given back.
             let mut entry = self.table.lock(index);
             let expected = PageState::pending(batch, slot);
-            if entry.state() == expected {
+            if let Some(entry) = entry.as_mut().filter(|e| e.state() == expected) {
                 let new = match handle {
                     Some(handle) => PageState::Stored {
                         handle,

@@ -191,6 +191,24 @@ impl BatchedPageStore {
         Ok(handle)
     }
 
+    /// The refill thread's part for the page table (see `table_memory`): commit the groups
+    /// writers asked for, waking them, and give back groups whose pages were all emptied.
+    fn provide_table(&self) {
+        let memory = self.table.memory();
+        match memory.commit_wanted() {
+            Ok(0) => {}
+            Ok(_) => self.alloc.reserve.tell_waiters(),
+            Err(error) => {
+                tracing::warn!(%error, "committing the page table's memory failed; writes to its new part wait");
+            }
+        }
+        for group in memory.take_emptied() {
+            if let Err(error) = self.table.retire(group) {
+                tracing::warn!(group, %error, "giving an empty part of the page table back failed");
+            }
+        }
+    }
+
     /// What a store thread does once handed the store.
     fn run_thread(&self, role: StoreThread) {
         match role {
@@ -204,7 +222,10 @@ impl BatchedPageStore {
             }
             StoreThread::Refill => {
                 if self.alloc.reserve.enabled() {
-                    self.alloc.reserve.run_refill(|| self.alloc.provision());
+                    self.alloc.reserve.run_refill(|| {
+                        self.provide_table();
+                        self.alloc.provision();
+                    });
                 }
             }
             StoreThread::Recompress => {

@@ -4,7 +4,7 @@
 //! | region | what |
 //! | --- | --- |
 //! | header (one page) | magic, layout version, device pages, slots per batch, arena size, the allocator's class fingerprint, the arena's carve cursor, the pid of the process using it, then each size class's live chunks (a hint, see `H_CLASS_CHUNKS`) |
-//! | table | one word per device page (see `table`) |
+//! | table | one word per device page (see `table`); this and the next two are committed a group of pages at a time as the device is written (see `table_memory`) |
 //! | hints | one 16-bit idle hint per device page (see `table::Hint`); not crash-consistent, started afresh on resume |
 //! | checksums | the checksum of each stored page's data (`codec::PageChecksum`: XXH64's low half, or CRC32C in a store of version 3), written before its entry names the object |
 //! | slot indexes | the page index each pending slot holds |
@@ -23,6 +23,7 @@
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use super::table_memory::{Region, TableMemory};
 use super::{alloc, StoreError, PENDING_BATCHES};
 use crate::codec::{PageChecksum, PAGE_SIZE};
 use crate::mem::{Arena, PageSlots, Segment, Words};
@@ -278,6 +279,7 @@ pub(super) struct Regions {
     pub(super) table: Words<AtomicU64>,
     pub(super) hints: Words<AtomicU16>,
     pub(super) checksums: Words<AtomicU32>,
+    pub(super) table_memory: TableMemory,
     pub(super) batches: Vec<(PageSlots, Words<AtomicU64>)>,
     pub(super) arena: Arc<Arena>,
     /// The header's words from `H_CLASS_CHUNKS` on.
@@ -412,10 +414,16 @@ impl Regions {
     /// store found, `None` for a fresh one.
     fn map(segment: &Arc<Segment>, shape: Shape, resumed: Option<u64>) -> Result<Self, StoreError> {
         let o = shape.offsets();
-        let mapping = memory_error("mapping the store's memory");
-        // Header, table, hints, checksums, slot indexes and slot pages: everything but the tags
-        // and the arena, which are committed as chunks are carved.
-        segment.commit(0, o.tags).map_err(mapping)?;
+        let mapping = || memory_error("mapping the store's memory");
+        // The header, slot indexes and slot pages; the table, hints and checksums are committed
+        // a group at a time as the device is written (`TableMemory`), the tags and the arena
+        // as chunks are carved.
+        segment.commit(0, PAGE_SIZE).map_err(mapping())?;
+        if o.tags > o.indexes {
+            segment
+                .commit(o.indexes, o.tags - o.indexes)
+                .map_err(mapping())?;
+        }
         fn view<T>(r: std::io::Result<T>) -> Result<T, StoreError> {
             r.map_err(memory_error("mapping the store's memory"))
         }
@@ -436,6 +444,24 @@ impl Regions {
             table: view(segment.words(o.table, shape.pages))?,
             hints: view(segment.words16(o.hints, shape.pages))?,
             checksums: view(segment.words32(o.checksums, shape.pages))?,
+            table_memory: TableMemory::new(
+                Arc::clone(segment),
+                Region {
+                    offset: o.table,
+                    width: 8,
+                },
+                [
+                    Region {
+                        offset: o.hints,
+                        width: 2,
+                    },
+                    Region {
+                        offset: o.checksums,
+                        width: 4,
+                    },
+                ],
+                shape.pages,
+            ),
             batches,
             arena: view(Arena::new(
                 segment,

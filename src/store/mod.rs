@@ -42,6 +42,7 @@ mod recompress;
 mod reserve;
 mod resume;
 mod table;
+mod table_memory;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -70,6 +71,7 @@ pub use recompress::Compaction;
 /// How long after its last use the chunk reserve shrinks to a quarter of its target.
 pub use reserve::QUIET_AFTER as RESERVE_QUIET_AFTER;
 use table::{IdleClock, PageState, PageTable};
+use table_memory::TableMemory;
 
 /// How a `BatchedPageStore::try_write` went.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -292,7 +294,12 @@ impl BatchedPageStore {
             checksum: regions.checksum,
             short_memory_compressor: config.short_memory_compressor(),
             memory_short: AtomicBool::new(false),
-            table: PageTable::new(regions.table, regions.hints, regions.checksums),
+            table: PageTable::new(
+                regions.table,
+                regions.hints,
+                regions.checksums,
+                regions.table_memory,
+            ),
             alloc: ZsAllocator::new(
                 config.reserve_bytes,
                 regions.arena,
@@ -393,6 +400,9 @@ impl BatchedPageStore {
         let result = self
             .check_range(offset, data.len() as u64)
             .and_then(|first| {
+                let Some(_pins) = self.pin_table(first, data.len() / PAGE_SIZE, wait)? else {
+                    return Ok(WriteOutcome::Deferred { done_bytes: 0 });
+                };
                 for (i, bytes) in data.chunks_exact(PAGE_SIZE).enumerate() {
                     let Ok(page) = <&Page>::try_from(bytes) else {
                         return Err(StoreError::Misaligned {
@@ -502,9 +512,16 @@ impl BatchedPageStore {
         self.set_written(index, state, Some(checksum));
     }
 
+    /// The caller has pinned the page's group (`pin_table`), so its entry has memory.
     fn set_written(&self, index: u64, state: PageState, checksum: Option<u32>) {
         let old = {
-            let mut entry = self.table.lock(index);
+            let Some(mut entry) = self.table.lock(index) else {
+                tracing::error!(
+                    page = index,
+                    "a write to a page whose table group is not committed (a bug): not stored"
+                );
+                return;
+            };
             entry.written(self.idle_clock.now());
             if let Some(checksum) = checksum {
                 entry.set_checksum(checksum);
@@ -544,7 +561,11 @@ impl BatchedPageStore {
     }
 
     fn read_page(&self, index: u64, out: &mut Page) -> Result<(), StoreError> {
-        let entry = self.table.lock(index);
+        let Some(entry) = self.table.lock(index) else {
+            // A group never written (or given back): empty.
+            out.fill(0);
+            return Ok(());
+        };
         entry.touch(self.idle_clock.now());
         match entry.state() {
             PageState::Empty => out.fill(0),
@@ -625,10 +646,16 @@ impl BatchedPageStore {
     /// page's lock is held, says so; whether it held anything.
     fn empty_page(&self, index: u64, now: impl FnOnce() -> bool) -> bool {
         let old = {
-            let mut entry = self.table.lock(index);
+            let Some(mut entry) = self.table.lock(index) else {
+                now();
+                return false;
+            };
             if !now() || entry.state() == PageState::Empty {
                 return false;
             }
+            self.table
+                .memory()
+                .note_emptied(TableMemory::group_of(index));
             entry.written(self.idle_clock.now());
             let old = entry.replace(PageState::Empty);
             self.counters.transition(old, PageState::Empty);
@@ -754,7 +781,9 @@ impl BatchedPageStore {
     /// Test hook: flip the lowest bit of byte `at` of a stored page's object.
     #[cfg(test)]
     fn flip_stored_bit(&self, index: u64, at: usize) -> bool {
-        let entry = self.table.lock(index);
+        let Some(entry) = self.table.lock(index) else {
+            return false;
+        };
         if let PageState::Stored { handle, len, .. } = entry.state() {
             self.alloc
                 .with_object_mut(handle, usize::from(len), |b| b[at] ^= 1);
@@ -767,7 +796,7 @@ impl BatchedPageStore {
     /// Test hook: the stored length of page `index`, if it is stored.
     #[cfg(test)]
     fn stored_len(&self, index: u64) -> Option<usize> {
-        match self.table.lock(index).state() {
+        match self.table.lock(index)?.state() {
             PageState::Stored { len, .. } => Some(usize::from(len)),
             _ => None,
         }
@@ -776,7 +805,9 @@ impl BatchedPageStore {
     /// Test hook: overwrite a stored page's compressed bytes with `byte`.
     #[cfg(test)]
     fn corrupt_stored_page(&self, index: u64, byte: u8) -> bool {
-        let entry = self.table.lock(index);
+        let Some(entry) = self.table.lock(index) else {
+            return false;
+        };
         if let PageState::Stored { handle, len, .. } = entry.state() {
             self.alloc
                 .with_object_mut(handle, usize::from(len), |b| b.fill(byte));

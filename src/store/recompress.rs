@@ -290,7 +290,7 @@ impl BatchedPageStore {
     /// is not (or the page holds no stored object any more).
     fn move_page(&self, index: u64, scratch: &mut Scratch) -> Option<Outcome> {
         let claim = {
-            let entry = self.table.lock(index);
+            let entry = self.table.lock(index)?;
             let PageState::Stored {
                 handle,
                 len,
@@ -325,7 +325,7 @@ impl BatchedPageStore {
         };
         let moved = {
             let mut entry = self.table.lock(index);
-            if claim.holds(&entry) {
+            if let Some(entry) = entry.as_mut().filter(|e| claim.holds(e)) {
                 let new = PageState::Stored {
                     handle: new_handle,
                     len: page_len(claim.len),
@@ -351,7 +351,7 @@ impl BatchedPageStore {
     /// Under the entry's lock: check that the page is still worth a try, copy its compressed
     /// bytes into `scratch` and mark the claim in its hint.
     pub(super) fn claim(&self, index: u64, scratch: &mut Scratch) -> Result<Claim, Outcome> {
-        let entry = self.table.lock(index);
+        let entry = self.table.lock(index).ok_or(Outcome::Dropped)?;
         let PageState::Stored {
             handle,
             len,
@@ -429,10 +429,9 @@ impl BatchedPageStore {
             Err(()) => None,
         };
         let Some((new_encoding, new_len)) = worth_it else {
-            let entry = self.table.lock(claim.index);
-            if !claim.holds(&entry) {
+            let Some(entry) = self.table.lock(claim.index).filter(|e| claim.holds(e)) else {
                 return Outcome::Dropped;
-            }
+            };
             entry.set_hint(claim.hint.with_flags(true, false));
             return Outcome::Rejected;
         };
@@ -447,7 +446,7 @@ impl BatchedPageStore {
         };
         let installed = {
             let mut entry = self.table.lock(claim.index);
-            if claim.holds(&entry) {
+            if let Some(entry) = entry.as_mut().filter(|e| claim.holds(e)) {
                 let old = entry.replace(new);
                 self.counters.transition(old, new);
                 entry.set_hint(claim.hint.with_flags(true, false));

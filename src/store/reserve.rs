@@ -911,7 +911,17 @@ impl ChunkReserve {
 
     /// Wake the refill thread and wait until it has made a pass (or a period has gone by).
     pub(super) fn await_refill_pass(&self) {
+        self.await_refill_unless(&|| false);
+    }
+
+    /// Wake the refill thread and wait until it has made a pass, a period has gone by, or
+    /// `done` (asked under the lock the refill thread wakes waiters under, so no wake-up is
+    /// missed).
+    pub(super) fn await_refill_unless(&self, done: &dyn Fn() -> bool) {
         let mut guard = self.wake_lock.lock();
+        if done() {
+            return;
+        }
         self.wake.notify_one();
         self.refilled.wait_for(&mut guard, REFILL_PERIOD);
     }
@@ -920,14 +930,14 @@ impl ChunkReserve {
     /// commit the whole target, and a taker woken only at its end (or its period) waited tens
     /// of milliseconds for a chunk that was ready (`bench` wrote at a quarter of the speed it
     /// has without a reserve).
-    fn tell_waiters(&self) {
+    pub(super) fn tell_waiters(&self) {
         if self.waiters.load(Ordering::Relaxed) > 0 {
             let _guard = self.wake_lock.lock();
             self.refilled.notify_all();
         }
     }
 
-    fn wake_refill(&self) {
+    pub(super) fn wake_refill(&self) {
         let _guard = self.wake_lock.lock();
         self.wake.notify_one();
     }

@@ -28,10 +28,20 @@ impl BatchedPageStore {
             what: "rebuilding the resumed store's allocator".into(),
             source,
         };
+        let groups = self
+            .table
+            .memory()
+            .adopt()
+            .map_err(|source| StoreError::Memory {
+                what: "finding the resumed store's page table".into(),
+                source,
+            })?;
+        tracing::debug!(groups, "page table groups committed");
         let mut occupancy = self.alloc.begin_rebuild().map_err(memory)?;
         let mut pending = Vec::new();
         let (mut held, mut lost) = (0u64, 0u64);
-        for index in 0..self.table.len() {
+        // Entries of groups not committed are empty (and have no memory to read).
+        for index in (0..self.table.len()).filter(|&i| self.table.is_committed(i)) {
             let found = self.table.recover(index);
             let state = match found {
                 PageState::Pending { batch, slot } => {
@@ -65,7 +75,9 @@ impl BatchedPageStore {
             if state == PageState::Lost {
                 lost += 1;
                 if found != PageState::Lost {
-                    self.table.lock(index as u64).replace(PageState::Lost);
+                    if let Some(mut entry) = self.table.lock(index as u64) {
+                        entry.replace(PageState::Lost);
+                    }
                 }
                 if lost <= LOST_PAGES_LOGGED {
                     tracing::error!(page = index, entry = ?found, "page lost: its entry does not hold together");
@@ -94,7 +106,9 @@ impl BatchedPageStore {
     /// Compress and store a pending page of the resumed store (its batch is not reopened:
     /// every batch starts empty).
     fn install_resumed(&self, index: u64) {
-        let mut entry = self.table.lock(index);
+        let Some(mut entry) = self.table.lock(index) else {
+            return;
+        };
         let PageState::Pending { batch, slot } = entry.state() else {
             return;
         };

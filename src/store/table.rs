@@ -25,6 +25,7 @@
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 
 use super::alloc::Handle;
+use super::table_memory::{GroupState, TableMemory};
 use crate::codec::Encoding;
 use crate::mem::Words;
 
@@ -303,21 +304,29 @@ impl Drop for EntryGuard<'_> {
     }
 }
 
+/// The word of an empty entry, unlocked.
+const EMPTY_WORD: u64 = KIND_EMPTY << KIND_SHIFT;
+
+/// The entries, hints and checksums, over memory committed a group of entries at a time
+/// (`TableMemory`): an entry of a group that is not committed is empty, and only a writer that
+/// pinned its group (`TableMemory::pin`) may lock it to make it anything else.
 pub(super) struct PageTable {
     entries: Words<AtomicU64>,
     /// One per entry.
     hints: Words<AtomicU16>,
     /// One per entry.
     checksums: Words<AtomicU32>,
+    memory: TableMemory,
 }
 
 impl PageTable {
-    /// The table in `entries` with its `hints` and `checksums` (as many, committed by the
-    /// caller), as a fresh or a resumed store left them.
+    /// The table in `entries` with its `hints` and `checksums` (as many), whose memory
+    /// `memory` commits, as a fresh or a resumed store left them.
     pub(super) fn new(
         entries: Words<AtomicU64>,
         hints: Words<AtomicU16>,
         checksums: Words<AtomicU32>,
+        memory: TableMemory,
     ) -> Self {
         debug_assert_eq!(entries.len(), hints.len(), "one hint per entry");
         debug_assert_eq!(entries.len(), checksums.len(), "one checksum per entry");
@@ -325,13 +334,79 @@ impl PageTable {
             entries,
             hints,
             checksums,
+            memory,
         }
     }
 
+    pub(super) fn memory(&self) -> &TableMemory {
+        &self.memory
+    }
+
+    /// Bytes of memory the table holds now.
     pub(super) fn bytes(&self) -> u64 {
-        (std::mem::size_of_val(&*self.entries)
-            + std::mem::size_of_val(&*self.hints)
-            + std::mem::size_of_val(&*self.checksums)) as u64
+        self.memory.committed_bytes()
+    }
+
+    /// Whether entry `index`'s group is committed (its entry may hold a page).
+    pub(super) fn is_committed(&self, index: usize) -> bool {
+        self.memory
+            .is_committed_group(TableMemory::group_of(index as u64))
+    }
+
+    /// Give group `group`'s memory back if none of its entries holds a page; whether it was.
+    /// Locks each of its entries (no other thread holds two, and none waits for memory while
+    /// it holds one, so this waits only for the short sections under them).
+    pub(super) fn retire(&self, group: usize) -> std::io::Result<bool> {
+        let indexes = self.memory.indexes(group);
+        // A look without locks first, so that a group in use costs a read of its entries.
+        let looks_empty = || {
+            indexes
+                .clone()
+                .all(|i| self.entries[i].load(Ordering::Relaxed) == EMPTY_WORD)
+        };
+        if self.memory.state(group) != GroupState::Committed
+            || !looks_empty()
+            || !self.memory.begin_retire(group)
+        {
+            return Ok(false);
+        }
+        // No writer has it pinned, and none can pin it now: only they make an empty entry
+        // anything else, so once every entry is locked and empty it stays so.
+        let mut locked = indexes.start;
+        let mut empty = true;
+        while locked < indexes.end {
+            let word = lock_word(&self.entries[locked]);
+            locked += 1;
+            if word != EMPTY_WORD {
+                empty = false;
+                break;
+            }
+        }
+        if empty {
+            match self.memory.give_back(group) {
+                Ok(()) => return Ok(true),
+                Err(error) => {
+                    // What was punched reads as empty and unlocked; the rest is unlocked below.
+                    self.unlock_empty(indexes.start..locked);
+                    self.memory.keep(group);
+                    return Err(error);
+                }
+            }
+        }
+        // The last one locked may hold a page: every other one was empty.
+        let last = locked - 1;
+        let last_word = self.entries[last].load(Ordering::Relaxed) & !LOCKED;
+        self.unlock_empty(indexes.start..last);
+        self.entries[last].store(last_word, Ordering::Release);
+        self.memory.keep(group);
+        Ok(false)
+    }
+
+    /// Unlock entries `range`, locked by `retire` and empty.
+    fn unlock_empty(&self, range: std::ops::Range<usize>) {
+        for i in range {
+            self.entries[i].store(EMPTY_WORD, Ordering::Release);
+        }
     }
 
     pub(super) fn len(&self) -> usize {
@@ -351,8 +426,12 @@ impl PageTable {
 
     /// Entry `index`'s state and hint without locking it: a guess, for picking pages to look
     /// at under the lock (the recompressor's scan). `None` while the entry is locked.
+    /// Also `None` for an entry of a group that is not committed (it is empty).
     pub(super) fn peek(&self, index: usize) -> Option<(PageState, Hint)> {
-        let word = self.entries.get(index)?.load(Ordering::Relaxed);
+        if index >= self.entries.len() || !self.is_committed(index) {
+            return None;
+        }
+        let word = self.entries[index].load(Ordering::Relaxed);
         if word & LOCKED != 0 {
             return None;
         }
@@ -360,8 +439,10 @@ impl PageTable {
         Some((PageState::decode(word), hint))
     }
 
-    /// Lock entry `index` (which the caller has bounds-checked).
-    pub(super) fn lock(&self, index: u64) -> EntryGuard<'_> {
+    /// Lock entry `index` (which the caller has bounds-checked); `None` if its group is not
+    /// committed (the entry is empty, and has no memory to lock). While its group is being
+    /// given back (`retire`), waits to see whether it is.
+    pub(super) fn lock(&self, index: u64) -> Option<EntryGuard<'_>> {
         // An index past the table (impossible: requests are range-checked) fails the lookup.
         let index = usize::try_from(index).unwrap_or(usize::MAX);
         let (entry, hint, checksum) = (
@@ -369,15 +450,32 @@ impl PageTable {
             &self.hints[index],
             &self.checksums[index],
         );
+        let group = TableMemory::group_of(index as u64);
         let mut spins = 0u32;
         let word = loop {
-            let cur = entry.load(Ordering::Relaxed);
-            if cur & LOCKED == 0
-                && entry
-                    .compare_exchange_weak(cur, cur | LOCKED, Ordering::Acquire, Ordering::Relaxed)
-                    .is_ok()
-            {
-                break cur;
+            match self.memory.state(group) {
+                GroupState::Absent => return None,
+                GroupState::Retiring => {}
+                GroupState::Committed => {
+                    let cur = entry.load(Ordering::Relaxed);
+                    if cur & LOCKED == 0
+                        && entry
+                            .compare_exchange_weak(
+                                cur,
+                                cur | LOCKED,
+                                Ordering::AcqRel,
+                                Ordering::Relaxed,
+                            )
+                            .is_ok()
+                    {
+                        if self.memory.state(group) == GroupState::Committed {
+                            break cur;
+                        }
+                        // Being given back (which waits for this lock) since the look above:
+                        // let go and see how that ends.
+                        entry.store(cur, Ordering::Release);
+                    }
+                }
             }
             if spins < SPINS_BEFORE_YIELD {
                 spins += 1;
@@ -386,13 +484,34 @@ impl PageTable {
                 std::thread::yield_now();
             }
         };
-        EntryGuard {
+        Some(EntryGuard {
             entry,
             hint,
             checksum,
             word,
             state: PageState::decode(word),
             changed: false,
+        })
+    }
+}
+
+/// Lock `entry` whatever its group's state (for `retire`); its word, without the lock bit.
+fn lock_word(entry: &AtomicU64) -> u64 {
+    let mut spins = 0u32;
+    loop {
+        let cur = entry.load(Ordering::Relaxed);
+        if cur & LOCKED == 0
+            && entry
+                .compare_exchange_weak(cur, cur | LOCKED, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        {
+            return cur;
+        }
+        if spins < SPINS_BEFORE_YIELD {
+            spins += 1;
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
         }
     }
 }
@@ -401,13 +520,99 @@ impl PageTable {
 mod tests {
     use super::*;
 
+    /// A table of `pages` entries laid out as a store's (each region on whole pages), with
+    /// every group committed.
     fn table(pages: usize) -> PageTable {
-        let segment = crate::mem::Segment::private(pages * 14).unwrap();
+        let t = uncommitted_table(pages);
+        for group in 0..t.memory().groups() {
+            t.memory().commit(group).unwrap();
+        }
+        t
+    }
+
+    fn uncommitted_table(pages: usize) -> PageTable {
+        use super::super::table_memory::Region;
+        let round = |bytes: usize| bytes.next_multiple_of(crate::codec::PAGE_SIZE);
+        let (hints, checksums) = (round(pages * 8), round(pages * 8) + round(pages * 2));
+        let segment = crate::mem::Segment::private(checksums + round(pages * 4)).unwrap();
+        let memory = TableMemory::new(
+            std::sync::Arc::clone(&segment),
+            Region {
+                offset: 0,
+                width: 8,
+            },
+            [
+                Region {
+                    offset: hints,
+                    width: 2,
+                },
+                Region {
+                    offset: checksums,
+                    width: 4,
+                },
+            ],
+            pages,
+        );
         PageTable::new(
             segment.words(0, pages).unwrap(),
-            segment.words16(pages * 12, pages).unwrap(),
-            segment.words32(pages * 8, pages).unwrap(),
+            segment.words16(hints, pages).unwrap(),
+            segment.words32(checksums, pages).unwrap(),
+            memory,
         )
+    }
+
+    #[test]
+    fn an_entry_of_a_group_not_committed_is_empty_and_holds_no_memory() {
+        use super::super::table_memory::GROUP_PAGES;
+        let t = uncommitted_table(2 * GROUP_PAGES + 5);
+        assert_eq!(t.memory().groups(), 3);
+        assert_eq!(t.bytes(), 0);
+        assert!(t.lock(0).is_none());
+        assert_eq!(t.peek(GROUP_PAGES), None);
+        t.memory().commit(1).unwrap();
+        // 16 KiB of entries, 4 of hints, 8 of checksums.
+        assert_eq!(t.bytes(), 28 << 10);
+        t.lock(GROUP_PAGES as u64)
+            .unwrap()
+            .replace(PageState::same(7).unwrap());
+        assert_eq!(
+            t.peek(GROUP_PAGES).map(|(state, _)| state),
+            Some(PageState::Same(7))
+        );
+        assert!(t.lock(GROUP_PAGES as u64 - 1).is_none());
+        // The last group's five entries take a page of each.
+        t.memory().commit(2).unwrap();
+        assert_eq!(t.bytes(), (28 << 10) + 3 * crate::codec::PAGE_SIZE as u64);
+    }
+
+    #[test]
+    fn a_group_is_given_back_only_when_every_entry_is_empty_and_no_writer_pinned_it() {
+        use super::super::table_memory::GROUP_PAGES;
+        let t = table(3 * GROUP_PAGES);
+        let full = t.bytes();
+        let last = 2 * GROUP_PAGES as u64 - 1;
+        t.lock(last).unwrap().replace(PageState::same(9).unwrap());
+        // Group 1 holds a page: kept, the page and every entry still unlocked.
+        assert!(!t.retire(1).unwrap());
+        assert_eq!(t.lock(last).unwrap().state(), PageState::Same(9));
+        assert!(t.lock(GROUP_PAGES as u64).is_some());
+        // Group 2 is pinned by a writer: kept.
+        assert!(t.memory().pin(2));
+        assert!(!t.retire(2).unwrap());
+        t.memory().unpin(2);
+        // Group 0 is empty: its memory goes, and its entries read as empty without it.
+        assert!(t.retire(0).unwrap());
+        assert_eq!(t.bytes(), full - (28 << 10));
+        assert!(t.lock(0).is_none());
+        assert!(!t.memory().pin(0));
+        // Once the last page of group 1 is emptied, it goes too; committed again, it works.
+        t.lock(last).unwrap().replace(PageState::Empty);
+        assert!(t.retire(1).unwrap());
+        assert!(t.retire(2).unwrap());
+        assert_eq!(t.bytes(), 0);
+        t.memory().commit(1).unwrap();
+        assert_eq!(t.lock(last).unwrap().state(), PageState::Empty);
+        assert!(t.memory().pin(1));
     }
 
     #[test]
@@ -430,11 +635,12 @@ mod tests {
             PageState::Empty,
         ];
         for s in states {
-            t.lock(2).replace(s);
-            assert_eq!(t.lock(2).state(), s);
+            t.lock(2).unwrap().replace(s);
+            assert_eq!(t.lock(2).unwrap().state(), s);
         }
-        assert_eq!(t.lock(3).state(), PageState::Empty);
-        assert_eq!(t.bytes(), 4 * (8 + 2 + 4));
+        assert_eq!(t.lock(3).unwrap().state(), PageState::Empty);
+        // Its one group: a page each of entries, hints and checksums.
+        assert_eq!(t.bytes(), 3 * crate::codec::PAGE_SIZE as u64);
         assert_eq!(PageState::same(0x8000_0000_0000_0000), None);
         assert_eq!(PageState::same(0x0fff_ffff_ffff_ffff), None);
         assert_eq!(PageState::same(0x1234_5678_9abc_def0), None);
@@ -443,16 +649,16 @@ mod tests {
     #[test]
     fn a_lock_left_by_a_dead_process_is_cleared_on_recovery() {
         let t = table(2);
-        t.lock(1).replace(PageState::same(7).unwrap());
-        std::mem::forget(t.lock(1));
+        t.lock(1).unwrap().replace(PageState::same(7).unwrap());
+        std::mem::forget(t.lock(1).unwrap());
         assert_eq!(t.recover(1), PageState::Same(7));
-        assert_eq!(t.lock(1).state(), PageState::Same(7));
+        assert_eq!(t.lock(1).unwrap().state(), PageState::Same(7));
     }
 
     #[test]
     fn reads_move_the_access_time_and_keep_flags_writes_clear_them() {
         let t = table(2);
-        let g = t.lock(0);
+        let g = t.lock(0).unwrap();
         g.written(5);
         assert_eq!(g.hint(), Hint::written(5));
         g.set_hint(g.hint().with_flags(true, true));
@@ -464,13 +670,15 @@ mod tests {
         assert!(!g.hint().settled());
         drop(g);
         assert_eq!(t.peek(0).map(|(_, h)| h.epoch()), Some(11));
-        let held = t.lock(0);
+        let held = t.lock(0).unwrap();
         assert_eq!(t.peek(0), None, "a locked entry is not peeked");
         drop(held);
-        t.lock(1).set_hint(Hint::written(3).with_flags(true, false));
+        t.lock(1)
+            .unwrap()
+            .set_hint(Hint::written(3).with_flags(true, false));
         t.recover(1);
         assert_eq!(
-            t.lock(1).hint(),
+            t.lock(1).unwrap().hint(),
             Hint::default(),
             "a resumed hint starts afresh"
         );
@@ -500,7 +708,7 @@ mod tests {
             for _ in 0..4 {
                 s.spawn(|| {
                     for _ in 0..10_000 {
-                        let mut g = t.lock(0);
+                        let mut g = t.lock(0).unwrap();
                         let n = match g.state() {
                             PageState::Same(n) => n,
                             _ => 0,
@@ -510,6 +718,6 @@ mod tests {
                 });
             }
         });
-        assert_eq!(t.lock(0).state(), PageState::Same(40_000));
+        assert_eq!(t.lock(0).unwrap().state(), PageState::Same(40_000));
     }
 }

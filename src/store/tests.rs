@@ -1209,3 +1209,134 @@ fn many_writers_with_a_chunk_reserve_keep_every_page() {
     }
     drop(flusher);
 }
+
+#[test]
+fn the_page_table_holds_memory_only_for_the_part_of_the_device_in_use() {
+    use super::table_memory::GROUP_PAGES;
+    const GROUP_BYTES: u64 = 28 << 10;
+    let group = GROUP_PAGES as u64;
+    let mut c = crate::config::StoreSettings::default().store_config(1 << 30, false);
+    c.reserve_bytes = 4 << 20;
+    let s = store(c);
+    let flusher = s.start_flusher(|_| ()).unwrap();
+    assert_eq!(s.table.bytes(), 0, "a fresh store commits no table");
+    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + std::time::Duration::from_secs(5);
+        while !done() {
+            assert!(
+                Instant::now() < deadline,
+                "{what}: table {} bytes",
+                s.table.bytes()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    };
+    // A write in group 10 waits for its group; the next one is asked for beside it.
+    s.write(10 * group * PAGE_SIZE as u64, &text(1)[..])
+        .unwrap();
+    wait_for("group 10 and the one after", &|| {
+        s.table.bytes() == 2 * GROUP_BYTES
+    });
+    // Writers and discarders racing over groups 20..24 (the refill thread giving back
+    // groups that empty meanwhile): every page that was last written reads back.
+    let pages: Vec<u64> = (20 * group..24 * group).step_by(7).collect();
+    std::thread::scope(|scope| {
+        for t in 0..4u64 {
+            let (s, pages) = (&s, &pages);
+            scope.spawn(move || {
+                for round in 0..3u64 {
+                    for &i in pages.iter().skip(t as usize).step_by(4) {
+                        s.write(i * PAGE_SIZE as u64, &text(i + round)[..]).unwrap();
+                        if (i + round) % 3 == 0 {
+                            s.discard(i * PAGE_SIZE as u64, PAGE_SIZE as u64).unwrap();
+                        }
+                    }
+                }
+            });
+        }
+    });
+    s.flush_pending().unwrap();
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for &i in &pages {
+        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+        if (i + 2) % 3 == 0 {
+            assert!(buf.iter().all(|&b| b == 0), "page {i} was discarded last");
+        } else {
+            assert_eq!(&buf[..], &text(i + 2)[..], "page {i}");
+        }
+    }
+    // Pages never written read as zeros, in committed groups and others alike.
+    for i in [0, 21 * group + 1, 200 * group / 2, 127 * group] {
+        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0), "page {i}");
+    }
+    // Writes into a group that is empty most of the time, so that it is given back and
+    // committed again under them: each write is read back before it is discarded.
+    let retired_before = s.table.bytes();
+    let until = Instant::now() + std::time::Duration::from_millis(1500);
+    std::thread::scope(|scope| {
+        for t in 0..2u64 {
+            let s = &s;
+            scope.spawn(move || {
+                let mut buf = vec![0u8; PAGE_SIZE];
+                let i = 30 * group + t;
+                let mut n = 0;
+                while Instant::now() < until {
+                    n += 1;
+                    s.write(i * PAGE_SIZE as u64, &text(i + n)[..]).unwrap();
+                    s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+                    assert_eq!(&buf[..], &text(i + n)[..], "page {i}, write {n}");
+                    s.discard(i * PAGE_SIZE as u64, PAGE_SIZE as u64).unwrap();
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+            });
+        }
+    });
+    assert!(s.table.bytes() <= retired_before + 2 * GROUP_BYTES);
+    // Everything discarded: each group that held pages goes back; what stays is the groups
+    // asked for ahead of writes and never written (11, 24, 31).
+    s.discard(0, 1 << 30).unwrap();
+    wait_for("the emptied groups given back", &|| {
+        s.table.bytes() == 3 * GROUP_BYTES
+    });
+    // And a group given back works again.
+    s.write(21 * group * PAGE_SIZE as u64, &text(5)[..])
+        .unwrap();
+    s.flush_pending().unwrap();
+    s.read(21 * group * PAGE_SIZE as u64, &mut buf).unwrap();
+    assert_eq!(&buf[..], &text(5)[..]);
+    drop(flusher);
+}
+
+#[test]
+fn a_resumed_store_finds_the_table_groups_it_used_and_no_others() {
+    use super::table_memory::GROUP_PAGES;
+    let group = GROUP_PAGES as u64;
+    let key = 0x7a10_0000 | i32::try_from(std::process::id() & 0xffff).unwrap();
+    let _ = crate::mem::Segment::remove_shared(key);
+    let backing = Backing::SharedUnlocked { key };
+    let config = || {
+        crate::config::StoreSettings::default().store_config(6 * group * PAGE_SIZE as u64, false)
+    };
+    let written = [3, 5 * group + 7];
+    {
+        let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
+        assert_eq!(opened, Opened::Fresh);
+        for &i in &written {
+            s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+        }
+        s.flush_pending().unwrap();
+    }
+    let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
+    assert_eq!(opened, Opened::Resumed { pages: 2, lost: 0 });
+    assert_eq!(s.table.bytes(), 2 * (28 << 10), "groups 0 and 5");
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for &i in &written {
+        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+        assert_eq!(&buf[..], &text(i)[..], "page {i}");
+    }
+    s.read(2 * group * PAGE_SIZE as u64, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0));
+    drop(s);
+    crate::mem::Segment::remove_shared(key).unwrap();
+}
