@@ -40,6 +40,10 @@ const COMMIT_GROUP_BYTES: usize = 256 << 10;
 /// within two.
 pub const QUIET_AFTER: Duration = Duration::from_secs(1);
 const QUIET_TARGET_DIVISOR: u64 = 4;
+/// ...and never more than this: the target grows with RAM (up to 64 MiB), the idle footprint
+/// must not (16 MiB locked on an idle 16 GiB machine before this). Memory getting short, which
+/// comes before swap does, brings the whole target back.
+const QUIET_TARGET_MAX_BYTES: u64 = 1 << 20;
 /// The most chunks in one commit group (of one-page chunks).
 const GROUP_CHUNKS: usize = COMMIT_GROUP_BYTES / PAGE_SIZE;
 
@@ -180,8 +184,8 @@ pub(super) struct ChunkReserve {
     held_bytes: AtomicU64,
     /// The target while chunks are taken or memory is short.
     target_bytes: u64,
-    /// The target of the refill thread's latest pass: `target_bytes`, or a quarter of it while
-    /// the reserve is quiet (see `target_for_pass`).
+    /// The target of the refill thread's latest pass: `target_bytes`, or less while the
+    /// reserve is quiet (see `target_for_pass`).
     current_target: AtomicU64,
     /// Chunks taken since the refill thread's latest pass.
     taken: AtomicU64,
@@ -854,7 +858,7 @@ impl ChunkReserve {
         (target * demand / total.max(1)).max(floor)
     }
 
-    /// The target of a refill pass: `target_bytes`, or a quarter of it once no chunk has been
+    /// The target of a refill pass: `target_bytes`, or a quarter of it (at most 1 MiB) once no chunk has been
     /// taken for `QUIET_AFTER` while memory is not short. Why: the reserve is locked memory
     /// held for the next burst of writes, and a swap device is idle most of its life (the
     /// issue's idle footprint); the first chunk taken, or memory getting short, brings the
@@ -866,7 +870,7 @@ impl ChunkReserve {
             *last_busy = Instant::now();
         }
         let target = if last_busy.elapsed() >= QUIET_AFTER {
-            self.target_bytes / QUIET_TARGET_DIVISOR
+            (self.target_bytes / QUIET_TARGET_DIVISOR).min(QUIET_TARGET_MAX_BYTES)
         } else {
             self.target_bytes
         };
@@ -1141,40 +1145,35 @@ mod tests {
     }
 
     #[test]
-    fn a_quiet_reserve_keeps_a_quarter_of_its_target_until_a_chunk_is_taken() {
-        let target = 4 << 20;
-        let reserve = ChunkReserve::new(target, arena(), &[1; 8]);
-        reserve.refill();
-        let full = reserve.held_bytes();
-        assert!(full > target / 2, "{full}");
-        let quiet = || {
-            *reserve.last_busy.lock() = Instant::now()
-                .checked_sub(QUIET_AFTER + Duration::from_secs(1))
-                .unwrap();
-        };
-        // Short of memory, the whole target stays however quiet the reserve is.
-        reserve.set_memory_short(true);
-        quiet();
-        reserve.refill();
-        assert_eq!(reserve.held_bytes(), full);
-        reserve.set_memory_short(false);
-        quiet();
-        reserve.refill();
-        let quarter = target / QUIET_TARGET_DIVISOR;
-        assert!(reserve.held_bytes() <= quarter, "{}", reserve.held_bytes());
-        assert!(
-            reserve.held_bytes() >= quarter / 2,
-            "{}",
-            reserve.held_bytes()
-        );
-        // A chunk taken brings the whole target back at the next pass.
-        reserve.take(1, None).unwrap();
-        reserve.refill();
-        assert!(
-            reserve.held_bytes() > target / 2,
-            "{}",
-            reserve.held_bytes()
-        );
+    fn a_quiet_reserve_keeps_a_quarter_of_its_target_at_most_1_mib_until_a_chunk_is_taken() {
+        for target in [4 << 20, 16 << 20] {
+            let reserve = ChunkReserve::new(target, arena(), &[1; 8]);
+            reserve.refill();
+            let full = reserve.held_bytes();
+            assert!(full > target / 2, "{full}");
+            let quiet = || {
+                *reserve.last_busy.lock() = Instant::now()
+                    .checked_sub(QUIET_AFTER + Duration::from_secs(1))
+                    .unwrap();
+            };
+            // Short of memory, the whole target stays however quiet the reserve is.
+            reserve.set_memory_short(true);
+            quiet();
+            reserve.refill();
+            assert_eq!(reserve.held_bytes(), full);
+            reserve.set_memory_short(false);
+            quiet();
+            reserve.refill();
+            let quiet_target = (target / QUIET_TARGET_DIVISOR).min(1 << 20);
+            let held = reserve.held_bytes();
+            assert!(held <= quiet_target, "{held} of a {target}-byte target");
+            assert!(held >= quiet_target / 2, "{held} of a {target}-byte target");
+            // A chunk taken brings the whole target back at the next pass.
+            reserve.take(1, None).unwrap();
+            reserve.refill();
+            let held = reserve.held_bytes();
+            assert!(held > target / 2, "{held} of a {target}-byte target");
+        }
     }
 
     #[test]
