@@ -44,6 +44,15 @@ const FAIL_FAST_PERIOD: Duration = Duration::from_millis(200);
 /// with never asks.
 const OOM_NUDGE_AFTER: Duration = Duration::from_millis(300);
 
+/// Table groups asked for beyond the last one a write lands in (64 MiB of device, 224 KiB of
+/// table): swap hands out never-used clusters in order, so writes move forward through the
+/// device, and at the onset of a swap storm (64 MiB in about a second in the VM) the refill
+/// thread may be in a slow commit; a group a write must wait for stops that write at once,
+/// where chunks and pending batches would have carried it for a while (seen in the VM: with
+/// one group ahead, a write waited 301 ms for one at the first storm and the starvation rule
+/// asked for an OOM kill).
+const TABLE_GROUPS_AHEAD: usize = 8;
+
 /// A reserved pending slot. Dropping it commits the slot, whatever happened in between (a
 /// panic included), so the flusher, which waits for every reserved slot of a batch it seals to
 /// be committed, never waits forever. A slot committed without its page's entry pointing at
@@ -171,8 +180,8 @@ impl BatchedPageStore {
     }
 
     /// Pin the table groups of pages `first..first + pages` for a write (see `table_memory`),
-    /// asking the refill thread to commit those that are not, and the group after the last
-    /// (so that writes moving through the device find it committed). A group not committed
+    /// asking the refill thread to commit those that are not, and `TABLE_GROUPS_AHEAD` groups
+    /// after the last (so that writes moving through the device find them committed). A group not committed
     /// yet: with `SlotWait::Block`, waits for it; with `SlotWait::Defer`, returns `None` (the
     /// caller tries again later); both unless the starvation rule gives up.
     pub(super) fn pin_table(
@@ -197,7 +206,11 @@ impl BatchedPageStore {
             }
             pins.groups.end = group + 1;
         }
-        if last + 1 < memory.groups() && memory.want(last + 1) {
+        let mut asked = false;
+        for group in last + 1..(last + 1 + TABLE_GROUPS_AHEAD).min(memory.groups()) {
+            asked |= memory.want(group);
+        }
+        if asked {
             self.alloc.reserve.wake_refill();
         }
         Ok(Some(pins))

@@ -22,6 +22,10 @@ pub struct StoreStats {
     pub mem_used: u64,
     /// Bytes of metadata (page table and allocator bookkeeping).
     pub metadata_bytes: u64,
+    /// Of `metadata_bytes`, the page table's committed part: 28 KiB for each 8 MiB of device
+    /// that holds a page or was written lately.
+    #[serde(default)]
+    pub table_bytes: u64,
     /// Bytes of the preallocated pending-batch buffers (fixed; not in `mem_used`).
     pub batch_buffer_bytes: u64,
     /// 0 when there is no limit.

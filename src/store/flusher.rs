@@ -192,7 +192,8 @@ impl BatchedPageStore {
     }
 
     /// The refill thread's part for the page table (see `table_memory`): commit the groups
-    /// writers asked for, waking them, and give back groups whose pages were all emptied.
+    /// writers asked for, waking them, and give back groups whose pages were all emptied
+    /// (while memory is not short).
     fn provide_table(&self) {
         let memory = self.table.memory();
         match memory.commit_wanted() {
@@ -201,6 +202,11 @@ impl BatchedPageStore {
             Err(error) => {
                 tracing::warn!(%error, "committing the page table's memory failed; writes to its new part wait");
             }
+        }
+        // Not while memory is short: swap is then at its busiest, and a group given back is
+        // one a write may wait for.
+        if self.memory_short() {
+            return;
         }
         for group in memory.take_emptied() {
             if let Err(error) = self.table.retire(group) {

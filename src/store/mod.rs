@@ -726,6 +726,7 @@ impl BatchedPageStore {
             compr_bytes: get(&c.compr_bytes),
             mem_used: self.alloc.chunk_bytes() + pending * PAGE_SIZE as u64,
             metadata_bytes: self.table.bytes() + self.alloc.metadata_bytes(),
+            table_bytes: self.table.bytes(),
             batch_buffer_bytes: self
                 .batches
                 .iter()

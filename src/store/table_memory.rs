@@ -7,8 +7,9 @@
 //! clusters, in order on a fresh device, so the part of the table in use follows the part of
 //! the device in use, and a group of `GROUP_PAGES` entries (8 MiB of device, 28 KiB of table)
 //! is committed when the first write reaches it, by the refill thread (the I/O path never
-//! commits memory itself: see `reserve`), with the next group asked for as soon as a write
-//! lands in one, so that writes moving through the device do not wait.
+//! commits memory itself: see `reserve`), with the next groups asked for as soon as a write
+//! lands in one, so that writes moving through the device do not wait (see
+//! `TABLE_GROUPS_AHEAD` in `admission`).
 //!
 //! Each group has one word: its state in the low bits and, above them, how many writers have
 //! it pinned (a writer pins the groups of its request before it touches their entries, so a
