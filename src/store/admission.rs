@@ -181,9 +181,10 @@ impl BatchedPageStore {
 
     /// Pin the table groups of pages `first..first + pages` for a write (see `table_memory`),
     /// asking the refill thread to commit those that are not, and `TABLE_GROUPS_AHEAD` groups
-    /// after the last (so that writes moving through the device find them committed). A group not committed
-    /// yet: with `SlotWait::Block`, waits for it; with `SlotWait::Defer`, returns `None` (the
-    /// caller tries again later); both unless the starvation rule gives up.
+    /// after the last (so that writes moving through the device find them committed). A group
+    /// not committed yet: with `SlotWait::Block`, waits for it; with `SlotWait::Defer`,
+    /// returns `None` (the caller tries again later); both unless the starvation rule gives
+    /// up.
     pub(super) fn pin_table(
         &self,
         first: u64,

@@ -34,6 +34,8 @@ pub enum StoreError {
     Lost { page: u64 },
     #[error("the page arena's address space is used up (a bug: please report it)")]
     ArenaFull,
+    #[error("page {page} was written while its part of the page table had no memory (a bug: please report it); the write was not stored")]
+    TableAbsent { page: u64 },
     #[error("{0}")]
     Layout(String),
     #[error("{what}: {source}")]
@@ -51,6 +53,7 @@ impl StoreError {
             | StoreError::Corrupt { .. }
             | StoreError::ChecksumMismatch { .. }
             | StoreError::Lost { .. }
+            | StoreError::TableAbsent { .. }
             | StoreError::Layout(_)
             | StoreError::Memory { .. } => -libc::EIO,
             StoreError::Misaligned { .. } | StoreError::Config(_) => -libc::EINVAL,

@@ -431,7 +431,7 @@ impl BatchedPageStore {
     fn write_page(&self, index: u64, page: &Page, wait: SlotWait) -> Result<bool, StoreError> {
         if let PageClass::SameFilled(word) = classify(page) {
             if let Some(same) = PageState::same(word) {
-                self.set_state(index, same);
+                self.set_state(index, same)?;
                 return Ok(true);
             }
         }
@@ -465,7 +465,7 @@ impl BatchedPageStore {
                     });
                 }
             };
-            self.set_stored(
+            let stored = self.set_stored(
                 index,
                 PageState::Stored {
                     handle,
@@ -475,6 +475,10 @@ impl BatchedPageStore {
                 self.checksum.of(page),
             );
             sub(&self.reserved_bytes, PAGE_SIZE as u64);
+            if let Err(error) = stored {
+                self.alloc.free(handle, len);
+                return Err(error);
+            }
         }
         Ok(true)
     }
@@ -490,7 +494,12 @@ impl BatchedPageStore {
         // entry as it was (the write was never acknowledged).
         batch.fill(slot, index, page);
         add(&self.counters.pending_pages, 1);
-        self.set_state(index, PageState::pending(reserved.batch_index, slot));
+        if let Err(error) = self.set_state(index, PageState::pending(reserved.batch_index, slot)) {
+            // The slot is flushed all the same (and its counts and reservation settled there,
+            // its entry not pointing at it): keep the reservation the caller gives back.
+            add(&self.reserved_bytes, PAGE_SIZE as u64);
+            return Err(error);
+        }
         if slot == 0 {
             batch.note_first_write(self.now_ns());
         }
@@ -503,24 +512,30 @@ impl BatchedPageStore {
     }
 
     /// Set a page's state (it was written now); frees what it held before.
-    fn set_state(&self, index: u64, state: PageState) {
-        self.set_written(index, state, None);
+    fn set_state(&self, index: u64, state: PageState) -> Result<(), StoreError> {
+        self.set_written(index, state, None)
     }
 
     /// `set_state` to a stored object holding data of checksum `checksum`.
-    fn set_stored(&self, index: u64, state: PageState, checksum: u32) {
-        self.set_written(index, state, Some(checksum));
+    fn set_stored(&self, index: u64, state: PageState, checksum: u32) -> Result<(), StoreError> {
+        self.set_written(index, state, Some(checksum))
     }
 
-    /// The caller has pinned the page's group (`pin_table`), so its entry has memory.
-    fn set_written(&self, index: u64, state: PageState, checksum: Option<u32>) {
+    /// The caller has pinned the page's group (`pin_table`), so its entry has memory; if it
+    /// has none all the same (a bug), the write fails.
+    fn set_written(
+        &self,
+        index: u64,
+        state: PageState,
+        checksum: Option<u32>,
+    ) -> Result<(), StoreError> {
         let old = {
             let Some(mut entry) = self.table.lock(index) else {
                 tracing::error!(
                     page = index,
-                    "a write to a page whose table group is not committed (a bug): not stored"
+                    "a write to a page whose table group has no memory"
                 );
-                return;
+                return Err(StoreError::TableAbsent { page: index });
             };
             entry.written(self.idle_clock.now());
             if let Some(checksum) = checksum {
@@ -533,6 +548,7 @@ impl BatchedPageStore {
         if let PageState::Stored { handle, len, .. } = old {
             self.alloc.free(handle, usize::from(len));
         }
+        Ok(())
     }
 
     /// Read whole pages at byte `offset` (never-written pages read as zeros).
