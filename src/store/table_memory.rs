@@ -15,8 +15,12 @@
 //! it pinned (a writer pins the groups of its request before it touches their entries, so a
 //! group cannot be given back under it). Giving a group back (`PageTable::retire`) takes it
 //! from committed with no pins to retiring in one compare-and-swap, locks every entry, checks
-//! that all are empty, and punches the group's memory out. A group that is not committed holds
-//! no memory and reads as empty: readers, discards and slot frees never wait for it.
+//! that all are empty, and punches the group's memory out (`give_back`). A group that is not
+//! committed holds no memory and reads as empty: readers, discards and slot frees never wait
+//! for it. One race is left, and costs a page, never a page's data: a reader that saw the
+//! group committed just before its memory went touches an entry again, the kernel maps it a
+//! zeroed page (empty entries), the reader sees the group absent and lets go; that page stays
+//! until the group is committed and given back again.
 //!
 //! A resumed store finds its committed groups by asking which of their pages are in memory
 //! (`Segment::any_in_memory`: the segment's file, which allocates nothing), and commits the
