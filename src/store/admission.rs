@@ -51,7 +51,7 @@ const OOM_NUDGE_AFTER: Duration = Duration::from_millis(300);
 /// where chunks and pending batches would have carried it for a while (seen in the VM: with
 /// one group ahead, a write waited 301 ms for one at the first storm and the starvation rule
 /// asked for an OOM kill).
-const TABLE_GROUPS_AHEAD: usize = 8;
+pub(super) const TABLE_GROUPS_AHEAD: usize = 8;
 
 /// A reserved pending slot. Dropping it commits the slot, whatever happened in between (a
 /// panic included), so the flusher, which waits for every reserved slot of a batch it seals to
@@ -122,7 +122,7 @@ impl BatchedPageStore {
         if !for_refill {
             return false;
         }
-        if !self.oom.swap_frees_nothing() {
+        if !self.oom.swap_frees_nothing(self.now_ns(), waited) {
             return waited >= SLOW_REFILL_PATIENCE;
         }
         if waited >= OOM_NUDGE_AFTER && self.oom.nudge(self.now_ns(), waited) {

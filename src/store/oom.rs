@@ -32,6 +32,15 @@ const NUDGE_INTERVAL: Duration = Duration::from_secs(1);
 /// an earlier fill, and the VM's first incompressible stall failed writes without asking.
 const RECENT_PAGES: u64 = 256;
 
+/// Pages compressed this long before a writer began to starve belong to another workload and
+/// say nothing of the pages it waits to store; after a gap this long in compressing, the
+/// window starts again. Why: in the VM test, random patterns written by `dd` (raw pages) were
+/// the last pages compressed when, minutes later, the first writes of a swap run over
+/// compressible pages waited 300 ms for memory, and a kill was asked for that took the
+/// program being swapped out (clean-clone CI, 2026-11-26). In a real storm of raw pages the
+/// flusher compresses until the moment it stalls storing them, just before writers starve.
+const STALE_AFTER: Duration = Duration::from_secs(1);
+
 /// How the store asks the kernel's OOM killer to kill a task, given by whoever opens the store:
 /// the daemon writes `f` to `/proc/sysrq-trigger`, opened at its start (under memory pressure
 /// opening it could wait in reclaim). The store only decides when.
@@ -58,6 +67,8 @@ pub(super) struct OomNudge {
     /// while they reach `RECENT_PAGES`: whether swapping out frees any memory now.
     recent_pages: AtomicU64,
     recent_raw: AtomicU64,
+    /// When pages were last compressed (ns on the store's clock).
+    last_note_ns: AtomicU64,
 }
 
 impl OomNudge {
@@ -68,13 +79,20 @@ impl OomNudge {
             next_ns: AtomicU64::new(0),
             recent_pages: AtomicU64::new(0),
             recent_raw: AtomicU64::new(0),
+            last_note_ns: AtomicU64::new(0),
         }
     }
 
-    /// `pages` pages were compressed for writes, `raw` of them did not compress. Noted before
-    /// they are stored: storing them is what may starve. Kept without a killer too: the
-    /// starvation rule's patience depends on it (see `admission`).
-    pub(super) fn note_compressed(&self, pages: u64, raw: u64) {
+    /// `pages` pages were compressed for writes at `now_ns`, `raw` of them did not compress.
+    /// Noted before they are stored: storing them is what may starve. Kept without a killer
+    /// too: the starvation rule's patience depends on it (see `admission`).
+    pub(super) fn note_compressed(&self, now_ns: u64, pages: u64, raw: u64) {
+        let last = self.last_note_ns.swap(now_ns, Ordering::Relaxed);
+        if now_ns.saturating_sub(last) > stale_after_ns() {
+            // A racy restart is fine: only the rough share of raw pages matters.
+            self.recent_pages.store(0, Ordering::Relaxed);
+            self.recent_raw.store(0, Ordering::Relaxed);
+        }
         self.recent_raw.fetch_add(raw, Ordering::Relaxed);
         let mut seen = self.recent_pages.fetch_add(pages, Ordering::Relaxed) + pages;
         while seen >= RECENT_PAGES {
@@ -86,9 +104,16 @@ impl OomNudge {
         }
     }
 
-    /// Whether most pages compressed lately were raw: swapping such a page out frees a page and
-    /// costs one, so no reclaim through this store makes progress, only an OOM kill does.
-    pub(super) fn swap_frees_nothing(&self) -> bool {
+    /// Whether most pages compressed lately were raw, for a writer starving at `now_ns` that
+    /// has `waited`: swapping such a page out frees a page and costs one, so no reclaim through
+    /// this store makes progress, only an OOM kill does. False when nothing was compressed
+    /// within `STALE_AFTER` before the writer began to wait.
+    pub(super) fn swap_frees_nothing(&self, now_ns: u64, waited: Duration) -> bool {
+        let waited_ns = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX);
+        let began = now_ns.saturating_sub(waited_ns);
+        if began.saturating_sub(self.last_note_ns.load(Ordering::Relaxed)) > stale_after_ns() {
+            return false;
+        }
         2 * self.recent_raw.load(Ordering::Relaxed) > self.recent_pages.load(Ordering::Relaxed)
     }
 
@@ -100,7 +125,7 @@ impl OomNudge {
             return false;
         };
         let next = self.next_ns.load(Ordering::Relaxed);
-        if now_ns < next || !self.swap_frees_nothing() {
+        if now_ns < next || !self.swap_frees_nothing(now_ns, waited) {
             return false;
         }
         let interval = u64::try_from(NUDGE_INTERVAL.as_nanos()).unwrap_or(u64::MAX);
@@ -133,6 +158,10 @@ impl OomNudge {
     }
 }
 
+fn stale_after_ns() -> u64 {
+    u64::try_from(STALE_AFTER.as_nanos()).unwrap_or(u64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,8 +179,8 @@ mod tests {
     #[test]
     fn without_a_killer_nothing_is_asked() {
         let nudge = OomNudge::new(None);
-        nudge.note_compressed(10_000, 10_000);
-        assert!(!nudge.nudge(u64::MAX / 2, Duration::from_secs(1)));
+        nudge.note_compressed(0, 10_000, 10_000);
+        assert!(!nudge.nudge(1, Duration::ZERO));
     }
 
     #[test]
@@ -160,14 +189,14 @@ mod tests {
         let nudge = OomNudge::new(Some(killer));
         assert!(!nudge.nudge(1, Duration::ZERO), "nothing stored yet");
         for i in 0..10_000 {
-            nudge.note_compressed(1, u64::from(i % 10 == 0));
+            nudge.note_compressed(1, 1, u64::from(i % 10 == 0));
         }
         assert!(
             !nudge.nudge(2, Duration::ZERO),
             "10% raw: swapping frees memory"
         );
         // One flush part that does not compress, after many that did, decides.
-        nudge.note_compressed(RECENT_PAGES, RECENT_PAGES);
+        nudge.note_compressed(2, RECENT_PAGES, RECENT_PAGES);
         assert!(nudge.nudge(3, Duration::ZERO), "raw lately");
         assert_eq!(asked.load(Ordering::Relaxed), 1);
     }
@@ -176,10 +205,12 @@ mod tests {
     fn asks_at_most_once_per_interval() {
         let (killer, asked) = counting();
         let nudge = OomNudge::new(Some(killer));
-        nudge.note_compressed(RECENT_PAGES, RECENT_PAGES);
+        nudge.note_compressed(0, RECENT_PAGES, RECENT_PAGES);
         let second = 1_000_000_000;
+        // Writers starving since the flusher last compressed (it stalls storing those pages).
         let asks = (0..40u64)
-            .filter(|i| nudge.nudge(i * second / 10, Duration::ZERO))
+            .map(|i| i * second / 10)
+            .filter(|&now| nudge.nudge(now, Duration::from_nanos(now)))
             .count();
         assert_eq!(asks, 4, "4 s of starving writers");
         assert_eq!(asked.load(Ordering::Relaxed), 4);
@@ -190,7 +221,27 @@ mod tests {
         let nudge = OomNudge::new(Some(OomKiller::new(|| {
             Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied))
         })));
-        nudge.note_compressed(RECENT_PAGES, RECENT_PAGES);
+        nudge.note_compressed(0, RECENT_PAGES, RECENT_PAGES);
         assert!(!nudge.nudge(0, Duration::ZERO));
+    }
+
+    #[test]
+    fn raw_pages_of_an_earlier_workload_ask_for_nothing() {
+        let (killer, asked) = counting();
+        let nudge = OomNudge::new(Some(killer));
+        let second: u64 = 1_000_000_000;
+        // Random data written a minute ago, then a writer that has waited 300 ms.
+        nudge.note_compressed(second, RECENT_PAGES, RECENT_PAGES);
+        let now = 61 * second;
+        assert!(!nudge.swap_frees_nothing(now, Duration::from_millis(300)));
+        assert!(!nudge.nudge(now, Duration::from_millis(300)));
+        // New pages after the gap start the window again: compressible ones now decide.
+        nudge.note_compressed(now, 10, 0);
+        assert!(!nudge.nudge(now + 1, Duration::ZERO));
+        // Raw pages compressed just before a writer began to wait do.
+        nudge.note_compressed(now + 2, RECENT_PAGES, RECENT_PAGES);
+        let later = now + 2 + second / 2;
+        assert!(nudge.nudge(later, Duration::from_millis(400)));
+        assert_eq!(asked.load(Ordering::Relaxed), 1);
     }
 }
