@@ -353,6 +353,15 @@ impl PageTable {
             .is_committed_group(TableMemory::group_of(index as u64))
     }
 
+    /// Whether some entry of `group` holds a page (a look without locks).
+    pub(super) fn holds_pages(&self, group: usize) -> bool {
+        self.memory.state(group) == GroupState::Committed
+            && self
+                .memory
+                .indexes(group)
+                .any(|i| self.entries[i].load(Ordering::Relaxed) & !LOCKED != EMPTY_WORD)
+    }
+
     /// Give group `group`'s memory back if none of its entries holds a page; whether it was.
     /// Locks each of its entries (no other thread holds two, and none waits for memory while
     /// it holds one, so this waits only for the short sections under them).

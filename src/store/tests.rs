@@ -1273,7 +1273,8 @@ fn the_page_table_holds_memory_only_for_the_part_of_the_device_in_use() {
         assert!(buf.iter().all(|&b| b == 0), "page {i}");
     }
     // Writes into a group that is empty most of the time, so that it is given back and
-    // committed again under them: each write is read back before it is discarded.
+    // committed again under them: each write is read back before it is discarded. Far from
+    // the groups in use, whose next groups stay when empty (see `provide_table`).
     let retired_before = s.table.bytes();
     let until = Instant::now() + std::time::Duration::from_millis(1500);
     std::thread::scope(|scope| {
@@ -1281,7 +1282,7 @@ fn the_page_table_holds_memory_only_for_the_part_of_the_device_in_use() {
             let s = &s;
             scope.spawn(move || {
                 let mut buf = vec![0u8; PAGE_SIZE];
-                let i = 30 * group + t;
+                let i = 50 * group + t;
                 let mut n = 0;
                 while Instant::now() < until {
                     n += 1;
@@ -1294,21 +1295,58 @@ fn the_page_table_holds_memory_only_for_the_part_of_the_device_in_use() {
             });
         }
     });
-    // Groups 31..39 asked for ahead of group 30, at most.
-    assert!(s.table.bytes() <= retired_before + 8 * GROUP_BYTES);
+    // Group 50 and the eight after it, at most.
+    assert!(s.table.bytes() <= retired_before + 9 * GROUP_BYTES);
     // Everything discarded: each group that held pages goes back; what stays is the groups
-    // asked for ahead of writes and never written (11..19, 24..30, 31..39).
+    // asked for ahead of writes and never written (11..=18, 24..=31, 51..=58).
     s.discard(0, 1 << 30).unwrap();
     wait_for("the emptied groups given back", &|| {
-        ![10, 20, 21, 22, 23, 30].into_iter().any(committed)
+        ![10, 20, 21, 22, 23, 50].into_iter().any(committed)
     });
-    assert_eq!(s.table.bytes(), 22 * GROUP_BYTES);
+    assert_eq!(s.table.bytes(), 24 * GROUP_BYTES);
     // And a group given back works again.
     s.write(21 * group * PAGE_SIZE as u64, &text(5)[..])
         .unwrap();
     s.flush_pending().unwrap();
     s.read(21 * group * PAGE_SIZE as u64, &mut buf).unwrap();
     assert_eq!(&buf[..], &text(5)[..]);
+    drop(flusher);
+}
+
+#[test]
+fn the_groups_after_one_in_use_stay_when_emptied_and_go_with_it() {
+    use super::table_memory::GROUP_PAGES;
+    let group = GROUP_PAGES as u64;
+    let mut c = crate::config::StoreSettings::default().store_config(1 << 30, false);
+    c.reserve_bytes = 4 << 20;
+    let s = store(c);
+    let flusher = s.start_flusher(|_| ()).unwrap();
+    let committed = |g: u64| s.table.is_committed((g * group) as usize);
+    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + std::time::Duration::from_secs(5);
+        while !done() {
+            assert!(Instant::now() < deadline, "{what}");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    };
+    // As swap: its header in page 0, then pages in groups 1..=9 and far away, in group 40.
+    s.write(0, &text(0)[..]).unwrap();
+    for g in (1..=9).chain([40]) {
+        s.write(g * group * PAGE_SIZE as u64, &text(g)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    // Everything but the header discarded (`swapon -d`): group 40 goes back, and group 9,
+    // beyond the eight after group 0; groups 1..=8 stay for the next writes.
+    s.discard(PAGE_SIZE as u64, (1 << 30) - PAGE_SIZE as u64)
+        .unwrap();
+    wait_for("groups 9 and 40 given back", &|| {
+        !committed(9) && !committed(40)
+    });
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    assert!((0..=8).all(committed), "group 0 and the eight after it");
+    // The header goes too: so do they.
+    s.discard(0, PAGE_SIZE as u64).unwrap();
+    wait_for("groups 0..=8 given back", &|| !(0..=8).any(committed));
     drop(flusher);
 }
 
