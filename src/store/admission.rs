@@ -44,14 +44,20 @@ const FAIL_FAST_PERIOD: Duration = Duration::from_millis(200);
 /// with never asks.
 const OOM_NUDGE_AFTER: Duration = Duration::from_millis(300);
 
-/// Table groups asked for beyond the last one a write lands in (64 MiB of device, 224 KiB of
-/// table): swap hands out never-used clusters in order, so writes move forward through the
-/// device, and at the onset of a swap storm (64 MiB in about a second in the VM) the refill
-/// thread may be in a slow commit; a group a write must wait for stops that write at once,
-/// where chunks and pending batches would have carried it for a while (seen in the VM: with
-/// one group ahead, a write waited 301 ms for one at the first storm and the starvation rule
-/// asked for an OOM kill).
-pub(super) const TABLE_GROUPS_AHEAD: usize = 8;
+/// How far on, in table groups, swap's next new cluster lies: on a fresh device Linux 6.12's
+/// swap hands out its 2 MiB clusters 0, 32, 64, ... then 1, 33, ... (`setup_clusters` lays
+/// its free list out in 32 columns), so the next one is 64 MiB on, eight groups.
+pub(super) const SWAP_STRIDE_GROUPS: usize = 8;
+
+/// The groups asked for beyond the last one a write lands in: the next, for writers moving
+/// forward through the device (a file system, fio, dd), and the one swap's next cluster lands
+/// in. At the onset of a swap storm (64 MiB in about a second in the VM) the refill thread may
+/// be in a slow commit, and a group a write must wait for stops that write at once, where
+/// chunks and pending batches would have carried it for a while (seen in the VM: with only
+/// the next group asked for, a write waited 301 ms for one at the first storm). Asking for
+/// the eight between as well (as before) made the whole table committed once a 32nd of the
+/// device was in use, and the group needed next the last of eight commits.
+const TABLE_GROUPS_AHEAD: [usize; 2] = [1, SWAP_STRIDE_GROUPS];
 
 /// A reserved pending slot. Dropping it commits the slot, whatever happened in between (a
 /// panic included), so the flusher, which waits for every reserved slot of a batch it seals to
@@ -180,7 +186,7 @@ impl BatchedPageStore {
     }
 
     /// Pin the table groups of pages `first..first + pages` for a write (see `table_memory`),
-    /// asking the refill thread to commit those that are not, and `TABLE_GROUPS_AHEAD` groups
+    /// asking the refill thread to commit those that are not, and the `TABLE_GROUPS_AHEAD`
     /// after the last (so that writes moving through the device find them committed). A group
     /// not committed yet: with `SlotWait::Block`, waits for it; with `SlotWait::Defer`,
     /// returns `None` (the caller tries again later); both unless the starvation rule gives
@@ -208,8 +214,10 @@ impl BatchedPageStore {
             pins.groups.end = group + 1;
         }
         let mut asked = false;
-        for group in last + 1..(last + 1 + TABLE_GROUPS_AHEAD).min(memory.groups()) {
-            asked |= memory.want(group);
+        for ahead in TABLE_GROUPS_AHEAD {
+            if last + ahead < memory.groups() {
+                asked |= memory.want(last + ahead);
+            }
         }
         if asked {
             self.alloc.reserve.wake_refill();

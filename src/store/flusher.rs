@@ -9,7 +9,7 @@ use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::admission::TABLE_GROUPS_AHEAD;
+use super::admission::SWAP_STRIDE_GROUPS;
 use super::table_memory::GroupState;
 use super::{BatchedPageStore, Compaction};
 
@@ -212,14 +212,14 @@ impl BatchedPageStore {
         }
         let mut spares = 0;
         for group in memory.take_emptied() {
-            // Up to `TABLE_GROUPS_AHEAD` empty groups that a write into a group in use asks
-            // for stay (looked at again, so that they go once that group is empty): the
-            // writes of a swap run that starts after all was discarded (`swapon -d`) begin in
-            // the groups after the one with swap's header, and one given back is one a write
+            // Up to `SWAP_STRIDE_GROUPS` empty groups at most that far after a group in use
+            // stay (looked at again, so that they go once that group is empty): the writes of
+            // a swap run that starts after all was discarded (`swapon -d`) begin in the
+            // groups after the one with swap's header, and one given back is one a write
             // waits for at the onset of the storm (seen in the VM: 300 ms).
-            if spares < TABLE_GROUPS_AHEAD
+            if spares < SWAP_STRIDE_GROUPS
                 && memory.state(group) == GroupState::Committed
-                && (group.saturating_sub(TABLE_GROUPS_AHEAD)..group)
+                && (group.saturating_sub(SWAP_STRIDE_GROUPS)..group)
                     .any(|g| self.table.holds_pages(g))
             {
                 spares += 1;

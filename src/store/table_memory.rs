@@ -3,13 +3,13 @@
 //!
 //! Why: the table, its idle hints and checksums take 14 bytes per device page (3.5 MiB per
 //! GiB, 28 MiB for an 8 GiB device), locked, whether or not swap ever reaches that far; on an
-//! idle daemon it was the largest part of its memory. Swap hands out its slots by 2 MiB
-//! clusters, in order on a fresh device, so the part of the table in use follows the part of
-//! the device in use, and a group of `GROUP_PAGES` entries (8 MiB of device, 28 KiB of table)
-//! is committed when the first write reaches it, by the refill thread (the I/O path never
-//! commits memory itself: see `reserve`), with the next groups asked for as soon as a write
-//! lands in one, so that writes moving through the device do not wait (see
-//! `TABLE_GROUPS_AHEAD` in `admission`).
+//! idle daemon it was the largest part of its memory. A group of `GROUP_PAGES` entries (8 MiB
+//! of device, 28 KiB of table) is committed when the first write reaches it, by the refill
+//! thread (the I/O path never commits memory itself: see `reserve`), with the next groups
+//! asked for as soon as a write lands in one, so that writes moving through the device do not
+//! wait (see `TABLE_GROUPS_AHEAD` in `admission`). Swap spreads its 2 MiB clusters over the
+//! device (Linux 6.12 hands out every 32nd first), so while it fills, the groups committed
+//! are about twice those holding pages, and their memory comes back as groups empty.
 //!
 //! Each group has one word: its state in the low bits and, above them, how many writers have
 //! it pinned (a writer pins the groups of its request before it touches their entries, so a
