@@ -52,13 +52,21 @@ const COMMITTED: u32 = 2;
 const RETIRING: u32 = 3;
 /// Bit 2: an entry of the group was emptied since the last look for empty groups.
 const EMPTIED: u32 = 1 << 2;
-/// Pins count from bit 3.
-const PIN: u32 = 1 << 3;
+/// Bit 3: committed and no writer has pinned it since (asked for ahead of writes that have
+/// not come, or adopted on resume).
+const UNWRITTEN: u32 = 1 << 3;
+/// Pins count from bit 4.
+const PIN: u32 = 1 << 4;
 
 /// How often emptied groups are looked at for giving back (`take_emptied`): their memory is
 /// back well within the 2 s in which a daemon whose swapped pages were freed is to be back at
 /// its idle footprint.
 const LOOK_PERIOD: Duration = Duration::from_millis(250);
+
+/// Groups committed that no write reached are looked at for giving back once no group was
+/// asked for this long: the writes moving through the device have stopped, and what was
+/// asked for ahead of them is not needed soon.
+const QUIET_FOR: Duration = Duration::from_secs(1);
 
 /// What a group is, for the table's lockers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,6 +97,10 @@ pub(super) struct TableMemory {
     wanted: AtomicBool,
     /// Some group is marked `EMPTIED`.
     emptied: AtomicBool,
+    /// Some group may be `UNWRITTEN`.
+    unwritten: AtomicBool,
+    /// When a group was last asked for (`want`), in nanoseconds since `epoch`.
+    last_want_ns: AtomicU64,
     /// When `take_emptied` may look again, in nanoseconds since `epoch`.
     next_look_ns: AtomicU64,
     epoch: Instant,
@@ -114,6 +126,8 @@ impl TableMemory {
                 .collect(),
             wanted: AtomicBool::new(false),
             emptied: AtomicBool::new(false),
+            unwritten: AtomicBool::new(false),
+            last_want_ns: AtomicU64::new(0),
             next_look_ns: AtomicU64::new(0),
             epoch: Instant::now(),
             committed_bytes: AtomicU64::new(0),
@@ -177,6 +191,9 @@ impl TableMemory {
     pub(super) fn pin(&self, group: usize) -> bool {
         let old = self.groups[group].fetch_add(PIN, Ordering::AcqRel);
         if old & STATE_MASK == COMMITTED {
+            if old & UNWRITTEN != 0 {
+                self.groups[group].fetch_and(!UNWRITTEN, Ordering::AcqRel);
+            }
             return true;
         }
         self.groups[group].fetch_sub(PIN, Ordering::AcqRel);
@@ -195,6 +212,7 @@ impl TableMemory {
             })
             .is_ok();
         if asked {
+            self.last_want_ns.store(self.now_ns(), Ordering::Relaxed);
             self.wanted.store(true, Ordering::Release);
         }
         asked
@@ -223,10 +241,12 @@ impl TableMemory {
         for (offset, len) in ranges {
             self.segment.commit(offset, len)?;
         }
-        if self.set_state(group, COMMITTED) & STATE_MASK != COMMITTED {
+        // Unwritten until a writer pins it (a writer waiting for it does so at once).
+        if self.set_state(group, COMMITTED | UNWRITTEN) & STATE_MASK != COMMITTED {
             self.committed_bytes
                 .fetch_add(self.group_bytes(group), Ordering::Relaxed);
         }
+        self.unwritten.store(true, Ordering::Release);
         Ok(())
     }
 
@@ -255,19 +275,28 @@ impl TableMemory {
     /// look (the refill thread asks before each of its commits, and under swap traffic entries
     /// are emptied all the time).
     pub(super) fn take_emptied(&self) -> impl Iterator<Item = usize> + '_ {
-        let now = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        let due = self.next_look_ns.load(Ordering::Relaxed) <= now
-            && self.emptied.swap(false, Ordering::AcqRel);
+        let now = self.now_ns();
+        let time = self.next_look_ns.load(Ordering::Relaxed) <= now;
+        let emptied = time && self.emptied.swap(false, Ordering::AcqRel);
+        let quiet = now.saturating_sub(self.last_want_ns.load(Ordering::Relaxed))
+            >= u64::try_from(QUIET_FOR.as_nanos()).unwrap_or(u64::MAX);
+        let unwritten = time && quiet && self.unwritten.swap(false, Ordering::AcqRel);
+        let due = emptied || unwritten;
         if due {
             let period = u64::try_from(LOOK_PERIOD.as_nanos()).unwrap_or(u64::MAX);
             self.next_look_ns
                 .store(now.saturating_add(period), Ordering::Relaxed);
         }
-        (0..if due { self.groups.len() } else { 0 }).filter(|&group| {
+        (0..if due { self.groups.len() } else { 0 }).filter(move |&group| {
             let word = &self.groups[group];
-            word.load(Ordering::Relaxed) & EMPTIED != 0
-                && word.fetch_and(!EMPTIED, Ordering::AcqRel) & EMPTIED != 0
+            let was = word.load(Ordering::Relaxed);
+            (was & EMPTIED != 0 && word.fetch_and(!EMPTIED, Ordering::AcqRel) & EMPTIED != 0)
+                || (unwritten && was & UNWRITTEN != 0)
         })
+    }
+
+    fn now_ns(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
     /// Start giving `group` back: committed, pinned by no writer. Then the caller locks and
@@ -276,7 +305,7 @@ impl TableMemory {
         let word = &self.groups[group];
         let current = word.load(Ordering::Acquire);
         current & STATE_MASK == COMMITTED
-            && current & !(STATE_MASK | EMPTIED) == 0
+            && current & !(STATE_MASK | EMPTIED | UNWRITTEN) == 0
             && word
                 .compare_exchange(
                     current,
@@ -294,15 +323,16 @@ impl TableMemory {
         for (offset, len) in self.ranges(group) {
             self.segment.decommit(offset, len)?;
         }
-        self.set_state(group, ABSENT);
+        self.groups[group].fetch_and(!(STATE_MASK | UNWRITTEN), Ordering::AcqRel);
         self.committed_bytes
             .fetch_sub(self.group_bytes(group), Ordering::Relaxed);
         Ok(())
     }
 
-    /// Keep `group` (retiring) committed after all.
+    /// Keep `group` (retiring) committed after all: it holds pages.
     pub(super) fn keep(&self, group: usize) {
         self.set_state(group, COMMITTED);
+        self.groups[group].fetch_and(!UNWRITTEN, Ordering::AcqRel);
     }
 
     fn set_state(&self, group: usize, state: u32) -> u32 {
