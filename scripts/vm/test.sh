@@ -851,11 +851,17 @@ ublk_data_kib() {
     trueno-ublk stat --json 2>/dev/null | tr ',{}' '\n\n\n' |
         awk -F: '/"pages_stored"/ { s = $2 } /"pending_pages"/ { p = $2 } END { printf "%d", (s + p) * 4 }'
 }
+# ublk_json_kib FIELD: a byte count of `stat --json` of device 0, in KiB.
+ublk_json_kib() {
+    trueno-ublk stat --json 2>/dev/null | tr ',{}' '\n\n\n' |
+        awk -F: -v k="\"$1\"" '$1 ~ k { printf "%d", $2 / 1024; exit }'
+}
 # memory_settles NAME: after a program that swapped exits, wait (20 s at most) until the kernel
 # has freed its swap and, for ublk, the store holds no more than swap still uses (1 MiB of
 # slack): the memory of every freed slot given back (the slot-free probe, and discards); the
-# time it took is a figure, and what the daemon still holds beyond its idle RSS another. So
-# the next run starts with the memory the last one gave back, as zram gives it back at once.
+# time it took is a figure, and what the daemon still holds beyond its idle RSS 2 s after
+# the program exited another, checked to be at most 4 MiB. So the next run starts with the
+# memory the last one gave back, as zram gives it back at once.
 memory_settles() {
     local name=$1 t0
     t0=$(now)
@@ -869,8 +875,16 @@ memory_settles() {
         fi
     fi
     figure "${name}_memory_return_s" "$(since "$t0")"
-    echo "$name: swap in use $(swap_in_use_kib) KiB$([ "$name" = ublk ] && echo ", the store holds $(ublk_data_kib) KiB of pages, the daemon $(ublk_held_kib) KiB beyond its idle RSS")"
     if [ "$name" = ublk ]; then
+        # What the daemon holds 2 s on (its reserve shrinks once quiet for a second, and the
+        # page table's groups no write reached go once none was asked for a second).
+        usleep "$(awk -v s="$(since "$t0")" 'BEGIN { r = 2 - s; printf "%d", r > 0 ? r * 1e6 : 0 }')"
+    fi
+    echo "$name: swap in use $(swap_in_use_kib) KiB$([ "$name" = ublk ] && echo ", the store holds $(ublk_data_kib) KiB of pages, the daemon $(ublk_held_kib) KiB beyond its idle RSS 2 s after the program exited")"
+    if [ "$name" = ublk ]; then
+        echo "ublk: held now (KiB): store memory $(ublk_json_kib mem_used), page table $(ublk_json_kib table_bytes), reserve $(ublk_json_kib reserve_bytes), batch buffers $(ublk_json_kib batch_buffer_bytes)"
+        check "ublk: the daemon holds at most 4 MiB beyond its idle RSS ($(ublk_held_kib) KiB)" \
+            [ "$(ublk_held_kib)" -le 4096 ]
         figure ublk_memory_held_kib "$(ublk_held_kib)"
         figure ublk_slots_freed "$(ublk_slots_freed)"
         figure ublk_deferred_writes "$(ublk_deferred_writes)"
