@@ -211,7 +211,7 @@ impl BatchedPageStore {
             return;
         }
         let mut spares = 0;
-        for group in memory.take_emptied() {
+        for group in memory.groups_to_look_at() {
             // Up to `SWAP_STRIDE_GROUPS` empty groups at most that far after a group in use
             // stay (looked at again, so that they go once that group is empty): the writes of
             // a swap run that starts after all was discarded (`swapon -d`) begin in the

@@ -58,7 +58,7 @@ const UNWRITTEN: u32 = 1 << 3;
 /// Pins count from bit 4.
 const PIN: u32 = 1 << 4;
 
-/// How often emptied groups are looked at for giving back (`take_emptied`): their memory is
+/// How often groups are looked at for giving back (`groups_to_look_at`): their memory is
 /// back well within the 2 s in which a daemon whose swapped pages were freed is to be back at
 /// its idle footprint.
 const LOOK_PERIOD: Duration = Duration::from_millis(250);
@@ -101,7 +101,7 @@ pub(super) struct TableMemory {
     unwritten: AtomicBool,
     /// When a group was last asked for (`want`), in nanoseconds since `epoch`.
     last_want_ns: AtomicU64,
-    /// When `take_emptied` may look again, in nanoseconds since `epoch`.
+    /// When `groups_to_look_at` may look again, in nanoseconds since `epoch`.
     next_look_ns: AtomicU64,
     epoch: Instant,
     committed_bytes: AtomicU64,
@@ -270,11 +270,11 @@ impl TableMemory {
         Ok(committed)
     }
 
-    /// The groups marked emptied since the last look (marks cleared), to look at for giving
-    /// back: none unless some entry was emptied and `LOOK_PERIOD` has passed since the last
-    /// look (the refill thread asks before each of its commits, and under swap traffic entries
-    /// are emptied all the time).
-    pub(super) fn take_emptied(&self) -> impl Iterator<Item = usize> + '_ {
+    /// The groups to look at for giving back: those marked emptied since the last look (marks
+    /// cleared) and, once no group was asked for `QUIET_FOR`, those `UNWRITTEN`. None unless
+    /// `LOOK_PERIOD` has passed since the last look (the refill thread asks before each of its
+    /// commits, and under swap traffic entries are emptied all the time).
+    pub(super) fn groups_to_look_at(&self) -> impl Iterator<Item = usize> + '_ {
         let now = self.now_ns();
         let time = self.next_look_ns.load(Ordering::Relaxed) <= now;
         let emptied = time && self.emptied.swap(false, Ordering::AcqRel);
