@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::counters::{add, sub};
+use super::nanos;
 use super::pending::{PendingBatch, Reserve};
 use super::reserve::Stall;
 use super::table_memory::TableMemory;
@@ -141,7 +142,7 @@ impl BatchedPageStore {
     /// a while (unless that is already so), and say why.
     pub(super) fn starved_write(&self, waited: Duration) -> StoreError {
         if !self.failing_fast() {
-            let period = u64::try_from(FAIL_FAST_PERIOD.as_nanos()).unwrap_or(u64::MAX);
+            let period = nanos(FAIL_FAST_PERIOD);
             self.fail_fast_until
                 .store(self.now_ns().saturating_add(period), Ordering::Release);
             // Once per fail-fast period at most: where the memory the write waited for is.

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::admission::SWAP_STRIDE_GROUPS;
+use super::nanos;
 use super::table_memory::GroupState;
 use super::{BatchedPageStore, Compaction};
 
@@ -299,7 +300,7 @@ impl BatchedPageStore {
     }
 
     fn flusher_loop(&self) {
-        let timeout_ns = u64::try_from(self.config.flush_timeout.as_nanos()).unwrap_or(u64::MAX);
+        let timeout_ns = nanos(self.config.flush_timeout);
         let mut ctl = self.control.lock();
         while !ctl.stop {
             let batch = &self.batches[self.current.load(Ordering::Acquire)];
@@ -327,7 +328,7 @@ impl BatchedPageStore {
     }
 
     pub(super) fn now_ns(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+        nanos(self.epoch.elapsed())
     }
 
     pub(super) fn wake_flusher(&self) {

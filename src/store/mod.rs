@@ -46,7 +46,7 @@ mod table_memory;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 use rayon::prelude::*;
@@ -833,6 +833,11 @@ impl BatchedPageStore {
             false
         }
     }
+}
+
+/// `duration` in nanoseconds, saturating: the store's clocks and periods are `u64` ns.
+fn nanos(duration: Duration) -> u64 {
+    u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

@@ -23,6 +23,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::nanos;
+
 /// At most one OOM kill asked for per this long: the victim needs time to exit and its memory
 /// to reach the refill thread.
 const NUDGE_INTERVAL: Duration = Duration::from_secs(1);
@@ -88,7 +90,7 @@ impl OomNudge {
     /// too: the starvation rule's patience depends on it (see `admission`).
     pub(super) fn note_compressed(&self, now_ns: u64, pages: u64, raw: u64) {
         let last = self.last_note_ns.swap(now_ns, Ordering::Relaxed);
-        if now_ns.saturating_sub(last) > stale_after_ns() {
+        if now_ns.saturating_sub(last) > nanos(STALE_AFTER) {
             // A racy restart is fine: only the rough share of raw pages matters.
             self.recent_pages.store(0, Ordering::Relaxed);
             self.recent_raw.store(0, Ordering::Relaxed);
@@ -109,9 +111,9 @@ impl OomNudge {
     /// this store makes progress, only an OOM kill does. False when nothing was compressed
     /// within `STALE_AFTER` before the writer began to wait.
     pub(super) fn swap_frees_nothing(&self, now_ns: u64, waited: Duration) -> bool {
-        let waited_ns = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX);
+        let waited_ns = nanos(waited);
         let began = now_ns.saturating_sub(waited_ns);
-        if began.saturating_sub(self.last_note_ns.load(Ordering::Relaxed)) > stale_after_ns() {
+        if began.saturating_sub(self.last_note_ns.load(Ordering::Relaxed)) > nanos(STALE_AFTER) {
             return false;
         }
         2 * self.recent_raw.load(Ordering::Relaxed) > self.recent_pages.load(Ordering::Relaxed)
@@ -128,7 +130,7 @@ impl OomNudge {
         if now_ns < next || !self.swap_frees_nothing(now_ns, waited) {
             return false;
         }
-        let interval = u64::try_from(NUDGE_INTERVAL.as_nanos()).unwrap_or(u64::MAX);
+        let interval = nanos(NUDGE_INTERVAL);
         if self
             .next_ns
             .compare_exchange(
@@ -156,10 +158,6 @@ impl OomNudge {
             }
         }
     }
-}
-
-fn stale_after_ns() -> u64 {
-    u64::try_from(STALE_AFTER.as_nanos()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

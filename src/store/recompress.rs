@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 use super::alloc::Handle;
 use super::config::RecompressConfig;
 use super::counters::add;
+use super::nanos;
 use super::table::{EntryGuard, Hint, PageState};
 use super::BatchedPageStore;
 use crate::codec::{
@@ -266,10 +267,9 @@ impl BatchedPageStore {
     /// Record the thread's CPU time so far in the counters; returns it.
     fn note_cpu_time(&self) -> Duration {
         let used = crate::os::thread_cpu_time();
-        self.counters.recompress_cpu_ns.store(
-            u64::try_from(used.as_nanos()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
+        self.counters
+            .recompress_cpu_ns
+            .store(nanos(used), Ordering::Relaxed);
         used
     }
 

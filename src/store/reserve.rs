@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 use smallvec::SmallVec;
 
+use super::nanos;
 use crate::codec::PAGE_SIZE;
 use crate::mem::{empty_list, faulted_in_list, Arena, ArenaChunk, ListAlloc, ListVec};
 
@@ -133,7 +134,7 @@ impl RefillState {
 
     fn set(&self, activity: RefillActivity) {
         if self.activity.load(Ordering::Relaxed) != activity as u8 {
-            let now = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            let now = nanos(self.epoch.elapsed());
             self.since_ns.store(now, Ordering::Relaxed);
             self.activity.store(activity as u8, Ordering::Relaxed);
         }

@@ -368,13 +368,8 @@ impl PageTable {
     pub(super) fn retire(&self, group: usize) -> std::io::Result<bool> {
         let indexes = self.memory.indexes(group);
         // A look without locks first, so that a group in use costs a read of its entries.
-        let looks_empty = || {
-            indexes
-                .clone()
-                .all(|i| self.entries[i].load(Ordering::Relaxed) == EMPTY_WORD)
-        };
         if self.memory.state(group) != GroupState::Committed
-            || !looks_empty()
+            || self.holds_pages(group)
             || !self.memory.begin_retire(group)
         {
             return Ok(false);

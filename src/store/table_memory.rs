@@ -34,6 +34,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::nanos;
 use crate::codec::PAGE_SIZE;
 use crate::mem::Segment;
 
@@ -278,12 +279,12 @@ impl TableMemory {
         let now = self.now_ns();
         let time = self.next_look_ns.load(Ordering::Relaxed) <= now;
         let emptied = time && self.emptied.swap(false, Ordering::AcqRel);
-        let quiet = now.saturating_sub(self.last_want_ns.load(Ordering::Relaxed))
-            >= u64::try_from(QUIET_FOR.as_nanos()).unwrap_or(u64::MAX);
+        let quiet =
+            now.saturating_sub(self.last_want_ns.load(Ordering::Relaxed)) >= nanos(QUIET_FOR);
         let unwritten = time && quiet && self.unwritten.swap(false, Ordering::AcqRel);
         let due = emptied || unwritten;
         if due {
-            let period = u64::try_from(LOOK_PERIOD.as_nanos()).unwrap_or(u64::MAX);
+            let period = nanos(LOOK_PERIOD);
             self.next_look_ns
                 .store(now.saturating_add(period), Ordering::Relaxed);
         }
@@ -296,7 +297,7 @@ impl TableMemory {
     }
 
     fn now_ns(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+        nanos(self.epoch.elapsed())
     }
 
     /// Start giving `group` back: committed, pinned by no writer. Then the caller locks and
