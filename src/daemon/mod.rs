@@ -286,9 +286,6 @@ fn run_serving_process(settings: DeviceSettings, standby: bool) -> Result<(), Da
 /// Lines past the writer's backlog are dropped, never waited for. Keep the guard alive: its
 /// drop flushes the backlog.
 fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
-    // Before the writer thread, the process's first: that thread would otherwise have a malloc
-    // arena of its own, shared by half the threads after it (see `configure_heap`).
-    crate::mem::configure_heap();
     let filter = tracing_subscriber::EnvFilter::try_from_env("TRUENO_UBLK_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // A short backlog: its buffer is allocated (and locked) up front.
@@ -485,6 +482,7 @@ fn serve(
     // tag buffers, chunk reserve), before the device is live.
     lock_memory();
     protect_from_oom_killer();
+    crate::mem::configure_heap();
     // The main thread opens the store (for a standby: after the word to take over, when
     // the device waits): its stack and heap are faulted in now.
     crate::mem::prepare_io_thread();

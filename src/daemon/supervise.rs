@@ -203,6 +203,7 @@ pub(super) fn supervise(
     // (seen in the VM: with the scatter run's workers killed, the supervisor, at the default
     // score, went next, and the device waited with no daemon).
     crate::daemon::harden::protect_from_oom_killer();
+    crate::mem::configure_heap();
     // Fault in (and so lock) the stack and heap the restart path will use.
     crate::mem::prepare_io_thread();
     // Inherited by the children from their start: exec and a program's start-up fault in

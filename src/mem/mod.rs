@@ -35,12 +35,11 @@ pub const IO_THREAD_STACK_BYTES: usize = 1 << 20;
 /// Rss sampled from /proc/PID/smaps, 2026-11-26). Every KiB here is locked memory in the
 /// serving process and the standby alike, for each of their I/O threads.
 const IO_STACK_PREFAULT_BYTES: usize = 64 << 10;
-/// Free heap each I/O-path thread faults in, in the malloc arena they all share (see
-/// `configure_heap`): at least this much is free after each such thread's start.
+/// Free heap each I/O-path thread faults in for its own malloc arena.
 const IO_HEAP_WARM_BYTES: usize = 256 << 10;
 
 /// Ready the calling thread for the I/O path: fault in (and so, under `mlockall`, lock) the
-/// next 64 KiB of its stack and 256 KiB of free space in the malloc arena.
+/// next 64 KiB of its stack and 256 KiB of free space in its malloc arena.
 ///
 /// Why: under `MCL_ONFAULT` pages are only faulted in when first written. A thread serving
 /// swap I/O that touches a fresh page under memory pressure waits in reclaim for the very
@@ -51,7 +50,7 @@ const IO_HEAP_WARM_BYTES: usize = 256 << 10;
 /// Call it first thing on every such thread.
 pub fn prepare_io_thread() {
     prefault_stack();
-    // Many blocks rather than one, so that they come from the arena (not mmap) and,
+    // Many blocks rather than one, so that they come from this thread's arena (not mmap) and,
     // once freed, coalesce into free space any later allocation can use.
     const BLOCK: usize = 32 << 10;
     let blocks: Vec<Vec<u8>> = (0..IO_HEAP_WARM_BYTES / BLOCK)
@@ -102,18 +101,13 @@ pub fn populate<T>(items: &[T]) {
 /// Keep freed heap memory in the process: glibc's malloc never trims its arenas and serves
 /// everything under 32 MiB from them rather than from fresh mmaps. Without this, memory an
 /// I/O-path thread freed goes back to the kernel and its next allocation faults fresh pages
-/// in (see `prepare_io_thread`). And one arena for every thread: by default glibc gives each
-/// thread that allocates an arena of its own, and each I/O thread's then held its own warm
-/// free space (256 KiB, locked, in both serving processes), 1.3 MiB of the serving process's
-/// idle RSS for five such threads; the I/O path allocates little (see `prepare_io_thread`),
-/// so they hardly contend for the one lock. Call it before other threads start.
+/// in (see `prepare_io_thread`). Call it before other threads start.
 pub fn configure_heap() {
     #[cfg(target_env = "gnu")]
     {
         /// glibc's largest mmap threshold on 64-bit targets (DEFAULT_MMAP_THRESHOLD_MAX).
         const MMAP_THRESHOLD_MAX: libc::c_int = 32 << 20;
         for (param, value, what) in [
-            (libc::M_ARENA_MAX, 1, "M_ARENA_MAX"),
             (libc::M_TRIM_THRESHOLD, libc::c_int::MAX, "M_TRIM_THRESHOLD"),
             (
                 libc::M_MMAP_THRESHOLD,
@@ -193,7 +187,8 @@ impl Drop for SparePages {
 // unmaps it does not matter.
 unsafe impl Send for SparePages {}
 
-/// Fault in (and, under `mlockall`, lock) `bytes` of free space in the heap's arena: with trimming off (`configure_heap`), later allocations up to that much are served
+/// Fault in (and, under `mlockall`, lock) `bytes` of free space in the calling thread's heap
+/// arena: with trimming off (`configure_heap`), later allocations up to that much are served
 /// from pages the process already has. For a thread that will allocate while memory cannot
 /// be had (a standby taking a device over).
 pub fn warm_heap(bytes: usize) {
