@@ -49,8 +49,8 @@ const IO_HEAP_WARM_BYTES: usize = 256 << 10;
 /// allocates, so with trimming off (`configure_heap`) it is served from pages it already has.
 /// Each thread gets a malloc arena of its own (glibc's default up to 8 per CPU), and so a
 /// lock of its own: with one arena for all (`M_ARENA_MAX=1`, tried on 2026-11-26 to save
-/// the 256 KiB each), a thread not readied so, faulting in the heap's new top while holding
-/// the one lock, held every I/O thread with it, and swap stopped for good in the VM.
+/// the 256 KiB each), a thread not readied so may fault in the heap's new top while holding
+/// the one lock, in reclaim, and every I/O thread that allocates waits with it.
 /// Call it first thing on every such thread.
 pub fn prepare_io_thread() {
     prefault_stack();
