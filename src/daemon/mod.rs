@@ -852,6 +852,7 @@ fn serve(
                     }
                 }
                 handler.free_reported_slots();
+                store.give_back_past_stuck_refill();
                 idle.settle(|| store.stats().orig_bytes == 0);
                 if let Some(watch) = memory_watch.as_mut() {
                     watch.look(&store);

@@ -28,7 +28,7 @@ pub struct Arena {
     tags_offset: usize,
     /// Where in the segment the committed tag pages end, from `tags_offset` on (tags are
     /// never given back): a carve commits only the tag pages beyond it. Why: every carve
-    /// committed its tags' page anew, a fallocate and a populate per commit group for a page
+    /// committed its tags' page anew, a system call per commit group for a page
     /// that covers 4 MiB of arena and was in memory already.
     tags_committed_end: AtomicUsize,
 }

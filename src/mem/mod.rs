@@ -5,13 +5,13 @@
 //!
 //! Why not the heap for page data: the daemon serves swap. When memory runs short, the kernel
 //! frees memory by swapping out through this daemon, and whatever gets the daemon more memory
-//! may have to wait for that swap-out. Growing the heap (brk, mmap, mprotect) or faulting in
-//! fresh pages does that wait while holding the process's mmap lock, which every other thread
-//! of the daemon, the queue threads included, may need: a deadlock. `fallocate` on the
-//! segment's file allocates pages holding only that file's lock, so a thread committing memory
-//! can wait in reclaim while the queue threads carry on. Committed pages are then faulted into
-//! the mapping (they already exist, so no allocation waits) and locked. Freed chunks give
-//! their pages back with a hole punch.
+//! may have to wait for that swap-out. Growing the heap (brk, mmap, mprotect) does that wait
+//! holding the process's mmap lock for writing, which stops every other thread that needs the
+//! lock at all. The segment's pages are committed by faulting them in (holding the mmap lock
+//! for reading, which the I/O path never takes: everything it touches is faulted in before the
+//! device is live) and locked; freed chunks give their pages back with a hole punch, which
+//! takes the file's lock and not the mmap lock (see `segment` for why commits do not go
+//! through `fallocate`).
 
 use std::ptr::NonNull;
 

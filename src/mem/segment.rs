@@ -8,12 +8,20 @@
 //! mappings that have faulted its pages in, and a page swapped out in that gap would have to
 //! come back through the very device that waits for us. See ../shared/RECOVERY.md.
 //!
-//! Why commit through a file descriptor when there is one: `fallocate` allocates pages holding
-//! only the file's lock, while faulting them in through the mapping holds the process's mmap
-//! lock, which every thread of the daemon may need, during reclaim (see `mem`'s module
-//! comment). A SysV segment has no descriptor of its own; `/proc/self/map_files` gives one for
-//! its mapping to a process with CAP_SYS_ADMIN (the daemon). Without it, ranges are committed
-//! by faulting them in (MADV_POPULATE_WRITE) and given back with MADV_REMOVE.
+//! Why commit by faulting pages in through the mapping (MADV_POPULATE_WRITE) and give them
+//! back through the file (a hole punch, `fallocate`) when there is a descriptor: a commit under
+//! memory pressure waits in reclaim for as long as the kernel has no page for it (an I/O
+//! flusher's allocation never invokes the OOM killer), and what it holds meanwhile nobody else
+//! gets. Committed with `fallocate`, that was the file's lock, which every hole punch needs: the
+//! memory of chunks freed while a commit waited (a killed program's swap slots) could not go
+//! back to the system, and the kernel's OOM killer went on to kill everything else (the
+//! near-OOM stage of `scripts/vm-test.sh --stress`, 2026-11-26: the serving process held
+//! 102 MiB for 31 MiB of swap; another run ended in "System is deadlocked on memory"). A fault
+//! holds the process's mmap lock for reading instead, which the I/O path does not take (its
+//! memory is faulted in before the device is live; see `crate::mem`), and a hole punch does
+//! not take it. A SysV segment has no descriptor of its own; `/proc/self/map_files` gives one
+//! for its mapping to a process with CAP_SYS_ADMIN (the daemon). Without one, pages are given
+//! back with MADV_REMOVE (which takes the mmap lock for reading, then the file's).
 
 use std::num::NonZeroUsize;
 use std::ops::{Deref, DerefMut};
@@ -49,7 +57,8 @@ enum Backing {
 pub struct Segment {
     base: NonNull<u8>,
     len: usize,
-    /// For `fallocate`: the memfd, or the SysV segment's file through /proc/self/map_files.
+    /// For hole punches and `first_page_in_memory`: the memfd, or the SysV segment's file
+    /// through /proc/self/map_files.
     fd: Option<OwnedFd>,
     /// A committed page stays in memory (a SysV segment locked with `SHM_LOCK`): which pages
     /// are in memory is then which are committed, and the file says so without mincore(2)
@@ -195,7 +204,7 @@ impl Segment {
         }
         let base = NonNull::new(base.cast::<u8>()).ok_or(std::io::ErrorKind::InvalidData)?;
         let start = base.as_ptr() as usize;
-        // The segment's file: lets `commit` allocate without the mmap lock (module comment).
+        // The segment's file: hole punches, and which pages are in memory (module comment).
         let fd = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -337,26 +346,13 @@ impl Segment {
         Ok(&in_memory[..pages])
     }
 
-    /// Whether ranges are committed through a file descriptor (without the mmap lock).
-    pub fn commits_through_file(&self) -> bool {
-        self.fd.is_some()
-    }
-
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
-    /// Allocate the pages of `[offset, offset + len)` and fault them into the mapping.
+    /// Allocate the pages of `[offset, offset + len)` by faulting them into the mapping (see
+    /// the module's comment for why not `fallocate`).
     pub fn commit(&self, offset: usize, len: usize) -> std::io::Result<()> {
-        self.check(offset, len)?;
-        if let Some(fd) = &self.fd {
-            fallocate(
-                fd,
-                FallocateFlags::empty(),
-                file_offset(offset)?,
-                file_offset(len)?,
-            )?;
-        }
         self.fault_in(offset, len)
     }
 
@@ -366,7 +362,8 @@ impl Segment {
         (self.base.as_ptr() as usize + offset) / PAGE_TABLE_SPAN
     }
 
-    /// Fault the pages of `[offset, offset + len)`, committed already, into the mapping.
+    /// Fault the pages of `[offset, offset + len)` into the mapping, allocating those not
+    /// committed yet.
     pub fn fault_in(&self, offset: usize, len: usize) -> std::io::Result<()> {
         self.check(offset, len)?;
         // SAFETY: the range lies inside our mapping (checked); populating changes no

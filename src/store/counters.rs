@@ -81,6 +81,11 @@ pub struct StoreStats {
     /// Chunks a write whose size had run dry cut from a larger ready chunk.
     #[serde(default)]
     pub reserve_split_chunks: u64,
+    /// Bytes of freed chunks given back to the system by the thread that frees swap slots
+    /// because the refill thread, which otherwise does it, was stuck in a commit (see
+    /// `reserve::ChunkReserve::give_back_past_stuck_refill`).
+    #[serde(default)]
+    pub reserve_given_back_past_refill_bytes: u64,
     /// Pages a resumed store could not find whole: reads of them fail with EIO until they
     /// are written or discarded.
     #[serde(default)]

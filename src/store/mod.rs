@@ -706,6 +706,14 @@ impl BatchedPageStore {
         self.alloc.reserve.stop();
     }
 
+    /// Give the system the memory of chunks freed beyond the reserve's target if the refill
+    /// thread, which otherwise does, has been stuck in a commit for a while (see
+    /// `reserve::ChunkReserve::give_back_past_stuck_refill`). For the thread that frees the
+    /// slots swap reports, right after it has.
+    pub fn give_back_past_stuck_refill(&self) {
+        self.alloc.reserve.give_back_past_stuck_refill();
+    }
+
     /// Tell the store whether the system is short of memory. While it is, new pages are
     /// compressed with the recompressor's stronger codec (an LZ4 store's zstd) rather than
     /// waiting for them to go idle: a swap device is written to hardest when RAM runs out,
@@ -776,6 +784,7 @@ impl BatchedPageStore {
             reserve_misses: self.alloc.reserve.misses(),
             reserve_stolen_bytes: self.alloc.reserve.stolen_bytes(),
             reserve_split_chunks: self.alloc.reserve.split_chunks(),
+            reserve_given_back_past_refill_bytes: self.alloc.reserve.given_back_past_refill(),
             recompressed_pages: get(&c.recompressed_pages),
             recompress_saved_bytes: get(&c.recompress_saved_bytes),
             recompress_rejected_pages: get(&c.recompress_rejected_pages),

@@ -11,7 +11,9 @@
 //! than starting swap-outs, whose bios would queue behind the very flusher that waits for this
 //! thread (seen in the VM). Whether a taker waits for it (`starving`) tells the store
 //! when to stop accepting writes. Freed chunks return to the reserve while it is below its
-//! target, and give their pages back to the system (a hole punched in the arena) beyond it.
+//! target, and give their pages back to the system (a hole punched in the arena) beyond it:
+//! the refill thread punches them, and while it has been stuck in one commit, the thread
+//! that frees swap slots does (`give_back_past_stuck_refill`).
 
 #![forbid(unsafe_code)]
 
@@ -33,7 +35,7 @@ const REFILL_PERIOD: Duration = Duration::from_millis(50);
 const POOL_SLACK: usize = 1024;
 /// A cold list is made small again (`shrink_cold`) only when its room is at least this large.
 const COLD_SHRINK_MIN_BYTES: usize = 64 << 10;
-/// Chunks are committed this many bytes at a time (one fallocate call).
+/// Chunks are committed this many bytes at a time (one system call).
 const COMMIT_GROUP_BYTES: usize = 256 << 10;
 /// A reserve nobody took a chunk from for this long, while memory is not short, keeps only
 /// `1 / QUIET_TARGET_DIVISOR` of its target ready (see `target_for_pass`). One second: once a
@@ -47,6 +49,11 @@ const QUIET_TARGET_DIVISOR: u64 = 4;
 const QUIET_TARGET_MAX_BYTES: u64 = 1 << 20;
 /// The most chunks in one commit group (of one-page chunks).
 const GROUP_CHUNKS: usize = COMMIT_GROUP_BYTES / PAGE_SIZE;
+/// The refill thread counts as stuck once it has been in one activity other than waiting this
+/// long: then chunks given back beyond the target are punched by another thread
+/// (`give_back_past_stuck_refill`). A commit that finds memory takes well under a millisecond;
+/// one that waits in reclaim, up to a second at a time (`throttle_direct_reclaim`).
+const REFILL_STUCK_AFTER: Duration = Duration::from_millis(50);
 
 /// Chunks committed or given back together, in one system call per run of adjacent ones
 /// (`ArenaChunk::recommit_all`, `decommit_all`); on the stack, so that the refill thread
@@ -100,7 +107,7 @@ pub(super) enum RefillActivity {
     Waiting,
     /// Growing the allocator's bookkeeping (heap).
     Provisioning,
-    /// Committing chunk memory (`fallocate`: where it waits in reclaim).
+    /// Committing chunk memory (faulting it in: where it waits in reclaim).
     Committing,
     /// Giving chunks' pages back (hole punches).
     GivingBack,
@@ -158,9 +165,10 @@ struct Pool {
     /// a page is 8 bytes where a chunk is 32 (see `give_cold_room`).
     cold: ListVec<u64>,
     /// Chunks given back beyond the target while the refill thread runs, still committed: the
-    /// refill thread punches their holes, because a hole punch takes the memfd's inode lock,
-    /// which the refill thread holds while it waits in reclaim to commit more (seen in the VM:
-    /// a queue thread freeing a chunk waited there while every swap bio waited for it).
+    /// I/O path frees chunks, and a hole punch there would make swap I/O wait on the segment
+    /// file's lock (seen in the VM when commits held it: a queue thread freeing a chunk waited
+    /// there while every swap bio waited for it). The refill thread punches their holes, or
+    /// another thread while it is stuck (`give_back_past_stuck_refill`).
     surplus: Vec<ArenaChunk>,
 }
 
@@ -215,6 +223,13 @@ pub(super) struct ChunkReserve {
     refill_running: AtomicBool,
     /// Surplus chunks wait for the refill thread to give their pages back.
     surplus_waiting: AtomicBool,
+    /// Held while chunks are added to a cold list or a cold list is made anew: the refill
+    /// thread and a thread giving back past it (`give_back_past_stuck_refill`) both add, and
+    /// each makes room before it takes the pool's lock to add (nothing may allocate under the
+    /// lock takers wait for).
+    cold_adding: Mutex<()>,
+    /// Bytes given back past a stuck refill thread (`give_back_past_stuck_refill`).
+    given_back_past_refill: AtomicU64,
     refill_state: RefillState,
     /// The system is short of memory (the daemon's `MemAvailable` watch, through the store).
     memory_short: AtomicBool,
@@ -253,6 +268,8 @@ impl ChunkReserve {
             refilled: Condvar::new(),
             refill_running: AtomicBool::new(false),
             surplus_waiting: AtomicBool::new(false),
+            cold_adding: Mutex::new(()),
+            given_back_past_refill: AtomicU64::new(0),
             refill_state: RefillState::new(),
             memory_short: AtomicBool::new(false),
             stop: AtomicBool::new(false),
@@ -510,6 +527,55 @@ impl ChunkReserve {
         self.decommit(k, smallvec::smallvec![chunk]);
     }
 
+    /// Give back the surplus chunks (freed beyond the target) while the refill thread, which
+    /// otherwise does, has been stuck in one activity for `REFILL_STUCK_AFTER`: kept ready
+    /// while the reserve is below its target, their pages given back to the system beyond it.
+    /// Why: near OOM the refill thread's commit waits in reclaim for as long as the system has
+    /// no page for it, and the pages the system most needs then are those of the chunks a
+    /// killed program's swap slots leave: the kernel's OOM killer, finding that the workers it
+    /// killed freed no RAM (their pages were in this store), went on to the shell and then
+    /// panicked, "System is deadlocked on memory" (the near-OOM stage of `scripts/vm-test.sh
+    /// --stress`, 2026-11-26: 3 runs of 20 lost; one held 102 MiB for 31 MiB of swap).
+    pub(super) fn give_back_past_stuck_refill(&self) {
+        self.give_back_past_refill_stuck_for(REFILL_STUCK_AFTER);
+    }
+
+    /// `give_back_past_stuck_refill` with the refill thread counted stuck after `stuck_after`.
+    fn give_back_past_refill_stuck_for(&self, stuck_after: Duration) {
+        if !self.refill_running() {
+            return;
+        }
+        let (activity, for_how_long) = self.refill_activity();
+        if activity == RefillActivity::Waiting || for_how_long < stuck_after {
+            return;
+        }
+        let target = self.current_target.load(Ordering::Relaxed);
+        let given_back: u64 = (0..self.pools.len())
+            .map(|k| {
+                let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
+                self.settle_surplus_keeping(k, |_| self.held_bytes() + chunk_bytes <= target, || ())
+            })
+            .sum();
+        if given_back > 0 {
+            let before = self
+                .given_back_past_refill
+                .fetch_add(given_back, Ordering::Relaxed);
+            if before == 0 {
+                tracing::info!(
+                    given_back_kib = given_back >> 10,
+                    ?activity,
+                    refill_for_ms = for_how_long.as_millis(),
+                    "the refill thread is stuck: freed chunks given back to the system by the slot-free thread"
+                );
+            }
+        }
+    }
+
+    /// Bytes given back past a stuck refill thread so far.
+    pub(super) fn given_back_past_refill(&self) -> u64 {
+        self.given_back_past_refill.load(Ordering::Relaxed)
+    }
+
     /// Give the pages of `chunks`, of pool `k`, back to the system; they wait in the pool's
     /// cold list.
     fn decommit(&self, k: usize, mut chunks: ChunkGroup) {
@@ -521,6 +587,7 @@ impl ChunkReserve {
 
     /// Note `chunks`, of pool `k`, whose pages were given back, in the pool's cold list.
     fn make_cold(&self, k: usize, chunks: &[ArenaChunk]) {
+        let _adding = self.cold_adding.lock();
         self.give_cold_room(k, chunks.len());
         self.pools[k]
             .lock()
@@ -530,8 +597,8 @@ impl ChunkReserve {
 
     /// Make sure pool `k`'s cold list has room for `more` pages, growing it outside the pool's
     /// lock (a grown list's fresh pages are faulted in here, not under the lock that takers
-    /// wait for). Only the refill thread adds to a cold list while one runs, so the room is
-    /// still there when it adds.
+    /// wait for). Called holding `cold_adding` (or before any other thread runs), so the room
+    /// is still there when the caller adds.
     fn give_cold_room(&self, k: usize, more: usize) {
         let (len, capacity) = {
             let pool = self.pools[k].lock();
@@ -566,6 +633,7 @@ impl ChunkReserve {
             (pool.cold.len(), pool.cold.capacity())
         };
         if capacity * std::mem::size_of::<u64>() >= COLD_SHRINK_MIN_BYTES && len * 4 <= capacity {
+            let _adding = self.cold_adding.lock();
             self.remake_cold(k, 2 * len + GROUP_CHUNKS);
         }
     }
@@ -583,8 +651,8 @@ impl ChunkReserve {
             (COMMIT_GROUP_BYTES / chunk_bytes).clamp(1, wanted.max(1))
         };
         // Cold chunks one at a time while memory is short: each commit then waits in reclaim
-        // for one chunk, not for a group, holding the segment file's lock that hole punches
-        // need (near-OOM stage of `scripts/vm-test.sh --stress`, 2026-11-26 00:00: with cold
+        // for one chunk, not for a group, and this thread gets back to its hole punches
+        // sooner (near-OOM stage of `scripts/vm-test.sh --stress`, 2026-11-26 00:00: with cold
         // chunks recommitted by the group, one run of four left the serving process holding
         // 132 MiB for 25 MiB of swap and the VM wedged, another ended in the OOM panic).
         let cold_count = if self.memory_short.load(Ordering::Relaxed) {
@@ -737,8 +805,9 @@ impl ChunkReserve {
                     self.refill_state.set(RefillActivity::GivingBack);
                     // Chunks freed since the pass began first: with memory short, this thread
                     // may commit for one size for seconds, and the pages of the chunks a
-                    // killed program's slots left (which only this thread punches) are what
-                    // its own commit waits for in reclaim.
+                    // killed program's slots left are what its own commit waits for in
+                    // reclaim (punched by another thread only once this one is stuck, see
+                    // `give_back_past_stuck_refill`).
                     if self.surplus_waiting.swap(false, Ordering::AcqRel) {
                         for (j, &seen) in demand.iter().enumerate() {
                             self.settle_surplus(j, self.share(seen, total, target));
@@ -763,29 +832,48 @@ impl ChunkReserve {
     /// pool's `share`, their pages given back to the system beyond it.
     fn settle_surplus(&self, k: usize, share: u64) {
         let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
+        self.settle_surplus_keeping(
+            k,
+            |pool| (pool.ready.len() as u64 + 1) * chunk_bytes <= share,
+            || self.refill_state.set(RefillActivity::GivingBack),
+        );
+    }
+
+    /// The surplus chunks of pool `k`: each kept ready while `keep` says so of the pool as it
+    /// is, its pages given back to the system otherwise (`giving_back` first, each time).
+    /// Bytes given back.
+    fn settle_surplus_keeping(
+        &self,
+        k: usize,
+        keep: impl Fn(&Pool) -> bool,
+        giving_back: impl Fn(),
+    ) -> u64 {
+        let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
+        let mut given_back = 0;
         loop {
-            let mut beyond_share = ChunkGroup::new();
+            let mut beyond = ChunkGroup::new();
             let more = {
                 let mut pool = self.pools[k].lock();
-                while beyond_share.len() < GROUP_CHUNKS {
+                while beyond.len() < GROUP_CHUNKS {
                     let Some(chunk) = pool.surplus.pop() else {
                         break;
                     };
-                    if (pool.ready.len() as u64 + 1) * chunk_bytes <= share {
+                    if keep(&pool) {
                         self.held_bytes.fetch_add(chunk_bytes, Ordering::Relaxed);
                         pool.ready.push(chunk);
                     } else {
-                        beyond_share.push(chunk);
+                        beyond.push(chunk);
                     }
                 }
                 !pool.surplus.is_empty()
             };
-            if !beyond_share.is_empty() {
-                self.refill_state.set(RefillActivity::GivingBack);
-                self.decommit(k, beyond_share);
+            if !beyond.is_empty() {
+                giving_back();
+                given_back += beyond.len() as u64 * chunk_bytes;
+                self.decommit(k, beyond);
             }
             if !more {
-                return;
+                return given_back;
             }
         }
     }
@@ -1248,6 +1336,43 @@ mod tests {
         }
         assert!(reserve.held_bytes() <= (4 * PAGE_SIZE) as u64 + held_before);
         assert!(!reserve.pools[0].lock().cold.is_empty());
+    }
+
+    #[test]
+    fn freed_chunks_are_given_back_past_a_refill_thread_stuck_in_a_commit() {
+        let target = 4 * PAGE_SIZE as u64;
+        let reserve = ChunkReserve::new(target, arena(), &[1]);
+        let chunks: Vec<ArenaChunk> = (0..40).map(|_| reserve.take(1, None).unwrap()).collect();
+        // A refill thread runs, and is in a commit: chunks beyond the target wait for it.
+        reserve.refill_running.store(true, Ordering::Release);
+        reserve.refill_state.set(RefillActivity::Committing);
+        for chunk in chunks {
+            reserve.give_back(chunk);
+        }
+        let surplus = reserve.pools[0].lock().surplus.len();
+        assert!(surplus >= 30, "{surplus} surplus chunks");
+        // Not stuck yet: they stay for it.
+        reserve.give_back_past_refill_stuck_for(Duration::from_secs(60));
+        assert_eq!(reserve.pools[0].lock().surplus.len(), surplus);
+        assert_eq!(reserve.given_back_past_refill(), 0);
+        // Stuck: given back to the system (the reserve holds its target already: the rest of
+        // the commit group the takes began).
+        let held = reserve.held_bytes();
+        assert!(held >= target);
+        reserve.give_back_past_refill_stuck_for(Duration::ZERO);
+        let pool = reserve.pools[0].lock();
+        assert!(pool.surplus.is_empty());
+        assert_eq!(reserve.held_bytes(), held);
+        assert_eq!(pool.cold.len(), surplus);
+        assert_eq!(
+            reserve.given_back_past_refill(),
+            surplus as u64 * PAGE_SIZE as u64
+        );
+        drop(pool);
+        // Given back chunks come back zeroed.
+        reserve.refill_running.store(false, Ordering::Release);
+        let again: Vec<ArenaChunk> = (0..30).map(|_| reserve.take(1, None).unwrap()).collect();
+        assert!(again.iter().all(|chunk| chunk.iter().all(|&b| b == 0)));
     }
 
     #[test]
