@@ -786,6 +786,11 @@ fn serve(
     let mut memory_watch = memory_watch::MemoryWatch::open();
     // What to do with the device, and whether the stop was unexpected (a failure to report).
     let (action, unexpected) = loop {
+        let poll = if store.memory_short() {
+            crate::slotfree::POLL_MEMORY_SHORT
+        } else {
+            crate::slotfree::POLL
+        };
         crossbeam_channel::select! {
             recv(signal_rx) -> signal => {
                 let request = match signal {
@@ -845,7 +850,7 @@ fn serve(
             }
             // Only here are reported slots freed: once the loop ends (a hand-over), no page of
             // the device changes in this process.
-            default(crate::slotfree::POLL) => {
+            default(poll) => {
                 if notifier.handover_asked() {
                     if let Some(action) = decide_stop(StopRequest::Replace, &path, survives) {
                         break (action, false);

@@ -10,7 +10,7 @@
 //! How: a kprobe program (`program`) on the function every freed slot passes through
 //! (`btf::FREE_FUNCTION`) sets the freed slots' bits in a bitmap shared with the daemon (a BPF
 //! array map it maps), and counts its calls in the word after it. The daemon looks at the
-//! count every `POLL` and, when it moved, frees the pages whose bits are set
+//! count every `POLL` (`POLL_MEMORY_SHORT` while memory is short) and, when it moved, frees the pages whose bits are set
 //! (`SlotFreeProbe::free_reported`). Optional: a kernel without BTF, kprobes, the function or
 //! the permissions has no probe, and memory comes back with discards as before
 //! (`SlotFreeProbe::attach` says why not). A bit never set (the moments of a takeover) only
@@ -41,6 +41,12 @@ const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
 /// How often the daemon looks at the probe's count (memory of freed slots comes back within
 /// this; looking costs one load).
 pub const POLL: Duration = Duration::from_millis(100);
+/// ...and while the system is short of memory. Why: the kernel's OOM killer goes on to its
+/// next victim 200-300 ms after one whose pages were all swapped out (it freed no RAM, only
+/// slots of this device), and the memory of those slots must be back before then (the
+/// near-OOM stage of `scripts/vm-test.sh --stress`: the OOM killer went from the fresh workers
+/// on to the test's shells within 0.5 s).
+pub const POLL_MEMORY_SHORT: Duration = Duration::from_millis(20);
 
 /// Why there is no probe.
 #[derive(Debug, thiserror::Error)]
