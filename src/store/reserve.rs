@@ -182,6 +182,15 @@ impl Default for Pool {
     }
 }
 
+/// Push `chunk` onto `list` if it has room, without growing it; the chunk back otherwise.
+fn push_with_room(list: &mut Vec<ArenaChunk>, chunk: ArenaChunk) -> Result<(), ArenaChunk> {
+    if list.len() == list.capacity() {
+        return Err(chunk);
+    }
+    list.push(chunk);
+    Ok(())
+}
+
 pub(super) struct ChunkReserve {
     arena: Arc<Arena>,
     /// Chunks by size: `pools[k]` holds chunks of `k + 1` pages.
@@ -504,26 +513,53 @@ impl ChunkReserve {
 
     /// Take back a chunk that is no longer used: kept ready while the reserve is below its
     /// target, its pages given back to the system otherwise (by the refill thread, if one runs).
+    /// Never grows a list under a pool's lock: a list with no room left is not added to. Why:
+    /// growing one faults fresh heap pages in, which near OOM waits in reclaim, and every taker
+    /// of that size waits for the lock meanwhile (seen in the VM, 2026-11-27: the main thread,
+    /// freeing 60 MiB of a killed worker's slots, faulted in a grown surplus list in reclaim
+    /// for good while the queue thread waited for the pool's lock and every swap bio for it).
     pub(super) fn give_back(&self, chunk: ArenaChunk) {
         let len = chunk.len() as u64;
         let k = chunk.len() / PAGE_SIZE - 1;
-        if self.held_bytes.load(Ordering::Relaxed) + len
+        let chunk = if self.held_bytes.load(Ordering::Relaxed) + len
             <= self.current_target.load(Ordering::Relaxed)
         {
-            self.held_bytes.fetch_add(len, Ordering::Relaxed);
-            self.pools[k].lock().ready.push(chunk);
-            return;
-        }
-        if self.refill_running.load(Ordering::Acquire) {
-            self.pools[k].lock().surplus.push(chunk);
-            // Memory follows the data: the refill thread punches the hole now rather than at
-            // its next period, so a discard's pages are back with the system at once. One
-            // wake-up per pass is enough; it takes every surplus chunk.
-            if !self.surplus_waiting.swap(true, Ordering::AcqRel) {
-                self.wake_refill();
+            // Bound first: a guard in the match's scrutinee would live through its arms.
+            let pushed = push_with_room(&mut self.pools[k].lock().ready, chunk);
+            match pushed {
+                Ok(()) => {
+                    self.held_bytes.fetch_add(len, Ordering::Relaxed);
+                    return;
+                }
+                Err(chunk) => chunk,
             }
-            return;
-        }
+        } else {
+            chunk
+        };
+        let chunk = if self.refill_running.load(Ordering::Acquire) {
+            let pushed = push_with_room(&mut self.pools[k].lock().surplus, chunk);
+            match pushed {
+                Ok(()) => {
+                    // Memory follows the data: the refill thread punches the hole now rather
+                    // than at its next period, so a discard's pages are back with the system at
+                    // once. One wake-up per pass is enough; it takes every surplus chunk.
+                    if !self.surplus_waiting.swap(true, Ordering::AcqRel) {
+                        self.wake_refill();
+                    }
+                    return;
+                }
+                Err(chunk) => {
+                    // The refill thread has not kept up (it waits in reclaim): this thread
+                    // gives the surplus back, a run of adjacent chunks per hole punch, outside
+                    // the lock.
+                    let given_back = self.settle_surplus_to_target(k);
+                    self.note_given_back_past_refill(given_back + len, "behind");
+                    chunk
+                }
+            }
+        } else {
+            chunk
+        };
         self.decommit(k, smallvec::smallvec![chunk]);
     }
 
@@ -549,25 +585,39 @@ impl ChunkReserve {
         if activity == RefillActivity::Waiting || for_how_long < stuck_after {
             return;
         }
-        let target = self.current_target.load(Ordering::Relaxed);
-        let given_back: u64 = (0..self.pools.len())
-            .map(|k| {
-                let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
-                self.settle_surplus_keeping(k, |_| self.held_bytes() + chunk_bytes <= target, || ())
-            })
+        let given_back = (0..self.pools.len())
+            .map(|k| self.settle_surplus_to_target(k))
             .sum();
-        if given_back > 0 {
-            let before = self
-                .given_back_past_refill
-                .fetch_add(given_back, Ordering::Relaxed);
-            if before == 0 {
-                tracing::info!(
-                    given_back_kib = given_back >> 10,
-                    ?activity,
-                    refill_for_ms = for_how_long.as_millis(),
-                    "the refill thread is stuck: freed chunks given back to the system by the slot-free thread"
-                );
-            }
+        self.note_given_back_past_refill(given_back, "stuck");
+    }
+
+    /// The surplus chunks of pool `k`, settled from a thread other than the refill thread:
+    /// kept ready while the reserve is below its target, given back beyond it. Bytes given back.
+    fn settle_surplus_to_target(&self, k: usize) -> u64 {
+        let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
+        let target = self.current_target.load(Ordering::Relaxed);
+        self.settle_surplus_keeping(k, |_| self.held_bytes() + chunk_bytes <= target, || ())
+    }
+
+    /// Count `bytes` given back by another thread because the refill thread was `why` (said
+    /// the first time).
+    fn note_given_back_past_refill(&self, bytes: u64, why: &'static str) {
+        if bytes == 0 {
+            return;
+        }
+        if self
+            .given_back_past_refill
+            .fetch_add(bytes, Ordering::Relaxed)
+            == 0
+        {
+            let (refill, refill_for) = self.refill_activity();
+            tracing::info!(
+                given_back_kib = bytes >> 10,
+                why,
+                ?refill,
+                refill_for_ms = refill_for.as_millis(),
+                "freed chunks given back to the system past the refill thread"
+            );
         }
     }
 
@@ -858,12 +908,18 @@ impl ChunkReserve {
                     let Some(chunk) = pool.surplus.pop() else {
                         break;
                     };
-                    if keep(&pool) {
-                        self.held_bytes.fetch_add(chunk_bytes, Ordering::Relaxed);
-                        pool.ready.push(chunk);
+                    let chunk = if keep(&pool) {
+                        match push_with_room(&mut pool.ready, chunk) {
+                            Ok(()) => {
+                                self.held_bytes.fetch_add(chunk_bytes, Ordering::Relaxed);
+                                continue;
+                            }
+                            Err(chunk) => chunk,
+                        }
                     } else {
-                        beyond.push(chunk);
-                    }
+                        chunk
+                    };
+                    beyond.push(chunk);
                 }
                 !pool.surplus.is_empty()
             };
@@ -1344,6 +1400,7 @@ mod tests {
         let reserve = ChunkReserve::new(target, arena(), &[1]);
         let chunks: Vec<ArenaChunk> = (0..40).map(|_| reserve.take(1, None).unwrap()).collect();
         // A refill thread runs, and is in a commit: chunks beyond the target wait for it.
+        ChunkReserve::provision(&reserve.pools[0]);
         reserve.refill_running.store(true, Ordering::Release);
         reserve.refill_state.set(RefillActivity::Committing);
         for chunk in chunks {
@@ -1373,6 +1430,36 @@ mod tests {
         reserve.refill_running.store(false, Ordering::Release);
         let again: Vec<ArenaChunk> = (0..30).map(|_| reserve.take(1, None).unwrap()).collect();
         assert!(again.iter().all(|chunk| chunk.iter().all(|&b| b == 0)));
+    }
+
+    #[test]
+    fn a_chunk_given_back_to_a_full_list_is_given_back_to_the_system_and_no_list_grows() {
+        let target = 4 * PAGE_SIZE as u64;
+        let reserve = ChunkReserve::new(target, arena(), &[1]);
+        let chunks: Vec<ArenaChunk> = (0..40).map(|_| reserve.take(1, None).unwrap()).collect();
+        // A refill thread runs but has not made room in the lists (it waits in reclaim).
+        reserve.refill_running.store(true, Ordering::Release);
+        let (ready_room, surplus_room) = {
+            let pool = reserve.pools[0].lock();
+            (pool.ready.capacity(), pool.surplus.capacity())
+        };
+        for chunk in chunks {
+            reserve.give_back(chunk);
+        }
+        let pool = reserve.pools[0].lock();
+        assert_eq!(pool.ready.capacity(), ready_room);
+        assert_eq!(pool.surplus.capacity(), surplus_room);
+        // The one commit group the takes began, all accounted for.
+        assert_eq!(
+            pool.cold.len() + pool.surplus.len() + pool.ready.len(),
+            GROUP_CHUNKS
+        );
+        assert!(
+            pool.cold.len() >= 40 - surplus_room,
+            "{} given back",
+            pool.cold.len()
+        );
+        assert!(reserve.given_back_past_refill() >= PAGE_SIZE as u64);
     }
 
     #[test]
