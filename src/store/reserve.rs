@@ -525,12 +525,9 @@ impl ChunkReserve {
             <= self.current_target.load(Ordering::Relaxed)
         {
             // Bound first: a guard in the match's scrutinee would live through its arms.
-            let pushed = push_with_room(&mut self.pools[k].lock().ready, chunk);
-            match pushed {
-                Ok(()) => {
-                    self.held_bytes.fetch_add(len, Ordering::Relaxed);
-                    return;
-                }
+            let kept = self.keep_ready(&mut self.pools[k].lock(), chunk);
+            match kept {
+                Ok(()) => return,
                 Err(chunk) => chunk,
             }
         } else {
@@ -561,6 +558,15 @@ impl ChunkReserve {
             chunk
         };
         self.decommit(k, smallvec::smallvec![chunk]);
+    }
+
+    /// Keep `chunk` ready in `pool` (counted as held) if its list has room; the chunk back
+    /// otherwise.
+    fn keep_ready(&self, pool: &mut Pool, chunk: ArenaChunk) -> Result<(), ArenaChunk> {
+        let len = chunk.len() as u64;
+        push_with_room(&mut pool.ready, chunk)?;
+        self.held_bytes.fetch_add(len, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Give back the surplus chunks (freed beyond the target) while the refill thread, which
@@ -908,18 +914,11 @@ impl ChunkReserve {
                     let Some(chunk) = pool.surplus.pop() else {
                         break;
                     };
-                    let chunk = if keep(&pool) {
-                        match push_with_room(&mut pool.ready, chunk) {
-                            Ok(()) => {
-                                self.held_bytes.fetch_add(chunk_bytes, Ordering::Relaxed);
-                                continue;
-                            }
-                            Err(chunk) => chunk,
-                        }
-                    } else {
-                        chunk
-                    };
-                    beyond.push(chunk);
+                    if !keep(&pool) {
+                        beyond.push(chunk);
+                    } else if let Err(chunk) = self.keep_ready(&mut pool, chunk) {
+                        beyond.push(chunk);
+                    }
                 }
                 !pool.surplus.is_empty()
             };
