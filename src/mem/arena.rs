@@ -153,7 +153,7 @@ impl Arena {
             }
             let table = self.segment.page_table_of(self.start + offset);
             if mapped_table != Some(table) {
-                self.segment.fault_in(self.start + offset, HOST_PAGE)?;
+                self.segment.commit(self.start + offset, HOST_PAGE)?;
                 mapped_table = Some(table);
             }
         }

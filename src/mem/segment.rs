@@ -350,12 +350,6 @@ impl Segment {
         self.len == 0
     }
 
-    /// Allocate the pages of `[offset, offset + len)` by faulting them into the mapping (see
-    /// the module's comment for why not `fallocate`).
-    pub fn commit(&self, offset: usize, len: usize) -> std::io::Result<()> {
-        self.fault_in(offset, len)
-    }
-
     /// Which page table (2 MiB of address space, on x86-64 and 4 KiB-page arm64) maps the
     /// byte at `offset`.
     pub fn page_table_of(&self, offset: usize) -> usize {
@@ -363,8 +357,9 @@ impl Segment {
     }
 
     /// Fault the pages of `[offset, offset + len)` into the mapping, allocating those not
-    /// committed yet.
-    pub fn fault_in(&self, offset: usize, len: usize) -> std::io::Result<()> {
+    /// committed yet (see the module's comment for why not with `fallocate`); pages committed
+    /// already only get their page table entries.
+    pub fn commit(&self, offset: usize, len: usize) -> std::io::Result<()> {
         self.check(offset, len)?;
         // SAFETY: the range lies inside our mapping (checked); populating changes no
         // contents, it only makes the pages present.

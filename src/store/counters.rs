@@ -81,9 +81,9 @@ pub struct StoreStats {
     /// Chunks a write whose size had run dry cut from a larger ready chunk.
     #[serde(default)]
     pub reserve_split_chunks: u64,
-    /// Bytes of freed chunks given back to the system by the thread that frees swap slots
-    /// because the refill thread, which otherwise does it, was stuck in a commit (see
-    /// `reserve::ChunkReserve::give_back_past_stuck_refill`).
+    /// Bytes of freed chunks given back to the system by a thread other than the refill
+    /// thread, which otherwise does it: because it was stuck in a commit, or behind (a full
+    /// surplus list; see `reserve::ChunkReserve::give_back`).
     #[serde(default)]
     pub reserve_given_back_past_refill_bytes: u64,
     /// Pages a resumed store could not find whole: reads of them fail with EIO until they

@@ -12,8 +12,9 @@
 //! thread (seen in the VM). Whether a taker waits for it (`starving`) tells the store
 //! when to stop accepting writes. Freed chunks return to the reserve while it is below its
 //! target, and give their pages back to the system (a hole punched in the arena) beyond it:
-//! the refill thread punches them, and while it has been stuck in one commit, the thread
-//! that frees swap slots does (`give_back_past_stuck_refill`).
+//! the refill thread punches them; while it has been stuck in one commit, the thread that
+//! frees swap slots does (`give_back_past_stuck_refill`), and a thread that finds the surplus
+//! list full gives it back itself (`give_back`).
 
 #![forbid(unsafe_code)]
 
@@ -237,7 +238,8 @@ pub(super) struct ChunkReserve {
     /// each makes room before it takes the pool's lock to add (nothing may allocate under the
     /// lock takers wait for).
     cold_adding: Mutex<()>,
-    /// Bytes given back past a stuck refill thread (`give_back_past_stuck_refill`).
+    /// Bytes given back by other threads than the refill thread: while it was stuck
+    /// (`give_back_past_stuck_refill`) or behind (a full surplus list, `give_back`).
     given_back_past_refill: AtomicU64,
     refill_state: RefillState,
     /// The system is short of memory (the daemon's `MemAvailable` watch, through the store).
@@ -627,7 +629,7 @@ impl ChunkReserve {
         }
     }
 
-    /// Bytes given back past a stuck refill thread so far.
+    /// Bytes given back past the refill thread so far.
     pub(super) fn given_back_past_refill(&self) -> u64 {
         self.given_back_past_refill.load(Ordering::Relaxed)
     }
