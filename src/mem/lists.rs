@@ -8,6 +8,15 @@
 //! of it locked). A buffer of `MAPPED_MIN_BYTES` or more is a mapping here, and dropping it
 //! unmaps it: the memory is the system's again at once. Smaller buffers stay on the heap,
 //! where a page holds many of them.
+//!
+//! A mapping reserves `MAPPED_RESERVATION_BYTES` of address space (none of it memory until
+//! faulted in: the daemon locks on fault), so that a list grows in place within it: the thread
+//! that provisions faults the new room in first (`growth_in_place`), outside the lock the list
+//! is under, and growing it under the lock then moves nothing and touches no fresh page. Why:
+//! growing by a new buffer needs the old and the new at once, faulted in while memory is
+//! shortest (a near-OOM fill of raw pages grows the allocator's lists by about 100 bytes a
+//! page), and copies under the lock; in the VM's near-OOM stage writes failed while the
+//! thread that provisions waited in reclaim for such a buffer (2026-11-27).
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
@@ -18,6 +27,10 @@ use super::HOST_PAGE;
 
 /// Buffers this large or larger are mappings of their own.
 const MAPPED_MIN_BYTES: usize = 16 << 10;
+/// Address space a mapped buffer reserves and grows within (about 1.3 million chunks'
+/// bookkeeping, 5 GiB of raw pages in one class); a larger one is mapped at its size and
+/// moves to grow.
+const MAPPED_RESERVATION_BYTES: usize = 64 << 20;
 
 /// Where a list's buffers come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,6 +58,86 @@ pub fn faulted_in_list<T>(capacity: usize, alloc: ListAlloc) -> ListVec<T> {
     list
 }
 
+/// `bytes` rounded up to whole pages.
+fn page_rounded(bytes: usize) -> usize {
+    bytes.div_ceil(HOST_PAGE) * HOST_PAGE
+}
+
+/// The length of the mapping a mapped buffer of `size` bytes lives in: its reservation, or
+/// just its pages where the system does not overcommit (`super::reservations_allowed`) or it
+/// is larger. A function of the size alone, so that freeing unmaps what was mapped.
+fn mapping_len(size: usize) -> usize {
+    if size <= MAPPED_RESERVATION_BYTES && super::reservations_allowed() {
+        MAPPED_RESERVATION_BYTES
+    } else {
+        page_rounded(size)
+    }
+}
+
+/// Room faulted in for a list to grow in place (`growth_in_place`): the pages past its
+/// capacity, inside the mapping it lives in.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Growth {
+    start: usize,
+    len: usize,
+}
+
+impl Growth {
+    /// Fault the room in (and so, under `mlockall`, lock it).
+    pub fn fault_in(&self) {
+        let Some(start) = NonNull::new(self.start as *mut std::ffi::c_void) else {
+            return;
+        };
+        if self.len == 0 {
+            return;
+        }
+        // SAFETY: the range lies inside a list's mapping past its capacity (or, had the list
+        // been dropped meanwhile, in no mapping or another one): no Rust value lives there,
+        // and MADV_POPULATE_WRITE only makes pages present without changing a byte.
+        if let Err(error) = unsafe {
+            nix::sys::mman::madvise(
+                start,
+                self.len,
+                nix::sys::mman::MmapAdvise::MADV_POPULATE_WRITE,
+            )
+        } {
+            tracing::warn!(%error, bytes = self.len, "faulting in a list's room failed");
+        }
+    }
+}
+
+/// The room `list` needs to hold `capacity` entries without moving, if it can grow there in
+/// place: a mapped list whose mapping reaches that far. Fault it in (`Growth::fault_in`), then
+/// grow the list (`reserve_exact`) while it is still the same (equal `growth_in_place`):
+/// growing then moves nothing and touches no fresh page. `None` for a list that would move.
+pub fn growth_in_place<T>(list: &ListVec<T>, capacity: usize) -> Option<Growth> {
+    let size = |entries: usize| entries.checked_mul(std::mem::size_of::<T>());
+    let (now, then) = (size(list.capacity())?, size(capacity)?);
+    let start = list.as_ptr() as usize;
+    if then <= now {
+        return Some(Growth { start, len: 0 });
+    }
+    let alloc = *list.allocator();
+    let align = std::mem::align_of::<T>();
+    let (Ok(now_layout), Ok(then_layout)) = (
+        Layout::from_size_align(now, align),
+        Layout::from_size_align(then, align),
+    ) else {
+        return None;
+    };
+    if now == 0
+        || !alloc.maps(now_layout)
+        || !alloc.maps(then_layout)
+        || mapping_len(now) < page_rounded(then)
+    {
+        return None;
+    }
+    Some(Growth {
+        start: start + page_rounded(now),
+        len: page_rounded(then) - page_rounded(now),
+    })
+}
+
 impl ListAlloc {
     /// Whether a buffer of `layout` is a mapping of its own. The same answer for the layout a
     /// buffer is allocated with and the one it is freed with: a vector frees with the size it
@@ -57,17 +150,20 @@ impl ListAlloc {
 }
 
 // SAFETY: heap buffers are Global's, freed by Global with the layout they were allocated
-// with; a mapped buffer is a fresh private mapping of at least `layout.size()` bytes, aligned
-// to a page (so to any alignment `maps` accepts), valid until `deallocate` unmaps it, and
-// owned by the one vector it was given to. `maps` decides the same for both calls.
+// with; a mapped buffer is a fresh private mapping of `mapping_len(layout.size())` bytes, at
+// least `layout.size()`, aligned to a page (so to any alignment `maps` accepts), valid until
+// `deallocate` unmaps it, owned by the one vector it was given to, and grown in place only
+// within that mapping. `maps` and `mapping_len` decide the same for every call.
 unsafe impl Allocator for ListAlloc {
     fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
         if !self.maps(layout) {
             return Global.allocate(layout);
         }
-        let len = layout.size().div_ceil(HOST_PAGE) * HOST_PAGE;
-        let base = super::map_private(len).map_err(|_| AllocError)?;
-        Ok(NonNull::slice_from_raw_parts(base.cast::<u8>(), len))
+        let base = super::map_private(mapping_len(layout.size())).map_err(|_| AllocError)?;
+        Ok(NonNull::slice_from_raw_parts(
+            base.cast::<u8>(),
+            page_rounded(layout.size()),
+        ))
     }
 
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
@@ -77,12 +173,45 @@ unsafe impl Allocator for ListAlloc {
             unsafe { Global.deallocate(ptr, layout) };
             return;
         }
-        let len = layout.size().div_ceil(HOST_PAGE) * HOST_PAGE;
+        let len = mapping_len(layout.size());
         // SAFETY: `ptr` is the start of a mapping `allocate` made of `len` bytes (the same
-        // rounding of a size it accepted), which its vector no longer uses.
+        // function of a size it accepted, or grew to within it), which its vector no longer
+        // uses.
         if let Err(error) = unsafe { nix::sys::mman::munmap(ptr.cast(), len) } {
             tracing::warn!(%error, len, "unmapping a bookkeeping list failed");
         }
+    }
+
+    /// In place while the new size stays within the buffer's mapping (see the module's
+    /// comment), else moved to a new buffer.
+    unsafe fn grow(
+        &self,
+        ptr: NonNull<u8>,
+        old_layout: Layout,
+        new_layout: Layout,
+    ) -> Result<NonNull<[u8]>, AllocError> {
+        if self.maps(old_layout)
+            && self.maps(new_layout)
+            && mapping_len(old_layout.size()) >= page_rounded(new_layout.size())
+            && mapping_len(old_layout.size()) == mapping_len(new_layout.size())
+        {
+            return Ok(NonNull::slice_from_raw_parts(
+                ptr,
+                page_rounded(new_layout.size()),
+            ));
+        }
+        let new = self.allocate(new_layout)?;
+        // SAFETY: `ptr` holds `old_layout.size()` bytes (the caller's contract), the new
+        // block at least `new_layout.size()`, which is larger, and they are distinct blocks.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                ptr.as_ptr(),
+                new.cast::<u8>().as_ptr(),
+                old_layout.size(),
+            );
+            self.deallocate(ptr, old_layout);
+        }
+        Ok(new)
     }
 }
 
@@ -90,13 +219,20 @@ unsafe impl Allocator for ListAlloc {
 mod tests {
     use super::*;
 
-    /// Whether `/proc/self/maps` has a mapping of exactly `[start, start + len)`.
-    fn mapped_exactly(start: usize, len: usize) -> bool {
-        let want = format!("{:x}-{:x} ", start, start + len);
+    /// The mapping `/proc/self/maps` has at `address`, as `(start, end)`, if any.
+    fn mapping_at(address: usize) -> Option<(usize, usize)> {
         std::fs::read_to_string("/proc/self/maps")
             .unwrap()
             .lines()
-            .any(|l| l.starts_with(&want))
+            .filter_map(|line| {
+                let (start, end) = line.split_whitespace().next()?.split_once('-')?;
+                let range = (
+                    usize::from_str_radix(start, 16).ok()?,
+                    usize::from_str_radix(end, 16).ok()?,
+                );
+                Some(range)
+            })
+            .find(|&(start, end)| start <= address && address < end)
     }
 
     #[test]
@@ -105,13 +241,44 @@ mod tests {
         let mut list: ListVec<u64> = faulted_in_list(entries, ListAlloc::Mapped);
         list.extend((0..entries as u64).map(|i| i * 3));
         assert_eq!(list[12345], 12345 * 3);
-        let (start, len) = (list.as_ptr() as usize, entries * 8);
-        assert!(mapped_exactly(start, len), "a mapping of its own");
+        let start = list.as_ptr() as usize;
+        let end = start + mapping_len(entries * 8);
+        // (The kernel may merge it with a neighbouring mapping of the same kind.)
+        assert!(
+            mapping_at(start).is_some_and(|(_, to)| to >= end),
+            "mapped, its reservation too"
+        );
         drop(list);
-        assert!(!mapped_exactly(start, len), "unmapped when dropped");
-        // On the heap it is no mapping of its own.
-        let list: ListVec<u64> = faulted_in_list(entries, ListAlloc::Heap);
-        assert!(!mapped_exactly(list.as_ptr() as usize, entries * 8));
+        assert!(mapping_at(start).is_none(), "unmapped when dropped");
+        assert!(mapping_at(end - 1).is_none(), "its reservation too");
+    }
+
+    #[test]
+    fn a_mapped_list_grows_in_place_into_room_faulted_in_ahead() {
+        if !super::super::reservations_allowed() {
+            return; // strict overcommit: mapped lists move to grow, as every list once did
+        }
+        let entries = 10_000;
+        let mut list: ListVec<u64> = faulted_in_list(entries, ListAlloc::Mapped);
+        list.extend(0..entries as u64);
+        let start = list.as_ptr();
+        let growth = growth_in_place(&list, 8 * entries).expect("within its reservation");
+        growth.fault_in();
+        assert_eq!(growth_in_place(&list, 8 * entries), Some(growth));
+        list.reserve_exact(7 * entries);
+        assert_eq!(list.as_ptr(), start, "not moved");
+        assert!(list.capacity() >= 8 * entries);
+        list.extend(entries as u64..8 * entries as u64);
+        assert!(list.iter().enumerate().all(|(i, &v)| v == i as u64));
+        // Past its reservation it would move, and so would a heap list.
+        let past = MAPPED_RESERVATION_BYTES / 8 + 1;
+        assert!(growth_in_place(&list, past).is_none());
+        let heap: ListVec<u64> = faulted_in_list(entries, ListAlloc::Heap);
+        assert!(growth_in_place(&heap, 2 * entries).is_none());
+        // Pushing past it moves it, contents kept.
+        list.reserve_exact(past - list.len());
+        list.push(1);
+        assert_eq!(list[8 * entries - 1], 8 * entries as u64 - 1);
     }
 
     #[test]

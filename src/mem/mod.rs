@@ -1,7 +1,8 @@
 //! Memory the I/O path uses: the segment page data lives in (`segment`: a private memfd or a
 //! SysV segment that outlives the process), the arena of compressed-page chunks carved from it
-//! (`arena`), and the rules for everything else the I/O path touches (prefaulted stacks and
-//! heap, `populate`). All `unsafe` for memory lives in this module.
+//! (`arena`), the rules for everything else the I/O path touches (prefaulted stacks and
+//! heap, `populate`), and waking the thread that commits memory from the kernel's reclaim
+//! throttle once memory is back (`throttle`). All `unsafe` for memory lives in this module.
 //!
 //! Why not the heap for page data: the daemon serves swap. When memory runs short, the kernel
 //! frees memory by swapping out through this daemon, and whatever gets the daemon more memory
@@ -20,10 +21,12 @@ use nix::sys::mman::{madvise, MmapAdvise};
 mod arena;
 mod lists;
 mod segment;
+mod throttle;
 
 pub use arena::{Arena, ArenaChunk};
-pub use lists::{empty_list, faulted_in_list, ListAlloc, ListVec};
+pub use lists::{empty_list, faulted_in_list, growth_in_place, Growth, ListAlloc, ListVec};
 pub use segment::{PageSlots, Segment, SlotRead, SlotWrite, Words};
+pub use throttle::{free_memory_is_back, ThrottledThread};
 
 const HOST_PAGE: usize = 4096;
 
@@ -131,7 +134,9 @@ pub fn configure_heap() {
 }
 
 /// A fresh private anonymous mapping of `len` bytes, readable and writable; nothing is
-/// faulted in yet. Unmapping it is the caller's.
+/// faulted in yet, and none of it is charged to a commit limit (`MAP_NORESERVE`): memory only
+/// where it is faulted in (see `lists` for why reserve more than that). Unmapping it is the
+/// caller's.
 fn map_private(len: usize) -> std::io::Result<NonNull<std::ffi::c_void>> {
     let length = std::num::NonZeroUsize::new(len).ok_or(std::io::ErrorKind::InvalidInput)?;
     // SAFETY: a fresh private anonymous mapping; it aliases no Rust object.
@@ -140,10 +145,22 @@ fn map_private(len: usize) -> std::io::Result<NonNull<std::ffi::c_void>> {
             None,
             length,
             nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
-            nix::sys::mman::MapFlags::MAP_PRIVATE,
+            nix::sys::mman::MapFlags::MAP_PRIVATE | nix::sys::mman::MapFlags::MAP_NORESERVE,
         )
     }?;
     Ok(base)
+}
+
+/// Whether large reservations of address space cost nothing here: not under strict
+/// overcommit (`vm.overcommit_memory` 2), which ignores `MAP_NORESERVE` and charges all of it.
+/// Read once, so that every buffer's mapping length stays what it was made with.
+fn reservations_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/vm/overcommit_memory")
+            .map(|mode| mode.trim() != "2")
+            .unwrap_or(false)
+    })
 }
 
 /// Pages held only to be given back: faulted in (and, under `mlockall`, locked) when made,

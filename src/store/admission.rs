@@ -42,8 +42,12 @@ const SLOW_REFILL_PATIENCE: Duration = Duration::from_secs(5);
 const FAIL_FAST_PERIOD: Duration = Duration::from_millis(200);
 /// A writer starving this long asks for an OOM kill when swapping frees nothing (see `oom`):
 /// well before its write would fail, and long enough that a burst the refill thread catches up
-/// with never asks.
-const OOM_NUDGE_AFTER: Duration = Duration::from_millis(300);
+/// with never asks. The reserve's last quarter is taken from then on, too.
+const OOM_NUDGE_AFTER: Duration = super::reserve::LAST_RESORT_AFTER;
+/// For this long after an OOM kill was asked for, a refill thread stuck in a commit is woken
+/// from the kernel's reclaim throttle (see `rouse_stuck_refill`): the victim's memory comes
+/// back within it, and the writes fail at its end.
+const MEMORY_BACK_AFTER_KILL: Duration = STARVED_WRITE_TIMEOUT;
 
 /// How far on, in table groups, swap's next new cluster lies: on a fresh device Linux 6.12's
 /// swap hands out its 2 MiB clusters 0, 32, 64, ... then 1, 33, ... (`setup_clusters` lays
@@ -129,6 +133,7 @@ impl BatchedPageStore {
         if !for_refill {
             return false;
         }
+        self.rouse_stuck_refill();
         if !self.oom.swap_frees_nothing(self.now_ns(), waited) {
             return waited >= SLOW_REFILL_PATIENCE;
         }
@@ -136,6 +141,25 @@ impl BatchedPageStore {
             add(&self.counters.oom_kills_asked, 1);
         }
         waited >= STARVED_WRITE_TIMEOUT
+    }
+
+    /// Wake the refill thread from the kernel's reclaim throttle (`crate::mem::throttle`) if it
+    /// has been stuck in a commit and memory is back or coming: an OOM kill was asked for
+    /// lately, or free memory is above the throttle's floor. For the threads that wait for it
+    /// or give back past it. Why: near OOM its commit slept out the throttle's second while
+    /// the kill's victim freed its memory, which the programs filling RAM took meanwhile, and
+    /// the writes that waited for the commit failed (the near-OOM stage of
+    /// `scripts/vm-test.sh --stress`, 2026-11-27: every write that starved met the refill
+    /// thread asleep in `throttle_direct_reclaim` for 1000 ms, with 1.0-3.0 MB free). Woken,
+    /// it allocates as a real-time task may (below the min watermark) as soon as a page is free.
+    pub(super) fn rouse_stuck_refill(&self) {
+        let reserve = &self.alloc.reserve;
+        if reserve.refill_stuck()
+            && (self.oom.asked_within(self.now_ns(), MEMORY_BACK_AFTER_KILL)
+                || crate::mem::free_memory_is_back())
+        {
+            reserve.rouse_refill();
+        }
     }
 
     /// A write gives up waiting for memory: count it, make the writes after it fail at once for

@@ -34,7 +34,9 @@ use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 use super::reserve::ChunkReserve;
 pub(super) use super::reserve::Shortage;
 use crate::codec::PAGE_SIZE;
-use crate::mem::{empty_list, faulted_in_list, Arena, ArenaChunk, ListAlloc, ListVec, Words};
+use crate::mem::{
+    empty_list, faulted_in_list, growth_in_place, Arena, ArenaChunk, ListAlloc, ListVec, Words,
+};
 
 /// Object sizes are multiples of this.
 const GRANULE: usize = 16;
@@ -340,6 +342,9 @@ impl ZsAllocator {
             } else {
                 len + 2 * provision_slack(len)
             };
+            if !compact && Self::grow_lists_in_place(class, want) {
+                continue;
+            }
             let mut usage = faulted_in_list::<Option<ChunkUsage>>(want, ListAlloc::Mapped);
             let mut dir = faulted_in_list::<Option<Chunk>>(want, ListAlloc::Mapped);
             let mut partial = faulted_in_list::<u32>(want, ListAlloc::Mapped);
@@ -369,6 +374,42 @@ impl ZsAllocator {
             }
             // The old (or unused) buffers are freed here, outside the locks.
         }
+    }
+
+    /// Grow a class's four lists to `want` entries in place (see `mem::growth_in_place`): their
+    /// new room faulted in outside the class lock, then the lists grown under it, which moves
+    /// nothing and touches no fresh page. False (nothing grown) if one of them would move.
+    fn grow_lists_in_place(class: &SizeClass, want: usize) -> bool {
+        let growths = |st: &ClassState, dir: &ListVec<Option<Chunk>>| {
+            [
+                growth_in_place(&st.usage, want),
+                growth_in_place(dir, want),
+                growth_in_place(&st.partial, want),
+                growth_in_place(&st.free_ids, want),
+            ]
+        };
+        let before = growths(&class.state.lock(), &class.chunks.read());
+        if before.iter().any(Option::is_none) {
+            return false;
+        }
+        for growth in before.iter().flatten() {
+            growth.fault_in();
+        }
+        let mut st = class.state.lock();
+        let mut chunks = class.chunks.write();
+        // Only this thread replaces a class's lists, but should one have changed meanwhile,
+        // its room is not the room faulted in: leave it to the next `provision`.
+        if growths(&st, &chunks) == before {
+            let len = st.usage.len();
+            st.usage.reserve_exact(want.saturating_sub(len));
+            let len = chunks.len();
+            chunks.reserve_exact(want.saturating_sub(len));
+            let len = st.partial.len();
+            st.partial.reserve_exact(want.saturating_sub(len));
+            let len = st.free_ids.len();
+            st.free_ids.reserve_exact(want.saturating_sub(len));
+        }
+        true
     }
 
     /// Move a class's live chunks into the empty lists given (room for every live chunk),

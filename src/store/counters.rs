@@ -86,6 +86,10 @@ pub struct StoreStats {
     /// surplus list; see `reserve::ChunkReserve::give_back`).
     #[serde(default)]
     pub reserve_given_back_past_refill_bytes: u64,
+    /// Times a thread waiting for the refill thread woke it from the kernel's reclaim throttle
+    /// once free memory was back (see `reserve::ChunkReserve::rouse_stuck_refill`).
+    #[serde(default)]
+    pub reserve_refill_rousings: u64,
     /// Pages a resumed store could not find whole: reads of them fail with EIO until they
     /// are written or discarded.
     #[serde(default)]

@@ -711,6 +711,7 @@ impl BatchedPageStore {
     /// `reserve::ChunkReserve::give_back_past_stuck_refill`). For the thread that frees the
     /// slots swap reports, right after it has.
     pub fn give_back_past_stuck_refill(&self) {
+        self.rouse_stuck_refill();
         self.alloc.reserve.give_back_past_stuck_refill();
     }
 
@@ -785,6 +786,7 @@ impl BatchedPageStore {
             reserve_stolen_bytes: self.alloc.reserve.stolen_bytes(),
             reserve_split_chunks: self.alloc.reserve.split_chunks(),
             reserve_given_back_past_refill_bytes: self.alloc.reserve.given_back_past_refill(),
+            reserve_refill_rousings: self.alloc.reserve.refill_rousings(),
             recompressed_pages: get(&c.recompressed_pages),
             recompress_saved_bytes: get(&c.recompress_saved_bytes),
             recompress_rejected_pages: get(&c.recompress_rejected_pages),

@@ -71,6 +71,8 @@ pub(super) struct OomNudge {
     recent_raw: AtomicU64,
     /// When pages were last compressed (ns on the store's clock).
     last_note_ns: AtomicU64,
+    /// When a kill was last asked for (ns on the store's clock; 0: never).
+    asked_ns: AtomicU64,
 }
 
 impl OomNudge {
@@ -82,6 +84,7 @@ impl OomNudge {
             recent_pages: AtomicU64::new(0),
             recent_raw: AtomicU64::new(0),
             last_note_ns: AtomicU64::new(0),
+            asked_ns: AtomicU64::new(0),
         }
     }
 
@@ -146,6 +149,7 @@ impl OomNudge {
         let waited_ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX);
         match (killer.0)() {
             Ok(()) => {
+                self.asked_ns.store(now_ns.max(1), Ordering::Relaxed);
                 tracing::warn!(
                     waited_ms,
                     "no memory for the store and swapped-out pages do not compress: asked the kernel's OOM killer to act"
@@ -157,6 +161,13 @@ impl OomNudge {
                 false
             }
         }
+    }
+
+    /// Whether a kill was asked for within `window` before `now_ns`: the victim's memory is
+    /// coming back.
+    pub(super) fn asked_within(&self, now_ns: u64, window: Duration) -> bool {
+        let asked = self.asked_ns.load(Ordering::Relaxed);
+        asked != 0 && now_ns.saturating_sub(asked) <= nanos(window)
     }
 }
 
@@ -195,8 +206,11 @@ mod tests {
         );
         // One flush part that does not compress, after many that did, decides.
         nudge.note_compressed(2, RECENT_PAGES, RECENT_PAGES);
+        assert!(!nudge.asked_within(3, Duration::from_secs(1)));
         assert!(nudge.nudge(3, Duration::ZERO), "raw lately");
         assert_eq!(asked.load(Ordering::Relaxed), 1);
+        assert!(nudge.asked_within(3 + nanos(Duration::from_secs(1)), Duration::from_secs(1)));
+        assert!(!nudge.asked_within(4 + nanos(Duration::from_secs(1)), Duration::from_secs(1)));
     }
 
     #[test]

@@ -27,7 +27,10 @@ use smallvec::SmallVec;
 
 use super::nanos;
 use crate::codec::PAGE_SIZE;
-use crate::mem::{empty_list, faulted_in_list, Arena, ArenaChunk, ListAlloc, ListVec};
+use crate::mem::{
+    empty_list, faulted_in_list, growth_in_place, Arena, ArenaChunk, ListAlloc, ListVec,
+    ThrottledThread,
+};
 
 /// How often the refill thread looks even when nobody woke it.
 const REFILL_PERIOD: Duration = Duration::from_millis(50);
@@ -55,6 +58,10 @@ const GROUP_CHUNKS: usize = COMMIT_GROUP_BYTES / PAGE_SIZE;
 /// (`give_back_past_stuck_refill`). A commit that finds memory takes well under a millisecond;
 /// one that waits in reclaim, up to a second at a time (`throttle_direct_reclaim`).
 const REFILL_STUCK_AFTER: Duration = Duration::from_millis(50);
+/// A taker that has waited this long for the refill thread opens the pools' last quarters
+/// (see `pop_committed`, `last_resort_open`): long enough that a burst the refill thread
+/// catches up with never does.
+pub(super) const LAST_RESORT_AFTER: Duration = Duration::from_millis(300);
 
 /// Chunks committed or given back together, in one system call per run of adjacent ones
 /// (`ArenaChunk::recommit_all`, `decommit_all`); on the stack, so that the refill thread
@@ -171,6 +178,9 @@ struct Pool {
     /// there while every swap bio waited for it). The refill thread punches their holes, or
     /// another thread while it is stuck (`give_back_past_stuck_refill`).
     surplus: Vec<ArenaChunk>,
+    /// Chunks kept for takers that have waited `LAST_RESORT_AFTER` (see `pop_committed`): a
+    /// quarter of the pool's share, set by each refill pass.
+    last_resort: usize,
 }
 
 impl Default for Pool {
@@ -179,6 +189,7 @@ impl Default for Pool {
             ready: Vec::new(),
             cold: empty_list(ListAlloc::Mapped),
             surplus: Vec::new(),
+            last_resort: 0,
         }
     }
 }
@@ -242,6 +253,14 @@ pub(super) struct ChunkReserve {
     /// (`give_back_past_stuck_refill`) or behind (a full surplus list, `give_back`).
     given_back_past_refill: AtomicU64,
     refill_state: RefillState,
+    /// The refill thread, for waking it from the kernel's reclaim throttle
+    /// (`rouse_stuck_refill`).
+    refill_thread: ThrottledThread,
+    /// How often it was woken so.
+    refill_rousings: AtomicU64,
+    /// Until when (ns since the refill state's epoch) every taker may take a pool's last
+    /// quarter (`last_resort_open`).
+    last_resort_until_ns: AtomicU64,
     /// The system is short of memory (the daemon's `MemAvailable` watch, through the store).
     memory_short: AtomicBool,
     stop: AtomicBool,
@@ -282,6 +301,9 @@ impl ChunkReserve {
             cold_adding: Mutex::new(()),
             given_back_past_refill: AtomicU64::new(0),
             refill_state: RefillState::new(),
+            refill_thread: ThrottledThread::default(),
+            refill_rousings: AtomicU64::new(0),
+            last_resort_until_ns: AtomicU64::new(0),
             memory_short: AtomicBool::new(false),
             stop: AtomicBool::new(false),
         }
@@ -413,10 +435,12 @@ impl ChunkReserve {
         let k = pages - 1;
         self.demand[k].fetch_add(1, Ordering::Relaxed);
         self.taken.fetch_add(1, Ordering::Relaxed);
-        if let Some(chunk) = self.pop_committed(k) {
+        // Without a refill thread to wait for, no quarter is kept.
+        let waits_for_refill = self.enabled() && self.refill_running.load(Ordering::Acquire);
+        if let Some(chunk) = self.pop_committed(k, !waits_for_refill) {
             return Ok(chunk);
         }
-        if self.enabled() && self.refill_running.load(Ordering::Acquire) {
+        if waits_for_refill {
             // The I/O path must not commit memory itself: under memory pressure that waits in
             // reclaim for a swap-out through this very store. Wait for the refill thread,
             // which may wait in reclaim.
@@ -430,7 +454,12 @@ impl ChunkReserve {
             self.note_waiting();
             let stall = Stall::new();
             loop {
-                if let Some(chunk) = self.pop_committed(k).or_else(|| self.split_larger(k)) {
+                let waited = stall.waited(self);
+                let last_resort = self.last_resort_open(stall.since);
+                if let Some(chunk) = self
+                    .pop_committed(k, last_resort)
+                    .or_else(|| self.split_larger(k))
+                {
                     self.served(k);
                     return Ok(chunk);
                 }
@@ -438,7 +467,6 @@ impl ChunkReserve {
                     self.served(k);
                     break;
                 }
-                let waited = stall.waited(self);
                 if give_up.is_some_and(|give_up| give_up(waited)) {
                     self.served(k);
                     return Err(Shortage::Starved { waited });
@@ -453,7 +481,7 @@ impl ChunkReserve {
         // Another taker of this size may pop what this one committed: commit again then.
         loop {
             let committed = self.commit_more(k, usize::MAX);
-            if let Some(chunk) = self.pop_committed(k) {
+            if let Some(chunk) = self.pop_committed(k, true) {
                 return Ok(chunk);
             }
             if !committed {
@@ -463,11 +491,37 @@ impl ChunkReserve {
         }
     }
 
+    /// Whether a taker waiting since `since` may take a pool's last quarter: once one taker has
+    /// waited `LAST_RESORT_AFTER` by its own clock, every taker may for as long again. By the
+    /// taker's own wait, not the `Stall`'s: the refill thread's slow commits near OOM restart
+    /// that each time, and each one went to the kept quarter. For every taker: a flush takes
+    /// a chunk per raw page, and each take would wait anew.
+    fn last_resort_open(&self, since: Instant) -> bool {
+        let now = nanos(self.refill_state.epoch.elapsed());
+        if since.elapsed() >= LAST_RESORT_AFTER {
+            self.last_resort_until_ns.fetch_max(
+                now.saturating_add(nanos(LAST_RESORT_AFTER)),
+                Ordering::Relaxed,
+            );
+            return true;
+        }
+        now < self.last_resort_until_ns.load(Ordering::Relaxed)
+    }
+
     /// A committed chunk of `k + 1` pages, if the pool has one: a ready chunk (waking the
     /// refill thread when the reserve falls below three quarters of its target), else a
-    /// surplus one.
-    fn pop_committed(&self, k: usize) -> Option<ArenaChunk> {
+    /// surplus one; the pool's last quarter only if `last_resort` (see `last_resort_open`).
+    /// Why keep one: near OOM the writes waiting for memory hold the bios that every task in
+    /// reclaim waits for, the OOM victim's exit included (its last allocations swap out too),
+    /// so the memory the victim would free cannot come until some of those writes complete;
+    /// without memory kept for them they failed after a second (the near-OOM stage of
+    /// `scripts/vm-test.sh --stress`, 2026-11-27: a victim in `mempool_alloc` for a bio 2.4 s
+    /// after its kill, and asked-for kills finding nothing to kill while it lived).
+    fn pop_committed(&self, k: usize, last_resort: bool) -> Option<ArenaChunk> {
         let mut pool = self.pools[k].lock();
+        if !last_resort && pool.ready.len() + pool.surplus.len() <= pool.last_resort {
+            return None;
+        }
         if let Some(chunk) = pool.ready.pop() {
             drop(pool);
             let held = self
@@ -586,11 +640,7 @@ impl ChunkReserve {
 
     /// `give_back_past_stuck_refill` with the refill thread counted stuck after `stuck_after`.
     fn give_back_past_refill_stuck_for(&self, stuck_after: Duration) {
-        if !self.refill_running() {
-            return;
-        }
-        let (activity, for_how_long) = self.refill_activity();
-        if activity == RefillActivity::Waiting || for_how_long < stuck_after {
+        if !self.refill_stuck_for(stuck_after) {
             return;
         }
         let given_back = (0..self.pools.len())
@@ -634,6 +684,30 @@ impl ChunkReserve {
         self.given_back_past_refill.load(Ordering::Relaxed)
     }
 
+    /// Whether the refill thread has been in one activity other than waiting for
+    /// `REFILL_STUCK_AFTER` (near OOM: in a commit, waiting in reclaim).
+    pub(super) fn refill_stuck(&self) -> bool {
+        self.refill_stuck_for(REFILL_STUCK_AFTER)
+    }
+
+    fn refill_stuck_for(&self, stuck_after: Duration) -> bool {
+        let (activity, for_how_long) = self.refill_activity();
+        self.refill_running() && activity != RefillActivity::Waiting && for_how_long >= stuck_after
+    }
+
+    /// Wake the refill thread from the kernel's reclaim throttle (see `crate::mem::throttle`),
+    /// for a thread that knows memory to be back.
+    pub(super) fn rouse_refill(&self) {
+        if self.refill_thread.wake() {
+            self.refill_rousings.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// How often the refill thread was woken from the reclaim throttle (`rouse_stuck_refill`).
+    pub(super) fn refill_rousings(&self) -> u64 {
+        self.refill_rousings.load(Ordering::Relaxed)
+    }
+
     /// Give the pages of `chunks`, of pool `k`, back to the system; they wait in the pool's
     /// cold list.
     fn decommit(&self, k: usize, mut chunks: ChunkGroup) {
@@ -666,6 +740,19 @@ impl ChunkReserve {
             return;
         }
         let want = (len + more) + (len + more) / 4 + GROUP_CHUNKS;
+        // In place where it can (see `mem::growth_in_place`): no new list to map and fault in
+        // whole, which near OOM (where the thread giving back past a stuck refill thread gets
+        // here) waits for the process's mmap lock, and no old one to unmap.
+        let growth = growth_in_place(&self.pools[k].lock().cold, want);
+        if let Some(growth) = growth {
+            growth.fault_in();
+            let mut pool = self.pools[k].lock();
+            if growth_in_place(&pool.cold, want).as_ref() == Some(&growth) {
+                let len = pool.cold.len();
+                pool.cold.reserve_exact(want.saturating_sub(len));
+                return;
+            }
+        }
         self.remake_cold(k, want);
     }
 
@@ -841,6 +928,7 @@ impl ChunkReserve {
             let pool = &self.pools[k];
             let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
             let share = self.share(demand[k], total, target);
+            pool.lock().last_resort = usize::try_from(share / chunk_bytes / 4).unwrap_or(0);
             Self::provision(pool);
             self.settle_surplus(k, share);
             self.trim(k, share, target);
@@ -1095,6 +1183,7 @@ impl ChunkReserve {
     /// The refill thread's loop, until `stop`; `also` runs after each pass (the allocator
     /// grows its bookkeeping there).
     pub(super) fn run_refill(&self, also: impl Fn()) {
+        let _registered = self.refill_thread.register();
         self.refill_running.store(true, Ordering::Release);
         while !self.stop.load(Ordering::Acquire) {
             self.refill_state.set(RefillActivity::Provisioning);
@@ -1214,10 +1303,33 @@ mod tests {
     }
 
     #[test]
+    fn a_pools_last_quarter_is_kept_for_takers_that_waited() {
+        let reserve = ChunkReserve::new(64 * PAGE_SIZE as u64, arena(), &[1]);
+        reserve.refill();
+        let kept = reserve.pools[0].lock().last_resort;
+        assert!(kept > 0);
+        while reserve.pop_committed(0, false).is_some() {}
+        assert_eq!(reserve.pools[0].lock().ready.len(), kept);
+        // A refill thread that commits nothing: the taker gets a kept chunk once it has
+        // waited `LAST_RESORT_AFTER`, and not before.
+        reserve.refill_running.store(true, Ordering::Release);
+        let start = Instant::now();
+        reserve.take(1, None).unwrap();
+        assert!(start.elapsed() >= LAST_RESORT_AFTER);
+        assert_eq!(reserve.pools[0].lock().ready.len(), kept - 1);
+        // Then every taker may, for as long again: the next one waits for nothing.
+        let start = Instant::now();
+        reserve.take(1, None).unwrap();
+        assert!(start.elapsed() < LAST_RESORT_AFTER);
+        reserve.stop();
+    }
+
+    #[test]
     fn a_taker_whose_size_ran_dry_cuts_a_larger_ready_chunk() {
         let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, arena(), &[1, 1]);
         reserve.refill();
-        while reserve.pop_committed(0).is_some() {}
+        while reserve.pop_committed(0, true).is_some() {}
+        reserve.pools[0].lock().last_resort = 0; // splitting alone, not the kept quarter
         let held = reserve.held_bytes();
         let larger = reserve.pools[1].lock().ready.len();
         // A refill thread that commits nothing (memory is short): the taker is served at once
@@ -1262,7 +1374,7 @@ mod tests {
         let reserve = ChunkReserve::new(64 * PAGE_SIZE as u64, arena(), &[1, 1]);
         let freed: Vec<ArenaChunk> = (0..64).map(|_| reserve.take(2, None).unwrap()).collect();
         reserve.refill();
-        while reserve.pop_committed(0).is_some() {}
+        while reserve.pop_committed(0, true).is_some() {}
         reserve.refill_running.store(true, Ordering::Release);
         reserve.set_memory_short(true);
         // One chunk per commit (a taker waits): the pass commits for one-page chunks many times.

@@ -1,0 +1,195 @@
+//! Waking a thread that the kernel's reclaim throttle holds, once memory is back.
+//!
+//! Why: an allocation that may not enter file systems (every allocation of an I/O flusher
+//! thread, `PR_SET_IO_FLUSHER`, is `GFP_NOIO`) and finds free memory below half the min
+//! watermark sleeps in `throttle_direct_reclaim` for up to a second, woken early only by kswapd.
+//! Near OOM kswapd itself waits for a free bio, held by a write waiting for this very
+//! allocation. So the thread that commits memory sleeps out its second even after an OOM kill
+//! has freed tens of MiB, and the writes that waited for it fail (seen in the VM's near-OOM
+//! stage, `scripts/vm-test.sh --stress`, 2026-11-27: every write that starved, 1000 ms after it
+//! began, met a refill thread in its commit for 1000 ms, 0.7 s after the kill). The sleep is
+//! interruptible: a signal ends it, and with a no-op handler nothing else changes (a populate
+//! is not cut short by one; only fatal signals end it).
+
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// At most one wake-up per this long: each one that finds memory short again only costs the
+/// woken thread one trip through reclaim without its nap.
+const WAKE_INTERVAL: Duration = Duration::from_millis(20);
+
+/// The signal that wakes a throttled thread, with a handler that does nothing, installed once.
+/// `None` if it could not be installed (then nothing is ever sent: the default action of a
+/// real-time signal is to end the process).
+fn wake_signal() -> Option<libc::c_int> {
+    static SIGNAL: OnceLock<Option<libc::c_int>> = OnceLock::new();
+    *SIGNAL.get_or_init(|| {
+        let signal = libc::SIGRTMIN();
+        // SAFETY: the action does nothing, so it is async-signal-safe; signal-hook installs it
+        // with SA_RESTART, so calls it interrupts are restarted where the kernel can.
+        match unsafe { signal_hook::low_level::register(signal, || {}) } {
+            Ok(_) => Some(signal),
+            Err(error) => {
+                tracing::warn!(%error, "cannot install the reclaim wake-up signal: a thread asleep in the kernel's reclaim throttle sleeps its full second");
+                None
+            }
+        }
+    })
+}
+
+/// The free memory, in bytes, above which an allocation no longer sleeps in the throttle and
+/// succeeds at the min watermark: twice `vm.min_free_kbytes` (the throttle wakes above half of
+/// it). Read when the first thread registers, not under memory pressure.
+fn free_memory_floor() -> u64 {
+    static FLOOR: OnceLock<u64> = OnceLock::new();
+    *FLOOR.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/vm/min_free_kbytes")
+            .ok()
+            .and_then(|text| text.trim().parse::<u64>().ok())
+            .map_or(u64::MAX, |kib| kib.saturating_mul(2 << 10))
+    })
+}
+
+/// Free memory in bytes (`sysinfo`'s freeram); `None` if it cannot be read.
+fn free_memory() -> Option<u64> {
+    // SAFETY: an all-zero sysinfo is a valid value of this plain C struct.
+    let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
+    // SAFETY: sysinfo writes one struct into `info`, which we own and which outlives the call.
+    if unsafe { libc::sysinfo(&mut info) } != 0 {
+        return None;
+    }
+    info.freeram.checked_mul(u64::from(info.mem_unit))
+}
+
+/// Whether free memory is back above the throttle's floor (`free_memory_floor`).
+pub fn free_memory_is_back() -> bool {
+    free_memory().is_some_and(|free| free > free_memory_floor())
+}
+
+/// A thread that may sleep in the reclaim throttle, which other threads wake (`wake`) once it
+/// has registered itself (`register`).
+#[derive(Debug)]
+pub struct ThrottledThread {
+    /// The thread's id while registered, else 0.
+    tid: AtomicI32,
+    /// When it was last woken (ns since `epoch`).
+    woken_ns: AtomicU64,
+    epoch: Instant,
+}
+
+impl Default for ThrottledThread {
+    fn default() -> Self {
+        Self {
+            tid: AtomicI32::new(0),
+            woken_ns: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
+    }
+}
+
+/// The calling thread registered (see `ThrottledThread::register`) until dropped.
+pub struct Registered<'a>(&'a ThrottledThread);
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        self.0.tid.store(0, Ordering::Release);
+    }
+}
+
+impl ThrottledThread {
+    /// The calling thread may be woken from now on, until the guard is dropped. Installs the
+    /// wake-up signal's handler and reads the free-memory floor, if not done yet.
+    pub fn register(&self) -> Registered<'_> {
+        if wake_signal().is_some() {
+            free_memory_floor();
+            self.tid
+                .store(nix::unistd::gettid().as_raw(), Ordering::Release);
+        }
+        Registered(self)
+    }
+
+    /// Signal the registered thread, unless it was within `WAKE_INTERVAL`: a sleep in the
+    /// reclaim throttle ends, and nothing else changes for it. True if it was signalled.
+    pub fn wake(&self) -> bool {
+        let tid = self.tid.load(Ordering::Acquire);
+        let Some(signal) = wake_signal() else {
+            return false;
+        };
+        if tid == 0 {
+            return false;
+        }
+        let now = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let last = self.woken_ns.load(Ordering::Relaxed);
+        let interval = u64::try_from(WAKE_INTERVAL.as_nanos()).unwrap_or(u64::MAX);
+        if last != 0 && now.saturating_sub(last) < interval {
+            return false;
+        }
+        if self
+            .woken_ns
+            .compare_exchange(last, now.max(1), Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+        {
+            return false; // another thread wakes it now
+        }
+        // SAFETY: tgkill takes no pointers; it sends `signal`, whose handler does nothing, to
+        // one thread of this process (the registered one, or, had its id been reused after it
+        // ended, another of ours, for which the signal is as harmless).
+        unsafe { libc::tgkill(nix::unistd::getpid().as_raw(), tid, signal) == 0 }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn a_registered_thread_is_woken_from_an_interruptible_sleep() {
+        let thread = Arc::new(ThrottledThread::default());
+        let (registered_tx, registered_rx) = std::sync::mpsc::channel();
+        let sleeper = {
+            let thread = Arc::clone(&thread);
+            std::thread::spawn(move || {
+                let _registered = thread.register();
+                registered_tx.send(()).unwrap();
+                let start = Instant::now();
+                // poll(2) is never restarted after a handler: like the reclaim throttle's
+                // interruptible sleep, a signal ends it.
+                // SAFETY: poll with no descriptors only sleeps.
+                let slept = unsafe { libc::poll(std::ptr::null_mut(), 0, 10_000) };
+                let error = std::io::Error::last_os_error().raw_os_error();
+                (slept, error, start.elapsed())
+            })
+        };
+        registered_rx.recv().unwrap();
+        // The sleeper may not be in poll yet: signal until it returns.
+        while !sleeper.is_finished() {
+            thread.wake();
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        let (slept, error, took) = sleeper.join().unwrap();
+        assert_eq!((slept, error), (-1, Some(libc::EINTR)));
+        assert!(took < Duration::from_secs(5), "woken after {took:?}");
+        assert!(!thread.wake(), "an unregistered thread is not signalled");
+    }
+
+    #[test]
+    fn wake_ups_are_spaced() {
+        let thread = ThrottledThread::default();
+        let _registered = thread.register();
+        assert!(thread.wake());
+        assert!(
+            !thread.wake(),
+            "a second wake-up within the interval is skipped"
+        );
+        std::thread::sleep(WAKE_INTERVAL);
+        assert!(thread.wake());
+    }
+
+    #[test]
+    fn free_memory_is_read() {
+        assert!(free_memory().is_some_and(|free| free > 0));
+        assert!(free_memory_floor() > 0);
+    }
+}
