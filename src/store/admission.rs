@@ -143,6 +143,20 @@ impl BatchedPageStore {
         waited >= STARVED_WRITE_TIMEOUT
     }
 
+    /// `pages` pages were compressed for writes, `raw` of them did not compress (see
+    /// `oom::OomNudge::note_compressed`). While most did not, the reserve keeps each pool's last
+    /// quarter for writes that waited (see `reserve::ChunkReserve::pop_committed`): only then
+    /// is an OOM kill the way on, and its victim's exit waits for writes to complete. While
+    /// pages compress, every completed write frees memory, and a kept quarter only made writes
+    /// wait (the near-OOM stage's `all` case made no progress with it, 2026-11-27).
+    pub(super) fn note_compressed(&self, pages: u64, raw: u64) {
+        let now = self.now_ns();
+        self.oom.note_compressed(now, pages, raw);
+        self.alloc
+            .reserve
+            .keep_last_quarter(self.oom.swap_frees_nothing(now, Duration::ZERO));
+    }
+
     /// Wake the refill thread from the kernel's reclaim throttle (`crate::mem::throttle`) if it
     /// has been stuck in a commit and memory is back or coming: an OOM kill was asked for
     /// lately, or free memory is above the throttle's floor. For the threads that wait for it

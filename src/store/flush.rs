@@ -115,8 +115,7 @@ impl BatchedPageStore {
                 (_, bytes) => bytes.len() > MAX_COMPRESSED_LEN,
             })
             .count();
-        self.oom
-            .note_compressed(self.now_ns(), part.len() as u64, raw as u64);
+        self.note_compressed(part.len() as u64, raw as u64);
         let from_gpu = done.backend == Backend::Gpu;
         let install = |(i, s): (usize, &PendingSlot<'_>)| {
             let (encoding, bytes) = match out.page(i) {
@@ -166,8 +165,7 @@ impl BatchedPageStore {
             let mut compressed = [0u8; PAGE_SIZE];
             let (encoding, len) = compress_page(algorithm, &s.page, &mut compressed);
             // Noted before the page is stored, which is what may starve (see `oom`).
-            self.oom
-                .note_compressed(self.now_ns(), 1, u64::from(encoding == Encoding::Raw));
+            self.note_compressed(1, u64::from(encoding == Encoding::Raw));
             let bytes = match encoding {
                 Encoding::Raw => &s.page[..],
                 _ => &compressed[..len],

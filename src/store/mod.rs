@@ -448,8 +448,7 @@ impl BatchedPageStore {
             let mut out = [0u8; PAGE_SIZE];
             let (encoding, len) = compress_page(self.compressor_for(1).algorithm(), page, &mut out);
             add(&self.counters.pages_simd, 1);
-            self.oom
-                .note_compressed(self.now_ns(), 1, u64::from(encoding == Encoding::Raw));
+            self.note_compressed(1, u64::from(encoding == Encoding::Raw));
             // The starvation rule of batched writes (see `admission`), for a write waiting
             // for chunk memory itself.
             let handle = match self

@@ -261,6 +261,8 @@ pub(super) struct ChunkReserve {
     /// Until when (ns since the refill state's epoch) every taker may take a pool's last
     /// quarter (`last_resort_open`).
     last_resort_until_ns: AtomicU64,
+    /// Whether pools keep their last quarter at all (`keep_last_quarter`).
+    keeps_last_quarter: AtomicBool,
     /// The system is short of memory (the daemon's `MemAvailable` watch, through the store).
     memory_short: AtomicBool,
     stop: AtomicBool,
@@ -304,6 +306,7 @@ impl ChunkReserve {
             refill_thread: ThrottledThread::default(),
             refill_rousings: AtomicU64::new(0),
             last_resort_until_ns: AtomicU64::new(0),
+            keeps_last_quarter: AtomicBool::new(false),
             memory_short: AtomicBool::new(false),
             stop: AtomicBool::new(false),
         }
@@ -491,6 +494,12 @@ impl ChunkReserve {
         }
     }
 
+    /// Whether pools keep their last quarter for takers that waited (see `pop_committed`): the
+    /// store says so while the pages it stores lately do not compress.
+    pub(super) fn keep_last_quarter(&self, keep: bool) {
+        self.keeps_last_quarter.store(keep, Ordering::Relaxed);
+    }
+
     /// Whether a taker waiting since `since` may take a pool's last quarter: once one taker has
     /// waited `LAST_RESORT_AFTER` by its own clock, every taker may for as long again. By the
     /// taker's own wait, not the `Stall`'s: the refill thread's slow commits near OOM restart
@@ -519,7 +528,10 @@ impl ChunkReserve {
     /// after its kill, and asked-for kills finding nothing to kill while it lived).
     fn pop_committed(&self, k: usize, last_resort: bool) -> Option<ArenaChunk> {
         let mut pool = self.pools[k].lock();
-        if !last_resort && pool.ready.len() + pool.surplus.len() <= pool.last_resort {
+        if !last_resort
+            && self.keeps_last_quarter.load(Ordering::Relaxed)
+            && pool.ready.len() + pool.surplus.len() <= pool.last_resort
+        {
             return None;
         }
         if let Some(chunk) = pool.ready.pop() {
@@ -1306,6 +1318,11 @@ mod tests {
     fn a_pools_last_quarter_is_kept_for_takers_that_waited() {
         let reserve = ChunkReserve::new(64 * PAGE_SIZE as u64, arena(), &[1]);
         reserve.refill();
+        assert!(
+            reserve.pop_committed(0, false).is_some(),
+            "no quarter kept unless told"
+        );
+        reserve.keep_last_quarter(true);
         let kept = reserve.pools[0].lock().last_resort;
         assert!(kept > 0);
         while reserve.pop_committed(0, false).is_some() {}
@@ -1329,7 +1346,6 @@ mod tests {
         let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, arena(), &[1, 1]);
         reserve.refill();
         while reserve.pop_committed(0, true).is_some() {}
-        reserve.pools[0].lock().last_resort = 0; // splitting alone, not the kept quarter
         let held = reserve.held_bytes();
         let larger = reserve.pools[1].lock().ready.len();
         // A refill thread that commits nothing (memory is short): the taker is served at once
