@@ -63,6 +63,19 @@ vmswap_kib() { awk '/^VmSwap:/ { print $2 }' "/proc/$1/status" 2>/dev/null || ec
 main_pid() { systemctl show -p MainPID --value trueno-ublk@$ID.service; }
 # serving_pid: the live process serving the device (`list`), empty if none.
 serving_pid() { trueno-ublk list 2>/dev/null | awk -v id=$ID '$1 == id && $6 == "live" && NF == 7 { print $7 }'; }
+# live_other_than PID: the device is live, served by a process other than PID, in one look at
+# `list` (two looks could see it live, then no serving process for a moment, and pass).
+live_other_than() {
+    local pid
+    pid=$(serving_pid)
+    [ -n "$pid" ] && [ "$pid" != "$1" ]
+}
+# settled_serving_pid: the serving process, waiting up to 10 s for `list` to show one (right
+# after a takeover it showed none for a moment: CI, 2026-11-27).
+settled_serving_pid() {
+    wait_for 10 eval '[ -n "$(serving_pid)" ]'
+    serving_pid
+}
 now() { cut -d' ' -f1 /proc/uptime; }
 since() { awk -v a="$(now)" -v b="$1" 'BEGIN { printf "%.2f", a - b }'; }
 journal_units() { journalctl -b --no-pager -o short-monotonic -u 'trueno-ublk*' -u "dev-ublkb$ID.swap" "$@"; }
@@ -207,10 +220,10 @@ if [ -e /tmp/hold ]; then
     main0=$(main_pid)
     check "a standby is ready beside the serving process" \
         wait_for 30 eval "journal_units | grep -q 'standby ready'"
-    serving0=$(serving_pid)
+    serving0=$(settled_serving_pid)
     t0=$(now)
     kill -9 "$serving0"
-    if wait_for 30 eval "[ -n \"\$(serving_pid)\" ] && [ \"\$(serving_pid)\" != $serving0 ]"; then
+    if wait_for 30 live_other_than "$serving0"; then
         took=$(since "$t0")
         ok "kill -9 of the serving process $serving0: pid $(serving_pid) resumed $DEV $took s later"
         figure systemd_kill_serving_to_live_s "$took"
@@ -221,12 +234,12 @@ if [ -e /tmp/hold ]; then
     check "... and the unit stayed active" systemctl -q is-active trueno-ublk@$ID.service
     # a2. systemctl reload (SIGHUP to the supervisor): a standby of the binary on disk is
     #     readied while the serving process serves on, then takes the device over from it.
-    serving0=$(serving_pid)
+    serving0=$(settled_serving_pid)
     t0=$(now)
     timeout 60 systemctl reload trueno-ublk@$ID.service
     rc=$?
     check "systemctl reload trueno-ublk@$ID with swap on: exit 0 (exit $rc)" [ "$rc" -eq 0 ]
-    if wait_for 60 eval "[ -n \"\$(serving_pid)\" ] && [ \"\$(serving_pid)\" != $serving0 ]"; then
+    if wait_for 60 live_other_than "$serving0"; then
         took=$(since "$t0")
         ok "... pid $(serving_pid) took $DEV over from $serving0 $took s after the reload"
         figure systemd_reload_to_live_s "$took"
@@ -238,7 +251,7 @@ if [ -e /tmp/hold ]; then
     check "... the unit's main process (the supervisor, $main0) stayed" [ "$(main_pid)" = "$main0" ]
     check "... and the unit stayed active" systemctl -q is-active trueno-ublk@$ID.service
     # b. systemctl restart: the daemon hands the device over, the new one resumes it.
-    serving0=$(serving_pid)
+    serving0=$(settled_serving_pid)
     t0=$(now)
     timeout 120 systemctl restart trueno-ublk@$ID.service
     rc=$?
@@ -248,7 +261,7 @@ if [ -e /tmp/hold ]; then
     systemctl --no-pager status trueno-ublk@$ID.service 2>&1 | head -n 20
     check "systemctl restart trueno-ublk@$ID with swap on: exit 0 (exit $rc, $took s)" [ "$rc" -eq 0 ]
     check "... a new supervisor ($(main_pid), was $main0) and serving process ($(serving_pid), was $serving0)" \
-        [ "$(main_pid)" != "$main0" -a -n "$(serving_pid)" -a "$(serving_pid)" != "$serving0" ]
+        eval "[ \"\$(main_pid)\" != \"$main0\" ] && live_other_than \"$serving0\""
     check "... the old daemon handed the device over" eval "journal_units | grep -q 'device handed over'"
     check "... and the new one resumed it with every page" eval "journal_units | grep -q 'resumed the store with every page'"
     check "... swap is still on" grep -q "^$DEV " /proc/swaps
@@ -257,10 +270,10 @@ if [ -e /tmp/hold ]; then
         [ "$(journalctl -b --no-pager -q -u trueno-ublk-mkswap@$ID.service | grep -c 'Setting up swapspace')" -le 1 ]
     # c. kill -9 of every process of the unit: systemd restarts it, the start resumes.
     main0=$(main_pid)
-    serving0=$(serving_pid)
+    serving0=$(settled_serving_pid)
     t0=$(now)
     systemctl kill --signal=SIGKILL trueno-ublk@$ID.service
-    if wait_for 60 eval "[ -n \"\$(serving_pid)\" ] && [ \"\$(serving_pid)\" != $serving0 ] && systemctl -q is-active trueno-ublk@$ID.service"; then
+    if wait_for 60 eval "live_other_than \"$serving0\" && systemctl -q is-active trueno-ublk@$ID.service"; then
         took=$(since "$t0")
         ok "kill -9 of every process of trueno-ublk@$ID: systemd restarted it and pid $(serving_pid) resumed $DEV $took s later"
         figure systemd_kill_all_to_live_s "$took"
