@@ -147,8 +147,8 @@ impl BatchedPageStore {
     /// `oom::OomNudge::note_compressed`). While most did not, the reserve keeps each pool's last
     /// quarter for writes that waited (see `reserve::ChunkReserve::pop_committed`): only then
     /// is an OOM kill the way on, and its victim's exit waits for writes to complete. While
-    /// pages compress, every completed write frees memory, and a kept quarter only made writes
-    /// wait (the near-OOM stage's `all` case made no progress with it, 2026-11-27).
+    /// pages compress, every completed write frees memory, and a kept quarter would only make
+    /// writes wait.
     pub(super) fn note_compressed(&self, pages: u64, raw: u64) {
         let now = self.now_ns();
         self.oom.note_compressed(now, pages, raw);
