@@ -104,12 +104,23 @@ impl Growth {
             tracing::warn!(%error, bytes = self.len, "faulting in a list's room failed");
         }
     }
+
+    /// Give `list` room for `capacity` entries if it is still the list this room was measured
+    /// for (`growth_in_place` gives the same): growing it then moves nothing and touches no
+    /// fresh page. False, and nothing done, if it changed meanwhile.
+    pub fn apply<T>(&self, list: &mut ListVec<T>, capacity: usize) -> bool {
+        if growth_in_place(list, capacity).as_ref() != Some(self) {
+            return false;
+        }
+        let len = list.len();
+        list.reserve_exact(capacity.saturating_sub(len));
+        true
+    }
 }
 
 /// The room `list` needs to hold `capacity` entries without moving, if it can grow there in
 /// place: a mapped list whose mapping reaches that far. Fault it in (`Growth::fault_in`), then
-/// grow the list (`reserve_exact`) while it is still the same (equal `growth_in_place`):
-/// growing then moves nothing and touches no fresh page. `None` for a list that would move.
+/// grow the list (`Growth::apply`). `None` for a list that would move.
 pub fn growth_in_place<T>(list: &ListVec<T>, capacity: usize) -> Option<Growth> {
     let size = |entries: usize| entries.checked_mul(std::mem::size_of::<T>());
     let (now, then) = (size(list.capacity())?, size(capacity)?);
@@ -264,8 +275,7 @@ mod tests {
         let start = list.as_ptr();
         let growth = growth_in_place(&list, 8 * entries).expect("within its reservation");
         growth.fault_in();
-        assert_eq!(growth_in_place(&list, 8 * entries), Some(growth));
-        list.reserve_exact(7 * entries);
+        assert!(growth.apply(&mut list, 8 * entries));
         assert_eq!(list.as_ptr(), start, "not moved");
         assert!(list.capacity() >= 8 * entries);
         list.extend(entries as u64..8 * entries as u64);

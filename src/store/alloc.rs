@@ -380,35 +380,28 @@ impl ZsAllocator {
     /// new room faulted in outside the class lock, then the lists grown under it, which moves
     /// nothing and touches no fresh page. False (nothing grown) if one of them would move.
     fn grow_lists_in_place(class: &SizeClass, want: usize) -> bool {
-        let growths = |st: &ClassState, dir: &ListVec<Option<Chunk>>| {
+        let [Some(usage), Some(dir), Some(partial), Some(free_ids)] = ({
+            let st = class.state.lock();
             [
                 growth_in_place(&st.usage, want),
-                growth_in_place(dir, want),
+                growth_in_place(&class.chunks.read(), want),
                 growth_in_place(&st.partial, want),
                 growth_in_place(&st.free_ids, want),
             ]
-        };
-        let before = growths(&class.state.lock(), &class.chunks.read());
-        if before.iter().any(Option::is_none) {
+        }) else {
             return false;
-        }
-        for growth in before.iter().flatten() {
+        };
+        for growth in [&usage, &dir, &partial, &free_ids] {
             growth.fault_in();
         }
         let mut st = class.state.lock();
         let mut chunks = class.chunks.write();
-        // Only this thread replaces a class's lists, but should one have changed meanwhile,
-        // its room is not the room faulted in: leave it to the next `provision`.
-        if growths(&st, &chunks) == before {
-            let len = st.usage.len();
-            st.usage.reserve_exact(want.saturating_sub(len));
-            let len = chunks.len();
-            chunks.reserve_exact(want.saturating_sub(len));
-            let len = st.partial.len();
-            st.partial.reserve_exact(want.saturating_sub(len));
-            let len = st.free_ids.len();
-            st.free_ids.reserve_exact(want.saturating_sub(len));
-        }
+        // Only this thread replaces a class's lists; one changed meanwhile (its room not the
+        // room faulted in) is left as it is for the next `provision`.
+        usage.apply(&mut st.usage, want);
+        dir.apply(&mut chunks, want);
+        partial.apply(&mut st.partial, want);
+        free_ids.apply(&mut st.free_ids, want);
         true
     }
 
