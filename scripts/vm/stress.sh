@@ -203,7 +203,7 @@ rss_kib() { awk '/^VmRSS/ { print $2 }' "/proc/$1/status" 2>/dev/null || echo 0;
 # memory of the pages its store still holds (`stat --json`'s mem_used, and table_bytes: the
 # page table's part for the parts of the device that hold them, which the idle RSS does not
 # have) is within 4 MiB of IDLE_KB; prints RSS_SETTLE_S (-1 if it never was), and
-# RSS_SETTLE_KB, DATA_KB and TABLE_KB as last seen.
+# RSS_SETTLE_KB, DATA_KB and TABLE_KB as last seen (and, if it never was, the store's other memory).
 rss_settle_beside_data() {
     local pid=$1 idle=$2 t0 rss json data table i
     t0=$(cut -d' ' -f1 /proc/uptime)
@@ -223,6 +223,10 @@ rss_settle_beside_data() {
     done
     echo "RSS_SETTLE_S=-1.00"
     echo "RSS_SETTLE_KB=$rss DATA_KB=$data TABLE_KB=$table"
+    # What the store holds beside the data, to tell which part stayed.
+    echo "$json" | grep -oE '"(reserve_bytes|metadata_bytes|batch_buffer_bytes|memory_short|pending_pages)": *[0-9a-z]*' |
+        tr -d ' "' | tr '\n' ' '
+    echo
 }
 
 stress_phase() {

@@ -281,7 +281,8 @@ impl ZsAllocator {
         self.chunk_bytes.load(Ordering::Relaxed)
     }
 
-    /// Bytes of bookkeeping (chunk directory, usage and bitmaps), for the stats.
+    /// Bytes of bookkeeping (chunk directory, usage and bitmaps, the reserve's lists), for the
+    /// stats.
     pub(super) fn metadata_bytes(&self) -> u64 {
         let mut total = 0usize;
         for class in self.classes.iter() {
@@ -292,6 +293,7 @@ impl ZsAllocator {
                 + (st.partial.capacity() + st.free_ids.capacity()) * 4;
         }
         (total + std::mem::size_of_val(&*self.classes) + self.class_of.len()) as u64
+            + self.reserve.list_bytes()
     }
 
     /// Grow each class's bookkeeping ahead of need, and make it small again once most of

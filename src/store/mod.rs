@@ -30,6 +30,7 @@
 
 mod admission;
 mod alloc;
+mod cold;
 mod config;
 mod counters;
 mod error;

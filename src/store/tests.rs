@@ -1391,3 +1391,47 @@ fn a_resumed_store_finds_the_table_groups_it_used_and_no_others() {
     drop(s);
     crate::mem::Segment::remove_shared(key).unwrap();
 }
+
+/// A page of `i`: incompressible for even `i`, else text with 0 to 3,900 bytes of noise, so
+/// that its compressed copy may fall in any size class.
+fn mixed_page(i: u64) -> Box<Page> {
+    if i % 2 == 0 {
+        return noise(i);
+    }
+    let mut p = text(2 * i + 1);
+    let noisy = (i % 40) as usize * 100;
+    p[..noisy].copy_from_slice(&noise(i)[..noisy]);
+    p
+}
+
+#[test]
+fn fills_of_every_size_discarded_again_and_again_carve_no_more_than_the_first() {
+    let target = 1u64 << 20;
+    let mut c = crate::config::StoreSettings::default().store_config(1 << 30, false);
+    c.reserve_bytes = target;
+    let s = store(c);
+    let flusher = s.start_flusher(|_| ()).unwrap();
+    let n = 6_000u64;
+    let mut carved = Vec::new();
+    for round in 0..4u64 {
+        for i in 0..n {
+            s.write(i * PAGE_SIZE as u64, &mixed_page(i + round * 7919)[..])
+                .unwrap();
+        }
+        s.flush_pending().unwrap();
+        s.discard(0, n * PAGE_SIZE as u64).unwrap();
+        let deadline = Instant::now() + std::time::Duration::from_secs(5);
+        while s.stats().reserve_bytes > target && Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        carved.push(s.alloc.reserve.arena().carved());
+    }
+    // Every size's chunks come from the pages the others gave back: the arena (and the map
+    // of its cold pages) stops growing once it has held one fill.
+    let slack = 64 * 8 * PAGE_SIZE; // a commit group for each size
+    assert!(
+        carved[3] <= carved[0] + slack,
+        "carved by round: {carved:?}"
+    );
+    drop(flusher);
+}
