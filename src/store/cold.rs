@@ -85,15 +85,20 @@ impl ColdPages {
         drop(old);
     }
 
-    /// Mark the `count` pages from arena page `page` cold. Pages past the map (not made room
-    /// for: not reachable, every chunk lies in the carved part) are left out with an error
-    /// logged: their address space is lost, nothing else.
+    /// Mark the `count` pages from arena page `page` cold. Pages past the room made
+    /// (`cover`; not reachable, every chunk lies in the carved part) are left out with an
+    /// error logged: their address space is lost, nothing else.
     pub(super) fn mark(&self, page: usize, count: usize) {
         let mut map = self.map.lock();
-        let covered = map.words.len() * WORD_BITS;
-        if page.saturating_add(count) > covered {
-            tracing::error!(page, count, covered, "cold pages past the map: left out");
-            return;
+        let words = page.saturating_add(count).div_ceil(WORD_BITS);
+        if words > map.words.len() {
+            // Two takers without a refill thread may each have made room for their own carve
+            // only: the room made has slack for that, already faulted in.
+            if words > map.words.capacity() {
+                tracing::error!(page, count, "cold pages past the map: left out");
+                return;
+            }
+            map.words.resize(words, 0);
         }
         for p in page..page + count {
             let (word, bit) = (p / WORD_BITS, 1u64 << (p % WORD_BITS));
@@ -206,9 +211,14 @@ mod tests {
         cold.mark(7, 1);
         cold.mark(7, 1);
         assert_eq!(cold.pages(), 1);
-        // Past the map: left out.
-        cold.mark(1024 * 64, 1);
+        // Past the room made: left out; within it, kept.
+        cold.mark(1 << 20, 1);
         assert_eq!(cold.pages(), 1);
+        cold.mark(1500, 1);
+        assert_eq!(cold.pages(), 2);
+        // (From the last run found on, then from the start.)
+        assert_eq!(cold.take(1), Some(1500));
+        assert_eq!(cold.take(1), Some(7));
     }
 
     #[test]
