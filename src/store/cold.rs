@@ -49,31 +49,31 @@ impl ColdPages {
     /// for memory.
     pub(super) fn cover(&self, pages: usize) {
         let want = pages.div_ceil(WORD_BITS);
-        let (len, growth) = {
+        let room = room_for(want);
+        let growth = {
             let map = self.map.lock();
-            (map.words.len(), growth_in_place(&map.words, room_for(want)))
+            if map.words.len() >= want {
+                return;
+            }
+            growth_in_place(&map.words, room)
         };
-        if len >= want {
-            return;
-        }
-        // In place where it can be (a mapped list within its reservation), else a new list.
-        let fresh = match &growth {
+        // In place where it can be (a mapped list within its reservation), else a new list;
+        // faulted in here, outside the lock.
+        let mut fresh = match &growth {
             Some(growth) => {
                 growth.fault_in();
                 None
             }
-            None => Some(faulted_in_list::<u64>(room_for(want), ListAlloc::Mapped)),
+            None => Some(faulted_in_list::<u64>(room, ListAlloc::Mapped)),
         };
-        let mut old = None;
         let mut map = self.map.lock();
-        match (fresh, growth) {
-            (Some(mut fresh), _) if map.words.len() <= fresh.capacity() => {
-                fresh.append(&mut map.words);
-                std::mem::swap(&mut map.words, &mut fresh);
-                old = Some(fresh);
+        match (&growth, &mut fresh) {
+            (Some(growth), _) => {
+                growth.apply(&mut map.words, room);
             }
-            (None, Some(growth)) => {
-                growth.apply(&mut map.words, room_for(want));
+            (None, Some(fresh)) if map.words.len() <= fresh.capacity() => {
+                fresh.append(&mut map.words);
+                std::mem::swap(&mut map.words, fresh);
             }
             _ => {}
         }
@@ -81,8 +81,7 @@ impl ColdPages {
         let to = want.min(map.words.capacity()).max(map.words.len());
         map.words.resize(to, 0);
         drop(map);
-        // The old list is freed here, outside the lock.
-        drop(old);
+        // The old list (in `fresh` once swapped) is freed here, outside the lock.
     }
 
     /// Mark the `count` pages from arena page `page` cold. Pages past the room made

@@ -843,13 +843,29 @@ fn start_compaction_compacts_in_a_thread_and_reports() {
     }
 }
 
-#[test]
-fn memory_follows_the_data_after_a_discard() {
-    let target = 4u64 << 20;
+/// A 1 GiB store with the default settings but a chunk reserve of `target` bytes, its threads
+/// running.
+fn store_with_reserve(target: u64) -> (Arc<BatchedPageStore>, FlusherHandle) {
     let mut c = crate::config::StoreSettings::default().store_config(1 << 30, false);
     c.reserve_bytes = target;
     let s = store(c);
     let flusher = s.start_flusher(|_| ()).unwrap();
+    (s, flusher)
+}
+
+/// Wait up to `timeout` for the reserve to hold no more than `target` (the refill thread
+/// gives back what it holds beyond).
+fn await_reserve_within(s: &BatchedPageStore, target: u64, timeout: std::time::Duration) {
+    let deadline = Instant::now() + timeout;
+    while s.stats().reserve_bytes > target && Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn memory_follows_the_data_after_a_discard() {
+    let target = 4u64 << 20;
+    let (s, flusher) = store_with_reserve(target);
     let n = 20_000u64;
     for i in 0..n {
         s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
@@ -860,10 +876,7 @@ fn memory_follows_the_data_after_a_discard() {
     // Every chunk is free at once; the refill thread, woken by the discard, gives back what
     // the reserve holds beyond its target.
     assert_eq!(s.stats().mem_used, 0);
-    let deadline = Instant::now() + std::time::Duration::from_secs(2);
-    while s.stats().reserve_bytes > target && Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    await_reserve_within(&s, target, std::time::Duration::from_secs(2));
     let held = s.stats().reserve_bytes;
     assert!(
         held <= target,
@@ -1407,10 +1420,7 @@ fn mixed_page(i: u64) -> Box<Page> {
 #[test]
 fn fills_of_every_size_discarded_again_and_again_carve_no_more_than_the_first() {
     let target = 1u64 << 20;
-    let mut c = crate::config::StoreSettings::default().store_config(1 << 30, false);
-    c.reserve_bytes = target;
-    let s = store(c);
-    let flusher = s.start_flusher(|_| ()).unwrap();
+    let (s, flusher) = store_with_reserve(target);
     let n = 6_000u64;
     let mut carved = Vec::new();
     for round in 0..4u64 {
@@ -1420,10 +1430,7 @@ fn fills_of_every_size_discarded_again_and_again_carve_no_more_than_the_first() 
         }
         s.flush_pending().unwrap();
         s.discard(0, n * PAGE_SIZE as u64).unwrap();
-        let deadline = Instant::now() + std::time::Duration::from_secs(5);
-        while s.stats().reserve_bytes > target && Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
+        await_reserve_within(&s, target, std::time::Duration::from_secs(5));
         carved.push(s.alloc.reserve.arena().carved());
     }
     // Every size's chunks come from the pages the others gave back: the arena (and the map
