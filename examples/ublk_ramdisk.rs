@@ -29,6 +29,9 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
+use tracing::level_filters::LevelFilter;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 use trueno_ublk::ublk::device::{block_path, char_class_path};
 use trueno_ublk::ublk::{BlockHandler, Device, DeviceSpec, Op, Request};
 
@@ -304,11 +307,9 @@ fn run(args: &Args) -> Result<(), String> {
 
 fn main() -> ExitCode {
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TRUENO_UBLK_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
         .with_writer(std::io::stderr)
+        .finish()
+        .with(trueno_ublk::daemon::log_filter(LevelFilter::WARN))
         .try_init();
     let args = Args::parse();
     match run(&args) {

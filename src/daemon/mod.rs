@@ -24,6 +24,10 @@ use std::time::{Duration, Instant};
 
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
 use thiserror::Error;
+use tracing::level_filters::LevelFilter;
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 
 use crate::codec::BatchCodec;
 use crate::config::{self, DeviceOptions, DeviceSettings};
@@ -280,23 +284,32 @@ fn run_serving_process(settings: DeviceSettings, standby: bool) -> Result<(), Da
     result
 }
 
+/// What to log: `TRUENO_UBLK_LOG` as tracing's per-target directives (`debug`,
+/// `trueno_ublk::store=debug,info`), else `default` and up. Not `EnvFilter`: its regex
+/// engine was 260 KB of the binary's code, and every page of it start-up touches stays locked.
+pub fn log_filter(default: LevelFilter) -> Targets {
+    std::env::var("TRUENO_UBLK_LOG")
+        .ok()
+        .and_then(|spec| spec.parse().ok())
+        .unwrap_or_else(|| Targets::new().with_default(default))
+}
+
 /// Log to stderr (the log file, when detached) through a writer thread: a queue thread that
 /// logs under memory pressure must not wait for the page cache of the log file (seen in the
 /// VM: a queue thread stuck allocating a page of the log while every swap bio waited for it).
 /// Lines past the writer's backlog are dropped, never waited for. Keep the guard alive: its
 /// drop flushes the backlog.
 fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("TRUENO_UBLK_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // A short backlog: its buffer is allocated (and locked) up front.
     let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
         .buffered_lines_limit(LOG_BACKLOG_LINES)
         .lossy(true)
         .finish(std::io::stderr());
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
         .with_writer(writer)
         .with_ansi(std::io::stderr().is_terminal())
+        .finish()
+        .with(log_filter(LevelFilter::INFO))
         .try_init();
     guard
 }
