@@ -33,9 +33,8 @@ use crate::mem::{Arena, ArenaChunk, ThrottledThread};
 /// How often the refill thread looks even when nobody woke it.
 const REFILL_PERIOD: Duration = Duration::from_millis(50);
 /// Room kept in each pool's lists for chunks given back on the I/O path or committed by the
-/// refill thread (see `provision`), in bytes of chunks: 1,024 one-page chunks, 128 of eight
-/// pages (see `pool_slack`).
-const POOL_SLACK_BYTES: usize = 4 << 20;
+/// refill thread (see `provision`); more than one commit group holds.
+const POOL_SLACK: usize = 1024;
 /// Chunks are committed this many bytes at a time (one system call).
 const COMMIT_GROUP_BYTES: usize = 256 << 10;
 /// A reserve nobody took a chunk from for this long, while memory is not short, keeps only
@@ -175,14 +174,6 @@ struct Pool {
     /// Chunks kept for takers that have waited `LAST_RESORT_AFTER` (see `pop_committed`): a
     /// quarter of the pool's share, set by each refill pass.
     last_resort: usize,
-}
-
-/// Entries of room kept in the lists of pool `k` (chunks of `k + 1` pages): `POOL_SLACK_BYTES`
-/// of its chunks, and more than one commit group holds. By bytes, not chunks: a size's chunks
-/// empty in proportion to the bytes freed, and every entry is 32 bytes of locked heap in two
-/// lists (1,024 entries in every pool's were half a MiB of the idle daemon).
-fn pool_slack(k: usize) -> usize {
-    (POOL_SLACK_BYTES / ((k + 1) * PAGE_SIZE)).max(GROUP_CHUNKS)
 }
 
 /// Push `chunk` onto `list` if it has room, without growing it; the chunk back otherwise.
@@ -820,16 +811,16 @@ impl ChunkReserve {
     /// `provision` every pool, from the calling thread (a resumed store's, before its device
     /// is live and its refill thread runs).
     pub(super) fn provision_pools(&self) {
-        for (k, pool) in self.pools.iter().enumerate() {
-            Self::provision(pool, pool_slack(k));
+        for pool in self.pools.iter() {
+            Self::provision(pool);
         }
     }
 
-    /// Keep room in a pool's `ready` and `surplus` lists for `slack` more chunks, so
+    /// Keep room in each pool's `ready` and `surplus` lists for `POOL_SLACK` more chunks, so
     /// that giving a chunk back on the I/O path never grows a list there: growing it could
     /// fault in fresh heap pages under memory pressure. New lists are allocated and faulted in
     /// here, outside the pool's lock.
-    fn provision(pool: &Mutex<Pool>, slack: usize) {
+    fn provision(pool: &Mutex<Pool>) {
         let spare = |list: &Vec<ArenaChunk>| list.capacity() - list.len();
         let lists: [fn(&mut Pool) -> &mut Vec<ArenaChunk>; 2] =
             [|p| &mut p.ready, |p| &mut p.surplus];
@@ -837,16 +828,16 @@ impl ChunkReserve {
             let len = {
                 let mut pool = pool.lock();
                 let list = list(&mut pool);
-                if spare(list) >= slack / 2 {
+                if spare(list) >= POOL_SLACK / 2 {
                     continue;
                 }
                 list.len()
             };
-            let mut fresh = crate::mem::faulted_in_vec(len + slack);
+            let mut fresh = crate::mem::faulted_in_vec(len + POOL_SLACK);
             let mut pool = pool.lock();
             let list = list(&mut pool);
             // Moved only if it still fits: nothing may allocate under the pool lock.
-            if spare(list) < slack / 2 && list.len() <= fresh.capacity() {
+            if spare(list) < POOL_SLACK / 2 && list.len() <= fresh.capacity() {
                 fresh.append(list);
                 std::mem::swap(list, &mut fresh);
             }
@@ -886,7 +877,7 @@ impl ChunkReserve {
             let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
             let share = self.share(demand[k], total, target);
             pool.lock().last_resort = usize::try_from(share / chunk_bytes / 4).unwrap_or(0);
-            Self::provision(pool, pool_slack(k));
+            Self::provision(pool);
             self.settle_surplus(k, share);
             self.trim(k, share, target);
             while !self.stop.load(Ordering::Relaxed) {
@@ -898,7 +889,7 @@ impl ChunkReserve {
                 if waited_on != 0 && waited_on & (1 << k) == 0 {
                     break; // another size is waited on: the next pass serves it first
                 }
-                Self::provision(pool, pool_slack(k));
+                Self::provision(pool);
                 self.refill_state.set(RefillActivity::Provisioning);
                 also();
                 if self.memory_short.load(Ordering::Relaxed) {
@@ -1462,7 +1453,7 @@ mod tests {
         let reserve = ChunkReserve::new(target, arena(), &[1]);
         let chunks: Vec<ArenaChunk> = (0..40).map(|_| reserve.take(1, None).unwrap()).collect();
         // A refill thread runs, and is in a commit: chunks beyond the target wait for it.
-        ChunkReserve::provision(&reserve.pools[0], pool_slack(0));
+        ChunkReserve::provision(&reserve.pools[0]);
         reserve.refill_running.store(true, Ordering::Release);
         reserve.refill_state.set(RefillActivity::Committing);
         for chunk in chunks {
