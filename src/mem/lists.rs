@@ -83,6 +83,11 @@ pub struct Growth {
 }
 
 impl Growth {
+    /// The bytes `fault_in` faults in.
+    pub fn bytes(&self) -> usize {
+        self.len
+    }
+
     /// Fault the room in (and so, under `mlockall`, lock it).
     pub fn fault_in(&self) {
         let Some(start) = NonNull::new(self.start as *mut std::ffi::c_void) else {

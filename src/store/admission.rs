@@ -191,11 +191,15 @@ impl BatchedPageStore {
             // Once per fail-fast period at most: where the memory the write waited for is.
             let reserve = &self.alloc.reserve;
             let (refill, refill_for) = reserve.refill_activity();
+            let (chunk_pages_waited, list_room_waited) = reserve.waited_for();
             tracing::warn!(
                 waited_ms = waited.as_millis(),
                 ?refill,
                 refill_for_ms = refill_for.as_millis(),
                 refill_commits = reserve.commits(),
+                ?chunk_pages_waited,
+                list_room_waited,
+                table_waited = self.table.memory().any_wanted(),
                 reserve_kib = reserve.held_bytes() >> 10,
                 fail_ms = FAIL_FAST_PERIOD.as_millis(),
                 "a write starved for memory: writes fail with ENOMEM for a while"

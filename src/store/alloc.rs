@@ -344,9 +344,10 @@ impl ZsAllocator {
             } else {
                 len + 2 * provision_slack(len)
             };
-            if !compact && Self::grow_lists_in_place(class, want) {
+            if !compact && self.grow_lists_in_place(class, want) {
                 continue;
             }
+            self.reserve.make_room_for(want * LIST_BYTES_PER_CHUNK);
             let mut usage = faulted_in_list::<Option<ChunkUsage>>(want, ListAlloc::Mapped);
             let mut dir = faulted_in_list::<Option<Chunk>>(want, ListAlloc::Mapped);
             let mut partial = faulted_in_list::<u32>(want, ListAlloc::Mapped);
@@ -380,8 +381,10 @@ impl ZsAllocator {
 
     /// Grow a class's four lists to `want` entries in place (see `mem::growth_in_place`): their
     /// new room faulted in outside the class lock, then the lists grown under it, which moves
-    /// nothing and touches no fresh page. False (nothing grown) if one of them would move.
-    fn grow_lists_in_place(class: &SizeClass, want: usize) -> bool {
+    /// nothing and touches no fresh page (with memory short, reserve memory beyond demand is
+    /// given back first for the fault: `ChunkReserve::make_room_for`). False (nothing grown)
+    /// if one of them would move.
+    fn grow_lists_in_place(&self, class: &SizeClass, want: usize) -> bool {
         let [Some(usage), Some(dir), Some(partial), Some(free_ids)] = ({
             let st = class.state.lock();
             [
@@ -393,7 +396,10 @@ impl ZsAllocator {
         }) else {
             return false;
         };
-        for growth in [&usage, &dir, &partial, &free_ids] {
+        let growths = [&usage, &dir, &partial, &free_ids];
+        self.reserve
+            .make_room_for(growths.iter().map(|growth| growth.bytes()).sum());
+        for growth in growths {
             growth.fault_in();
         }
         let mut st = class.state.lock();
@@ -509,13 +515,13 @@ impl ZsAllocator {
                     // No push here may grow a list (see `provision`): wait for the refill
                     // thread to make room, as for the chunk itself.
                     if self.reserve.refill_running() && !has_room(&st) {
-                        self.reserve.note_waiting();
+                        self.reserve.note_waiting_for_room();
                         while !has_room(&st) {
                             drop(st);
                             self.reserve.await_refill_pass();
                             st = class.state.lock();
                         }
-                        self.reserve.note_served();
+                        self.reserve.note_room_made();
                     }
                     self.add_chunk(class, &mut st, data)
                 }

@@ -74,8 +74,9 @@ pub struct StoreStats {
     /// Chunks allocated on the I/O path because the reserve was empty.
     #[serde(default)]
     pub reserve_misses: u64,
-    /// Bytes of ready chunks the reserve gave back to refill a pool a taker waited on while
-    /// memory was short (see `reserve::ChunkReserve::steal_for`).
+    /// Bytes of ready chunks the reserve gave back, while memory was short, to refill a pool a
+    /// taker waited on or for bookkeeping faulted in (the page table, the allocator's lists; see
+    /// `reserve::ChunkReserve::steal_for`, `make_room_for`).
     #[serde(default)]
     pub reserve_stolen_bytes: u64,
     /// Chunks a write whose size had run dry cut from a larger ready chunk.

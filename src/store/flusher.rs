@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use super::admission::SWAP_STRIDE_GROUPS;
 use super::nanos;
+use super::reserve::RefillActivity;
 use super::table_memory::GroupState;
 use super::{BatchedPageStore, Compaction};
 
@@ -199,9 +200,10 @@ impl BatchedPageStore {
     /// (while memory is not short).
     fn provide_table(&self) {
         let memory = self.table.memory();
-        match memory.commit_wanted() {
+        let reserve = &self.alloc.reserve;
+        match memory.commit_wanted(|bytes| reserve.make_room_for(bytes)) {
             Ok(0) => {}
-            Ok(_) => self.alloc.reserve.tell_waiters(),
+            Ok(_) => reserve.tell_waiters(),
             Err(error) => {
                 tracing::warn!(%error, "committing the page table's memory failed; writes to its new part wait");
             }
@@ -246,8 +248,11 @@ impl BatchedPageStore {
             }
             StoreThread::Refill => {
                 if self.alloc.reserve.enabled() {
-                    self.alloc.reserve.run_refill(|| {
+                    let reserve = &self.alloc.reserve;
+                    reserve.run_refill(|| {
+                        reserve.note_refill_activity(RefillActivity::Table);
                         self.provide_table();
+                        reserve.note_refill_activity(RefillActivity::Lists);
                         self.alloc.provision();
                     });
                 }

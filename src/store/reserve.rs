@@ -109,8 +109,12 @@ impl Stall {
 pub(super) enum RefillActivity {
     /// Asleep until woken or the next period (or no refill thread runs).
     Waiting,
-    /// Growing the allocator's bookkeeping (heap).
+    /// Making room in the reserve's own lists (heap).
     Provisioning,
+    /// Committing the page table's memory for writers, or giving back empty parts of it.
+    Table,
+    /// Growing or shrinking the allocator's lists (mapped buffers faulted in).
+    Lists,
     /// Committing chunk memory (faulting it in: where it waits in reclaim).
     Committing,
     /// Giving chunks' pages back (hole punches).
@@ -118,9 +122,11 @@ pub(super) enum RefillActivity {
 }
 
 impl RefillActivity {
-    const ALL: [RefillActivity; 4] = [
+    const ALL: [RefillActivity; 6] = [
         RefillActivity::Waiting,
         RefillActivity::Provisioning,
+        RefillActivity::Table,
+        RefillActivity::Lists,
         RefillActivity::Committing,
         RefillActivity::GivingBack,
     ];
@@ -205,12 +211,15 @@ pub(super) struct ChunkReserve {
     last_busy: Mutex<Instant>,
     /// Chunks that had to be committed on the I/O path because the reserve was empty.
     misses: AtomicU64,
-    /// Bytes given back from pools nobody waited on for one a taker waited on (`steal_for`).
+    /// Bytes given back from pools nobody waited on for one a taker waited on (`steal_for`)
+    /// or for bookkeeping faulted in (`make_room_for`).
     stolen_bytes: AtomicU64,
     /// Chunks a taker cut from a larger ready one (`split_larger`).
     split_chunks: AtomicU64,
     /// Takers waiting for the refill thread now.
     waiters: AtomicUsize,
+    /// Of them, those waiting for room in the allocator's lists (`note_waiting_for_room`).
+    room_waiters: AtomicUsize,
     /// Commit groups committed so far.
     commits: AtomicU64,
     /// When the last of them was committed (ns since `refill_state.epoch`, 0: none yet): how a
@@ -271,6 +280,7 @@ impl ChunkReserve {
             stolen_bytes: AtomicU64::new(0),
             split_chunks: AtomicU64::new(0),
             waiters: AtomicUsize::new(0),
+            room_waiters: AtomicUsize::new(0),
             commits: AtomicU64::new(0),
             last_commit_ns: AtomicU64::new(0),
             wanted: AtomicU64::new(0),
@@ -415,6 +425,31 @@ impl ChunkReserve {
     /// A taker stops waiting for the refill thread.
     pub(super) fn note_served(&self) {
         self.waiters.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// A thread starts waiting for the refill thread to make room in the allocator's lists
+    /// (it waits as a taker does: see `note_waiting`).
+    pub(super) fn note_waiting_for_room(&self) {
+        self.room_waiters.fetch_add(1, Ordering::Relaxed);
+        self.note_waiting();
+    }
+
+    /// A thread stops waiting for room in the allocator's lists.
+    pub(super) fn note_room_made(&self) {
+        self.room_waiters.fetch_sub(1, Ordering::Relaxed);
+        self.note_served();
+    }
+
+    /// What takers wait for the refill thread to provide now, for the log line of a write
+    /// that starved: the chunk sizes (in pages) waited on, and whether room in the
+    /// allocator's lists is.
+    pub(super) fn waited_for(&self) -> (SmallVec<[usize; 8]>, bool) {
+        let wanted = self.wanted.load(Ordering::Relaxed);
+        let pages = (0..self.pools.len())
+            .filter(|k| wanted & (1 << k) != 0)
+            .map(|k| k + 1)
+            .collect();
+        (pages, self.room_waiters.load(Ordering::Relaxed) > 0)
     }
 
     /// A taker waiting on pool `k` was served (or gave up).
@@ -877,6 +912,7 @@ impl ChunkReserve {
             let chunk_bytes = ((k + 1) * PAGE_SIZE) as u64;
             let share = self.share(demand[k], total, target);
             pool.lock().last_resort = usize::try_from(share / chunk_bytes / 4).unwrap_or(0);
+            self.refill_state.set(RefillActivity::Provisioning);
             Self::provision(pool);
             self.settle_surplus(k, share);
             self.trim(k, share, target);
@@ -889,8 +925,8 @@ impl ChunkReserve {
                 if waited_on != 0 && waited_on & (1 << k) == 0 {
                     break; // another size is waited on: the next pass serves it first
                 }
-                Self::provision(pool);
                 self.refill_state.set(RefillActivity::Provisioning);
+                Self::provision(pool);
                 also();
                 if self.memory_short.load(Ordering::Relaxed) {
                     self.refill_state.set(RefillActivity::GivingBack);
@@ -984,10 +1020,47 @@ impl ChunkReserve {
         } else {
             (k + 1) * PAGE_SIZE
         };
+        self.steal(needed, |j| {
+            (j != k && wanted & (1 << j) == 0)
+                .then(|| target * demand.get(j).copied().unwrap_or(0) / total.max(1))
+        });
+    }
+
+    /// Before the refill thread faults in `bytes` of bookkeeping (the page table's memory, the
+    /// allocator's lists) while memory is short: give back as much of the ready chunks that
+    /// pools nobody waits on hold beyond their share by recent demand, as `steal_for` does
+    /// before a commit of chunks. Why: such a fault waits in reclaim like a commit does, and
+    /// writers wait for it (a table group, room in a list) and for the chunks the refill
+    /// thread commits after it: in a clean-clone CI run (2026-11-27 12:21, the three-process
+    /// swap run) writes starved 5 s with the refill thread provisioning and 1 MiB ready in the
+    /// reserve, and a diagnostic build found such waits in one fault of a table group.
+    pub(super) fn make_room_for(&self, bytes: usize) {
+        if !self.memory_short.load(Ordering::Relaxed) {
+            return;
+        }
+        let wanted = self.wanted.load(Ordering::Relaxed);
+        let target = self.current_target.load(Ordering::Relaxed);
+        let total = self
+            .demand
+            .iter()
+            .map(|d| d.load(Ordering::Relaxed))
+            .sum::<u64>()
+            .max(1);
+        self.steal(bytes, |j| {
+            let demand = self.demand.get(j)?.load(Ordering::Relaxed);
+            (wanted & (1 << j) == 0).then(|| target * demand / total)
+        });
+    }
+
+    /// Give back up to `needed` bytes (at least, by whole chunks) of ready chunks from the
+    /// pools `share` names, each down to the share it gives (`None`: leave the pool alone).
+    fn steal(&self, needed: usize, share: impl Fn(usize) -> Option<u64>) {
         let mut stolen = 0;
-        for j in (0..self.pools.len()).filter(|&j| j != k && wanted & (1 << j) == 0) {
+        for j in 0..self.pools.len() {
+            let Some(share) = share(j) else {
+                continue;
+            };
             let chunk_bytes = ((j + 1) * PAGE_SIZE) as u64;
-            let share = target * demand.get(j).copied().unwrap_or(0) / total.max(1);
             while stolen < needed {
                 let mut taken = ChunkGroup::new();
                 {
@@ -1120,6 +1193,12 @@ impl ChunkReserve {
         }
     }
 
+    /// Note what the refill thread does next, for `also`'s parts (see `run_refill`): called
+    /// from the refill thread alone.
+    pub(super) fn note_refill_activity(&self, activity: RefillActivity) {
+        self.refill_state.set(activity);
+    }
+
     pub(super) fn wake_refill(&self) {
         let _guard = self.wake_lock.lock();
         self.wake.notify_one();
@@ -1131,7 +1210,6 @@ impl ChunkReserve {
         let _registered = self.refill_thread.register();
         self.refill_running.store(true, Ordering::Release);
         while !self.stop.load(Ordering::Acquire) {
-            self.refill_state.set(RefillActivity::Provisioning);
             also();
             self.refill_and(&also);
             self.refill_state.set(RefillActivity::Waiting);
@@ -1244,6 +1322,35 @@ mod tests {
             reserve.arena.carved() - carved < refilled,
             "{} bytes carved for {refilled} refilled",
             reserve.arena.carved() - carved
+        );
+    }
+
+    #[test]
+    fn with_memory_short_room_for_the_page_table_comes_from_sizes_nobody_waits_on() {
+        let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, arena(), &[1, 1]);
+        reserve.refill();
+        // Writes took two-page chunks lately: one-page chunks are beyond their demand.
+        for _ in 0..8 {
+            reserve.take(2, None).unwrap();
+        }
+        let held = reserve.held_bytes();
+        let one_page = reserve.pools[0].lock().ready.len();
+        assert!(one_page > 8);
+        // With memory plentiful nothing is given back for the table.
+        reserve.make_room_for(7 * PAGE_SIZE);
+        assert_eq!(reserve.held_bytes(), held);
+        // With memory short as much as the table's fault takes, from the size nobody waits on.
+        reserve.set_memory_short(true);
+        let two_pages = reserve.pools[1].lock().ready.len();
+        reserve.wanted.store(1 << 1, Ordering::Relaxed);
+        reserve.make_room_for(7 * PAGE_SIZE);
+        assert_eq!(reserve.stolen_bytes(), 7 * PAGE_SIZE as u64);
+        assert_eq!(reserve.held_bytes(), held - 7 * PAGE_SIZE as u64);
+        assert_eq!(reserve.pools[0].lock().ready.len(), one_page - 7);
+        assert_eq!(
+            reserve.pools[1].lock().ready.len(),
+            two_pages,
+            "waited on: kept"
         );
     }
 

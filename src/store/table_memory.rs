@@ -184,8 +184,8 @@ impl TableMemory {
         ]
     }
 
-    fn group_bytes(&self, group: usize) -> u64 {
-        self.ranges(group).iter().map(|&(_, len)| len as u64).sum()
+    fn group_bytes(&self, group: usize) -> usize {
+        self.ranges(group).iter().map(|&(_, len)| len).sum()
     }
 
     /// Pin `group` for a writer if it is committed: until `unpin`, it stays committed.
@@ -245,14 +245,20 @@ impl TableMemory {
         // Unwritten until a writer pins it (a writer waiting for it does so at once).
         if self.set_state(group, COMMITTED | UNWRITTEN) & STATE_MASK != COMMITTED {
             self.committed_bytes
-                .fetch_add(self.group_bytes(group), Ordering::Relaxed);
+                .fetch_add(self.group_bytes(group) as u64, Ordering::Relaxed);
         }
         self.unwritten.store(true, Ordering::Release);
         Ok(())
     }
 
-    /// Commit every group a writer asked for; how many were.
-    pub(super) fn commit_wanted(&self) -> std::io::Result<usize> {
+    /// Whether a writer asked for a group not committed yet.
+    pub(super) fn any_wanted(&self) -> bool {
+        self.wanted.load(Ordering::Acquire)
+    }
+
+    /// Commit every group a writer asked for, calling `before` with each group's bytes before
+    /// its memory is faulted in; how many were.
+    pub(super) fn commit_wanted(&self, before: impl Fn(usize)) -> std::io::Result<usize> {
         if !self.wanted.swap(false, Ordering::AcqRel) {
             return Ok(0);
         }
@@ -261,6 +267,7 @@ impl TableMemory {
             if self.groups[group].load(Ordering::Acquire) & STATE_MASK != WANTED {
                 continue;
             }
+            before(self.group_bytes(group));
             if let Err(error) = self.commit(group) {
                 // Asked for again next time: its writer is still waiting.
                 self.wanted.store(true, Ordering::Release);
@@ -326,7 +333,7 @@ impl TableMemory {
         }
         self.groups[group].fetch_and(!(STATE_MASK | UNWRITTEN), Ordering::AcqRel);
         self.committed_bytes
-            .fetch_sub(self.group_bytes(group), Ordering::Relaxed);
+            .fetch_sub(self.group_bytes(group) as u64, Ordering::Relaxed);
         Ok(())
     }
 
