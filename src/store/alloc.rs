@@ -331,7 +331,8 @@ impl ZsAllocator {
     /// reclaim for up to a second; at the start of a fill of raw pages the raw class's lists
     /// had room for a hundred chunks (an eighth of a small store) while the reserve held
     /// 3.7 MiB of them ready, and a write starved for a second with the refill thread in one
-    /// commit (the near-OOM stage of `scripts/vm-test.sh --stress`, 2026-11-27 14:01).
+    /// commit (the near-OOM stage of `scripts/vm-test.sh --stress`, 2026-11-27 14:01; whether
+    /// its flush waited for room or for a chunk, that log line did not say: it says now).
     fn room_for(&self, index: usize, len: usize) -> usize {
         let slack = provision_slack(len);
         match self.classes.get(index) {
