@@ -324,19 +324,22 @@ impl ZsAllocator {
     }
 
     /// Room `provision` keeps free in class `index` whose lists have `len` entries:
-    /// `provision_slack`, and for a class in use at least as many chunks as the reserve may
-    /// hand it of its size before the refill thread provisions again (`chunks_at_hand`; at
-    /// most `AT_HAND_ROOM_MAX`). Why: a class whose lists are full waits for the refill
-    /// thread, which provisions only between commits, and near OOM one commit waits in
-    /// reclaim for up to a second; at the start of a fill of raw pages the raw class's lists
+    /// `provision_slack`, and for a class in use while memory is short at least as many
+    /// chunks as the reserve may hand it of its size before the refill thread provisions
+    /// again (`chunks_at_hand`; at most `AT_HAND_ROOM_MAX`). Why: a class whose lists are
+    /// full waits for the refill thread, which provisions only between commits, and near OOM
+    /// one commit waits in reclaim for up to a second; at the start of a fill of raw pages the raw class's lists
     /// had room for a hundred chunks (an eighth of a small store) while the reserve held
     /// 3.7 MiB of them ready, and a write starved for a second with the refill thread in one
     /// commit (the near-OOM stage of `scripts/vm-test.sh --stress`, 2026-11-27 14:01; whether
     /// its flush waited for room or for a chunk, that log line did not say: it says now).
+    /// Only while memory is short: otherwise commits do not wait, and every class in use
+    /// keeping that room held 6.7 MB of lists after the stage's cases (once shrunk, the lists
+    /// are made with `provision_slack`'s room again).
     fn room_for(&self, index: usize, len: usize) -> usize {
         let slack = provision_slack(len);
         match self.classes.get(index) {
-            Some(class) if len > 0 => slack.max(
+            Some(class) if len > 0 && self.reserve.memory_short() => slack.max(
                 self.reserve
                     .chunks_at_hand(class.chunk_bytes / PAGE_SIZE)
                     .min(AT_HAND_ROOM_MAX),
@@ -1222,6 +1225,13 @@ mod tests {
         a.reserve.refill();
         let at_hand = a.reserve.chunks_at_hand(1);
         assert!(at_hand > 2 * PROVISION_MIN_SLACK, "{at_hand} at hand");
+        // With memory plentiful, the usual room: commits do not wait in reclaim then.
+        a.provision();
+        {
+            let st = a.classes[class].state.lock();
+            assert!(st.usage.capacity() - st.usage.len() < at_hand);
+        }
+        a.reserve.set_memory_short(true);
         a.provision();
         {
             let st = a.classes[class].state.lock();
@@ -1233,7 +1243,7 @@ mod tests {
             let st = a.classes[class].state.lock();
             assert!(has_room(&st));
         }
-        // Provisioned again, the room stays (no shrinking below it and growing back).
+        // Provisioned again, the room stays.
         let capacity = a.classes[class].state.lock().usage.capacity();
         a.provision();
         a.provision();

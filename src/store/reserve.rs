@@ -462,7 +462,7 @@ impl ChunkReserve {
                 let pool = pool.lock();
                 pool.ready.len() + pool.surplus.len()
             });
-        held + GROUP_CHUNKS
+        held + (COMMIT_GROUP_BYTES / (pages.max(1) * PAGE_SIZE)).max(1)
     }
 
     /// A taker waiting on pool `k` was served (or gave up).
