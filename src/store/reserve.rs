@@ -452,19 +452,6 @@ impl ChunkReserve {
         (pages, self.room_waiters.load(Ordering::Relaxed) > 0)
     }
 
-    /// Chunks of `pages` pages a taker may get before the refill thread's next pass: those
-    /// ready or surplus in their pool, and one commit group's.
-    pub(super) fn chunks_at_hand(&self, pages: usize) -> usize {
-        let held = pages
-            .checked_sub(1)
-            .and_then(|k| self.pools.get(k))
-            .map_or(0, |pool| {
-                let pool = pool.lock();
-                pool.ready.len() + pool.surplus.len()
-            });
-        held + (COMMIT_GROUP_BYTES / (pages.max(1) * PAGE_SIZE)).max(1)
-    }
-
     /// A taker waiting on pool `k` was served (or gave up).
     fn served(&self, k: usize) {
         self.wanted.fetch_and(!(1 << k), Ordering::Relaxed);
