@@ -441,8 +441,8 @@ impl ChunkReserve {
     }
 
     /// What takers wait for the refill thread to provide now, for the log line of a write
-    /// that starved: the chunk sizes (in pages) waited on, and whether room in the
-    /// allocator's lists is.
+    /// that starved: the chunk sizes (in pages) waited on, and whether a thread waits for
+    /// room in the allocator's lists.
     pub(super) fn waited_for(&self) -> (SmallVec<[usize; 8]>, bool) {
         let wanted = self.wanted.load(Ordering::Relaxed);
         let pages = (0..self.pools.len())
@@ -1052,8 +1052,9 @@ impl ChunkReserve {
         });
     }
 
-    /// Give back up to `needed` bytes (at least, by whole chunks) of ready chunks from the
-    /// pools `share` names, each down to the share it gives (`None`: leave the pool alone).
+    /// Give back ready chunks of the pools `share` names, each pool down to the share it
+    /// gives (`None`: leave the pool alone), until `needed` bytes or more are given back or
+    /// no pool holds more beyond its share.
     fn steal(&self, needed: usize, share: impl Fn(usize) -> Option<u64>) {
         let mut stolen = 0;
         for j in 0..self.pools.len() {
