@@ -182,6 +182,12 @@ struct Pool {
     last_resort: usize,
 }
 
+/// A pool's part of `target` by its `demand` of `total` alone (`ChunkReserve::share` adds a
+/// floor; giving back beyond demand goes by this).
+fn demand_share(demand: u64, total: u64, target: u64) -> u64 {
+    target * demand / total.max(1)
+}
+
 /// Push `chunk` onto `list` if it has room, without growing it; the chunk back otherwise.
 fn push_with_room(list: &mut Vec<ArenaChunk>, chunk: ArenaChunk) -> Result<(), ArenaChunk> {
     if list.len() == list.capacity() {
@@ -1022,7 +1028,7 @@ impl ChunkReserve {
         };
         self.steal(needed, |j| {
             (j != k && wanted & (1 << j) == 0)
-                .then(|| target * demand.get(j).copied().unwrap_or(0) / total.max(1))
+                .then(|| demand_share(demand.get(j).copied().unwrap_or(0), total, target))
         });
     }
 
@@ -1048,7 +1054,7 @@ impl ChunkReserve {
             .max(1);
         self.steal(bytes, |j| {
             let demand = self.demand.get(j)?.load(Ordering::Relaxed);
-            (wanted & (1 << j) == 0).then(|| target * demand / total)
+            (wanted & (1 << j) == 0).then(|| demand_share(demand, total, target))
         });
     }
 
@@ -1108,7 +1114,7 @@ impl ChunkReserve {
         if target < self.target_bytes {
             floor = floor.min(target / self.pools.len().max(1) as u64);
         }
-        (target * demand / total.max(1)).max(floor)
+        demand_share(demand, total, target).max(floor)
     }
 
     /// The target of a refill pass: `target_bytes`, or a quarter of it (at most 1 MiB) once no chunk has been
