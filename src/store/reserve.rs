@@ -934,7 +934,7 @@ impl ChunkReserve {
                 self.refill_state.set(RefillActivity::Provisioning);
                 Self::provision(pool);
                 also();
-                if self.memory_short.load(Ordering::Relaxed) {
+                if self.commits_may_wait() {
                     self.refill_state.set(RefillActivity::GivingBack);
                     // Chunks freed since the pass began first: with memory short, this thread
                     // may commit for one size for seconds, and the pages of the chunks a
@@ -1010,7 +1010,7 @@ impl ChunkReserve {
         }
     }
 
-    /// Before a commit for pool `k` while memory is short: give back the ready chunks that
+    /// Before a commit for pool `k` while one may wait (`commits_may_wait`): give back the ready chunks that
     /// other pools nobody waits on (`wanted` has a bit per pool waited on) hold beyond their
     /// share by `demand` alone (without `share`'s floor), as much as the commit takes. Why:
     /// with memory short a commit waits in reclaim, and writes whose pool ran dry starved for
@@ -1033,7 +1033,7 @@ impl ChunkReserve {
     }
 
     /// Before the refill thread faults in `bytes` of bookkeeping (the page table's memory, the
-    /// allocator's lists) while memory is short: give back as much of the ready chunks that
+    /// allocator's lists) while it may wait (`commits_may_wait`): give back as much of the ready chunks that
     /// pools nobody waits on hold beyond their share by recent demand, as `steal_for` does
     /// before a commit of chunks. Why: such a fault waits in reclaim like a commit does, and
     /// writers wait for it (a table group, room in a list) and for the chunks the refill
@@ -1041,7 +1041,7 @@ impl ChunkReserve {
     /// swap run) writes starved 5 s with the refill thread provisioning and 1 MiB ready in the
     /// reserve, and a diagnostic build found such waits in one fault of a table group.
     pub(super) fn make_room_for(&self, bytes: usize) {
-        if !self.memory_short.load(Ordering::Relaxed) {
+        if !self.commits_may_wait() {
             return;
         }
         let wanted = self.wanted.load(Ordering::Relaxed);
@@ -1095,6 +1095,18 @@ impl ChunkReserve {
             self.stolen_bytes
                 .fetch_add(stolen as u64, Ordering::Relaxed);
         }
+    }
+
+    /// Whether a commit may wait in reclaim now, so that the refill thread gives back what
+    /// nobody waits on before it commits or faults in bookkeeping (`steal_for`,
+    /// `make_room_for`): memory is short, or a taker already waits for this thread. Why the
+    /// second: the memory watch looks at `MemAvailable`, which counts page cache that the
+    /// refill thread, an I/O flusher, may not be able to reclaim; in a clean-clone CI run
+    /// (2026-11-27 16:07, the three-process swap run, memory "back" by the watch for 36 s) a
+    /// write starved 5 s behind one commit of a 7-page chunk while the reserve held 4 MiB
+    /// ready in other sizes.
+    fn commits_may_wait(&self) -> bool {
+        self.memory_short.load(Ordering::Relaxed) || self.starving()
     }
 
     /// Whether commits are of one chunk instead of a group: while a taker waits. Why: with RAM
@@ -1359,6 +1371,30 @@ mod tests {
             two_pages,
             "waited on: kept"
         );
+    }
+
+    #[test]
+    fn while_a_taker_waits_its_size_is_refilled_from_the_others_though_memory_looks_plentiful() {
+        let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, arena(), &[1, 1]);
+        reserve.refill();
+        while !reserve.pools[1].lock().ready.is_empty() {
+            reserve.take(2, None).unwrap();
+        }
+        let one_page = reserve.pools[0].lock().ready.len();
+        assert!(one_page > 0);
+        // The memory watch says nothing is short, but a taker of two-page chunks waits: the
+        // commits for it may wait in reclaim all the same.
+        reserve.note_waiting();
+        reserve.wanted.store(1 << 1, Ordering::Relaxed);
+        reserve.refill();
+        assert!(!reserve.pools[1].lock().ready.is_empty());
+        assert!(reserve.stolen_bytes() >= 2 * PAGE_SIZE as u64);
+        assert!(reserve.pools[0].lock().ready.len() < one_page);
+        // Nothing is given back for bookkeeping once the taker is served.
+        let stolen = reserve.stolen_bytes();
+        reserve.note_served();
+        reserve.make_room_for(PAGE_SIZE);
+        assert_eq!(reserve.stolen_bytes(), stolen);
     }
 
     #[test]
