@@ -4,7 +4,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
@@ -347,12 +347,25 @@ pub fn main() -> i32 {
     }
 }
 
+/// Write `text` to standard output. A reader that has gone (`trueno-ublk stat | head`) ends
+/// the output quietly; `print!` would panic there instead.
+fn print_out(text: &str) -> CommandResult {
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        result => Ok(result?),
+    }
+}
+
 fn list(args: &ListArgs) -> CommandResult {
     let rows = crate::devices::list()?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        print_out(&format!("{}\n", serde_json::to_string_pretty(&rows)?))?;
     } else {
-        print!("{}", device_table(&rows));
+        print_out(&device_table(&rows))?;
     }
     Ok(())
 }
@@ -391,7 +404,7 @@ fn device_table(rows: &[DeviceRow]) -> String {
 fn delete(args: &DeleteArgs) -> CommandResult {
     let target = if args.all { None } else { args.id };
     for (path, note) in crate::devices::delete(target, args.force, args.lose_pages)? {
-        println!("deleted {path}");
+        print_out(&format!("deleted {path}\n"))?;
         if let Some(note) = note {
             eprintln!("trueno-ublk: note: {note}");
         }
@@ -402,15 +415,15 @@ fn delete(args: &DeleteArgs) -> CommandResult {
 fn stat(args: &StatArgs) -> CommandResult {
     let text =
         crate::stats::report_text(Path::new(crate::stats::SOCKET_DIR), args.id, args.format())?;
-    print!("{text}");
+    print_out(&text)?;
     Ok(())
 }
 
 fn compact(args: &CompactArgs) -> CommandResult {
     let (before, after) =
         crate::stats::compact(Path::new(crate::stats::SOCKET_DIR), args.id, args.timeout)?;
-    println!(
-        "{}: compacted: {} pages moved, memory {} -> {} (TOTAL {} -> {})",
+    print_out(&format!(
+        "{}: compacted: {} pages moved, memory {} -> {} (TOTAL {} -> {})\n",
         after.device,
         after
             .store
@@ -420,17 +433,17 @@ fn compact(args: &CompactArgs) -> CommandResult {
         human_size(after.store.mem_used),
         human_size(before.total_bytes()),
         human_size(after.total_bytes()),
-    );
+    ))?;
     Ok(())
 }
 
 fn reload(args: &ReloadArgs) -> CommandResult {
     let (before, after) =
         crate::stats::reload(Path::new(crate::stats::SOCKET_DIR), args.id, args.timeout)?;
-    println!(
-        "{}: reloaded: served by pid {} (was {})",
+    print_out(&format!(
+        "{}: reloaded: served by pid {} (was {})\n",
         after.device, after.pid, before.pid
-    );
+    ))?;
     Ok(())
 }
 
@@ -446,9 +459,9 @@ fn run_bench(args: &BenchArgs) -> CommandResult {
     progress.finish();
     let report = report?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        print_out(&format!("{}\n", serde_json::to_string_pretty(&report)?))?;
     } else {
-        print!("{}", report.to_text());
+        print_out(&report.to_text())?;
     }
     Ok(())
 }
@@ -456,10 +469,10 @@ fn run_bench(args: &BenchArgs) -> CommandResult {
 fn swapon(args: &SwaponArgs) -> CommandResult {
     let priority = crate::swap::priority(args.id, args.config.as_deref())?;
     if args.dry_run {
-        println!(
-            "{}",
+        print_out(&format!(
+            "{}\n",
             crate::swap::swapon_command(args.id, priority).join(" ")
-        );
+        ))?;
         return Ok(());
     }
     crate::swap::swapon(args.id, priority)?;

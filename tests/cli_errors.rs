@@ -78,3 +78,27 @@ fn bad_recompress_settings_are_refused_before_anything_else() {
     let output = trueno_ublk(&["create", "--size", "1G", "--recompress-idle", "10ms"]);
     assert_clean_failure(&output, "recompress-idle");
 }
+
+#[test]
+fn output_into_a_pipe_nobody_reads_ends_quietly() {
+    // `trueno-ublk ... | head`: the reader has gone before the command prints.
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    let output = Command::new(env!("CARGO_BIN_EXE_trueno-ublk"))
+        .args([
+            "swapon",
+            "--id",
+            "0",
+            "--config",
+            "/nonexistent",
+            "--dry-run",
+        ])
+        .env("RUST_BACKTRACE", "1")
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .expect("the binary runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{:?}: {stderr}", output.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

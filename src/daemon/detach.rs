@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 use std::ffi::OsString;
+use std::io::Write;
 use std::os::fd::AsFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
@@ -84,7 +85,13 @@ pub(super) fn start_detached(settings: &DeviceSettings) -> Result<(), DaemonErro
                         .map(str::to_owned)
                 };
                 if message.lines().any(|l| l == "READY=1") {
-                    println!("{}", field("STATUS=").unwrap_or_default());
+                    // The daemon is up whatever happens to this output (`print!` would panic
+                    // if its reader had gone).
+                    let _ = writeln!(
+                        std::io::stdout(),
+                        "{}",
+                        field("STATUS=").unwrap_or_default()
+                    );
                     return Ok(());
                 }
                 if field("ERRNO=").is_some() {

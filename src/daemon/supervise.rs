@@ -34,6 +34,7 @@
 
 #![forbid(unsafe_code)]
 
+use std::io::Write;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::{UnixDatagram, UnixStream};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -374,7 +375,9 @@ pub(super) fn supervise(
                     let _ = std::fs::rename(log, path);
                 }
                 if detached_log.is_none() {
-                    println!("{path}");
+                    // Not `println!`: it panics once the reader of stdout has gone (a pipe
+                    // into a logger that ended), and this process must outlive its readers.
+                    let _ = writeln!(std::io::stdout(), "{path}");
                 }
                 notifier.send(&format!(
                     "READY=1\nSTATUS={path}\nMAINPID={}",
