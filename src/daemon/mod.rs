@@ -508,11 +508,18 @@ fn serve(
     // was at the watermark, and the flush that the resumed queue's writes waited for waited
     // on them, in reclaim that waited for those writes (seen in the VM: a kill -9 during a
     // fill left swap stalled for good). It costs a standby its threads' memory.
-    let _ = rayon::ThreadPoolBuilder::new()
+    // A pool that cannot start fails the start: rayon would take the global pool as made,
+    // without threads, and every parallel flush or read after it would panic.
+    rayon::ThreadPoolBuilder::new()
         .thread_name(|i| format!("trueno-pool{i}"))
         .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
         .start_handler(move |_| ready_store_thread(thread_algorithm))
-        .build_global();
+        .build_global()
+        .map_err(|error| {
+            DaemonError::Daemon(format!(
+                "cannot start the compression pool's threads: {error} (raise the unit's TasksMax or the memory limit)"
+            ))
+        })?;
 
     // Signals first, so a SIGTERM during start-up is not lost.
     let mut signals =
