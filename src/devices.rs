@@ -78,6 +78,8 @@ pub enum DevicesError {
          `trueno-ublk list` and dmesg"
     )]
     DeleteTimeout { id: u32, seconds: u64 },
+    #[error("cannot start a thread to delete the device ({source}); nothing was deleted: retry")]
+    Thread { source: std::io::Error },
 }
 
 /// One row of `list`.
@@ -351,10 +353,12 @@ fn del_dev_bounded(control: &mut Control, id: u32) -> Result<(), DevicesError> {
             ..
         }) => {
             let (done_tx, done) = crossbeam_channel::bounded(1);
-            std::thread::spawn(move || {
-                let result = Control::open().and_then(|mut control| control.del_dev(id));
-                let _ = done_tx.send(result);
-            });
+            std::thread::Builder::new()
+                .spawn(move || {
+                    let result = Control::open().and_then(|mut control| control.del_dev(id));
+                    let _ = done_tx.send(result);
+                })
+                .map_err(|source| DevicesError::Thread { source })?;
             match done.recv_timeout(DELETE_TIMEOUT) {
                 Ok(Ok(()))
                 | Ok(Err(UblkError::Command {

@@ -34,6 +34,8 @@ pub enum StatError {
         pid: u32,
         source: nix::errno::Errno,
     },
+    #[error("the daemon of ublkb{id} reported pid {pid}, which no process can have: its socket is not a trueno-ublk daemon's")]
+    BadPid { id: u32, pid: u32 },
     #[error("the daemon of ublkb{id} (pid {pid}) was replaced before it finished compacting (see `trueno-ublk list`); ask again")]
     Replaced { id: u32, pid: u32 },
     #[error("the daemon of ublkb{id} has not finished compacting after {} s; it goes on in the background (`trueno-ublk stat --id {id} --json` counts compactions)", waited.as_secs())]
@@ -44,6 +46,15 @@ pub enum StatError {
     NoSupervisor { id: u32, pid: u32, why: String },
     #[error("ublkb{id} is still served by pid {pid} {} s after the reload was asked for; its log says why (a new binary that cannot start leaves the running one serving)", waited.as_secs())]
     ReloadTimeout { id: u32, pid: u32, waited: Duration },
+}
+
+/// The process `pid` (of device `id`'s daemon) to signal. Why checked: `kill` takes 0 and
+/// negative pids as process groups, and a pid comes from what a socket answered.
+fn process(id: u32, pid: u32) -> Result<nix::unistd::Pid, StatError> {
+    match i32::try_from(pid) {
+        Ok(raw) if raw > 0 => Ok(nix::unistd::Pid::from_raw(raw)),
+        _ => Err(StatError::BadPid { id, pid }),
+    }
 }
 
 /// Device `id`'s report, read from its socket in `dir`.
@@ -95,14 +106,13 @@ pub fn reload(
             comm.trim()
         )));
     }
-    let supervisor = nix::unistd::Pid::from_raw(i32::try_from(parent).unwrap_or(0));
-    nix::sys::signal::kill(supervisor, nix::sys::signal::Signal::SIGHUP).map_err(|source| {
-        StatError::Signal {
+    nix::sys::signal::kill(process(id, parent)?, nix::sys::signal::Signal::SIGHUP).map_err(
+        |source| StatError::Signal {
             id,
             pid: parent,
             source,
-        }
-    })?;
+        },
+    )?;
     let asked = Instant::now();
     loop {
         std::thread::sleep(Duration::from_millis(100));
@@ -242,11 +252,12 @@ pub fn compact(
             pid: before.pid,
         });
     }
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(before.pid).unwrap_or(0));
-    nix::sys::signal::kill(pid, COMPACT_SIGNAL).map_err(|source| StatError::Signal {
-        id,
-        pid: before.pid,
-        source,
+    nix::sys::signal::kill(process(id, before.pid)?, COMPACT_SIGNAL).map_err(|source| {
+        StatError::Signal {
+            id,
+            pid: before.pid,
+            source,
+        }
     })?;
     let asked = Instant::now();
     loop {
@@ -281,4 +292,22 @@ pub fn report_text(dir: &Path, only: Option<u32>, format: StatFormat) -> Result<
         });
     }
     Ok(render(&probes, format))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pid_no_process_can_have_is_refused_not_taken_as_a_process_group() {
+        assert!(matches!(
+            process(3, 0),
+            Err(StatError::BadPid { id: 3, pid: 0 })
+        ));
+        assert!(matches!(
+            process(3, u32::MAX),
+            Err(StatError::BadPid { .. })
+        ));
+        assert_eq!(process(3, 42).map(|pid| pid.as_raw()).ok(), Some(42));
+    }
 }
