@@ -1010,16 +1010,16 @@ impl ChunkReserve {
         }
     }
 
-    /// Before a commit for pool `k` while one may wait (`commits_may_wait`): give back the ready chunks that
-    /// other pools nobody waits on (`wanted` has a bit per pool waited on) hold beyond their
-    /// share by `demand` alone (without `share`'s floor), as much as the commit takes. Why:
-    /// with memory short a commit waits in reclaim, and writes whose pool ran dry starved for
-    /// a second (then fail with ENOMEM) while the reserve held 1.7 MiB ready in the floors of
-    /// the sizes nobody wrote (the near-OOM stage of `scripts/vm-test.sh --stress`, 2026-11-25
-    /// 04:28, incompressible pages: every starved write was logged with its refill thread in
-    /// `Committing` for over a second and 1752 KiB held). Pages given back go to this CPU's
-    /// free lists, where the commit right after finds them: the reserve's memory moves to the
-    /// size in demand instead of waiting for reclaim.
+    /// Before a commit for pool `k` while one may wait (`commits_may_wait`): give back the ready
+    /// chunks that other pools nobody waits on (`wanted` has a bit per pool waited on) hold beyond
+    /// their share by `demand` alone (without `share`'s floor), as much as the commit takes. Why:
+    /// with memory short a commit waits in reclaim, and writes whose pool ran dry starved for a
+    /// second (then fail with ENOMEM) while the reserve held 1.7 MiB ready in the floors of the
+    /// sizes nobody wrote (the near-OOM stage of `scripts/vm-test.sh --stress`, 2026-11-25 04:28,
+    /// incompressible pages: every starved write was logged with its refill thread in `Committing`
+    /// for over a second and 1752 KiB held). Pages given back go to this CPU's free lists, where
+    /// the commit right after finds them: the reserve's memory moves to the size in demand instead
+    /// of waiting for reclaim.
     fn steal_for(&self, k: usize, wanted: u64, demand: &[u64], total: u64, target: u64) {
         let needed = if self.cold.pages() <= k && !self.one_at_a_time() {
             COMMIT_GROUP_BYTES
@@ -1033,13 +1033,13 @@ impl ChunkReserve {
     }
 
     /// Before the refill thread faults in `bytes` of bookkeeping (the page table's memory, the
-    /// allocator's lists) while it may wait (`commits_may_wait`): give back as much of the ready chunks that
-    /// pools nobody waits on hold beyond their share by recent demand, as `steal_for` does
-    /// before a commit of chunks. Why: such a fault waits in reclaim like a commit does, and
-    /// writers wait for it (a table group, room in a list) and for the chunks the refill
-    /// thread commits after it: in a clean-clone CI run (2026-11-27 12:21, the three-process
-    /// swap run) writes starved 5 s with the refill thread provisioning and 1 MiB ready in the
-    /// reserve, and a diagnostic build found such waits in one fault of a table group.
+    /// allocator's lists) while it may wait (`commits_may_wait`): give back as much of the ready
+    /// chunks that pools nobody waits on hold beyond their share by recent demand, as `steal_for`
+    /// does before a commit of chunks. Why: such a fault waits in reclaim like a commit does, and
+    /// writers wait for it (a table group, room in a list) and for the chunks the refill thread
+    /// commits after it: in a clean-clone CI run (2026-11-27 12:21, the three-process swap run)
+    /// writes starved 5 s with the refill thread provisioning and 1 MiB ready in the reserve, and a
+    /// diagnostic build found such waits in one fault of a table group.
     pub(super) fn make_room_for(&self, bytes: usize) {
         if !self.commits_may_wait() {
             return;
