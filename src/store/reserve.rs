@@ -1115,7 +1115,7 @@ impl ChunkReserve {
     /// failing with ENOMEM meanwhile (clean-clone CI run of 2026-11-25 04:49: the starved
     /// write's log line had the refill thread in one commit for 1011 ms); the taker needs one.
     fn one_at_a_time(&self) -> bool {
-        self.waiters.load(Ordering::Relaxed) > 0
+        self.starving()
     }
 
     /// A pool's share of `target`, by its `demand` of `total`: at least one commit group's
