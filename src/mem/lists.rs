@@ -22,6 +22,7 @@ use std::alloc::Layout;
 use std::ptr::NonNull;
 
 use allocator_api2::alloc::{AllocError, Allocator, Global};
+use allocator_api2::collections::TryReserveError;
 
 use super::HOST_PAGE;
 
@@ -51,11 +52,23 @@ pub fn empty_list<T>(alloc: ListAlloc) -> ListVec<T> {
 }
 
 /// A list with room for `capacity` entries from `alloc`, that room faulted in (see
-/// `populate`).
-pub fn faulted_in_list<T>(capacity: usize, alloc: ListAlloc) -> ListVec<T> {
-    let mut list = ListVec::with_capacity_in(capacity, alloc);
+/// `populate`). An error, and nothing allocated, where the system refuses the room (a mapping
+/// past `vm.max_map_count` or, under strict overcommit, past the commit limit; a heap that
+/// cannot grow): the caller goes on with the list it has, where `with_capacity` would abort
+/// the process, and with it every device it serves.
+pub fn faulted_in_list<T>(
+    capacity: usize,
+    alloc: ListAlloc,
+) -> Result<ListVec<T>, TryReserveError> {
+    let mut list = ListVec::new_in(alloc);
+    list.try_reserve_exact(capacity)?;
     super::populate(list.spare_capacity_mut());
-    list
+    Ok(list)
+}
+
+/// An allocation the system refused, as the I/O error its caller reports.
+pub fn out_of_memory(error: impl std::error::Error + Send + Sync + 'static) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::OutOfMemory, error)
 }
 
 /// `bytes` rounded up to whole pages.
@@ -111,15 +124,14 @@ impl Growth {
     }
 
     /// Give `list` room for `capacity` entries if it is still the list this room was measured
-    /// for (`growth_in_place` gives the same): growing it then moves nothing and touches no
-    /// fresh page. False, and nothing done, if it changed meanwhile.
+    /// for (`growth_in_place` gives the same): growing it then moves nothing, allocates
+    /// nothing and touches no fresh page. False, and nothing done, if it changed meanwhile.
     pub fn apply<T>(&self, list: &mut ListVec<T>, capacity: usize) -> bool {
         if growth_in_place(list, capacity).as_ref() != Some(self) {
             return false;
         }
         let len = list.len();
-        list.reserve_exact(capacity.saturating_sub(len));
-        true
+        list.try_reserve_exact(capacity.saturating_sub(len)).is_ok()
     }
 }
 
@@ -254,7 +266,7 @@ mod tests {
     #[test]
     fn a_large_mapped_list_is_a_mapping_of_its_own_and_dropping_it_unmaps_it() {
         let entries = 1 << 20;
-        let mut list: ListVec<u64> = faulted_in_list(entries, ListAlloc::Mapped);
+        let mut list: ListVec<u64> = faulted_in_list(entries, ListAlloc::Mapped).unwrap();
         list.extend((0..entries as u64).map(|i| i * 3));
         assert_eq!(list[12345], 12345 * 3);
         let start = list.as_ptr() as usize;
@@ -275,7 +287,7 @@ mod tests {
             return; // strict overcommit: mapped lists move to grow, as every list once did
         }
         let entries = 10_000;
-        let mut list: ListVec<u64> = faulted_in_list(entries, ListAlloc::Mapped);
+        let mut list: ListVec<u64> = faulted_in_list(entries, ListAlloc::Mapped).unwrap();
         list.extend(0..entries as u64);
         let start = list.as_ptr();
         let growth = growth_in_place(&list, 8 * entries).expect("within its reservation");
@@ -288,12 +300,23 @@ mod tests {
         // Past its reservation it would move, and so would a heap list.
         let past = MAPPED_RESERVATION_BYTES / 8 + 1;
         assert!(growth_in_place(&list, past).is_none());
-        let heap: ListVec<u64> = faulted_in_list(entries, ListAlloc::Heap);
+        let heap: ListVec<u64> = faulted_in_list(entries, ListAlloc::Heap).unwrap();
         assert!(growth_in_place(&heap, 2 * entries).is_none());
         // Pushing past it moves it, contents kept.
         list.reserve_exact(past - list.len());
         list.push(1);
         assert_eq!(list[8 * entries - 1], 8 * entries as u64 - 1);
+    }
+
+    #[test]
+    fn room_the_system_refuses_is_an_error_not_an_abort() {
+        // 128 TiB: the whole of a 47-bit address space, which no mapping or heap gets.
+        let entries = (1usize << 47) / 8;
+        for alloc in [ListAlloc::Heap, ListAlloc::Mapped] {
+            assert!(faulted_in_list::<u64>(entries, alloc).is_err(), "{alloc:?}");
+        }
+        let error = faulted_in_list::<u64>(entries, ListAlloc::Mapped).unwrap_err();
+        assert_eq!(out_of_memory(error).kind(), std::io::ErrorKind::OutOfMemory);
     }
 
     #[test]
@@ -305,7 +328,7 @@ mod tests {
             }
             assert_eq!(list.swap_remove(0), 0);
             assert_eq!(list.len(), 99_999);
-            let mut other: ListVec<u32> = faulted_in_list(list.len() + 10, alloc);
+            let mut other: ListVec<u32> = faulted_in_list(list.len() + 10, alloc).unwrap();
             other.append(&mut list);
             assert_eq!(
                 other.iter().map(|&v| u64::from(v)).sum::<u64>(),

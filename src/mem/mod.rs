@@ -24,7 +24,9 @@ mod segment;
 mod throttle;
 
 pub use arena::{Arena, ArenaChunk};
-pub use lists::{empty_list, faulted_in_list, growth_in_place, Growth, ListAlloc, ListVec};
+pub use lists::{
+    empty_list, faulted_in_list, growth_in_place, out_of_memory, Growth, ListAlloc, ListVec,
+};
 pub use segment::{PageSlots, Segment, SlotRead, SlotWrite, Words};
 pub use throttle::{free_memory_is_back, ThrottledThread};
 

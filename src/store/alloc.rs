@@ -29,13 +29,15 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use allocator_api2::collections::TryReserveError;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
-use super::reserve::ChunkReserve;
 pub(super) use super::reserve::Shortage;
+use super::reserve::{ChunkReserve, Stall};
 use crate::codec::PAGE_SIZE;
 use crate::mem::{
-    empty_list, faulted_in_list, growth_in_place, Arena, ArenaChunk, ListAlloc, ListVec, Words,
+    empty_list, faulted_in_list, growth_in_place, out_of_memory, Arena, ArenaChunk, ListAlloc,
+    ListVec, Words,
 };
 
 /// Object sizes are multiples of this.
@@ -348,10 +350,23 @@ impl ZsAllocator {
                 continue;
             }
             self.reserve.make_room_for(want * LIST_BYTES_PER_CHUNK);
-            let mut usage = faulted_in_list::<Option<ChunkUsage>>(want, ListAlloc::Mapped);
-            let mut dir = faulted_in_list::<Option<Chunk>>(want, ListAlloc::Mapped);
-            let mut partial = faulted_in_list::<u32>(want, ListAlloc::Mapped);
-            let mut free_ids = faulted_in_list::<u32>(want, ListAlloc::Mapped);
+            let lists = (|| {
+                Ok::<_, TryReserveError>((
+                    faulted_in_list::<Option<ChunkUsage>>(want, ListAlloc::Mapped)?,
+                    faulted_in_list::<Option<Chunk>>(want, ListAlloc::Mapped)?,
+                    faulted_in_list::<u32>(want, ListAlloc::Mapped)?,
+                    faulted_in_list::<u32>(want, ListAlloc::Mapped)?,
+                ))
+            })();
+            // Refused: the class keeps its lists, a taker finding no room in them waits for a
+            // later pass (see `take_object`), and this one goes on with the other classes.
+            let (mut usage, mut dir, mut partial, mut free_ids) = match lists {
+                Ok(lists) => lists,
+                Err(error) => {
+                    tracing::warn!(%error, class = index, entries = want, "no room for a size class's bookkeeping: its lists stay as they are");
+                    continue;
+                }
+            };
             {
                 let mut st = class.state.lock();
                 let mut chunks = class.chunks.write();
@@ -513,15 +528,23 @@ impl ZsAllocator {
                     let data = self.reserve.take(class.chunk_bytes / PAGE_SIZE, give_up)?;
                     st = class.state.lock();
                     // No push here may grow a list (see `provision`): wait for the refill
-                    // thread to make room, as for the chunk itself.
+                    // thread to make room, as for the chunk itself, and give up as a taker
+                    // of a chunk does (the system may refuse the room for good).
                     if self.reserve.refill_running() && !has_room(&st) {
                         self.reserve.note_waiting_for_room();
+                        let stall = Stall::new();
                         while !has_room(&st) {
                             drop(st);
+                            let waited = stall.waited(&self.reserve);
+                            if give_up.is_some_and(|give_up| give_up(waited)) {
+                                self.reserve.note_stopped_waiting_for_room();
+                                self.reserve.give_back(data);
+                                return Err(Shortage::Starved { waited });
+                            }
                             self.reserve.await_refill_pass();
                             st = class.state.lock();
                         }
-                        self.reserve.note_room_made();
+                        self.reserve.note_stopped_waiting_for_room();
                     }
                     self.add_chunk(class, &mut st, data)
                 }
@@ -828,14 +851,18 @@ impl ZsAllocator {
             let want = rebuild_room(noted.min(most));
             let mut st = class.state.lock();
             // From the heap the standby faulted in (see `rebuild_heap_bytes`), not new mappings.
-            st.usage = faulted_in_list(want, ListAlloc::Heap);
-            st.partial = faulted_in_list(want, ListAlloc::Heap);
-            st.free_ids = faulted_in_list(want, ListAlloc::Heap);
-            *class.chunks.write() = faulted_in_list(want, ListAlloc::Heap);
+            st.usage = faulted_in_list(want, ListAlloc::Heap).map_err(out_of_memory)?;
+            st.partial = faulted_in_list(want, ListAlloc::Heap).map_err(out_of_memory)?;
+            st.free_ids = faulted_in_list(want, ListAlloc::Heap).map_err(out_of_memory)?;
+            *class.chunks.write() =
+                faulted_in_list(want, ListAlloc::Heap).map_err(out_of_memory)?;
             room[index] = st.usage.capacity();
         }
+        let mut occupied = Vec::new();
+        occupied.try_reserve_exact(pages).map_err(out_of_memory)?;
+        occupied.resize(pages, 0);
         Ok(Occupancy {
-            pages: vec![0; pages],
+            pages: occupied,
             room,
         })
     }
@@ -1167,6 +1194,29 @@ mod tests {
         assert!(st.partial.capacity() >= st.usage.capacity());
         assert!(st.free_ids.capacity() >= st.usage.capacity());
         assert!(class.chunks.read().capacity() >= st.usage.capacity());
+    }
+
+    #[test]
+    fn a_store_left_without_room_in_its_lists_gives_up_and_keeps_nothing() {
+        // A refill thread that provisions nothing (the system refuses its lists): a fresh
+        // class has no room for its first chunk, and the store gives up when told to, with
+        // the chunk it took given back rather than left in no list.
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None);
+        a.reserve.pretend_refill_running(true);
+        let give_up = |_: std::time::Duration| true;
+        assert!(matches!(
+            a.store_within(&[5u8; 1000], Some(&give_up)),
+            Err(Shortage::Starved { .. })
+        ));
+        assert_eq!(a.chunk_bytes(), 0);
+        assert!(!a.reserve.starving(), "no waiter left counted");
+        // Once the lists get room, it stores.
+        a.reserve.pretend_refill_running(false);
+        let handle = a.store(&[5u8; 1000]).unwrap();
+        assert_eq!(
+            a.with_object(handle, 1000, <[u8]>::to_vec).unwrap(),
+            vec![5u8; 1000]
+        );
     }
 
     #[test]

@@ -13,7 +13,7 @@
 
 use parking_lot::Mutex;
 
-use crate::mem::{faulted_in_list, growth_in_place, ListAlloc, ListVec};
+use crate::mem::{faulted_in_list, growth_in_place, out_of_memory, ListAlloc, ListVec};
 
 const WORD_BITS: usize = u64::BITS as usize;
 
@@ -46,14 +46,15 @@ impl ColdPages {
 
     /// Make room for arena pages below `pages` (the carved part, before the carve that makes
     /// it so): its new room faulted in outside the lock, so that marking pages never waits
-    /// for memory.
-    pub(super) fn cover(&self, pages: usize) {
+    /// for memory. An error, and the map as it was, where the system refuses the room: carve
+    /// nothing past what it covers then (a page it cannot mark is lost address space).
+    pub(super) fn cover(&self, pages: usize) -> std::io::Result<()> {
         let want = pages.div_ceil(WORD_BITS);
         let room = room_for(want);
         let growth = {
             let map = self.map.lock();
             if map.words.len() >= want {
-                return;
+                return Ok(());
             }
             growth_in_place(&map.words, room)
         };
@@ -64,7 +65,7 @@ impl ColdPages {
                 growth.fault_in();
                 None
             }
-            None => Some(faulted_in_list::<u64>(room, ListAlloc::Mapped)),
+            None => Some(faulted_in_list::<u64>(room, ListAlloc::Mapped).map_err(out_of_memory)?),
         };
         let mut map = self.map.lock();
         match (&growth, &mut fresh) {
@@ -82,6 +83,7 @@ impl ColdPages {
         map.words.resize(to, 0);
         drop(map);
         // The old list (in `fresh` once swapped) is freed here, outside the lock.
+        Ok(())
     }
 
     /// Mark the `count` pages from arena page `page` cold. Pages past the room made
@@ -189,7 +191,7 @@ mod tests {
     #[test]
     fn pages_marked_are_taken_once_by_runs_of_any_size() {
         let cold = ColdPages::new();
-        cold.cover(1000);
+        cold.cover(1000).unwrap();
         // A chunk of 8 pages and eight of 1, adjacent: one run of 16.
         cold.mark(100, 8);
         for p in 108..116 {
@@ -223,11 +225,11 @@ mod tests {
     #[test]
     fn the_map_grows_to_cover_what_is_carved_and_keeps_its_marks() {
         let cold = ColdPages::new();
-        cold.cover(64);
+        cold.cover(64).unwrap();
         cold.mark(10, 3);
         let small = cold.bytes();
         for pages in [1 << 12, 1 << 16, 1 << 20, 1 << 22] {
-            cold.cover(pages);
+            cold.cover(pages).unwrap();
             cold.mark(pages - 1, 1);
         }
         assert!(cold.bytes() >= (1 << 22) / 8);

@@ -305,10 +305,15 @@ impl ChunkReserve {
             memory_short: AtomicBool::new(false),
             stop: AtomicBool::new(false),
         };
-        // A resumed store's free space is marked cold before any thread carves.
-        reserve
+        // A resumed store's free space is marked cold before any thread carves. Refused, it
+        // is tried again before the first carve; pages it cannot mark meanwhile are only
+        // address space lost (`ColdPages::mark`).
+        if let Err(error) = reserve
             .cold
-            .cover(reserve.arena.carved().div_ceil(PAGE_SIZE));
+            .cover(reserve.arena.carved().div_ceil(PAGE_SIZE))
+        {
+            tracing::warn!(%error, "no room to note the arena's free pages");
+        }
         reserve
     }
 
@@ -441,7 +446,7 @@ impl ChunkReserve {
     }
 
     /// A thread stops waiting for room in the allocator's lists.
-    pub(super) fn note_room_made(&self) {
+    pub(super) fn note_stopped_waiting_for_room(&self) {
         self.room_waiters.fetch_sub(1, Ordering::Relaxed);
         self.note_served();
     }
@@ -812,9 +817,13 @@ impl ChunkReserve {
             }
         }
         let committed = if cold.is_empty() {
-            self.cold
-                .cover((self.arena.carved() + chunk_bytes * count).div_ceil(PAGE_SIZE));
-            match self.arena.carve(chunk_bytes, count) {
+            let carved_pages = (self.arena.carved() + chunk_bytes * count).div_ceil(PAGE_SIZE);
+            // Nothing carved that the cold map could not mark once given back.
+            match self
+                .cold
+                .cover(carved_pages)
+                .and_then(|()| self.arena.carve(chunk_bytes, count))
+            {
                 Ok(Some(chunks)) => Ok(chunks.into_iter().collect()),
                 Ok(None) => return false,
                 Err(error) => Err(error),
@@ -1182,6 +1191,13 @@ impl ChunkReserve {
     /// Whether a refill thread runs (and so provisions the allocator's bookkeeping).
     pub(super) fn refill_running(&self) -> bool {
         self.refill_running.load(Ordering::Acquire)
+    }
+
+    /// Say a refill thread runs where none does: one that never commits or provisions
+    /// anything, as when the system gives it no memory.
+    #[cfg(test)]
+    pub(super) fn pretend_refill_running(&self, running: bool) {
+        self.refill_running.store(running, Ordering::Release);
     }
 
     /// Wake the refill thread and wait until it has made a pass (or a period has gone by).
