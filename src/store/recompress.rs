@@ -306,18 +306,12 @@ impl BatchedPageStore {
             self.alloc.with_object(handle, len_bytes, |bytes| {
                 scratch.compressed[..len_bytes].copy_from_slice(bytes);
             })?;
-            let hint = entry.hint();
-            let claimed = hint.with_flags(hint.settled(), true);
-            entry.set_hint(claimed);
-            Claim {
+            Claim::mark(
                 index,
-                word: entry.word(),
-                hint: claimed,
-                checksum: entry.checksum(),
-                handle,
-                len: len_bytes,
-                encoding,
-            }
+                &entry,
+                entry.hint().settled(),
+                (handle, len_bytes, encoding),
+            )
         };
         // Evacuating chunks take no new objects: this lands in another one.
         let Some(new_handle) = self.alloc.store(&scratch.compressed[..claim.len]) else {
@@ -373,17 +367,12 @@ impl BatchedPageStore {
             entry.set_hint(hint.with_flags(true, false));
             return Err(Outcome::Rejected);
         }
-        let claimed = hint.with_flags(false, true);
-        entry.set_hint(claimed);
-        Ok(Claim {
+        Ok(Claim::mark(
             index,
-            word: entry.word(),
-            hint: claimed,
-            checksum: entry.checksum(),
-            handle,
-            len: len_bytes,
-            encoding,
-        })
+            &entry,
+            false,
+            (handle, len_bytes, encoding),
+        ))
     }
 
     /// Outside every lock: decompress the claimed page, compress it with the stronger codec,
@@ -480,6 +469,27 @@ pub(super) struct Claim {
 }
 
 impl Claim {
+    /// Claim page `index`, whose entry names `object` (handle, length in bytes, encoding) and
+    /// whose bytes were just copied out: its hint marked claimed, with `settled` as given.
+    fn mark(
+        index: u64,
+        entry: &EntryGuard<'_>,
+        settled: bool,
+        (handle, len, encoding): (Handle, usize, Encoding),
+    ) -> Self {
+        let hint = entry.hint().with_flags(settled, true);
+        entry.set_hint(hint);
+        Self {
+            index,
+            word: entry.word(),
+            hint,
+            checksum: entry.checksum(),
+            handle,
+            len,
+            encoding,
+        }
+    }
+
     /// Whether `entry` is still exactly as claimed: not written (a write clears the claim, and
     /// the word alone could be the same again), not read (its access time moved), not
     /// discarded.
