@@ -184,6 +184,9 @@ pub(super) struct ZsAllocator {
     /// Where each class's live chunks are noted when its lists are provisioned, for the next
     /// process's rebuild (see `layout`): `None` for an allocator no process resumes.
     chunk_notes: Option<Words<AtomicU64>>,
+    /// Times the system refused a class's lists (`provision`): logged at powers of two, not
+    /// on every refill pass while it lasts.
+    list_refusals: AtomicU64,
 }
 
 /// Pages per chunk for objects of `obj_size` bytes: the fewest pages with the least tail waste.
@@ -263,6 +266,7 @@ impl ZsAllocator {
             chunk_bytes: AtomicU64::new(0),
             reserve: ChunkReserve::new(reserve_bytes, arena, &classes_per_size),
             chunk_notes,
+            list_refusals: AtomicU64::new(0),
         }
     }
 
@@ -363,7 +367,10 @@ impl ZsAllocator {
             let (mut usage, mut dir, mut partial, mut free_ids) = match lists {
                 Ok(lists) => lists,
                 Err(error) => {
-                    tracing::warn!(%error, class = index, entries = want, "no room for a size class's bookkeeping: its lists stay as they are");
+                    let refusals = self.list_refusals.fetch_add(1, Ordering::Relaxed) + 1;
+                    if refusals.is_power_of_two() {
+                        tracing::warn!(%error, class = index, entries = want, refusals, "no room for a size class's bookkeeping: its lists stay as they are");
+                    }
                     continue;
                 }
             };
