@@ -1068,6 +1068,21 @@ if [ "$MODE" = full ]; then
     check "I/O on $DEV during that: $n rounds of 1 MiB write+read, $bad bad" [ "$n" -gt 0 -a "$bad" -eq 0 ]
     recheck_patterns "after the second device came and went"
 
+    # Strict overcommit charges a SysV segment's whole size to the commit limit when it is
+    # made (SHM_NORESERVE is ignored), and the store reserves far more address space than it
+    # ever fills: `create` must refuse with the setting to change, and leave nothing behind.
+    section "create under strict overcommit (vm.overcommit_memory = 2)"
+    echo 2 >/proc/sys/vm/overcommit_memory
+    trueno-ublk create --size 64M >/tmp/create3.out 2>&1
+    rc=$?
+    echo 0 >/proc/sys/vm/overcommit_memory
+    cat /tmp/create3.out
+    check "create refused (exit $rc)" [ "$rc" -ne 0 ]
+    check "... saying which setting to change" grep -q "vm.overcommit_memory" /tmp/create3.out
+    trueno-ublk list >/tmp/list.out 2>&1
+    check "... leaving no device behind" not grep -q "ublkb[1-9]" /tmp/list.out
+    recheck_patterns "after the refused create"
+
     # --- 8. swap ---------------------------------------------------------------------------
     section "swap on $DEV"
     $UL/mkswap $DEV >/dev/null && $UL/swapon -d $DEV

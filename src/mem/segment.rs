@@ -94,6 +94,53 @@ fn foreign_segment(key: i32, what: &str) -> std::io::Error {
     )
 }
 
+/// What the administrator can do about shmget(2) refusing a segment of `len` bytes with
+/// `errno`, `strict_overcommit` saying whether `vm.overcommit_memory` is 2.
+fn creation_refused(errno: Option<i32>, len: usize, strict_overcommit: bool) -> Option<String> {
+    let mib = len >> 20;
+    match errno? {
+        libc::ENOMEM if strict_overcommit => Some(format!(
+            "under strict overcommit (vm.overcommit_memory = 2) the kernel charges all {mib} MiB \
+             of the store's address space to the commit limit at once, though only what is \
+             stored becomes memory: set vm.overcommit_memory to 0 (the default) or 1"
+        )),
+        libc::ENOMEM => Some(format!(
+            "the kernel could not set up {mib} MiB of shared memory now (its own memory is \
+             short): try again once memory is free"
+        )),
+        libc::EINVAL => Some(format!(
+            "{mib} MiB is more than kernel.shmmax allows: raise it (sysctl kernel.shmmax)"
+        )),
+        libc::ENOSPC => Some(
+            "kernel.shmall or kernel.shmmni is used up: raise it (sysctl), or remove stale \
+             segments (ipcs -m)"
+                .to_string(),
+        ),
+        _ => None,
+    }
+}
+
+/// What the administrator can do about SHM_LOCK refused with `errno`.
+fn lock_refused(errno: Option<i32>) -> Option<String> {
+    match errno? {
+        libc::EPERM => Some("locking it needs CAP_IPC_LOCK: run as root".to_string()),
+        libc::ENOMEM => Some(
+            "locking it is past RLIMIT_MEMLOCK: raise it (LimitMEMLOCK=infinity in the unit, \
+             or run as root)"
+                .to_string(),
+        ),
+        _ => None,
+    }
+}
+
+/// `error` with `hint` after it, if there is one (its kind kept).
+fn explained(error: std::io::Error, hint: Option<String>) -> std::io::Error {
+    match hint {
+        Some(hint) => std::io::Error::new(error.kind(), format!("{error}: {hint}")),
+        None => error,
+    }
+}
+
 impl Segment {
     /// Private memory of this process: a memfd mapping of `len` bytes.
     pub fn private(len: usize) -> std::io::Result<Arc<Self>> {
@@ -131,11 +178,18 @@ impl Segment {
         // SAFETY: shmget takes no pointers.
         let id = unsafe { libc::shmget(key, len, flags) };
         if id < 0 {
-            return Err(std::io::Error::last_os_error());
+            let error = std::io::Error::last_os_error();
+            let hint = creation_refused(error.raw_os_error(), len, !super::reservations_allowed());
+            return Err(explained(error, hint));
         }
         let locked = if lock {
             // SAFETY: SHM_LOCK takes no buffer.
-            cvt(unsafe { libc::shmctl(id, libc::SHM_LOCK, std::ptr::null_mut()) })
+            cvt(unsafe { libc::shmctl(id, libc::SHM_LOCK, std::ptr::null_mut()) }).map_err(
+                |error| {
+                    let hint = lock_refused(error.raw_os_error());
+                    explained(error, hint)
+                },
+            )
         } else {
             Ok(())
         };
@@ -801,5 +855,30 @@ mod tests {
         drop(again);
         assert!(!Segment::shared_exists(key));
         assert!(!Segment::remove_shared(key).unwrap());
+    }
+
+    #[test]
+    fn a_refused_segment_says_which_setting_to_change() {
+        let len = 17 << 30;
+        let strict = creation_refused(Some(libc::ENOMEM), len, true).unwrap();
+        assert!(strict.contains("vm.overcommit_memory") && strict.contains("17408 MiB"));
+        let short = creation_refused(Some(libc::ENOMEM), len, false).unwrap();
+        assert!(!short.contains("overcommit"), "{short}");
+        assert!(creation_refused(Some(libc::EINVAL), len, false)
+            .unwrap()
+            .contains("kernel.shmmax"));
+        assert!(creation_refused(Some(libc::ENOSPC), len, false)
+            .unwrap()
+            .contains("kernel.shmall"));
+        assert_eq!(creation_refused(Some(libc::EACCES), len, false), None);
+        assert!(lock_refused(Some(libc::EPERM))
+            .unwrap()
+            .contains("CAP_IPC_LOCK"));
+        let error = explained(
+            std::io::Error::from_raw_os_error(libc::ENOMEM),
+            creation_refused(Some(libc::ENOMEM), len, true),
+        );
+        assert_eq!(error.kind(), std::io::ErrorKind::OutOfMemory);
+        assert!(error.to_string().starts_with("Cannot allocate memory"));
     }
 }

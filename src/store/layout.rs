@@ -320,10 +320,9 @@ impl Regions {
         {
             return Self::resume(&segment, shape, key);
         }
-        let segment =
-            Segment::create_shared(key, shape.offsets().total, lock).map_err(memory_error(
-                "creating the store's shared memory (SysV shm, locked: needs CAP_IPC_LOCK)",
-            ))?;
+        let segment = Segment::create_shared(key, shape.offsets().total, lock).map_err(
+            memory_error("creating the store's shared memory (a SysV segment, locked in memory)"),
+        )?;
         Self::fresh(&segment, shape)
     }
 
