@@ -85,6 +85,12 @@ pub fn lock_memory() -> nix::Result<()> {
     mlockall(MlockAllFlags::from_bits_retain(flags))
 }
 
+/// `prctl(PR_SET_THP_DISABLE)`: no transparent huge pages anywhere in this process's memory
+/// (kept across fork and exec).
+pub fn disable_huge_pages() -> nix::Result<()> {
+    nix::sys::prctl::set_thp_disable(true)
+}
+
 /// Name the calling thread (and, on the main thread, the process as `/proc/PID/comm` and
 /// `pidof` show it). A process started as `/proc/self/exe` would otherwise be called "exe".
 pub fn set_process_name(name: &std::ffi::CStr) -> nix::Result<()> {

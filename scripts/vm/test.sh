@@ -1017,6 +1017,10 @@ if [ "$MODE" = full ]; then
     check "the serving process's memory is locked (mlockall)" [ "$(awk '/^VmLck/ { print $2 }' "/proc/$DAEMON/status")" -gt 0 ]
     check "the supervisor's memory is locked (mlockall)" [ "$(awk '/^VmLck/ { print $2 }' "/proc/$SUPERVISOR/status")" -gt 0 ]
     check "the standby's memory is locked (mlockall)" [ "$(awk '/^VmLck/ { print $2 }' "/proc/$STANDBY/status")" -gt 0 ]
+    # (THP is off in a VM below 512 MiB whatever the setting; the flag is what keeps it off elsewhere.)
+    for p in "$DAEMON" "$SUPERVISOR" "$STANDBY"; do
+        check "process $p takes no transparent huge pages (PR_SET_THP_DISABLE)" grep -q '^THP_enabled:[[:space:]]*0' "/proc/$p/status"
+    done
     figure supervisor_rss_kib "$(awk '/^VmRSS/ { print $2 }' "/proc/$SUPERVISOR/status")"
     figure standby_rss_kib "$(awk '/^VmRSS/ { print $2 }' "/proc/$STANDBY/status")"
     figure serving_rss_kib "$(awk '/^VmRSS/ { print $2 }' "/proc/$DAEMON/status")"

@@ -6,8 +6,16 @@
 use crate::codec::Algorithm;
 
 /// The daemon serves swap, so none of its own memory may ever need swap to come back (see
-/// `os::lock_memory`).
+/// `os::lock_memory`); and what it locks is only what it touches, so no transparent huge
+/// pages. Why: with THP `always` (Debian's kernels; the kernel turns THP off below 512 MiB of
+/// RAM, so the test VM never sees it) a first touch of a large anonymous mapping takes a whole
+/// 2 MiB page, and the bookkeeping lists reserve 64 MiB of address space each to grow in: a
+/// store's bench took 4-10 MiB of huge pages in each, for KiBs of entries, all of which the
+/// daemon would lock.
 pub(super) fn lock_memory() {
+    if let Err(error) = crate::os::disable_huge_pages() {
+        tracing::warn!(%error, "PR_SET_THP_DISABLE failed: with transparent huge pages always on, the daemon may lock 2 MiB for each bookkeeping list it touches");
+    }
     if let Err(error) = crate::os::lock_memory() {
         tracing::warn!(%error, "mlockall failed: the daemon's memory may be swapped out, which can deadlock swap on this device");
     }

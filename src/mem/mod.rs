@@ -137,8 +137,9 @@ pub fn configure_heap() {
 
 /// A fresh private anonymous mapping of `len` bytes, readable and writable; nothing is
 /// faulted in yet, and none of it is charged to a commit limit (`MAP_NORESERVE`): memory only
-/// where it is faulted in (see `lists` for why reserve more than that). Unmapping it is the
-/// caller's.
+/// where it is faulted in (see `lists` for why reserve more than that), a page at a time
+/// (`MADV_NOHUGEPAGE`: with transparent huge pages always on, the first touch of a large
+/// mapping takes a 2 MiB page). Unmapping it is the caller's.
 fn map_private(len: usize) -> std::io::Result<NonNull<std::ffi::c_void>> {
     let length = std::num::NonZeroUsize::new(len).ok_or(std::io::ErrorKind::InvalidInput)?;
     // SAFETY: a fresh private anonymous mapping; it aliases no Rust object.
@@ -150,6 +151,13 @@ fn map_private(len: usize) -> std::io::Result<NonNull<std::ffi::c_void>> {
             nix::sys::mman::MapFlags::MAP_PRIVATE | nix::sys::mman::MapFlags::MAP_NORESERVE,
         )
     }?;
+    // SAFETY: the range is the fresh mapping just made, which holds no Rust value yet;
+    // MADV_NOHUGEPAGE changes how it is faulted in, not a byte of it.
+    let advised = unsafe { madvise(base, len, MmapAdvise::MADV_NOHUGEPAGE) };
+    if let Err(error) = advised {
+        // A kernel without THP refuses the advice (EINVAL), and has no huge pages to take.
+        tracing::debug!(%error, "MADV_NOHUGEPAGE refused");
+    }
     Ok(base)
 }
 
