@@ -1304,7 +1304,7 @@ mod tests {
         let reserve = Arc::new(ChunkReserve::new(8 * PAGE_SIZE as u64, arena(), &[1]));
         assert!(!reserve.starving());
         // A refill thread that never commits anything: the system has no memory to give.
-        reserve.refill_running.store(true, Ordering::Release);
+        reserve.pretend_refill_running(true);
         let taker = {
             let reserve = Arc::clone(&reserve);
             std::thread::spawn(move || {
@@ -1428,7 +1428,7 @@ mod tests {
         assert_eq!(reserve.pools[0].lock().ready.len(), kept);
         // A refill thread that commits nothing: the taker gets a kept chunk once it has
         // waited `LAST_RESORT_AFTER`, and not before.
-        reserve.refill_running.store(true, Ordering::Release);
+        reserve.pretend_refill_running(true);
         let start = Instant::now();
         reserve.take(1, None).unwrap();
         assert!(start.elapsed() >= LAST_RESORT_AFTER);
@@ -1449,7 +1449,7 @@ mod tests {
         let larger = reserve.pools[1].lock().ready.len();
         // A refill thread that commits nothing (memory is short): the taker is served at once
         // from the two-page pool, and the other page stays ready as a one-page chunk.
-        reserve.refill_running.store(true, Ordering::Release);
+        reserve.pretend_refill_running(true);
         let chunk = reserve.take(1, None).unwrap();
         assert_eq!(chunk.len(), PAGE_SIZE);
         assert_eq!(reserve.split_chunks(), 1);
@@ -1490,7 +1490,7 @@ mod tests {
         let freed: Vec<ArenaChunk> = (0..64).map(|_| reserve.take(2, None).unwrap()).collect();
         reserve.refill();
         while reserve.pop_committed(0, true).is_some() {}
-        reserve.refill_running.store(true, Ordering::Release);
+        reserve.pretend_refill_running(true);
         reserve.set_memory_short(true);
         // One chunk per commit (a taker waits): the pass commits for one-page chunks many times.
         reserve.note_waiting();
@@ -1620,7 +1620,7 @@ mod tests {
         let chunks: Vec<ArenaChunk> = (0..40).map(|_| reserve.take(1, None).unwrap()).collect();
         // A refill thread runs, and is in a commit: chunks beyond the target wait for it.
         ChunkReserve::provision(&reserve.pools[0]);
-        reserve.refill_running.store(true, Ordering::Release);
+        reserve.pretend_refill_running(true);
         reserve.refill_state.set(RefillActivity::Committing);
         for chunk in chunks {
             reserve.give_back(chunk);
@@ -1646,7 +1646,7 @@ mod tests {
         );
         drop(pool);
         // Given back chunks come back zeroed.
-        reserve.refill_running.store(false, Ordering::Release);
+        reserve.pretend_refill_running(false);
         let again: Vec<ArenaChunk> = (0..30).map(|_| reserve.take(1, None).unwrap()).collect();
         assert!(again.iter().all(|chunk| chunk.iter().all(|&b| b == 0)));
     }
@@ -1657,7 +1657,7 @@ mod tests {
         let reserve = ChunkReserve::new(target, arena(), &[1]);
         let chunks: Vec<ArenaChunk> = (0..40).map(|_| reserve.take(1, None).unwrap()).collect();
         // A refill thread runs but has not made room in the lists (it waits in reclaim).
-        reserve.refill_running.store(true, Ordering::Release);
+        reserve.pretend_refill_running(true);
         let (ready_room, surplus_room) = {
             let pool = reserve.pools[0].lock();
             (pool.ready.capacity(), pool.surplus.capacity())
@@ -1705,7 +1705,7 @@ mod tests {
     fn a_taker_with_patience_gives_up_when_the_refill_thread_commits_nothing() {
         let reserve = ChunkReserve::new(8 * PAGE_SIZE as u64, arena(), &[1]);
         // A refill thread that never commits anything: the system has no memory to give.
-        reserve.refill_running.store(true, Ordering::Release);
+        reserve.pretend_refill_running(true);
         let patience = Duration::from_millis(100);
         match reserve.take(1, Some(&|waited| waited >= patience)) {
             Err(Shortage::Starved { waited }) => assert!(waited >= patience),
