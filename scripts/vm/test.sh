@@ -851,6 +851,11 @@ ublk_data_kib() {
     trueno-ublk stat --json 2>/dev/null | tr ',{}' '\n\n\n' |
         awk -F: '/"pages_stored"/ { s = $2 } /"pending_pages"/ { p = $2 } END { printf "%d", (s + p) * 4 }'
 }
+# ublk_json_count FIELD: a count of `stat --json` of device 0.
+ublk_json_count() {
+    trueno-ublk stat --json 2>/dev/null | tr ',{}' '\n\n\n' |
+        awk -F: -v k="\"$1\"" '$1 ~ k { printf "%d", $2; exit }'
+}
 # ublk_json_kib FIELD: a byte count of `stat --json` of device 0, in KiB.
 ublk_json_kib() {
     trueno-ublk stat --json 2>/dev/null | tr ',{}' '\n\n\n' |
@@ -905,6 +910,10 @@ swap_run() {
     memory_settles "$name"
     scatter_run "$name" "$FILL_MIB" 3
     if [ "$name" = ublk ]; then
+        # How often a write reached a page table group with no memory: a spare slot taken at
+        # once, or a wait for the refill thread (see src/store/table_memory.rs).
+        figure ublk_table_spares_taken "$(ublk_json_count table_spares_taken)"
+        figure ublk_table_group_waits "$(ublk_json_count table_group_waits)"
         # A compaction asked for, after the discards of two runs left chunks half empty.
         trueno-ublk compact --id 0 >/tmp/compact.out 2>&1
         check "$name: trueno-ublk compact --id 0 ($(cat /tmp/compact.out))" \

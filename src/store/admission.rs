@@ -236,9 +236,10 @@ impl BatchedPageStore {
     /// Pin the table groups of pages `first..first + pages` for a write (see `table_memory`),
     /// asking the refill thread to commit those that are not, and the `TABLE_GROUPS_AHEAD`
     /// after the last unless free memory is at its floor (so that writes moving through the
-    /// device find them committed). A group not committed yet: with `SlotWait::Block`, waits
-    /// for it; with `SlotWait::Defer`, returns `None` (the caller tries again later); both
-    /// unless the starvation rule gives up.
+    /// device find them committed). A group not committed yet takes a spare slot if the
+    /// refill thread has one ready (`TableMemory::take_spare`); if not, with `SlotWait::Block`
+    /// the write waits for it; with `SlotWait::Defer`, returns `None` (the caller tries again
+    /// later); both unless the starvation rule gives up.
     pub(super) fn pin_table(
         &self,
         first: u64,
@@ -296,7 +297,16 @@ impl BatchedPageStore {
                 }
             }
         }
+        // A spare slot, if the refill thread has one ready: no wait at all.
+        if memory.take_spare(group) {
+            add(&self.counters.table_spares_taken, 1);
+            reserve.wake_refill();
+            if memory.pin(group) {
+                return Ok(true);
+            }
+        }
         if memory.want(group) {
+            add(&self.counters.table_group_waits, 1);
             reserve.wake_refill();
         }
         match wait {
@@ -314,6 +324,11 @@ impl BatchedPageStore {
                 let pinned = loop {
                     if memory.pin(group) {
                         break Ok(true);
+                    }
+                    if memory.take_spare(group) {
+                        add(&self.counters.table_spares_taken, 1);
+                        reserve.wake_refill();
+                        continue;
                     }
                     memory.want(group);
                     let waited = stall.waited(reserve);

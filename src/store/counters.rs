@@ -68,6 +68,13 @@ pub struct StoreStats {
     pub long_waited_writes: u64,
     #[serde(default)]
     pub longest_write_wait_ms: u64,
+    /// Groups of the page table (8 MiB of device each) a write reached with no memory that
+    /// took a spare slot at once, and that a write waited for the refill thread to commit (no
+    /// spare was ready; see `table_memory`).
+    #[serde(default)]
+    pub table_spares_taken: u64,
+    #[serde(default)]
+    pub table_group_waits: u64,
     /// Bytes of chunk memory held ready in the reserve (not in `mem_used`).
     #[serde(default)]
     pub reserve_bytes: u64,
@@ -165,6 +172,8 @@ pub(super) struct Counters {
     pub(super) oom_kills_asked: AtomicU64,
     pub(super) long_waited_writes: AtomicU64,
     pub(super) longest_write_wait_ms: AtomicU64,
+    pub(super) table_spares_taken: AtomicU64,
+    pub(super) table_group_waits: AtomicU64,
     pub(super) lost_pages: AtomicU64,
     pub(super) checksum_failures: AtomicU64,
     pub(super) gpu_mismatched_pages: AtomicU64,

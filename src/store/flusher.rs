@@ -208,6 +208,9 @@ impl BatchedPageStore {
                 tracing::warn!(%error, "committing the page table's memory failed; writes to its new part wait");
             }
         }
+        if let Err(error) = memory.keep_spares(|bytes| reserve.make_room_for(bytes)) {
+            tracing::warn!(%error, "committing a spare part of the page table failed; a write to a new part waits for one");
+        }
         // Not while memory is short: swap is then at its busiest, and a group given back is
         // one a write may wait for.
         if self.memory_short() {

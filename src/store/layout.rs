@@ -7,6 +7,7 @@
 //! | table | one word per device page (see `table`); this and the next two are committed a group of pages at a time as the device is written (see `table_memory`) |
 //! | hints | one 16-bit idle hint per device page (see `table::Hint`); not crash-consistent, started afresh on resume |
 //! | checksums | the checksum of each stored page's data (`codec::PageChecksum`: XXH64's low half, or CRC32C in a store of version 3), written before its entry names the object |
+//! | group map | (version 5) the slot of the three regions above each group of entries is in (see `table_memory`); those regions then hold whole groups |
 //! | slot indexes | the page index each pending slot holds |
 //! | slot pages | the pending batches' pages |
 //! | arena tags | a word per arena page (see `mem::Arena`) |
@@ -23,18 +24,41 @@
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::table_memory::{Region, TableMemory};
+use super::table_memory::{Region, Slots, TableMemory, GROUP_PAGES};
 use super::{alloc, StoreError, PENDING_BATCHES};
 use crate::codec::{PageChecksum, PAGE_SIZE};
 use crate::mem::{Arena, PageSlots, Segment, Words};
 
 /// Version of this layout and of the meaning of its words, which new stores get. A binary
 /// refuses a segment of a version it does not read (`READ_VERSIONS`), and leaves it untouched
-/// for a binary that does. Version 4 checksums pages with XXH64, version 3 with CRC32C (its
-/// words mean the same otherwise): a store of version 3 is resumed as it is, and keeps CRC32C
-/// and its version, so the binary that made it can still take it back.
-pub const LAYOUT_VERSION: u64 = 4;
-const READ_VERSIONS: [u64; 2] = [3, LAYOUT_VERSION];
+/// for a binary that does. Version 5 places groups of the table in any slot (the group map),
+/// versions 3 and 4 group `g` in slot `g`; version 3 checksums pages with CRC32C, the others
+/// with XXH64 (their words mean the same otherwise). A store of an older version is resumed as
+/// it is, and keeps its layout and its version, so the binary that made it can still take it
+/// back.
+pub const LAYOUT_VERSION: u64 = 5;
+const READ_VERSIONS: [u64; 3] = [3, 4, LAYOUT_VERSION];
+
+/// The layout version of the stores this thread makes: `LAYOUT_VERSION`, but tests make
+/// stores of older versions to resume them.
+pub(super) fn new_store_version() -> u64 {
+    #[cfg(test)]
+    return OLDER_LAYOUT_FOR_TESTS.with(std::cell::Cell::get);
+    #[cfg(not(test))]
+    LAYOUT_VERSION
+}
+
+#[cfg(test)]
+thread_local! {
+    /// See `new_store_version`.
+    pub(super) static OLDER_LAYOUT_FOR_TESTS: std::cell::Cell<u64> =
+        const { std::cell::Cell::new(LAYOUT_VERSION) };
+}
+
+/// Whether a store of layout `version` has the group map (see `table_memory`).
+fn maps_groups(version: u64) -> bool {
+    version >= 5
+}
 
 /// The page checksum of a store of layout `version` (one of `READ_VERSIONS`).
 fn checksum_of_version(version: u64) -> PageChecksum {
@@ -199,6 +223,7 @@ impl AttachedStore {
             slots_per_batch,
             arena_bytes,
             class_fingerprint: 0,
+            version: header[H_VERSION].load(Ordering::Acquire),
         };
         let used = shape
             .offsets()
@@ -218,13 +243,18 @@ pub(super) struct Shape {
     pub(super) slots_per_batch: usize,
     pub(super) arena_bytes: usize,
     pub(super) class_fingerprint: u64,
+    /// The layout version (`LAYOUT_VERSION` for a new store).
+    pub(super) version: u64,
 }
 
 /// Byte offsets of the regions.
 struct Offsets {
     table: usize,
+    /// Entries in the table, hints and checksums: whole groups with a group map.
+    table_len: usize,
     hints: usize,
     checksums: usize,
+    group_map: usize,
     indexes: usize,
     slots: usize,
     tags: usize,
@@ -238,18 +268,27 @@ fn page_round(bytes: usize) -> usize {
 
 impl Shape {
     fn offsets(&self) -> Offsets {
+        let groups = TableMemory::groups_of(self.pages);
+        let (table_len, map_len) = if maps_groups(self.version) {
+            (groups * GROUP_PAGES, groups * 4)
+        } else {
+            (self.pages, 0)
+        };
         let table = PAGE_SIZE;
-        let hints = table + page_round(self.pages * 8);
-        let checksums = hints + page_round(self.pages * 2);
-        let indexes = checksums + page_round(self.pages * 4);
+        let hints = table + page_round(table_len * 8);
+        let checksums = hints + page_round(table_len * 2);
+        let group_map = checksums + page_round(table_len * 4);
+        let indexes = group_map + page_round(map_len);
         let slots_total = PENDING_BATCHES * self.slots_per_batch;
         let slots = indexes + page_round(slots_total * 8);
         let tags = slots + slots_total * PAGE_SIZE;
         let arena = tags + page_round(self.arena_bytes / PAGE_SIZE * 4);
         Offsets {
             table,
+            table_len,
             hints,
             checksums,
+            group_map,
             indexes,
             slots,
             tags,
@@ -327,10 +366,10 @@ impl Regions {
     }
 
     fn fresh(segment: &Arc<Segment>, shape: Shape) -> Result<Self, StoreError> {
-        let regions = Self::map(segment, shape, None)?;
+        let regions = Self::map(segment, shape, false)?;
         let header = &regions.owner.header;
         for (word, value) in [
-            (H_VERSION, LAYOUT_VERSION),
+            (H_VERSION, shape.version),
             (H_PAGES, shape.pages as u64),
             (H_SLOTS, shape.slots_per_batch as u64),
             (H_ARENA, shape.arena_bytes as u64),
@@ -394,6 +433,7 @@ impl Regions {
             slots_per_batch: usize::try_from(word(H_SLOTS)).unwrap_or(usize::MAX),
             arena_bytes: usize::try_from(word(H_ARENA)).unwrap_or(usize::MAX),
             class_fingerprint: wanted.class_fingerprint,
+            version,
         };
         if shape.slots_per_batch > 1 << 20
             || shape.arena_bytes % PAGE_SIZE != 0
@@ -404,23 +444,23 @@ impl Regions {
             ));
         }
         drop(header);
-        let regions = Self::map(segment, shape, Some(version))?;
+        let regions = Self::map(segment, shape, true)?;
         regions.owner.header[H_OWNER].store(u64::from(std::process::id()), Ordering::Release);
         Ok(regions)
     }
 
-    /// Views of every region, the fixed ones committed; `resumed`: the layout version of the
-    /// store found, `None` for a fresh one.
-    fn map(segment: &Arc<Segment>, shape: Shape, resumed: Option<u64>) -> Result<Self, StoreError> {
+    /// Views of every region, the fixed ones committed; `resumed`: whether the store was
+    /// found (else it is fresh).
+    fn map(segment: &Arc<Segment>, shape: Shape, resumed: bool) -> Result<Self, StoreError> {
         let o = shape.offsets();
         let mapping = || memory_error("mapping the store's memory");
-        // The header, slot indexes and slot pages; the table, hints and checksums are committed
-        // a group at a time as the device is written (`TableMemory`), the tags and the arena
-        // as chunks are carved.
+        // The header, group map, slot indexes and slot pages; the table, hints and checksums
+        // are committed a group at a time as the device is written (`TableMemory`), the tags
+        // and the arena as chunks are carved.
         segment.commit(0, PAGE_SIZE).map_err(mapping())?;
-        if o.tags > o.indexes {
+        if o.tags > o.group_map {
             segment
-                .commit(o.indexes, o.tags - o.indexes)
+                .commit(o.group_map, o.tags - o.group_map)
                 .map_err(mapping())?;
         }
         fn view<T>(r: std::io::Result<T>) -> Result<T, StoreError> {
@@ -440,9 +480,9 @@ impl Regions {
             owner: Ownership {
                 header: view(segment.words(0, HEADER_WORDS))?,
             },
-            table: view(segment.words(o.table, shape.pages))?,
-            hints: view(segment.words16(o.hints, shape.pages))?,
-            checksums: view(segment.words32(o.checksums, shape.pages))?,
+            table: view(segment.words(o.table, o.table_len))?,
+            hints: view(segment.words16(o.hints, o.table_len))?,
+            checksums: view(segment.words32(o.checksums, o.table_len))?,
             table_memory: TableMemory::new(
                 Arc::clone(segment),
                 Region {
@@ -460,6 +500,15 @@ impl Regions {
                     },
                 ],
                 shape.pages,
+                if maps_groups(shape.version) {
+                    let groups = TableMemory::groups_of(shape.pages);
+                    Some(Slots::new(
+                        view(segment.words32(o.group_map, groups))?,
+                        groups,
+                    ))
+                } else {
+                    None
+                },
             ),
             batches,
             arena: view(Arena::new(
@@ -470,8 +519,8 @@ impl Regions {
                 o.tags,
             ))?,
             class_chunks: view(segment.words(H_CLASS_CHUNKS * 8, alloc::MAX_CLASSES))?,
-            resumed: resumed.is_some(),
-            checksum: checksum_of_version(resumed.unwrap_or(LAYOUT_VERSION)),
+            resumed,
+            checksum: checksum_of_version(shape.version),
         })
     }
 }

@@ -269,6 +269,7 @@ impl BatchedPageStore {
             slots_per_batch: batch_pages,
             arena_bytes: usize::try_from(arena_bytes).unwrap_or(usize::MAX),
             class_fingerprint: alloc::class_fingerprint(),
+            version: layout::new_store_version(),
         })?;
         // A resumed store keeps the batch size it was made with.
         let slots = regions.shape.slots_per_batch;
@@ -296,6 +297,7 @@ impl BatchedPageStore {
             short_memory_compressor: config.short_memory_compressor(),
             memory_short: AtomicBool::new(false),
             table: PageTable::new(
+                regions.shape.pages,
                 regions.table,
                 regions.hints,
                 regions.checksums,
@@ -777,6 +779,8 @@ impl BatchedPageStore {
             starved_writes: get(&c.starved_writes),
             long_waited_writes: get(&c.long_waited_writes),
             longest_write_wait_ms: get(&c.longest_write_wait_ms),
+            table_spares_taken: get(&c.table_spares_taken),
+            table_group_waits: get(&c.table_group_waits),
             oom_kills_asked: get(&c.oom_kills_asked),
             lost_pages: get(&c.lost_pages),
             checksum_failures: get(&c.checksum_failures),

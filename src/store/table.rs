@@ -306,11 +306,18 @@ impl Drop for EntryGuard<'_> {
 
 /// The word of an empty entry, unlocked.
 const EMPTY_WORD: u64 = KIND_EMPTY << KIND_SHIFT;
+const _: () = assert!(
+    EMPTY_WORD == 0,
+    "memory given back reads as zeros: empty, unlocked entries (see `table_memory`)"
+);
 
 /// The entries, hints and checksums, over memory committed a group of entries at a time
 /// (`TableMemory`): an entry of a group that is not committed is empty, and only a writer that
-/// pinned its group (`TableMemory::pin`) may lock it to make it anything else.
+/// pinned its group (`TableMemory::pin`) may lock it to make it anything else. Entry `index`
+/// is at `TableMemory::place` in the three views, by the slot its group is in.
 pub(super) struct PageTable {
+    /// Entries of the device: `entries` may be longer (whole slots).
+    pages: usize,
     entries: Words<AtomicU64>,
     /// One per entry.
     hints: Words<AtomicU16>,
@@ -320,17 +327,20 @@ pub(super) struct PageTable {
 }
 
 impl PageTable {
-    /// The table in `entries` with its `hints` and `checksums` (as many), whose memory
-    /// `memory` commits, as a fresh or a resumed store left them.
+    /// The table of `pages` entries in `entries` with its `hints` and `checksums` (as many),
+    /// whose memory `memory` commits, as a fresh or a resumed store left them.
     pub(super) fn new(
+        pages: usize,
         entries: Words<AtomicU64>,
         hints: Words<AtomicU16>,
         checksums: Words<AtomicU32>,
         memory: TableMemory,
     ) -> Self {
+        debug_assert!(entries.len() >= pages, "an entry per page");
         debug_assert_eq!(entries.len(), hints.len(), "one hint per entry");
         debug_assert_eq!(entries.len(), checksums.len(), "one checksum per entry");
         Self {
+            pages,
             entries,
             hints,
             checksums,
@@ -355,18 +365,18 @@ impl PageTable {
 
     /// Whether some entry of `group` holds a page (a look without locks).
     pub(super) fn holds_pages(&self, group: usize) -> bool {
-        self.memory.state(group) == GroupState::Committed
-            && self
-                .memory
-                .indexes(group)
-                .any(|i| self.entries[i].load(Ordering::Relaxed) & !LOCKED != EMPTY_WORD)
+        let word = self.memory.word(group);
+        GroupState::of(word) == GroupState::Committed
+            && self.memory.indexes(group).any(|i| {
+                self.entries[TableMemory::place(word, i)].load(Ordering::Relaxed) & !LOCKED
+                    != EMPTY_WORD
+            })
     }
 
     /// Give group `group`'s memory back if none of its entries holds a page; whether it was.
     /// Locks each of its entries (no other thread holds two, and none waits for memory while
     /// it holds one, so this waits only for the short sections under them).
     pub(super) fn retire(&self, group: usize) -> std::io::Result<bool> {
-        let indexes = self.memory.indexes(group);
         // A look without locks first, so that a group in use costs a read of its entries.
         if self.memory.state(group) != GroupState::Committed
             || self.holds_pages(group)
@@ -374,11 +384,18 @@ impl PageTable {
         {
             return Ok(false);
         }
+        // Retiring, its slot stays put until it is absent.
+        let word = self.memory.word(group);
+        let indexes = self.memory.indexes(group);
+        let places =
+            TableMemory::place(word, indexes.start)..TableMemory::place(word, indexes.end - 1) + 1;
         // No writer has it pinned, and none can pin it now: only they make an empty entry
-        // anything else, so once every entry is locked and empty it stays so.
-        let mut locked = indexes.start;
+        // anything else, so once every entry is locked and empty it stays so (unlocked again
+        // before it is given up: lockers wait while it is retiring, and a slot kept as a
+        // spare must read as empty and unlocked).
+        let mut locked = places.start;
         let mut empty = true;
-        while locked < indexes.end {
+        while locked < places.end {
             let word = lock_word(&self.entries[locked]);
             locked += 1;
             if word != EMPTY_WORD {
@@ -387,26 +404,26 @@ impl PageTable {
             }
         }
         if empty {
-            match self.memory.give_back(group) {
-                Ok(()) => return Ok(true),
+            self.unlock_empty(places);
+            return match self.memory.give_back(group) {
+                Ok(()) => Ok(true),
                 Err(error) => {
-                    // What was punched reads as empty and unlocked; the rest is unlocked below.
-                    self.unlock_empty(indexes.start..locked);
+                    // What was punched reads as empty and unlocked.
                     self.memory.keep(group);
-                    return Err(error);
+                    Err(error)
                 }
-            }
+            };
         }
         // The last one locked may hold a page: every other one was empty.
         let last = locked - 1;
         let last_word = self.entries[last].load(Ordering::Relaxed) & !LOCKED;
-        self.unlock_empty(indexes.start..last);
+        self.unlock_empty(places.start..last);
         self.entries[last].store(last_word, Ordering::Release);
         self.memory.keep(group);
         Ok(false)
     }
 
-    /// Unlock entries `range`, locked by `retire` and empty.
+    /// Unlock entries `range` (places), locked by `retire` and empty.
     fn unlock_empty(&self, range: std::ops::Range<usize>) {
         for i in range {
             self.entries[i].store(EMPTY_WORD, Ordering::Release);
@@ -414,17 +431,19 @@ impl PageTable {
     }
 
     pub(super) fn len(&self) -> usize {
-        self.entries.len()
+        self.pages
     }
 
     /// Entry `index`'s state, with a lock bit left by a dead process cleared. Only for a store
     /// nobody serves yet (resume).
     /// Its hint starts afresh (accessed now, on a clock that starts again at 0, no flags).
+    /// Only for an entry of a committed group.
     pub(super) fn recover(&self, index: usize) -> PageState {
-        let entry = &self.entries[index];
+        let at = TableMemory::place(self.memory.word(TableMemory::group_of(index as u64)), index);
+        let entry = &self.entries[at];
         let word = entry.load(Ordering::Acquire) & !LOCKED;
         entry.store(word, Ordering::Release);
-        self.hints[index].store(0, Ordering::Relaxed);
+        self.hints[at].store(0, Ordering::Relaxed);
         PageState::decode(word)
     }
 
@@ -432,14 +451,19 @@ impl PageTable {
     /// at under the lock (the recompressor's scan). `None` while the entry is locked.
     /// Also `None` for an entry of a group that is not committed (it is empty).
     pub(super) fn peek(&self, index: usize) -> Option<(PageState, Hint)> {
-        if index >= self.entries.len() || !self.is_committed(index) {
+        if index >= self.pages {
             return None;
         }
-        let word = self.entries[index].load(Ordering::Relaxed);
+        let group = self.memory.word(TableMemory::group_of(index as u64));
+        if GroupState::of(group) != GroupState::Committed {
+            return None;
+        }
+        let at = TableMemory::place(group, index);
+        let word = self.entries[at].load(Ordering::Relaxed);
         if word & LOCKED != 0 {
             return None;
         }
-        let hint = Hint(self.hints[index].load(Ordering::Relaxed));
+        let hint = Hint(self.hints[at].load(Ordering::Relaxed));
         Some((PageState::decode(word), hint))
     }
 
@@ -449,18 +473,16 @@ impl PageTable {
     pub(super) fn lock(&self, index: u64) -> Option<EntryGuard<'_>> {
         // An index past the table (impossible: requests are range-checked) fails the lookup.
         let index = usize::try_from(index).unwrap_or(usize::MAX);
-        let (entry, hint, checksum) = (
-            &self.entries[index],
-            &self.hints[index],
-            &self.checksums[index],
-        );
         let group = TableMemory::group_of(index as u64);
         let mut spins = 0u32;
-        let word = loop {
-            match self.memory.state(group) {
+        let (at, word) = loop {
+            let placed = self.memory.word(group);
+            match GroupState::of(placed) {
                 GroupState::Absent => return None,
                 GroupState::Retiring => {}
                 GroupState::Committed => {
+                    let at = TableMemory::place(placed, index);
+                    let entry = &self.entries[at];
                     let cur = entry.load(Ordering::Relaxed);
                     if cur & LOCKED == 0
                         && entry
@@ -472,11 +494,12 @@ impl PageTable {
                             )
                             .is_ok()
                     {
-                        if self.memory.state(group) == GroupState::Committed {
-                            break cur;
+                        if self.memory.still(group, placed) {
+                            break (at, cur);
                         }
-                        // Being given back (which waits for this lock) since the look above:
-                        // let go and see how that ends.
+                        // Given back (which waits for this lock), or given back and placed in
+                        // another slot, since the look above: this entry may be another
+                        // group's now. Let go and look again.
                         entry.store(cur, Ordering::Release);
                     }
                 }
@@ -489,9 +512,9 @@ impl PageTable {
             }
         };
         Some(EntryGuard {
-            entry,
-            hint,
-            checksum,
+            entry: &self.entries[at],
+            hint: &self.hints[at],
+            checksum: &self.checksums[at],
             word,
             state: PageState::decode(word),
             changed: false,
@@ -535,10 +558,20 @@ mod tests {
     }
 
     fn uncommitted_table(pages: usize) -> PageTable {
-        use super::super::table_memory::Region;
+        laid_out_table(pages, false)
+    }
+
+    /// A table of `pages` entries as a store of layout version 5 lays it out (whole groups,
+    /// placed by a group map: see `table_memory`) if `mapped`, else as versions 3 and 4 do;
+    /// every group absent.
+    fn laid_out_table(pages: usize, mapped: bool) -> PageTable {
+        use super::super::table_memory::{Region, Slots, GROUP_PAGES};
         let round = |bytes: usize| bytes.next_multiple_of(crate::codec::PAGE_SIZE);
-        let (hints, checksums) = (round(pages * 8), round(pages * 8) + round(pages * 2));
-        let segment = crate::mem::Segment::private(checksums + round(pages * 4)).unwrap();
+        let groups = TableMemory::groups_of(pages);
+        let len = if mapped { groups * GROUP_PAGES } else { pages };
+        let (hints, checksums) = (round(len * 8), round(len * 8) + round(len * 2));
+        let map = checksums + round(len * 4);
+        let segment = crate::mem::Segment::private(map + round(groups * 4)).unwrap();
         let memory = TableMemory::new(
             std::sync::Arc::clone(&segment),
             Region {
@@ -556,11 +589,13 @@ mod tests {
                 },
             ],
             pages,
+            mapped.then(|| Slots::new(segment.words32(map, groups).unwrap(), groups)),
         );
         PageTable::new(
-            segment.words(0, pages).unwrap(),
-            segment.words16(hints, pages).unwrap(),
-            segment.words32(checksums, pages).unwrap(),
+            pages,
+            segment.words(0, len).unwrap(),
+            segment.words16(hints, len).unwrap(),
+            segment.words32(checksums, len).unwrap(),
             memory,
         )
     }
@@ -617,6 +652,109 @@ mod tests {
         t.memory().commit(1).unwrap();
         assert_eq!(t.lock(last).unwrap().state(), PageState::Empty);
         assert!(t.memory().pin(1));
+    }
+
+    #[test]
+    #[allow(clippy::cast_possible_truncation, reason = "a few groups of entries")]
+    fn a_writer_takes_a_spare_slot_and_a_group_given_back_leaves_its_slot_spare() {
+        use super::super::table_memory::{GROUP_PAGES, SPARE_SLOTS};
+        const SLOT_BYTES: u64 = 28 << 10;
+        let group = GROUP_PAGES as u64;
+        let t = laid_out_table(8 * GROUP_PAGES, true);
+        let m = t.memory();
+        assert!(
+            !m.take_spare(3),
+            "no spare before the refill thread commits them"
+        );
+        assert_eq!(m.keep_spares(|_| ()).unwrap(), SPARE_SLOTS);
+        let spares = SPARE_SLOTS as u64 * SLOT_BYTES;
+        assert_eq!(t.bytes(), spares);
+        // Group 6 takes a spare (slot 0): committed at once, with no memory committed for it.
+        assert!(m.take_spare(6));
+        assert_eq!(t.bytes(), spares);
+        let page = 6 * group + 5;
+        t.lock(page).unwrap().replace(PageState::same(42).unwrap());
+        // Group 2 gets a slot committed for it (slot 4: the refill thread's way).
+        m.commit(2).unwrap();
+        assert_eq!(t.bytes(), spares + SLOT_BYTES);
+        t.lock(2 * group)
+            .unwrap()
+            .replace(PageState::same(7).unwrap());
+        // Group 6 emptied and given back: its slot is a spare again (three were left).
+        t.lock(page).unwrap().replace(PageState::Empty);
+        assert!(t.retire(6).unwrap());
+        assert!(t.lock(page).is_none());
+        assert_eq!(t.bytes(), spares + SLOT_BYTES);
+        // That slot serves group 1 now: every entry empty and unlocked, group 6 still absent.
+        assert!(m.take_spare(1));
+        assert!((group..2 * group).all(|i| t.lock(i).unwrap().state() == PageState::Empty));
+        t.lock(group + 5)
+            .unwrap()
+            .replace(PageState::same(1).unwrap());
+        assert!(t.lock(page).is_none());
+        assert_eq!(t.peek(page as usize), None);
+        assert_eq!(
+            t.peek(group as usize + 5).map(|(state, _)| state),
+            Some(PageState::Same(1))
+        );
+        assert_eq!(t.lock(2 * group).unwrap().state(), PageState::Same(7));
+        // With every spare ready, a group given back gives its memory back.
+        assert_eq!(m.keep_spares(|_| ()).unwrap(), 1);
+        let before = t.bytes();
+        t.lock(2 * group).unwrap().replace(PageState::Empty);
+        assert!(t.retire(2).unwrap());
+        assert_eq!(t.bytes(), before - SLOT_BYTES);
+        assert!(t.lock(2 * group).is_none());
+        // Committed again (in the slot it left), it reads empty.
+        m.commit(2).unwrap();
+        assert_eq!(t.lock(2 * group + 1).unwrap().state(), PageState::Empty);
+    }
+
+    #[test]
+    #[allow(clippy::cast_possible_truncation, reason = "a few groups of entries")]
+    fn lockers_racing_groups_moved_between_slots_see_only_their_own_entries() {
+        use super::super::table_memory::GROUP_PAGES;
+        let group = GROUP_PAGES as u64;
+        let t = laid_out_table(4 * GROUP_PAGES, true);
+        let m = t.memory();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            // Groups 0 and 1 given back and placed again over and over, in whichever slot is
+            // spare: a page written in one must never be seen through the other.
+            s.spawn(|| {
+                for _ in 0..2000 {
+                    m.keep_spares(|_| ()).unwrap();
+                    for g in [0, 1] {
+                        let _ = t.retire(g);
+                        m.take_spare(g);
+                    }
+                }
+                stop.store(true, Ordering::Relaxed);
+            });
+            for g in [0u64, 1] {
+                let (t, stop) = (&t, &stop);
+                s.spawn(move || {
+                    let mine = PageState::same(g + 100).unwrap();
+                    while !stop.load(Ordering::Relaxed) {
+                        let i = g * group + 9;
+                        if !m.pin(g as usize) {
+                            continue;
+                        }
+                        if let Some(mut entry) = t.lock(i) {
+                            assert!(
+                                matches!(entry.state(), PageState::Empty) || entry.state() == mine
+                            );
+                            entry.replace(mine);
+                        }
+                        if let Some(mut entry) = t.lock(i) {
+                            assert_eq!(entry.state(), mine, "group {g}");
+                            entry.replace(PageState::Empty);
+                        }
+                        m.unpin(g as usize);
+                    }
+                });
+            }
+        });
     }
 
     #[test]

@@ -22,7 +22,24 @@
 //! zeroed page (empty entries), the reader sees the group absent and lets go; that page stays
 //! until the group is committed and given back again.
 //!
-//! A resumed store finds its committed groups by asking which of their pages are in memory
+//! Where a group's memory lies: in a store of layout version 5 any *slot* of the table's
+//! regions (a group's worth of entries, hints and checksums) may hold any group, and a small
+//! map in the segment says which (`Slots`); the refill thread keeps `SPARE_SLOTS` slots
+//! committed and empty, and a writer that reaches a group with no memory takes one at once,
+//! without a system call. Why: a write that reaches a new group otherwise waits for the
+//! refill thread to fault its seven pages in, and near OOM each of those faults sleeps in the
+//! kernel's reclaim throttle (a second at a time: the refill thread is an I/O flusher), while
+//! every tag of the queue fills with writes to the same swap cluster and swap-out stops (seen
+//! in the VM: a write starved 5 s with the refill thread in one group's commit, in the
+//! three-process swap run of the clean-clone CI; 5 to 15 s in the near-OOM stage). Spares are
+//! the table's reserve, as committed chunks are the arena's. A group given back leaves its
+//! slot as a spare (if fewer are kept) rather than to the system. In a store of version 3 or
+//! 4, group `g` is slot `g` (the layout those binaries made), and nothing is spare.
+//!
+//! A resumed store of version 5 finds its groups in the map, commits each one's slot (a
+//! process may have died committing it), keeps up to `SPARE_SLOTS` other slots with memory as
+//! spares (every entry empty) and gives back the memory of the rest. One
+//! of version 3 or 4 finds its committed groups by asking which of their pages are in memory
 //! (`Segment::any_in_memory`: the segment's file, which allocates nothing), and commits the
 //! rest of a group a process died in the middle of committing. A store made by a binary that
 //! committed the whole table up front resumes with every group committed.
@@ -30,34 +47,57 @@
 #![forbid(unsafe_code)]
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
+
 use super::nanos;
 use crate::codec::PAGE_SIZE;
-use crate::mem::Segment;
+use crate::mem::{Segment, Words};
 
 /// Entries per group: 16 KiB of entries, 4 KiB of hints, 8 KiB of checksums (whole pages
 /// each), 8 MiB of device (four of swap's clusters).
 pub(super) const GROUP_PAGES: usize = 2048;
 
+/// Slots the refill thread keeps committed and empty for writers reaching new groups (a store
+/// of layout version 5): 112 KiB. Groups asked for ahead of writes (see `admission`) cover a
+/// swap storm while memory is plentiful; the spares cover writes that outrun them, or reach a
+/// group when memory is short (then nothing is asked for ahead), and the refill thread, woken
+/// by each one taken, replaces it in its next pass.
+pub(super) const SPARE_SLOTS: usize = 4;
+
 /// A group's state, the low bits of its word.
-const STATE_MASK: u32 = 0b11;
+const STATE_MASK: u64 = 0b11;
 /// No memory: every entry is empty.
-const ABSENT: u32 = 0;
+const ABSENT: u64 = 0;
 /// No memory yet; a writer asked the refill thread for it.
-const WANTED: u32 = 1;
-const COMMITTED: u32 = 2;
+const WANTED: u64 = 1;
+const COMMITTED: u64 = 2;
 /// Being given back: entries are being locked and checked (`PageTable::retire`).
-const RETIRING: u32 = 3;
+const RETIRING: u64 = 3;
 /// Bit 2: an entry of the group was emptied since the last look for empty groups.
-const EMPTIED: u32 = 1 << 2;
+const EMPTIED: u64 = 1 << 2;
 /// Bit 3: committed and no writer has pinned it since (asked for ahead of writes that have
 /// not come, or adopted on resume).
-const UNWRITTEN: u32 = 1 << 3;
-/// Pins count from bit 4.
-const PIN: u32 = 1 << 4;
+const UNWRITTEN: u64 = 1 << 3;
+/// Pins count from bit 4 (up to bit 31: writers in flight are far fewer than 2^28).
+const PIN: u64 = 1 << 4;
+/// The slot holding a committed (or retiring) group's memory: the high 32 bits, so that a
+/// locker reads the state and the place of an entry in one load.
+const SLOT_SHIFT: u32 = 32;
+const STATE_AND_SLOT: u64 = STATE_MASK | (u64::MAX << SLOT_SHIFT);
+
+/// A slot's state (`Slots::states`).
+/// No memory.
+const SLOT_FREE: u8 = 0;
+/// Committed, empty (every entry empty and unlocked), held by no group.
+const SLOT_SPARE: u8 = 1;
+/// Holds a group.
+const SLOT_USED: u8 = 2;
+/// Being committed by the thread that took it free.
+const SLOT_BUSY: u8 = 3;
 
 /// How often groups are looked at for giving back (`groups_to_look_at`): their memory is
 /// back well within the 2 s in which a daemon whose swapped pages were freed is to be back at
@@ -79,6 +119,17 @@ pub(super) enum GroupState {
     Retiring,
 }
 
+impl GroupState {
+    /// The state in a group's word.
+    pub(super) fn of(word: u64) -> Self {
+        match word & STATE_MASK {
+            COMMITTED => GroupState::Committed,
+            RETIRING => GroupState::Retiring,
+            _ => GroupState::Absent,
+        }
+    }
+}
+
 /// The bytes of one kind of per-page data (entries, hints or checksums) in the segment.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Region {
@@ -87,13 +138,49 @@ pub(super) struct Region {
     pub(super) width: usize,
 }
 
+/// Where groups' memory may lie, in a store of layout version 5 (see the module's comment).
+pub(super) struct Slots {
+    /// Per group: its slot plus one, 0 for none. Written while `placing` is held, before the
+    /// group's word names the slot and after it no longer does: what a resumed store reads.
+    map: Words<AtomicU32>,
+    /// Per slot: `SLOT_FREE`, `SLOT_SPARE`, `SLOT_USED` or `SLOT_BUSY`.
+    states: Box<[AtomicU8]>,
+    spares: AtomicUsize,
+    /// Held while a group takes a slot or gives one up, so that the map and the group's word
+    /// agree, and no two threads give one group two slots.
+    placing: Mutex<()>,
+}
+
+impl Slots {
+    /// The slots of a table of `groups` groups, with `map` (one word per group) in its segment.
+    pub(super) fn new(map: Words<AtomicU32>, groups: usize) -> Self {
+        Self {
+            map,
+            states: (0..groups).map(|_| AtomicU8::new(SLOT_FREE)).collect(),
+            spares: AtomicUsize::new(0),
+            placing: Mutex::new(()),
+        }
+    }
+
+    /// Take a slot in state `from` for a new state `to`; `None` if none is in `from`.
+    fn take(&self, from: u8, to: u8) -> Option<usize> {
+        self.states.iter().position(|state| {
+            state
+                .compare_exchange(from, to, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        })
+    }
+}
+
 pub(super) struct TableMemory {
     segment: Arc<Segment>,
     /// Entries first: a group is committed once its entries' pages are (see `adopt`).
     entries: Region,
     others: [Region; 2],
     pages: usize,
-    groups: Box<[AtomicU32]>,
+    groups: Box<[AtomicU64]>,
+    /// `None`: group `g` is slot `g` (layout versions 3 and 4).
+    slots: Option<Slots>,
     /// Some group is `WANTED`.
     wanted: AtomicBool,
     /// Some group is marked `EMPTIED`.
@@ -110,21 +197,24 @@ pub(super) struct TableMemory {
 
 impl TableMemory {
     /// The memory of a table of `pages` entries: `entries`, and the hints and checksums beside
-    /// them, in `segment`; every group absent.
+    /// them, in `segment`, placed by `slots` (`None`: group `g` in slot `g`); every group absent.
+    /// With `slots`, each region holds a whole group's worth per group.
     pub(super) fn new(
         segment: Arc<Segment>,
         entries: Region,
         others: [Region; 2],
         pages: usize,
+        slots: Option<Slots>,
     ) -> Self {
         Self {
             segment,
             entries,
             others,
             pages,
-            groups: (0..pages.div_ceil(GROUP_PAGES))
-                .map(|_| AtomicU32::new(ABSENT))
+            groups: (0..Self::groups_of(pages))
+                .map(|_| AtomicU64::new(ABSENT))
                 .collect(),
+            slots,
             wanted: AtomicBool::new(false),
             emptied: AtomicBool::new(false),
             unwritten: AtomicBool::new(false),
@@ -133,6 +223,11 @@ impl TableMemory {
             epoch: Instant::now(),
             committed_bytes: AtomicU64::new(0),
         }
+    }
+
+    /// Groups of a table of `pages` entries.
+    pub(super) fn groups_of(pages: usize) -> usize {
+        pages.div_ceil(GROUP_PAGES)
     }
 
     /// The group of entry `index`.
@@ -150,28 +245,47 @@ impl TableMemory {
         group * GROUP_PAGES..((group + 1) * GROUP_PAGES).min(self.pages)
     }
 
+    /// Group `group`'s word: its state (`GroupState::of`) and, committed or retiring, the
+    /// slot its entries are in (`place`).
+    pub(super) fn word(&self, group: usize) -> u64 {
+        self.groups[group].load(Ordering::Acquire)
+    }
+
+    /// Whether `group`'s word still names the state and slot it had in `word`.
+    pub(super) fn still(&self, group: usize, word: u64) -> bool {
+        (self.word(group) ^ word) & STATE_AND_SLOT == 0
+    }
+
+    /// Where entry `index` is in the table's regions, for its group's `word` (committed or
+    /// retiring).
+    pub(super) fn place(word: u64, index: usize) -> usize {
+        let slot = usize::try_from(word >> SLOT_SHIFT).unwrap_or(usize::MAX);
+        slot * GROUP_PAGES + index % GROUP_PAGES
+    }
+
     pub(super) fn state(&self, group: usize) -> GroupState {
-        match self.groups[group].load(Ordering::Acquire) & STATE_MASK {
-            COMMITTED => GroupState::Committed,
-            RETIRING => GroupState::Retiring,
-            _ => GroupState::Absent,
-        }
+        GroupState::of(self.word(group))
     }
 
     pub(super) fn is_committed_group(&self, group: usize) -> bool {
         self.state(group) == GroupState::Committed
     }
 
-    /// Bytes of table memory committed now.
+    /// Bytes of table memory committed now (spare slots included).
     pub(super) fn committed_bytes(&self) -> u64 {
         self.committed_bytes.load(Ordering::Relaxed)
     }
 
-    /// `(offset, len)` of the memory of `group` in each region, entries first: whole pages,
-    /// shared with no other group (a group's entries, hints and checksums are 16, 4 and 8 KiB,
-    /// and each region starts on a page and ends on one, see `layout`).
-    fn ranges(&self, group: usize) -> [(usize, usize); 3] {
-        let Range { start, end } = self.indexes(group);
+    /// `(offset, len)` of the memory of slot `slot` in each region, entries first: whole pages,
+    /// shared with no other slot (a slot's entries, hints and checksums are 16, 4 and 8 KiB,
+    /// and each region starts on a page and ends on one, see `layout`). With `Slots` each slot
+    /// is a whole group's worth; otherwise slot `g` is group `g`'s entries.
+    fn ranges(&self, slot: usize) -> [(usize, usize); 3] {
+        let Range { start, end } = if self.slots.is_some() {
+            slot * GROUP_PAGES..(slot + 1) * GROUP_PAGES
+        } else {
+            self.indexes(slot)
+        };
         let range = |r: Region| {
             let first = r.offset + start * r.width / PAGE_SIZE * PAGE_SIZE;
             let last = (r.offset + end * r.width).next_multiple_of(PAGE_SIZE);
@@ -184,8 +298,37 @@ impl TableMemory {
         ]
     }
 
-    fn group_bytes(&self, group: usize) -> usize {
-        self.ranges(group).iter().map(|&(_, len)| len).sum()
+    fn slot_bytes(&self, slot: usize) -> usize {
+        self.ranges(slot).iter().map(|&(_, len)| len).sum()
+    }
+
+    /// Fault slot `slot`'s memory in.
+    fn commit_slot(&self, slot: usize) -> std::io::Result<()> {
+        // Hints and checksums first, the entries last: a group of a store without `Slots`
+        // counts as committed on resume once any of its entries' pages is in memory.
+        let mut ranges = self.ranges(slot);
+        ranges.rotate_left(1);
+        for (offset, len) in ranges {
+            self.segment.commit(offset, len)?;
+        }
+        Ok(())
+    }
+
+    /// Whether every entry of slot `slot` is empty and unlocked (a zero word: see `table`).
+    fn slot_is_empty(&self, slot: usize) -> std::io::Result<bool> {
+        let [(offset, len), ..] = self.ranges(slot);
+        let entries = self.segment.words(offset, len / 8)?;
+        Ok(entries
+            .iter()
+            .all(|entry| entry.load(Ordering::Relaxed) == 0))
+    }
+
+    /// Give slot `slot`'s memory back: it reads as zeros (empty, unlocked entries) after.
+    fn decommit_slot(&self, slot: usize) -> std::io::Result<()> {
+        for (offset, len) in self.ranges(slot) {
+            self.segment.decommit(offset, len)?;
+        }
+        Ok(())
     }
 
     /// Pin `group` for a writer if it is committed: until `unpin`, it stays committed.
@@ -229,26 +372,129 @@ impl TableMemory {
         }
     }
 
-    /// Commit `group` now, if it is not committed. For the refill thread, and for a store
-    /// without one (tests, bench); never the I/O path of a store with one.
+    /// Make `group` (absent or wanted) committed in slot `slot` (committed, held for it),
+    /// unwritten until a writer pins it; false if another thread placed it first (the caller
+    /// keeps `slot`). With `Slots`, the caller holds `placing` and has written the map.
+    fn place_in(&self, group: usize, slot: usize) -> bool {
+        let slot_bits = (slot as u64) << SLOT_SHIFT;
+        let placed = self.groups[group]
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |word| {
+                (word & STATE_MASK <= WANTED).then_some(
+                    word & !STATE_AND_SLOT & !UNWRITTEN | COMMITTED | UNWRITTEN | slot_bits,
+                )
+            })
+            .is_ok();
+        if placed {
+            self.unwritten.store(true, Ordering::Release);
+        }
+        placed
+    }
+
+    /// Give `group` (absent or wanted) a spare slot, if one is ready: a writer's way to a new
+    /// group without a system call. True if the group is committed now.
+    pub(super) fn take_spare(&self, group: usize) -> bool {
+        let Some(slots) = &self.slots else {
+            return false;
+        };
+        let _placing = slots.placing.lock();
+        if self.state(group) != GroupState::Absent {
+            return self.is_committed_group(group);
+        }
+        let Some(slot) = slots.take(SLOT_SPARE, SLOT_USED) else {
+            return false;
+        };
+        slots.spares.fetch_sub(1, Ordering::Relaxed);
+        self.publish(slots, group, slot);
+        // Asked for, as by `want`: writes are moving through the device.
+        self.last_want_ns.store(self.now_ns(), Ordering::Relaxed);
+        true
+    }
+
+    /// `group` (absent, `placing` held) is committed in `slot` (`SLOT_USED`): the map says so
+    /// first, then its word.
+    fn publish(&self, slots: &Slots, group: usize, slot: usize) {
+        // Slots are as many as groups, which fit 32 bits (see `group_of`).
+        slots.map[group].store(u32::try_from(slot + 1).unwrap_or(0), Ordering::Release);
+        // Only this thread places groups now: the state is still absent or wanted.
+        self.place_in(group, slot);
+    }
+
+    /// Commit `group` now, if it is not committed, in a slot committed for it (not a spare:
+    /// those are for writers, `take_spare`). For the refill thread, and for a store without
+    /// one (tests, bench); never the I/O path of a store with one.
     pub(super) fn commit(&self, group: usize) -> std::io::Result<()> {
-        if self.state(group) == GroupState::Committed {
+        if self.is_committed_group(group) {
             return Ok(());
         }
-        // Hints and checksums first, the entries last: a group counts as committed on resume
-        // once any of its entries' pages is in memory.
-        let mut ranges = self.ranges(group);
-        ranges.rotate_left(1);
-        for (offset, len) in ranges {
-            self.segment.commit(offset, len)?;
+        let Some(slots) = &self.slots else {
+            self.commit_slot(group)?;
+            if self.place_in(group, group) {
+                self.committed_bytes
+                    .fetch_add(self.slot_bytes(group) as u64, Ordering::Relaxed);
+            }
+            return Ok(());
+        };
+        let Some(slot) = self.commit_free_slot(slots)? else {
+            // Every slot is held, spare or being committed: a spare is the one to take.
+            self.take_spare(group);
+            return Ok(());
+        };
+        let _placing = slots.placing.lock();
+        if self.state(group) == GroupState::Absent {
+            slots.states[slot].store(SLOT_USED, Ordering::Release);
+            self.publish(slots, group, slot);
+        } else {
+            Self::make_spare(slots, slot);
         }
-        // Unwritten until a writer pins it (a writer waiting for it does so at once).
-        if self.set_state(group, COMMITTED | UNWRITTEN) & STATE_MASK != COMMITTED {
-            self.committed_bytes
-                .fetch_add(self.group_bytes(group) as u64, Ordering::Relaxed);
-        }
-        self.unwritten.store(true, Ordering::Release);
         Ok(())
+    }
+
+    /// Commit a free slot, held (`SLOT_BUSY`) for the caller; `None` if no slot is free.
+    fn commit_free_slot(&self, slots: &Slots) -> std::io::Result<Option<usize>> {
+        let Some(slot) = slots.take(SLOT_FREE, SLOT_BUSY) else {
+            return Ok(None);
+        };
+        if let Err(error) = self.commit_slot(slot) {
+            // Whatever was faulted in is given back when the slot is next given back; it
+            // reads as zeros meanwhile.
+            slots.states[slot].store(SLOT_FREE, Ordering::Release);
+            return Err(error);
+        }
+        self.committed_bytes
+            .fetch_add(self.slot_bytes(slot) as u64, Ordering::Relaxed);
+        Ok(Some(slot))
+    }
+
+    fn make_spare(slots: &Slots, slot: usize) {
+        slots.states[slot].store(SLOT_SPARE, Ordering::Release);
+        slots.spares.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Commit spare slots until `SPARE_SLOTS` are ready (or no slot is free), calling
+    /// `before` with each one's bytes before its memory is faulted in; how many were. For the
+    /// refill thread.
+    pub(super) fn keep_spares(&self, before: impl Fn(usize)) -> std::io::Result<usize> {
+        let Some(slots) = &self.slots else {
+            return Ok(0);
+        };
+        let mut committed = 0;
+        while slots.spares.load(Ordering::Relaxed) < SPARE_SLOTS {
+            before(self.slot_bytes(0));
+            let Some(slot) = self.commit_free_slot(slots)? else {
+                break;
+            };
+            Self::make_spare(slots, slot);
+            committed += 1;
+        }
+        Ok(committed)
+    }
+
+    /// Spare slots ready now.
+    #[cfg(test)]
+    pub(super) fn spares(&self) -> usize {
+        self.slots
+            .as_ref()
+            .map_or(0, |slots| slots.spares.load(Ordering::Relaxed))
     }
 
     /// Whether a writer asked for a group not committed yet.
@@ -267,7 +513,7 @@ impl TableMemory {
             if self.groups[group].load(Ordering::Acquire) & STATE_MASK != WANTED {
                 continue;
             }
-            before(self.group_bytes(group));
+            before(self.slot_bytes(group));
             if let Err(error) = self.commit(group) {
                 // Asked for again next time: its writer is still waiting.
                 self.wanted.store(true, Ordering::Release);
@@ -308,12 +554,12 @@ impl TableMemory {
     }
 
     /// Start giving `group` back: committed, pinned by no writer. Then the caller locks and
-    /// checks its entries and calls `give_back` or `keep`.
+    /// checks its entries and, all empty, unlocks them and calls `give_back`, or `keep`.
     pub(super) fn begin_retire(&self, group: usize) -> bool {
         let word = &self.groups[group];
         let current = word.load(Ordering::Acquire);
         current & STATE_MASK == COMMITTED
-            && current & !(STATE_MASK | EMPTIED | UNWRITTEN) == 0
+            && current & !(STATE_AND_SLOT | EMPTIED | UNWRITTEN) == 0
             && word
                 .compare_exchange(
                     current,
@@ -324,42 +570,105 @@ impl TableMemory {
                 .is_ok()
     }
 
-    /// Give the memory of `group` (retiring, its entries locked and empty) back to the
-    /// system: absent after. On an error it stays retiring, and what was punched reads as
-    /// zeros (the caller unlocks the entries and `keep`s it).
+    /// Give `group` (retiring, its entries empty and unlocked) up: absent after, its slot's
+    /// memory back to the system, or kept as a spare while fewer than `SPARE_SLOTS` are. On
+    /// an error it stays retiring, and what was punched reads as zeros (the caller `keep`s
+    /// it).
     pub(super) fn give_back(&self, group: usize) -> std::io::Result<()> {
-        for (offset, len) in self.ranges(group) {
-            self.segment.decommit(offset, len)?;
+        let word = self.word(group);
+        let slot = Self::place(word, 0) / GROUP_PAGES;
+        let spare = self
+            .slots
+            .as_ref()
+            .is_some_and(|slots| slots.spares.load(Ordering::Relaxed) < SPARE_SLOTS);
+        if !spare {
+            self.decommit_slot(slot)?;
+            self.committed_bytes
+                .fetch_sub(self.slot_bytes(slot) as u64, Ordering::Relaxed);
         }
-        self.groups[group].fetch_and(!(STATE_MASK | UNWRITTEN), Ordering::AcqRel);
-        self.committed_bytes
-            .fetch_sub(self.group_bytes(group) as u64, Ordering::Relaxed);
+        let _placing = self.slots.as_ref().map(|slots| {
+            let placing = slots.placing.lock();
+            slots.map[group].store(0, Ordering::Release);
+            if spare {
+                Self::make_spare(slots, slot);
+            } else {
+                slots.states[slot].store(SLOT_FREE, Ordering::Release);
+            }
+            placing
+        });
+        self.groups[group].fetch_and(!(STATE_AND_SLOT | UNWRITTEN), Ordering::AcqRel);
         Ok(())
     }
 
     /// Keep `group` (retiring) committed after all: it holds pages.
     pub(super) fn keep(&self, group: usize) {
-        self.set_state(group, COMMITTED);
-        self.groups[group].fetch_and(!UNWRITTEN, Ordering::AcqRel);
-    }
-
-    fn set_state(&self, group: usize, state: u32) -> u32 {
         self.groups[group]
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |word| {
-                Some(word & !STATE_MASK | state)
+                Some(word & !STATE_MASK & !UNWRITTEN | COMMITTED)
             })
-            .unwrap_or(state)
+            .ok();
     }
 
-    /// For a resumed store: mark committed each group whose entries have a page in memory,
-    /// committing the rest of it (a process may have died while committing it). How many.
+    /// For a resumed store: mark committed each group it held, committing what of its slot
+    /// is not (a process may have died while committing it). How many. With `Slots`, the map
+    /// names them, and other slots with memory are spares again or give it back; without, a
+    /// group whose entries have a page in memory is committed.
     pub(super) fn adopt(&self) -> std::io::Result<usize> {
+        let Some(slots) = &self.slots else {
+            let mut adopted = 0;
+            for group in 0..self.groups.len() {
+                let [(offset, len), ..] = self.ranges(group);
+                if self.segment.any_in_memory(offset, len)? {
+                    self.commit(group)?;
+                    adopted += 1;
+                }
+            }
+            return Ok(adopted);
+        };
         let mut adopted = 0;
         for group in 0..self.groups.len() {
-            let [(offset, len), ..] = self.ranges(group);
-            if self.segment.any_in_memory(offset, len)? {
-                self.commit(group)?;
-                adopted += 1;
+            let Some(slot) = (slots.map[group].load(Ordering::Acquire) as usize).checked_sub(1)
+            else {
+                continue;
+            };
+            let taken = slots.states.get(slot).is_some_and(|state| {
+                state
+                    .compare_exchange(SLOT_FREE, SLOT_USED, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+            });
+            if !taken {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("its page table's map puts group {group} in slot {slot}, which is out of range or another group's"),
+                ));
+            }
+            self.commit_slot(slot)?;
+            self.committed_bytes
+                .fetch_add(self.slot_bytes(slot) as u64, Ordering::Relaxed);
+            self.place_in(group, slot);
+            adopted += 1;
+        }
+        // Any other slot with memory was a spare, or one a process died committing or giving
+        // back: empty, or zeros. Kept as a spare (committed whole) while fewer are, if every
+        // entry is empty indeed; given back otherwise.
+        for (slot, state) in slots.states.iter().enumerate() {
+            if state.load(Ordering::Relaxed) != SLOT_FREE {
+                continue;
+            }
+            let mut in_memory = false;
+            for (offset, len) in self.ranges(slot) {
+                in_memory |= self.segment.any_in_memory(offset, len)?;
+            }
+            if !in_memory {
+                continue;
+            }
+            if slots.spares.load(Ordering::Relaxed) < SPARE_SLOTS && self.slot_is_empty(slot)? {
+                self.commit_slot(slot)?;
+                self.committed_bytes
+                    .fetch_add(self.slot_bytes(slot) as u64, Ordering::Relaxed);
+                Self::make_spare(slots, slot);
+            } else {
+                self.decommit_slot(slot)?;
             }
         }
         Ok(adopted)

@@ -728,8 +728,9 @@ fn a_store_of_another_layout_version_is_refused_and_left_untouched() {
         assert_eq!(opened, Opened::Fresh);
     });
     let segment = crate::mem::Segment::attach_shared(key).unwrap().unwrap();
-    // The header page, then the table, hints and checksums of 64 pages (a page each).
-    let metadata = segment.words(0, 4 * PAGE_SIZE / 8).unwrap();
+    // The header page, then the table, hints, checksums (of a whole group: 4, 1 and 2 pages)
+    // and the group map (a page).
+    let metadata = segment.words(0, 9 * PAGE_SIZE / 8).unwrap();
     let snapshot = || -> Vec<u64> { metadata.iter().map(|w| w.load(Ordering::Relaxed)).collect() };
     // Header word 1 is the layout version (see `layout`).
     metadata[1].store(layout::LAYOUT_VERSION + 1, Ordering::Relaxed);
@@ -761,15 +762,18 @@ fn a_store_of_another_layout_version_is_refused_and_left_untouched() {
     crate::mem::Segment::remove_shared(key).unwrap();
 }
 
-/// A store of layout version 3 (what binaries before version 4 made: CRC32C checksums) is
-/// resumed with its pages and keeps its checksum and its version, so that the binary that
-/// made it could take it back; new stores are version 4, checksummed with XXH64.
+/// A store of layout version 3 (what binaries before version 4 made: CRC32C checksums, the
+/// table's groups each in its own place, as in version 4) is resumed with its pages and keeps
+/// its checksum, its layout and its version, so that the binary that made it could take it
+/// back; new stores are version 5, checksummed with XXH64.
 #[test]
 fn a_store_of_layout_version_3_is_resumed_with_crc32c_and_kept_at_3() {
     let config = layout_test_config;
+    layout::OLDER_LAYOUT_FOR_TESTS.with(|version| version.set(4));
     let (key, backing) = shared_store_holding_16_pages(0x7d00_0000, |s, _| {
         assert_eq!(s.checksum, PageChecksum::Xxh64);
     });
+    layout::OLDER_LAYOUT_FOR_TESTS.with(|version| version.set(layout::LAYOUT_VERSION));
     let segment = crate::mem::Segment::attach_shared(key).unwrap().unwrap();
     // Header word 1 is the layout version; the checksums of 64 pages are the fourth page
     // (after the header, the table and the hints: a page each, see `layout`).
@@ -1225,14 +1229,15 @@ fn many_writers_with_a_chunk_reserve_keep_every_page() {
 
 #[test]
 fn the_page_table_holds_memory_only_for_the_part_of_the_device_in_use() {
-    use super::table_memory::GROUP_PAGES;
+    use super::table_memory::{GROUP_PAGES, SPARE_SLOTS};
     const GROUP_BYTES: u64 = 28 << 10;
+    const SPARES: u64 = SPARE_SLOTS as u64 * GROUP_BYTES;
     let group = GROUP_PAGES as u64;
     let mut c = crate::config::StoreSettings::default().store_config(1 << 30, false);
     c.reserve_bytes = 4 << 20;
     let s = store(c);
-    let flusher = s.start_flusher(|_| ()).unwrap();
     assert_eq!(s.table.bytes(), 0, "a fresh store commits no table");
+    let flusher = s.start_flusher(|_| ()).unwrap();
     let wait_for = |what: &str, done: &dyn Fn() -> bool| {
         let deadline = Instant::now() + std::time::Duration::from_secs(5);
         while !done() {
@@ -1244,11 +1249,13 @@ fn the_page_table_holds_memory_only_for_the_part_of_the_device_in_use() {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
     };
-    // A write in group 10 waits for its group; groups 11 and 18 are asked for beside it.
+    // The refill thread commits the spare slots, and no group.
+    wait_for("the spares", &|| s.table.bytes() == SPARES);
+    // A write in group 10 takes a spare; groups 11 and 18 are asked for beside it.
     s.write(10 * group * PAGE_SIZE as u64, &text(1)[..])
         .unwrap();
     wait_for("group 10, 11 and 18", &|| {
-        s.table.bytes() == 3 * GROUP_BYTES
+        s.table.bytes() == 3 * GROUP_BYTES + SPARES
     });
     let committed = |g: u64| s.table.is_committed((g * group) as usize);
     assert!([10, 11, 18].into_iter().all(committed));
@@ -1318,9 +1325,9 @@ fn the_page_table_holds_memory_only_for_the_part_of_the_device_in_use() {
     });
     let stayed: Vec<u64> = (0..128).filter(|&g| committed(g)).collect();
     assert_eq!(stayed, [11, 18, 24, 28, 29, 30, 31, 51, 58]);
-    // Once no group was asked for a while, they go too.
+    // Once no group was asked for a while, they go too, all but the spares.
     wait_for("the groups no write reached given back", &|| {
-        s.table.bytes() == 0
+        s.table.bytes() == SPARES
     });
     // And a group given back works again.
     s.write(21 * group * PAGE_SIZE as u64, &text(5)[..])
@@ -1370,6 +1377,88 @@ fn the_groups_after_one_in_use_stay_when_emptied_and_go_with_it() {
     s.discard(0, PAGE_SIZE as u64).unwrap();
     wait_for("groups 0..=8 given back", &|| !(0..=8).any(committed));
     drop(flusher);
+}
+
+/// Groups placed in spare slots (not their own), and one in the slot another group left, are
+/// found again by a resumed store through the group map; the spares are spares again.
+#[test]
+fn a_resumed_store_finds_groups_in_the_slots_they_took_and_gives_spares_back() {
+    use super::table_memory::GROUP_PAGES;
+    let group = GROUP_PAGES as u64;
+    let key = 0x7a20_0000 | i32::try_from(std::process::id() & 0xffff).unwrap();
+    let _ = crate::mem::Segment::remove_shared(key);
+    let backing = Backing::SharedUnlocked { key };
+    let config = || {
+        let mut c = crate::config::StoreSettings::default()
+            .store_config(16 * group * PAGE_SIZE as u64, false);
+        // A refill thread, which keeps the spares.
+        c.reserve_bytes = 1 << 20;
+        c
+    };
+    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + std::time::Duration::from_secs(5);
+        while !done() {
+            assert!(Instant::now() < deadline, "{what}");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    };
+    let kept = [9 * group + 1, 14 * group + 2, 3 * group + 3];
+    {
+        let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
+        assert_eq!(opened, Opened::Fresh);
+        let flusher = s.start_flusher(|_| ()).unwrap();
+        let spares = super::table_memory::SPARE_SLOTS as u64 * (28 << 10);
+        wait_for("the spares", &|| s.table.bytes() == spares);
+        // Group 6 takes a spare slot, is emptied and goes: its slot a spare again.
+        s.write(6 * group * PAGE_SIZE as u64, &text(6)[..]).unwrap();
+        s.flush_pending().unwrap();
+        s.discard(6 * group * PAGE_SIZE as u64, PAGE_SIZE as u64)
+            .unwrap();
+        wait_for("group 6 given back", &|| {
+            !s.table.is_committed(6 * group as usize)
+        });
+        for &i in &kept {
+            s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+        }
+        s.flush_pending().unwrap();
+        wait_for("the spares taken replaced", &|| {
+            s.table.memory().spares() == super::table_memory::SPARE_SLOTS
+        });
+        drop(flusher);
+    }
+    let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
+    assert_eq!(opened, Opened::Resumed { pages: 3, lost: 0 });
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for &i in &kept {
+        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+        assert_eq!(&buf[..], &text(i)[..], "page {i}");
+    }
+    for g in [0, 6, 9, 14] {
+        s.read((g * group + 4) * PAGE_SIZE as u64, &mut buf)
+            .unwrap();
+        assert!(buf.iter().all(|&b| b == 0), "group {g}");
+    }
+    // The groups written and some of those asked for ahead of writes (the next and the
+    // eighth after each written, where there is one), nothing else, and the spares, spare
+    // again.
+    let committed: Vec<u64> = (0..16)
+        .filter(|&g| s.table.is_committed((g * group) as usize))
+        .collect();
+    assert!(
+        [3, 9, 14].iter().all(|g| committed.contains(g))
+            && committed
+                .iter()
+                .all(|g| [3, 4, 7, 9, 10, 11, 14, 15].contains(g)),
+        "{committed:?}"
+    );
+    let spares = s.table.memory().spares();
+    assert_eq!(spares, super::table_memory::SPARE_SLOTS);
+    assert_eq!(
+        s.table.bytes(),
+        (committed.len() + spares) as u64 * (28 << 10)
+    );
+    drop(s);
+    crate::mem::Segment::remove_shared(key).unwrap();
 }
 
 #[test]
