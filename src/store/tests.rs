@@ -1295,6 +1295,10 @@ fn the_page_table_holds_memory_only_for_the_part_of_the_device_in_use() {
     // Writes into a group that is empty most of the time, so that it is given back and
     // committed again under them: each write is read back before it is discarded. Far from
     // the groups in use, whose next groups stay when empty (see `provide_table`).
+    // Measured with every spare ready (a writer may have taken one the refill thread has not
+    // replaced yet).
+    let spares_ready = || s.table.memory().spares() == SPARE_SLOTS;
+    wait_for("the spares", &spares_ready);
     let retired_before = s.table.bytes();
     let until = Instant::now() + std::time::Duration::from_millis(1500);
     std::thread::scope(|scope| {
@@ -1316,6 +1320,7 @@ fn the_page_table_holds_memory_only_for_the_part_of_the_device_in_use() {
         }
     });
     // Groups 50, 51 and 58, at most.
+    wait_for("the spares", &spares_ready);
     assert!(s.table.bytes() <= retired_before + 3 * GROUP_BYTES);
     // Everything discarded: each group that held pages goes back; what stays is the groups
     // asked for ahead of writes and never written (11, 18, 24, 28..=31, 51, 58).
