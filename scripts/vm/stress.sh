@@ -48,7 +48,7 @@ failed_writes() {
 
 # stress_case NAME METHOD MIB: one stress-ng run with swap on; figures under NAME_METHOD_MIB.
 stress_case() {
-    local name=$1 method=$2 mib=$3 tag w0 w1 k0 d0 g0 r0 rc wk kills others delay bogo vfail
+    local name=$1 method=$2 mib=$3 tag w0 w1 k0 d0 g0 r0 s0 t0 rc wk kills others delay bogo vfail
     tag="${name}_$(echo "$method" | tr -c 'a-z0-9\n' _)_${mib}"
     dmesg -c >>/tmp/dmesg.kept
     # Where memory is as the case starts: a VM lost at a case's start (the OOM killer going on
@@ -60,6 +60,8 @@ stress_case() {
         d0=$(json_field deferred)
         g0=$(json_field reserve_given_back_past_refill_bytes)
         r0=$(json_field reserve_refill_rousings)
+        s0=$(json_field table_spares_taken)
+        t0=$(json_field table_group_waits)
         echo "$tag: before: serving process RSS $(rss_kib "$(serving_pid 0)") kB"
     }
     work "$VT" wakeup 100 $((STRESS_S + 10)) >/tmp/wakeup.out 2>&1 &
@@ -108,6 +110,8 @@ stress_case() {
         sfigure "${tag}_deferred_writes" "$(($(json_field deferred) - d0))"
         sfigure "${tag}_given_back_past_refill_kB" "$((($(json_field reserve_given_back_past_refill_bytes) - g0) / 1024))"
         sfigure "${tag}_refill_rousings" "$(($(json_field reserve_refill_rousings) - r0))"
+        sfigure "${tag}_table_spares_taken" "$(($(json_field table_spares_taken) - s0))"
+        sfigure "${tag}_table_group_waits" "$(($(json_field table_group_waits) - t0))"
     }
 }
 
