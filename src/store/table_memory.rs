@@ -259,8 +259,12 @@ impl TableMemory {
     /// Where entry `index` is in the table's regions, for its group's `word` (committed or
     /// retiring).
     pub(super) fn place(word: u64, index: usize) -> usize {
-        let slot = usize::try_from(word >> SLOT_SHIFT).unwrap_or(usize::MAX);
-        slot * GROUP_PAGES + index % GROUP_PAGES
+        Self::slot_of(word) * GROUP_PAGES + index % GROUP_PAGES
+    }
+
+    /// The slot a group's `word` names (committed or retiring).
+    fn slot_of(word: u64) -> usize {
+        usize::try_from(word >> SLOT_SHIFT).unwrap_or(usize::MAX)
     }
 
     pub(super) fn state(&self, group: usize) -> GroupState {
@@ -575,8 +579,7 @@ impl TableMemory {
     /// an error it stays retiring, and what was punched reads as zeros (the caller `keep`s
     /// it).
     pub(super) fn give_back(&self, group: usize) -> std::io::Result<()> {
-        let word = self.word(group);
-        let slot = Self::place(word, 0) / GROUP_PAGES;
+        let slot = Self::slot_of(self.word(group));
         let spare = self
             .slots
             .as_ref()

@@ -698,6 +698,23 @@ fn layout_test_config() -> StoreConfig {
     crate::config::StoreSettings::default().store_config(64 * PAGE_SIZE as u64, false)
 }
 
+/// The key under `key_base` and this process's id, with no segment under it (one a test left
+/// is removed), and its backing: a shared store, not locked.
+fn fresh_shared_backing(key_base: i32) -> (i32, Backing) {
+    let key = key_base | i32::try_from(std::process::id() & 0xffff).unwrap();
+    let _ = crate::mem::Segment::remove_shared(key);
+    (key, Backing::SharedUnlocked { key })
+}
+
+/// Poll `done` every 5 ms for up to 5 s; fail the test with `what` if it is not.
+fn wait_for(what: &str, done: &dyn Fn() -> bool) {
+    let deadline = Instant::now() + std::time::Duration::from_secs(5);
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
 /// A new shared store (unlocked) under `key_base` and this process's id, holding `text(i)` at
 /// pages 0..16, flushed and closed again (`check` sees it while it is open); its key and
 /// backing.
@@ -705,9 +722,7 @@ fn shared_store_holding_16_pages(
     key_base: i32,
     check: impl FnOnce(&BatchedPageStore, Opened),
 ) -> (i32, Backing) {
-    let key = key_base | i32::try_from(std::process::id() & 0xffff).unwrap();
-    let _ = crate::mem::Segment::remove_shared(key);
-    let backing = Backing::SharedUnlocked { key };
+    let (key, backing) = fresh_shared_backing(key_base);
     let (s, opened) = BatchedPageStore::open(layout_test_config(), None, backing).unwrap();
     check(&s, opened);
     for i in 0..16u64 {
@@ -1072,9 +1087,7 @@ fn a_resumed_store_keeps_the_free_memory_it_finds_ready() {
         reserve_bytes: 1 << 20,
         ..layout_test_config()
     };
-    let key = 0x7c00_0000 | i32::try_from(std::process::id() & 0xffff).unwrap();
-    let _ = crate::mem::Segment::remove_shared(key);
-    let backing = Backing::SharedUnlocked { key };
+    let (key, backing) = fresh_shared_backing(0x7c00_0000);
     let (s, _) = BatchedPageStore::open(config(), None, backing).unwrap();
     for i in 0..16u64 {
         s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
@@ -1352,13 +1365,6 @@ fn the_groups_after_one_in_use_stay_when_emptied_and_go_with_it() {
     let s = store(c);
     let flusher = s.start_flusher(|_| ()).unwrap();
     let committed = |g: u64| s.table.is_committed((g * group) as usize);
-    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
-        let deadline = Instant::now() + std::time::Duration::from_secs(5);
-        while !done() {
-            assert!(Instant::now() < deadline, "{what}");
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-    };
     // As swap: its header in page 0, then pages in groups 1..=9 and far away, in group 40.
     s.write(0, &text(0)[..]).unwrap();
     for g in (1..=9).chain([40]) {
@@ -1390,22 +1396,13 @@ fn the_groups_after_one_in_use_stay_when_emptied_and_go_with_it() {
 fn a_resumed_store_finds_groups_in_the_slots_they_took_and_gives_spares_back() {
     use super::table_memory::GROUP_PAGES;
     let group = GROUP_PAGES as u64;
-    let key = 0x7a20_0000 | i32::try_from(std::process::id() & 0xffff).unwrap();
-    let _ = crate::mem::Segment::remove_shared(key);
-    let backing = Backing::SharedUnlocked { key };
+    let (key, backing) = fresh_shared_backing(0x7a20_0000);
     let config = || {
         let mut c = crate::config::StoreSettings::default()
             .store_config(16 * group * PAGE_SIZE as u64, false);
         // A refill thread, which keeps the spares.
         c.reserve_bytes = 1 << 20;
         c
-    };
-    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
-        let deadline = Instant::now() + std::time::Duration::from_secs(5);
-        while !done() {
-            assert!(Instant::now() < deadline, "{what}");
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
     };
     let kept = [9 * group + 1, 14 * group + 2, 3 * group + 3];
     {
@@ -1470,9 +1467,7 @@ fn a_resumed_store_finds_groups_in_the_slots_they_took_and_gives_spares_back() {
 fn a_resumed_store_finds_the_table_groups_it_used_and_no_others() {
     use super::table_memory::GROUP_PAGES;
     let group = GROUP_PAGES as u64;
-    let key = 0x7a10_0000 | i32::try_from(std::process::id() & 0xffff).unwrap();
-    let _ = crate::mem::Segment::remove_shared(key);
-    let backing = Backing::SharedUnlocked { key };
+    let (key, backing) = fresh_shared_backing(0x7a10_0000);
     let config = || {
         crate::config::StoreSettings::default().store_config(6 * group * PAGE_SIZE as u64, false)
     };
