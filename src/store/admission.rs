@@ -278,6 +278,17 @@ impl BatchedPageStore {
         Ok(Some(pins))
     }
 
+    /// Give table group `group` a spare slot if the refill thread has one ready: no wait at
+    /// all (counted; the refill thread is woken to replace it). True if it took one.
+    fn take_spare_slot(&self, group: usize) -> bool {
+        let taken = self.table.memory().take_spare(group);
+        if taken {
+            add(&self.counters.table_spares_taken, 1);
+            self.alloc.reserve.wake_refill();
+        }
+        taken
+    }
+
     /// Pin table group `group`, committed first (see `pin_table`); false if deferred.
     fn pin_group(&self, group: usize, wait: SlotWait) -> Result<bool, StoreError> {
         let memory = self.table.memory();
@@ -297,13 +308,8 @@ impl BatchedPageStore {
                 }
             }
         }
-        // A spare slot, if the refill thread has one ready: no wait at all.
-        if memory.take_spare(group) {
-            add(&self.counters.table_spares_taken, 1);
-            reserve.wake_refill();
-            if memory.pin(group) {
-                return Ok(true);
-            }
+        if self.take_spare_slot(group) && memory.pin(group) {
+            return Ok(true);
         }
         if memory.want(group) {
             add(&self.counters.table_group_waits, 1);
@@ -325,9 +331,7 @@ impl BatchedPageStore {
                     if memory.pin(group) {
                         break Ok(true);
                     }
-                    if memory.take_spare(group) {
-                        add(&self.counters.table_spares_taken, 1);
-                        reserve.wake_refill();
+                    if self.take_spare_slot(group) {
                         continue;
                     }
                     memory.want(group);

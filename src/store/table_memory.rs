@@ -395,14 +395,15 @@ impl TableMemory {
     }
 
     /// Give `group` (absent or wanted) a spare slot, if one is ready: a writer's way to a new
-    /// group without a system call. True if the group is committed now.
+    /// group without a system call. True if this call placed it (false also if it was not
+    /// absent).
     pub(super) fn take_spare(&self, group: usize) -> bool {
         let Some(slots) = &self.slots else {
             return false;
         };
         let _placing = slots.placing.lock();
         if self.state(group) != GroupState::Absent {
-            return self.is_committed_group(group);
+            return false;
         }
         let Some(slot) = slots.take(SLOT_SPARE, SLOT_USED) else {
             return false;
