@@ -62,6 +62,7 @@ stress_case() {
         r0=$(json_field reserve_refill_rousings)
         s0=$(json_field table_spares_taken)
         t0=$(json_field table_group_waits)
+        b0=$(json_field batch_span_grows)
         echo "$tag: before: serving process RSS $(rss_kib "$(serving_pid 0)") kB"
     }
     work "$VT" wakeup 100 $((STRESS_S + 10)) >/tmp/wakeup.out 2>&1 &
@@ -112,6 +113,7 @@ stress_case() {
         sfigure "${tag}_refill_rousings" "$(($(json_field reserve_refill_rousings) - r0))"
         sfigure "${tag}_table_spares_taken" "$(($(json_field table_spares_taken) - s0))"
         sfigure "${tag}_table_group_waits" "$(($(json_field table_group_waits) - t0))"
+        sfigure "${tag}_batch_span_grows" "$(($(json_field batch_span_grows) - b0))"
     }
 }
 

@@ -914,6 +914,10 @@ swap_run() {
         # once, or a wait for the refill thread (see src/store/table_memory.rs).
         figure ublk_table_spares_taken "$(ublk_json_count table_spares_taken)"
         figure ublk_table_group_waits "$(ublk_json_count table_group_waits)"
+        # How often the pending batches grew to every slot (a burst filled quiet ones) and
+        # gave those slots back again (quiet for a second; see src/store/pending.rs).
+        figure ublk_batch_span_grows "$(ublk_json_count batch_span_grows)"
+        figure ublk_batch_span_shrinks "$(ublk_json_count batch_span_shrinks)"
         # A compaction asked for, after the discards of two runs left chunks half empty.
         trueno-ublk compact --id 0 >/tmp/compact.out 2>&1
         check "$name: trueno-ublk compact --id 0 ($(cat /tmp/compact.out))" \

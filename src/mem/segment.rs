@@ -615,6 +615,40 @@ impl PageSlots {
         self.locks.is_empty()
     }
 
+    /// Fault in the memory of slots `range` (see `Segment::commit`).
+    pub fn commit(&self, range: std::ops::Range<usize>) -> std::io::Result<()> {
+        match self.bytes_of(range)? {
+            (_, 0) => Ok(()),
+            (offset, len) => self.segment.commit(offset, len),
+        }
+    }
+
+    /// Give the memory of slots `range` back (see `Segment::decommit`); they read as zeros
+    /// after. The caller makes sure nobody uses them meanwhile.
+    pub fn decommit(&self, range: std::ops::Range<usize>) -> std::io::Result<()> {
+        match self.bytes_of(range)? {
+            (_, 0) => Ok(()),
+            (offset, len) => self.segment.decommit(offset, len),
+        }
+    }
+
+    /// Whether any slot of `range` (within one page table's span) has memory.
+    #[cfg(test)]
+    pub fn any_in_memory(&self, range: std::ops::Range<usize>) -> std::io::Result<bool> {
+        let (offset, len) = self.bytes_of(range)?;
+        self.segment.any_in_memory(offset, len)
+    }
+
+    fn bytes_of(&self, range: std::ops::Range<usize>) -> std::io::Result<(usize, usize)> {
+        if range.start > range.end || range.end > self.len() {
+            return Err(Errno::EINVAL.into());
+        }
+        Ok((
+            self.offset + range.start * HOST_PAGE,
+            range.len() * HOST_PAGE,
+        ))
+    }
+
     /// Slot `i`, shared.
     pub fn read(&self, i: usize) -> SlotRead<'_> {
         let guard = self.locks[i].read();

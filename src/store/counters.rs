@@ -26,7 +26,8 @@ pub struct StoreStats {
     /// that holds a page or was written lately.
     #[serde(default)]
     pub table_bytes: u64,
-    /// Bytes of the preallocated pending-batch buffers (fixed; not in `mem_used`).
+    /// Bytes of the pending batches' memory now (their slots with memory and the slot
+    /// indexes; not in `mem_used`).
     pub batch_buffer_bytes: u64,
     /// 0 when there is no limit.
     pub mem_limit: u64,
@@ -75,6 +76,12 @@ pub struct StoreStats {
     pub table_spares_taken: u64,
     #[serde(default)]
     pub table_group_waits: u64,
+    /// Times the pending batches grew to every slot (writes came) and shrank to their quiet
+    /// slots (none came for a while), giving those slots' memory back (see `BatchSpan`).
+    #[serde(default)]
+    pub batch_span_grows: u64,
+    #[serde(default)]
+    pub batch_span_shrinks: u64,
     /// Bytes of chunk memory held ready in the reserve (not in `mem_used`).
     #[serde(default)]
     pub reserve_bytes: u64,
@@ -173,6 +180,8 @@ pub(super) struct Counters {
     pub(super) long_waited_writes: AtomicU64,
     pub(super) longest_write_wait_ms: AtomicU64,
     pub(super) table_spares_taken: AtomicU64,
+    pub(super) batch_span_grows: AtomicU64,
+    pub(super) batch_span_shrinks: AtomicU64,
     pub(super) table_group_waits: AtomicU64,
     pub(super) lost_pages: AtomicU64,
     pub(super) checksum_failures: AtomicU64,

@@ -52,7 +52,7 @@ impl BatchedPageStore {
         }
         // Under the flush mutex every batch but the open one is flushed and free.
         let next = (b + 1) % PENDING_BATCHES;
-        self.batches[next].open();
+        self.batches[next].open(self.span.slots());
         self.current.store(next, Ordering::Release);
         // A free batch again: writers may wait for slots instead of failing.
         self.fail_fast_until.store(0, Ordering::Release);
@@ -61,6 +61,9 @@ impl BatchedPageStore {
             self.writers_wake.notify_all();
         }
         let n = self.batches[b].seal();
+        if self.span.note_sealed(n) {
+            self.alloc.reserve.wake_refill();
+        }
         let slots: Vec<PendingSlot<'_>> = (0..n).map(|i| self.batches[b].slot(i)).collect();
         add(&self.counters.batch_flushes, 1);
         for (part_index, part) in slots.chunks(self.flush_part_pages).enumerate() {

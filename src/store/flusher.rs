@@ -10,10 +10,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::admission::SWAP_STRIDE_GROUPS;
+use super::counters::add;
 use super::nanos;
+use super::pending::SpanChange;
 use super::reserve::RefillActivity;
 use super::table_memory::GroupState;
 use super::{BatchedPageStore, Compaction};
+
+/// Slots of a batch the refill thread commits at once when batches grow (64 KiB).
+const GROW_STEP_SLOTS: usize = 16;
 
 /// The store's own threads, as `start_flusher`'s `thread_init` is told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -238,6 +243,80 @@ impl BatchedPageStore {
         }
     }
 
+    /// The refill thread's part for the pending batches (see `BatchSpan`): commit every
+    /// slot when writes fill quiet batches or memory gets short, give all but the quiet
+    /// slots back when none came for a while and memory is not short.
+    fn provide_batches(&self) {
+        let flushes = self.counters.batch_flushes.load(Ordering::Relaxed);
+        match self.span.next(flushes, self.alloc.reserve.memory_short()) {
+            None => {}
+            // Quiet batches still take writes, so growing waits for memory that comes
+            // without a wait (the next quiet fill asks again).
+            Some(SpanChange::Grow) if self.may_grow_batches() => {
+                let quiet = self.span.quiet_slots();
+                for batch in self.batches.iter() {
+                    // A step at a time, looking again before each.
+                    for from in (quiet..batch.capacity()).step_by(GROW_STEP_SLOTS) {
+                        if !self.may_grow_batches() {
+                            return;
+                        }
+                        let to = (from + GROW_STEP_SLOTS).min(batch.capacity());
+                        if let Err(error) = batch.commit_slots(from..to) {
+                            tracing::warn!(%error, "committing the pending batches' memory failed; batches stay small");
+                            return;
+                        }
+                    }
+                }
+                // Under the flush mutex, so that no batch opens meanwhile; if a flush holds
+                // it, the next pass (or the next quiet fill) tries again.
+                if let Some(_flush) = self.flush.try_lock() {
+                    self.span.set_whole();
+                    add(&self.counters.batch_span_grows, 1);
+                }
+            }
+            Some(SpanChange::Grow) => {}
+            Some(SpanChange::Shrink) => {
+                let quiet = self.span.quiet_slots();
+                {
+                    // Under the flush mutex every batch but the open one is flushed and opens
+                    // next with the span set here; the open one must be empty to shrink.
+                    let Some(_flush) = self.flush.try_lock() else {
+                        return;
+                    };
+                    let open = &self.batches[self.current.load(Ordering::Acquire)];
+                    if !open.shrink_empty(quiet) {
+                        return;
+                    }
+                    self.span.set_quiet();
+                }
+                self.give_back_batch_tails();
+                add(&self.counters.batch_span_shrinks, 1);
+            }
+        }
+    }
+
+    /// Whether the batches may grow now: not while a write waits for chunk memory (that
+    /// commit comes first), nor while memory is short and free memory down at the reclaim
+    /// throttle's floor, where each page faulted in may sleep a second (as for the page
+    /// table's groups asked for ahead, `admission`). A store whose batches gave back their
+    /// memory while idle, and had to have it again before a flush could go on, once spent
+    /// over a second so at the onset of a swap storm in the VM's near-OOM stage.
+    fn may_grow_batches(&self) -> bool {
+        !self.alloc.reserve.starving()
+            && (!self.alloc.reserve.memory_short() || crate::mem::free_memory_is_back())
+    }
+
+    /// Give back the memory of the slots past the quiet span: only while batches open quiet
+    /// and the open one is quiet and empty (`provide_batches`), or before any opens.
+    pub(super) fn give_back_batch_tails(&self) {
+        let quiet = self.span.quiet_slots();
+        for batch in self.batches.iter() {
+            if let Err(error) = batch.decommit_slots(quiet..batch.capacity()) {
+                tracing::warn!(%error, "giving the pending batches' spare memory back failed");
+            }
+        }
+    }
+
     /// What a store thread does once handed the store.
     fn run_thread(&self, role: StoreThread) {
         match role {
@@ -255,6 +334,8 @@ impl BatchedPageStore {
                     reserve.run_refill(|| {
                         reserve.note_refill_activity(RefillActivity::Table);
                         self.provide_table();
+                        reserve.note_refill_activity(RefillActivity::Batches);
+                        self.provide_batches();
                         reserve.note_refill_activity(RefillActivity::Lists);
                         self.alloc.provision();
                     });

@@ -124,7 +124,7 @@ fn device_key(id: u32) -> Result<i32, StoreError> {
     Ok(DEVICE_KEY_BASE | i32::try_from(id).unwrap_or(0))
 }
 
-fn memory_error(what: &str) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
+pub(super) fn memory_error(what: &str) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
     move |source| StoreError::Memory {
         what: what.to_string(),
         source,
@@ -454,13 +454,13 @@ impl Regions {
     fn map(segment: &Arc<Segment>, shape: Shape, resumed: bool) -> Result<Self, StoreError> {
         let o = shape.offsets();
         let mapping = || memory_error("mapping the store's memory");
-        // The header, group map, slot indexes and slot pages; the table, hints and checksums
-        // are committed a group at a time as the device is written (`TableMemory`), the tags
-        // and the arena as chunks are carved.
+        // The header, group map and slot indexes; the slot pages as batches open (see
+        // `BatchSpan`), the table, hints and checksums a group at a time as the device is
+        // written (`TableMemory`), the tags and the arena as chunks are carved.
         segment.commit(0, PAGE_SIZE).map_err(mapping())?;
-        if o.tags > o.group_map {
+        if o.slots > o.group_map {
             segment
-                .commit(o.group_map, o.tags - o.group_map)
+                .commit(o.group_map, o.slots - o.group_map)
                 .map_err(mapping())?;
         }
         fn view<T>(r: std::io::Result<T>) -> Result<T, StoreError> {

@@ -67,7 +67,7 @@ pub use flusher::{FlusherHandle, StoreThread, StoreThreads};
 pub use layout::{remove_shared, shared_exists, AttachedStore, Backing, Opened, LAYOUT_VERSION};
 use layout::{Ownership, Regions, Shape};
 pub use oom::OomKiller;
-use pending::PendingBatch;
+use pending::{BatchSpan, PendingBatch};
 pub use recompress::Compaction;
 /// How long after its last use the chunk reserve shrinks to a quarter of its target.
 pub use reserve::QUIET_AFTER as RESERVE_QUIET_AFTER;
@@ -115,6 +115,8 @@ pub struct BatchedPageStore {
     /// The system is short of memory (the daemon says so): new pages get the stronger codec.
     memory_short: AtomicBool,
     batches: Box<[PendingBatch]>,
+    /// How many of their slots batches open with (see `pending`).
+    span: BatchSpan,
     /// Index of the open batch.
     current: AtomicUsize,
     control: Mutex<Control>,
@@ -291,6 +293,19 @@ impl BatchedPageStore {
             .into_iter()
             .map(|(slots, indexes)| PendingBatch::new(slots, indexes))
             .collect();
+        let span = BatchSpan::new(
+            batches.first().map_or(0, PendingBatch::capacity),
+            pending::quiet_after(reserve::QUIET_AFTER),
+            // The refill thread keeps it (see `provide_batches`).
+            config.reserve_bytes > 0,
+        );
+        for batch in batches.iter() {
+            batch
+                .commit_slots(0..span.slots())
+                .map_err(layout::memory_error(
+                    "committing the pending batches' memory",
+                ))?;
+        }
         let store = Self {
             compressor: config.compressor(gpu),
             checksum: regions.checksum,
@@ -309,6 +324,7 @@ impl BatchedPageStore {
                 Some(regions.class_chunks),
             ),
             batches,
+            span,
             current: AtomicUsize::new(0),
             control: Mutex::new(Control {
                 stop: false,
@@ -344,9 +360,14 @@ impl BatchedPageStore {
         } else {
             Opened::Fresh
         };
+        // A resumed store's batches may still hold their predecessor's whole span: the
+        // pages pending there are installed now, so the slots past a quiet span go back.
+        if !store.span.is_whole() {
+            store.give_back_batch_tails();
+        }
         store.alloc.reserve.refill();
         store.alloc.provision();
-        store.batches[0].open();
+        store.batches[0].open(store.span.slots());
         Ok((Arc::new(store), opened))
     }
 
@@ -505,7 +526,7 @@ impl BatchedPageStore {
         if slot == 0 {
             batch.note_first_write(self.now_ns());
         }
-        let wake = slot == 0 || slot + 1 == batch.capacity();
+        let wake = slot == 0 || slot + 1 == batch.limit();
         drop(reserved);
         if wake {
             self.wake_flusher();
@@ -757,7 +778,7 @@ impl BatchedPageStore {
             batch_buffer_bytes: self
                 .batches
                 .iter()
-                .map(|b| (b.capacity() * (PAGE_SIZE + 8)) as u64)
+                .map(|b| (self.span.slots() * PAGE_SIZE + b.capacity() * 8) as u64)
                 .sum(),
             mem_limit: self.config.mem_limit.unwrap_or(0),
             pages_stored: get(&c.pages_stored),
@@ -780,6 +801,8 @@ impl BatchedPageStore {
             long_waited_writes: get(&c.long_waited_writes),
             longest_write_wait_ms: get(&c.longest_write_wait_ms),
             table_spares_taken: get(&c.table_spares_taken),
+            batch_span_grows: get(&c.batch_span_grows),
+            batch_span_shrinks: get(&c.batch_span_shrinks),
             table_group_waits: get(&c.table_group_waits),
             oom_kills_asked: get(&c.oom_kills_asked),
             lost_pages: get(&c.lost_pages),

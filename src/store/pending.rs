@@ -6,6 +6,10 @@
 //! compresses the slots and only then lets the batch be opened again. So while a page-table
 //! entry says `Pending { batch, slot }`, that slot holds that page's data.
 //!
+//! Writers may use a batch's first `limit` slots, set when it opens (see `BatchSpan`): all of
+//! them while writes come, the first `QUIET_SLOTS` once none came for a while, the rest of
+//! the slots' memory then given back.
+//!
 //! The slots' pages and the page index each holds are in the store's memory (see `layout`),
 //! so a write acknowledged before the process died is found by the next one: an entry that
 //! says `Pending { batch, slot }` whose slot names the same page is that page's data. The
@@ -15,11 +19,23 @@
 #![forbid(unsafe_code)]
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use crate::mem::{PageSlots, SlotRead, Words};
 
+/// `state`: the open bit, the batch's slot limit (bits 32 to 62) and the count of reserved
+/// slots (the low 32 bits), so that one compare-and-swap reserves a slot below the limit.
 const OPEN: u64 = 1 << 63;
 const COUNT_MASK: u64 = (1 << 32) - 1;
+const LIMIT_SHIFT: u32 = 32;
+const LIMIT_MASK: u64 = (1 << 31) - 1;
+/// Slots each batch keeps with memory while no writes come and memory is not short (128 KiB
+/// a batch): what a swap
+/// device's occasional page needs. Why not all: every slot is a locked page, and the two
+/// batches' 512 slots were 2 MiB of the daemon's idle footprint (issue 16 asks for 8 MiB).
+pub(super) const QUIET_SLOTS: usize = 32;
 /// `first_write_ns` of a batch none has written to yet.
 const NO_WRITE: u64 = u64::MAX;
 
@@ -63,6 +79,46 @@ impl PendingBatch {
         self.slots.len()
     }
 
+    /// The slots writers may use while the batch is open.
+    pub(super) fn limit(&self) -> usize {
+        limit_of(self.state.load(Ordering::Acquire))
+    }
+
+    /// Lower the limit of a batch none has reserved a slot in (open or not) to `limit`; false
+    /// if a writer holds a slot.
+    pub(super) fn shrink_empty(&self, limit: usize) -> bool {
+        let cur = self.state.load(Ordering::Acquire);
+        if cur & COUNT_MASK != 0 {
+            return false;
+        }
+        limit_of(cur) <= limit
+            || self
+                .state
+                .compare_exchange(
+                    cur,
+                    (cur & OPEN) | limit_bits(limit),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_ok()
+    }
+
+    /// Fault in the memory of slots `range` (see `Segment::commit`).
+    pub(super) fn commit_slots(&self, range: std::ops::Range<usize>) -> std::io::Result<()> {
+        self.slots.commit(range)
+    }
+
+    #[cfg(test)]
+    pub(super) fn slots_in_memory(&self, range: std::ops::Range<usize>) -> bool {
+        self.slots.any_in_memory(range).unwrap_or(true)
+    }
+
+    /// Give the memory of slots `range` back; only for slots no writer may use (past the
+    /// limit of an empty batch, or of a batch that will open with a lower one).
+    pub(super) fn decommit_slots(&self, range: std::ops::Range<usize>) -> std::io::Result<()> {
+        self.slots.decommit(range)
+    }
+
     /// Copy `page`, the data of device page `index`, into slot `slot` (reserved by the caller).
     pub(super) fn fill(&self, slot: usize, index: u64, page: &[u8; crate::codec::PAGE_SIZE]) {
         let mut data = self.slots.write(slot);
@@ -91,7 +147,7 @@ impl PendingBatch {
                 return Reserve::Closed;
             }
             let n = cur & COUNT_MASK;
-            if n as usize >= self.slots.len() {
+            if n as usize >= limit_of(cur) {
                 return Reserve::Full;
             }
             match self.state.compare_exchange_weak(
@@ -112,7 +168,8 @@ impl PendingBatch {
     }
 
     pub(super) fn is_full(&self) -> bool {
-        self.reserved() >= self.slots.len()
+        let state = self.state.load(Ordering::Acquire);
+        (state & COUNT_MASK) as usize >= limit_of(state)
     }
 
     /// A writer finished its slot (data copied, entry pointing at it).
@@ -132,11 +189,15 @@ impl PendingBatch {
         }
     }
 
-    /// Make the batch empty and open (only for a batch that is sealed and fully flushed).
-    pub(super) fn open(&self) {
+    /// Make the batch empty and open with its first `limit` slots usable (only for a batch
+    /// that is sealed and fully flushed).
+    pub(super) fn open(&self, limit: usize) {
         self.committed.store(0, Ordering::Relaxed);
         self.first_write_ns.store(NO_WRITE, Ordering::Relaxed);
-        self.state.store(OPEN, Ordering::Release);
+        self.state.store(
+            OPEN | limit_bits(limit.min(self.slots.len())),
+            Ordering::Release,
+        );
     }
 
     /// Stop reservations; returns how many slots were reserved, then waits until all of them
@@ -153,5 +214,229 @@ impl PendingBatch {
             }
         }
         n
+    }
+}
+
+fn limit_of(state: u64) -> usize {
+    ((state >> LIMIT_SHIFT) & LIMIT_MASK) as usize
+}
+
+fn limit_bits(limit: usize) -> u64 {
+    (limit as u64 & LIMIT_MASK) << LIMIT_SHIFT
+}
+
+/// How long batches stay whole without a flush: `QUIET_AFTER` (the reserve's), or in tests
+/// what the test set.
+pub(super) fn quiet_after(quiet_after: Duration) -> Duration {
+    #[cfg(test)]
+    return QUIET_AFTER_FOR_TESTS
+        .with(std::cell::Cell::get)
+        .unwrap_or(quiet_after);
+    #[cfg(not(test))]
+    quiet_after
+}
+
+#[cfg(test)]
+thread_local! {
+    /// See `quiet_after`.
+    pub(super) static QUIET_AFTER_FOR_TESTS: std::cell::Cell<Option<Duration>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// What the refill thread should do with the batches' slots (see `BatchSpan::next`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum SpanChange {
+    /// Writes come faster than a quiet batch holds: commit every slot, then open batches
+    /// whole.
+    Grow,
+    /// No write for `QUIET_AFTER`: open batches with `QUIET_SLOTS`, then give the rest back.
+    Shrink,
+}
+
+/// How many slots the batches open with: all of them, or `QUIET_SLOTS` (see `QUIET_SLOTS`).
+/// Only the refill thread changes it, so that the memory of the slots past `QUIET_SLOTS` is
+/// given back only while no batch may use them, and committed before one may: it sets the
+/// quiet span under the flush mutex, with the open batch empty and lowered to it, before it
+/// gives their memory back, and the whole span after it committed it.
+pub(super) struct BatchSpan {
+    slots: AtomicUsize,
+    capacity: usize,
+    /// Batches flushed full at the quiet span.
+    quiet_fills: AtomicU64,
+    quiet_after: Duration,
+    watch: Mutex<SpanWatch>,
+}
+
+/// What the refill thread saw at its last look.
+struct SpanWatch {
+    flushes: u64,
+    quiet_fills: u64,
+    changed: Instant,
+}
+
+impl BatchSpan {
+    /// Batches of `capacity` slots, quiet again after `quiet_after` without a flush; quiet
+    /// to begin with if a refill thread keeps the span (`kept`), else whole for good.
+    pub(super) fn new(capacity: usize, quiet_after: Duration, kept: bool) -> Self {
+        Self {
+            slots: AtomicUsize::new(if kept {
+                capacity.min(QUIET_SLOTS)
+            } else {
+                capacity
+            }),
+            capacity,
+            quiet_fills: AtomicU64::new(0),
+            quiet_after,
+            watch: Mutex::new(SpanWatch {
+                flushes: 0,
+                quiet_fills: 0,
+                changed: Instant::now(),
+            }),
+        }
+    }
+
+    /// The slots a batch opens with now.
+    pub(super) fn slots(&self) -> usize {
+        self.slots.load(Ordering::Acquire)
+    }
+
+    /// The slots a quiet batch keeps.
+    pub(super) fn quiet_slots(&self) -> usize {
+        self.capacity.min(QUIET_SLOTS)
+    }
+
+    pub(super) fn is_whole(&self) -> bool {
+        self.slots() == self.capacity
+    }
+
+    /// A batch of `pages` was sealed; true if it filled at the quiet span (then the refill
+    /// thread has work: `Grow`).
+    pub(super) fn note_sealed(&self, pages: usize) -> bool {
+        let filled = !self.is_whole() && pages >= self.quiet_slots();
+        if filled {
+            self.quiet_fills.fetch_add(1, Ordering::Relaxed);
+        }
+        filled
+    }
+
+    /// The change due, from the count of batches flushed so far and whether the system is
+    /// short of memory: then batches stay (or become) whole, as the chunk reserve does, since
+    /// that is when swap writes come hardest (and the refill thread's commits are slowest).
+    pub(super) fn next(&self, flushes: u64, memory_short: bool) -> Option<SpanChange> {
+        if self.capacity <= QUIET_SLOTS {
+            return None;
+        }
+        let mut watch = self.watch.lock();
+        if flushes != watch.flushes || memory_short {
+            watch.flushes = flushes;
+            watch.changed = Instant::now();
+        }
+        let quiet_fills = self.quiet_fills.load(Ordering::Relaxed);
+        let filled = quiet_fills != watch.quiet_fills;
+        watch.quiet_fills = quiet_fills;
+        if self.is_whole() {
+            (watch.changed.elapsed() >= self.quiet_after).then_some(SpanChange::Shrink)
+        } else {
+            (filled || memory_short).then_some(SpanChange::Grow)
+        }
+    }
+
+    /// Batches open whole from now on (their memory committed).
+    pub(super) fn set_whole(&self) {
+        self.watch.lock().changed = Instant::now();
+        self.slots.store(self.capacity, Ordering::Release);
+    }
+
+    /// Batches open quiet from now on.
+    pub(super) fn set_quiet(&self) {
+        self.slots.store(self.quiet_slots(), Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mem::Segment;
+
+    fn batch(slots: usize) -> PendingBatch {
+        let segment = Segment::private(slots * 4096 + 4096).unwrap();
+        segment.commit(0, slots * 4096 + 4096).unwrap();
+        PendingBatch::new(
+            segment.page_slots(4096, slots).unwrap(),
+            segment.words(0, slots).unwrap(),
+        )
+    }
+
+    #[test]
+    fn writers_reserve_up_to_the_limit_the_batch_opened_with() {
+        let b = batch(64);
+        assert!(matches!(b.reserve(), Reserve::Closed));
+        b.open(3);
+        assert_eq!(b.limit(), 3);
+        for want in 0..3 {
+            assert!(matches!(b.reserve(), Reserve::Slot(s) if s == want));
+        }
+        assert!(matches!(b.reserve(), Reserve::Full));
+        assert!(b.is_full());
+        // A limit past the slots is the slots.
+        b.open(1_000);
+        assert_eq!(b.limit(), 64);
+    }
+
+    #[test]
+    fn only_an_empty_batch_shrinks() {
+        let b = batch(64);
+        b.open(64);
+        assert!(matches!(b.reserve(), Reserve::Slot(0)));
+        assert!(!b.shrink_empty(8), "a writer holds slot 0");
+        b.commit();
+        assert_eq!(b.seal(), 1);
+        b.open(64);
+        assert!(b.shrink_empty(8));
+        assert_eq!(b.limit(), 8);
+        for _ in 0..8 {
+            assert!(matches!(b.reserve(), Reserve::Slot(_)));
+        }
+        assert!(
+            matches!(b.reserve(), Reserve::Full),
+            "still open, at the lower limit"
+        );
+    }
+
+    #[test]
+    fn the_span_grows_on_a_quiet_fill_and_shrinks_after_a_quiet_spell() {
+        let quiet = Duration::from_millis(40);
+        let span = BatchSpan::new(256, quiet, true);
+        assert_eq!(span.slots(), QUIET_SLOTS);
+        assert_eq!(span.next(0, false), None);
+        // A batch sealed before it filled asks for nothing; one that filled, for every slot.
+        assert!(!span.note_sealed(QUIET_SLOTS - 1));
+        assert_eq!(span.next(1, false), None);
+        assert!(span.note_sealed(QUIET_SLOTS));
+        assert_eq!(span.next(2, false), Some(SpanChange::Grow));
+        span.set_whole();
+        assert_eq!(span.slots(), 256);
+        assert!(!span.note_sealed(256), "whole: nothing to grow");
+        // Flushes keep it whole; a spell without one shrinks it.
+        for flushes in 3..6 {
+            assert_eq!(span.next(flushes, false), None);
+            std::thread::sleep(quiet / 4);
+        }
+        std::thread::sleep(quiet + quiet / 2);
+        assert_eq!(span.next(5, false), Some(SpanChange::Shrink));
+        span.set_quiet();
+        assert_eq!(span.slots(), QUIET_SLOTS);
+        // Memory short: whole, and whole it stays however quiet.
+        assert_eq!(span.next(5, true), Some(SpanChange::Grow));
+        span.set_whole();
+        std::thread::sleep(quiet + quiet / 2);
+        assert_eq!(span.next(5, true), None);
+        assert_eq!(span.next(5, false), None, "short until just now");
+        // Batches no larger than the quiet span never change, nor does an unkept span.
+        let small = BatchSpan::new(QUIET_SLOTS, Duration::ZERO, true);
+        assert!(small.is_whole() && !small.note_sealed(QUIET_SLOTS));
+        assert_eq!(small.next(1, false), None);
+        let unkept = BatchSpan::new(256, quiet, false);
+        assert!(unkept.is_whole());
     }
 }

@@ -113,6 +113,8 @@ pub(super) enum RefillActivity {
     Provisioning,
     /// Committing the page table's memory for writers, or giving back empty parts of it.
     Table,
+    /// Committing the pending batches' slots, or giving back all but their quiet ones.
+    Batches,
     /// Growing or shrinking the allocator's lists (mapped buffers faulted in).
     Lists,
     /// Committing chunk memory (faulting it in: where it waits in reclaim).
@@ -122,10 +124,11 @@ pub(super) enum RefillActivity {
 }
 
 impl RefillActivity {
-    const ALL: [RefillActivity; 6] = [
+    const ALL: [RefillActivity; 7] = [
         RefillActivity::Waiting,
         RefillActivity::Provisioning,
         RefillActivity::Table,
+        RefillActivity::Batches,
         RefillActivity::Lists,
         RefillActivity::Committing,
         RefillActivity::GivingBack,

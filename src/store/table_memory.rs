@@ -502,6 +502,12 @@ impl TableMemory {
             .map_or(0, |slots| slots.spares.load(Ordering::Relaxed))
     }
 
+    /// Whether a writer asked for group `group` and it is not committed yet.
+    #[cfg(test)]
+    pub(super) fn is_wanted(&self, group: usize) -> bool {
+        self.word(group) & STATE_MASK == WANTED
+    }
+
     /// Whether a writer asked for a group not committed yet.
     pub(super) fn any_wanted(&self) -> bool {
         self.wanted.load(Ordering::Acquire)

@@ -1310,9 +1310,14 @@ fn the_page_table_holds_memory_only_for_the_part_of_the_device_in_use() {
     // the groups in use, whose next groups stay when empty (see `provide_table`).
     // Measured with every spare ready (a writer may have taken one the refill thread has not
     // replaced yet).
+    // And with the groups asked for ahead of the writes above committed (the refill thread
+    // may be busy with the pending batches' memory a while).
     let spares_ready = || s.table.memory().spares() == SPARE_SLOTS;
-    wait_for("the spares", &spares_ready);
+    wait_for("the spares", &|| {
+        spares_ready() && !(0..128).any(|g| s.table.memory().is_wanted(g))
+    });
     let retired_before = s.table.bytes();
+    let groups_before: Vec<u64> = (0..128).filter(|&g| committed(g)).collect();
     let until = Instant::now() + std::time::Duration::from_millis(1500);
     std::thread::scope(|scope| {
         for t in 0..2u64 {
@@ -1334,7 +1339,11 @@ fn the_page_table_holds_memory_only_for_the_part_of_the_device_in_use() {
     });
     // Groups 50, 51 and 58, at most.
     wait_for("the spares", &spares_ready);
-    assert!(s.table.bytes() <= retired_before + 3 * GROUP_BYTES);
+    assert!(
+        s.table.bytes() <= retired_before + 3 * GROUP_BYTES,
+        "groups before {groups_before:?}, after {:?}",
+        (0..128).filter(|&g| committed(g)).collect::<Vec<u64>>()
+    );
     // Everything discarded: each group that held pages goes back; what stays is the groups
     // asked for ahead of writes and never written (11, 18, 24, 28..=31, 51, 58).
     s.discard(0, 1 << 30).unwrap();
@@ -1530,4 +1539,143 @@ fn fills_of_every_size_discarded_again_and_again_carve_no_more_than_the_first() 
         "carved by round: {carved:?}"
     );
     drop(flusher);
+}
+
+#[test]
+fn the_pending_batches_hold_memory_for_every_slot_only_while_writes_come() {
+    use super::pending::QUIET_SLOTS;
+    let (s, flusher) = store_with_reserve(1 << 20);
+    let capacity = s.batches[0].capacity();
+    let tails_in_memory = || {
+        s.batches
+            .iter()
+            .any(|b| b.slots_in_memory(QUIET_SLOTS..capacity))
+    };
+    let quiet_bytes = (2 * (QUIET_SLOTS * PAGE_SIZE + capacity * 8)) as u64;
+    assert_eq!(s.stats().batch_buffer_bytes, quiet_bytes);
+    assert!(
+        !tails_in_memory(),
+        "a fresh store commits the quiet slots only"
+    );
+    let n = 3_000u64;
+    let write_all = |round: u64| {
+        for i in 0..n {
+            s.write(i * PAGE_SIZE as u64, &text(i + round)[..]).unwrap();
+        }
+    };
+    let read_all = |round: u64| {
+        let mut buf = vec![0u8; PAGE_SIZE];
+        for i in 0..n {
+            s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+            assert_eq!(&buf[..], &text(i + round)[..], "round {round} page {i}");
+        }
+    };
+    for round in 0..2u64 {
+        // A burst fills quiet batches: the refill thread commits every slot, and batches open
+        // whole.
+        let grows = s.stats().batch_span_grows;
+        while s.stats().batch_span_grows == grows {
+            write_all(round);
+        }
+        write_all(round);
+        assert!(tails_in_memory());
+        read_all(round);
+        // Quiet for a second: back to the quiet slots, the rest given back.
+        let shrinks = s.stats().batch_span_shrinks;
+        wait_for("the batches shrink", &|| {
+            s.stats().batch_span_shrinks > shrinks
+        });
+        assert!(!tails_in_memory());
+        assert_eq!(s.stats().batch_buffer_bytes, quiet_bytes);
+        read_all(round);
+    }
+    drop(flusher);
+}
+
+#[test]
+fn writers_racing_the_batches_growing_and_shrinking_keep_their_data() {
+    super::pending::QUIET_AFTER_FOR_TESTS
+        .with(|q| q.set(Some(std::time::Duration::from_millis(3))));
+    let (s, flusher) = store_with_reserve(1 << 20);
+    super::pending::QUIET_AFTER_FOR_TESTS.with(|q| q.set(None));
+    let writers: Vec<_> = (0..2u64)
+        .map(|w| {
+            let s = Arc::clone(&s);
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; PAGE_SIZE];
+                for round in 0..40u64 {
+                    // Bursts of 1 to 200 pages, then a pause around the quiet spell.
+                    let pages = 1 + (round * 37 + w * 11) % 200;
+                    for p in 0..pages {
+                        let i = w * 1_000 + p;
+                        s.write(i * PAGE_SIZE as u64, &text(i * 97 + round)[..])
+                            .unwrap();
+                    }
+                    for p in 0..pages {
+                        let i = w * 1_000 + p;
+                        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+                        assert_eq!(
+                            &buf[..],
+                            &text(i * 97 + round)[..],
+                            "round {round} page {i}"
+                        );
+                    }
+                    // Both writers pause alike: from none to a few refill passes.
+                    std::thread::sleep(std::time::Duration::from_millis((round % 4) * 40));
+                }
+            })
+        })
+        .collect();
+    for writer in writers {
+        writer.join().unwrap();
+    }
+    let st = s.stats();
+    assert!(
+        st.batch_span_grows > 2 && st.batch_span_shrinks > 2,
+        "grows {} shrinks {}",
+        st.batch_span_grows,
+        st.batch_span_shrinks
+    );
+    drop(flusher);
+}
+
+#[test]
+fn a_resumed_store_gives_back_the_batch_slots_its_predecessor_grew() {
+    use super::pending::QUIET_SLOTS;
+    let (key, backing) = fresh_shared_backing(0x7a30_0000);
+    let config = || {
+        let mut c = crate::config::StoreSettings::default().store_config(64 << 20, false);
+        c.reserve_bytes = 1 << 20;
+        c
+    };
+    let n = 2_000u64;
+    let tails_in_memory = |s: &BatchedPageStore| {
+        s.batches
+            .iter()
+            .any(|b| b.slots_in_memory(QUIET_SLOTS..b.capacity()))
+    };
+    {
+        let (s, _) = BatchedPageStore::open(config(), None, backing).unwrap();
+        let flusher = s.start_flusher(|_| ()).unwrap();
+        while s.stats().batch_span_grows == 0 {
+            for i in 0..n {
+                s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+            }
+        }
+        assert!(tails_in_memory(&s));
+        drop(flusher);
+    }
+    let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
+    assert!(
+        matches!(opened, Opened::Resumed { lost: 0, .. }),
+        "{opened:?}"
+    );
+    assert!(!tails_in_memory(&s));
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for i in 0..n {
+        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+        assert_eq!(&buf[..], &text(i)[..], "page {i}");
+    }
+    drop(s);
+    crate::mem::Segment::remove_shared(key).unwrap();
 }
