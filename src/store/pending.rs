@@ -7,8 +7,8 @@
 //! entry says `Pending { batch, slot }`, that slot holds that page's data.
 //!
 //! Writers may use a batch's first `limit` slots, set when it opens (see `BatchSpan`): all of
-//! them while writes come, the first `QUIET_SLOTS` once none came for a while, the rest of
-//! the slots' memory then given back.
+//! them while writes come or memory is short, the first `QUIET_SLOTS` once none came for a
+//! while, the rest of the slots' memory then given back.
 //!
 //! The slots' pages and the page index each holds are in the store's memory (see `layout`),
 //! so a write acknowledged before the process died is found by the next one: an entry that
@@ -32,9 +32,8 @@ const COUNT_MASK: u64 = (1 << 32) - 1;
 const LIMIT_SHIFT: u32 = 32;
 const LIMIT_MASK: u64 = (1 << 31) - 1;
 /// Slots each batch keeps with memory while no writes come and memory is not short (128 KiB
-/// a batch): what a swap
-/// device's occasional page needs. Why not all: every slot is a locked page, and the two
-/// batches' 512 slots were 2 MiB of the daemon's idle footprint (issue 16 asks for 8 MiB).
+/// a batch): what a swap device's occasional page needs. Why not all: every slot is a locked
+/// page, and the two batches' 512 slots were 2 MiB of the daemon's idle footprint.
 pub(super) const QUIET_SLOTS: usize = 32;
 /// `first_write_ns` of a batch none has written to yet.
 const NO_WRITE: u64 = u64::MAX;
@@ -246,10 +245,11 @@ thread_local! {
 /// What the refill thread should do with the batches' slots (see `BatchSpan::next`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum SpanChange {
-    /// Writes come faster than a quiet batch holds: commit every slot, then open batches
-    /// whole.
+    /// Writes come faster than a quiet batch holds, or memory is short: commit every slot,
+    /// then open batches whole.
     Grow,
-    /// No write for `QUIET_AFTER`: open batches with `QUIET_SLOTS`, then give the rest back.
+    /// No write for `QUIET_AFTER` with memory not short: open batches with `QUIET_SLOTS`,
+    /// then give the rest back.
     Shrink,
 }
 
