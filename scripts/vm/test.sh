@@ -883,7 +883,9 @@ memory_settles() {
     if [ "$name" = ublk ]; then
         # What the daemon holds 2 s on (its reserve shrinks once quiet for a second, and the
         # page table's groups no write reached go once none was asked for a second).
-        usleep "$(awk -v s="$(since "$t0")" 'BEGIN { r = 2 - s; printf "%d", r > 0 ? r * 1e6 : 0 }')"
+        # (The parentheses matter: awk reads `printf ..., r > 0 ...` as output to a file
+        # named "0 ...", and usleep was given nothing until 2026-11-28.)
+        usleep "$(awk -v s="$(since "$t0")" 'BEGIN { r = 2 - s; printf "%d", (r > 0 ? r * 1e6 : 0) }')"
     fi
     echo "$name: swap in use $(swap_in_use_kib) KiB$([ "$name" = ublk ] && echo ", the store holds $(ublk_data_kib) KiB of pages, the daemon $(ublk_held_kib) KiB beyond its idle RSS 2 s after the program exited")"
     if [ "$name" = ublk ]; then
