@@ -293,11 +293,16 @@ impl BatchedPageStore {
             .into_iter()
             .map(|(slots, indexes)| PendingBatch::new(slots, indexes))
             .collect();
+        let alloc = ZsAllocator::new(
+            config.reserve_bytes,
+            regions.arena,
+            Some(regions.class_chunks),
+        );
         let span = BatchSpan::new(
             batches.first().map_or(0, PendingBatch::capacity),
             pending::quiet_after(reserve::QUIET_AFTER),
-            // The refill thread keeps it (see `provide_batches`).
-            config.reserve_bytes > 0,
+            // The refill thread keeps it (see `provide_batches`), where there is one.
+            alloc.reserve.enabled(),
         );
         for batch in batches.iter() {
             batch
@@ -318,11 +323,7 @@ impl BatchedPageStore {
                 regions.checksums,
                 regions.table_memory,
             ),
-            alloc: ZsAllocator::new(
-                config.reserve_bytes,
-                regions.arena,
-                Some(regions.class_chunks),
-            ),
+            alloc,
             batches,
             span,
             current: AtomicUsize::new(0),

@@ -1541,16 +1541,20 @@ fn fills_of_every_size_discarded_again_and_again_carve_no_more_than_the_first() 
     drop(flusher);
 }
 
+/// Whether a slot of a pending batch past the quiet ones has memory.
+fn batch_tails_in_memory(s: &BatchedPageStore) -> bool {
+    use super::pending::QUIET_SLOTS;
+    s.batches
+        .iter()
+        .any(|b| b.slots_in_memory(QUIET_SLOTS..b.capacity()))
+}
+
 #[test]
 fn the_pending_batches_hold_memory_for_every_slot_only_while_writes_come() {
     use super::pending::QUIET_SLOTS;
     let (s, flusher) = store_with_reserve(1 << 20);
     let capacity = s.batches[0].capacity();
-    let tails_in_memory = || {
-        s.batches
-            .iter()
-            .any(|b| b.slots_in_memory(QUIET_SLOTS..capacity))
-    };
+    let tails_in_memory = || batch_tails_in_memory(&s);
     let quiet_bytes = (2 * (QUIET_SLOTS * PAGE_SIZE + capacity * 8)) as u64;
     assert_eq!(s.stats().batch_buffer_bytes, quiet_bytes);
     assert!(
@@ -1641,7 +1645,6 @@ fn writers_racing_the_batches_growing_and_shrinking_keep_their_data() {
 
 #[test]
 fn a_resumed_store_gives_back_the_batch_slots_its_predecessor_grew() {
-    use super::pending::QUIET_SLOTS;
     let (key, backing) = fresh_shared_backing(0x7a30_0000);
     let config = || {
         let mut c = crate::config::StoreSettings::default().store_config(64 << 20, false);
@@ -1649,11 +1652,7 @@ fn a_resumed_store_gives_back_the_batch_slots_its_predecessor_grew() {
         c
     };
     let n = 2_000u64;
-    let tails_in_memory = |s: &BatchedPageStore| {
-        s.batches
-            .iter()
-            .any(|b| b.slots_in_memory(QUIET_SLOTS..b.capacity()))
-    };
+    let tails_in_memory = batch_tails_in_memory;
     {
         let (s, _) = BatchedPageStore::open(config(), None, backing).unwrap();
         let flusher = s.start_flusher(|_| ()).unwrap();
