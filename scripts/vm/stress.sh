@@ -80,10 +80,14 @@ stress_case() {
             echo 4 >/proc/sys/kernel/printk
         fi
     ) &
+    # A swap run for the monitor: swap that stops moving for STALL_S fails the VM at once, with
+    # where each of the daemon's threads waits (a wedged case otherwise waits for the VM's end).
+    touch /run/pressure-on
     work env LD_LIBRARY_PATH=$SNG/lib timeout -s KILL $((STRESS_S + 120)) $SNG/stress-ng --vm 2 \
         --vm-bytes "$((2 * mib))M" --vm-method "$method" --vm-keep --verify -t "${STRESS_S}s" \
         --metrics-brief --yaml /tmp/sng.yaml >/tmp/sng.out 2>&1
     rc=$?
+    rm -f /run/pressure-on
     touch /tmp/stress.done
     echo 1 <>/tmp/stress.fifo # read-write: never blocks, even with the reader gone
     wait "$wk"
