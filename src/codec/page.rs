@@ -201,20 +201,52 @@ fn compress_adaptive(page: &Page, out: &mut Page) -> (Encoding, usize) {
     compress_page(algorithm, page, out)
 }
 
-/// Make this thread's codec contexts for `algorithm` now (zstd's compressor, sized for a page,
-/// and zstd's decompressor, which every store needs: an LZ4 store holds zstd pages once the
-/// recompressor has been at them): the I/O path must not allocate them at its first page,
-/// where the allocation could wait on reclaim, and reclaim on this device.
-pub fn prepare_thread(algorithm: Algorithm) {
-    let level = match algorithm {
-        Algorithm::Lz4 => ADAPTIVE_ZSTD_LEVEL,
-        Algorithm::Zstd { level } => level,
-        Algorithm::Adaptive => ADAPTIVE_ZSTD_LEVEL,
-    };
+/// The zstd level of the compressor a thread keeps for `algorithm` (none for LZ4).
+fn kept_zstd_level(algorithm: Algorithm) -> Option<i32> {
+    match algorithm {
+        Algorithm::Lz4 => None,
+        Algorithm::Zstd { level } => Some(level),
+        Algorithm::Adaptive => Some(ADAPTIVE_ZSTD_LEVEL),
+    }
+}
+
+/// A page for warming codec contexts: compressible, the same every time.
+fn warm_up_page() -> Page {
     let mut page = [0u8; PAGE_SIZE];
     for (i, b) in page.iter_mut().enumerate() {
         *b = u8::try_from(i % 251).unwrap_or_default();
     }
+    page
+}
+
+/// Heap the codec contexts `prepare_thread(algorithm)` keeps take (zstd's workspace for a
+/// page grows with the level: 72 KiB at level 1, 88 at level 3, and 94 KiB for the
+/// decompressor, zstd 1.5.7), measured by making such contexts and dropping them. For warming
+/// that much heap before `prepare_thread`: zstd writes a context's pages only as a page's
+/// compression needs them, so contexts made in fresh heap fault the rest in later, on the I/O
+/// path.
+pub fn thread_contexts_bytes(algorithm: Algorithm) -> usize {
+    let decompressor = zstd::zstd_safe::DCtx::create().sizeof();
+    let compressor = kept_zstd_level(algorithm).map_or(0, |level| {
+        let Ok(mut c) = new_zstd_compressor(level) else {
+            return 0;
+        };
+        // zstd sizes its workspace at the first compression, for the input's size.
+        let mut out = [0u8; PAGE_SIZE];
+        let _ = c.compress_to_buffer(&warm_up_page()[..], &mut out[..]);
+        c.context_mut().sizeof()
+    });
+    decompressor + compressor
+}
+
+/// Make this thread's codec contexts for `algorithm` now (zstd's compressor, sized for a page,
+/// and zstd's decompressor, which every store needs: an LZ4 store holds zstd pages once the
+/// recompressor has been at them): the I/O path must not allocate them at its first page,
+/// where the allocation could wait on reclaim, and reclaim on this device. Their heap is
+/// best faulted in before (see `thread_contexts_bytes`).
+pub fn prepare_thread(algorithm: Algorithm) {
+    let level = kept_zstd_level(algorithm).unwrap_or(ADAPTIVE_ZSTD_LEVEL);
+    let page = warm_up_page();
     let mut out = [0u8; PAGE_SIZE];
     // The compressed page is only a way to warm the decompressor; an LZ4 thread keeps no
     // compressor.
@@ -222,7 +254,7 @@ pub fn prepare_thread(algorithm: Algorithm) {
         let mut back = [0u8; PAGE_SIZE];
         let _ = decompress_page(Encoding::Zstd, &out[..n], &mut back);
     }
-    if algorithm == Algorithm::Lz4 {
+    if kept_zstd_level(algorithm).is_none() {
         ZSTD_COMPRESSOR.with(|cell| cell.borrow_mut().take());
     }
 }
@@ -360,6 +392,19 @@ mod tests {
         })
         .join()
         .unwrap();
+    }
+
+    #[test]
+    fn the_contexts_a_thread_keeps_are_measured_with_the_compressor_its_level_needs() {
+        let lz4 = thread_contexts_bytes(Algorithm::Lz4);
+        let zstd1 = thread_contexts_bytes(Algorithm::Zstd { level: 1 });
+        let zstd3 = thread_contexts_bytes(Algorithm::Zstd { level: 3 });
+        let zstd19 = thread_contexts_bytes(Algorithm::Zstd { level: 19 });
+        // LZ4 keeps the decompressor alone; a compressor's workspace grows with the level.
+        assert!(lz4 > 16 << 10, "{lz4}");
+        assert!(zstd1 > lz4 + (16 << 10), "{zstd1} {lz4}");
+        assert!(zstd3 > zstd1 && zstd19 > zstd3, "{zstd1} {zstd3} {zstd19}");
+        assert_eq!(thread_contexts_bytes(Algorithm::Adaptive), zstd1);
     }
 
     #[test]

@@ -59,7 +59,7 @@ impl StoreHandler {
 
 impl BlockHandler for StoreHandler {
     fn prepare_thread(&self) {
-        crate::codec::prepare_thread(self.algorithm);
+        super::harden::prepare_codec_thread(self.algorithm);
     }
 
     /// Not while the system is short of memory: near OOM the queue thread's spinning took

@@ -21,17 +21,26 @@ pub(super) fn lock_memory() {
     }
 }
 
-/// Ready a thread of the store (flusher, reserve refill, rayon worker) for the I/O path, as
-/// the ublk layer does its queue threads: stack and arena faulted in, codec contexts made, an
-/// I/O flusher, top CPU priority.
+/// Ready a thread of the store that compresses or decompresses (flusher, recompressor, rayon
+/// worker) for the I/O path, as the ublk layer does its queue threads: stack and arena faulted
+/// in, codec contexts made, an I/O flusher, top CPU priority.
 pub(super) fn ready_store_thread(algorithm: Algorithm) {
     ready_io_thread();
+    prepare_codec_thread(algorithm);
+}
+
+/// Make this thread's codec contexts for `algorithm` in heap faulted in for them, with the
+/// I/O path's own warm heap still free beside them (see `mem::warm_heap`).
+pub(super) fn prepare_codec_thread(algorithm: Algorithm) {
+    crate::mem::warm_heap(
+        crate::codec::thread_contexts_bytes(algorithm) + crate::mem::IO_HEAP_WARM_BYTES,
+    );
     crate::codec::prepare_thread(algorithm);
 }
 
 /// Ready a thread that touches the store but compresses nothing (the serving process's main
-/// thread, which frees the slots the probe reports): as `ready_store_thread`, without the
-/// codec contexts.
+/// thread, which frees the slots the probe reports; the reserve's refill thread): as
+/// `ready_store_thread`, without the codec contexts.
 pub(super) fn ready_io_thread() {
     crate::mem::prepare_io_thread();
     if let Err(error) = crate::os::set_io_flusher() {

@@ -43,8 +43,8 @@ use crate::units::human_size;
 use detach::{start_detached, Notifier};
 use handler::StoreHandler;
 use harden::{
-    disable_writeback_throttling, lock_memory, make_refill_realtime, protect_from_oom_killer,
-    ready_io_thread, ready_store_thread,
+    disable_writeback_throttling, lock_memory, make_refill_realtime, prepare_codec_thread,
+    protect_from_oom_killer, ready_io_thread, ready_store_thread,
 };
 
 /// Where daemons keep their logs and endpoints (root only).
@@ -541,9 +541,11 @@ fn serve(
     // standby's before it says it is ready.
     let start_store_threads = || {
         StoreThreads::start(move |role| {
-            ready_store_thread(thread_algorithm);
             if role == StoreThread::Refill {
+                ready_io_thread();
                 make_refill_realtime();
+            } else {
+                ready_store_thread(thread_algorithm);
             }
         })
         .map_err(io_error("starting the store's threads"))
@@ -556,7 +558,7 @@ fn serve(
         })?;
         let mut standby = Device::standby(id, handler.clone())?;
         // This thread compresses the pending pages of the store it resumes.
-        crate::codec::prepare_thread(thread_algorithm);
+        prepare_codec_thread(thread_algorithm);
         // What the takeover allocates, kept ready (see `SparePages`): heap in this thread's
         // arena, as much as resuming the store as it is now needs (it grows as the serving
         // process stores pages, and is looked at again every ping), the page tables of the

@@ -40,32 +40,32 @@ pub const IO_THREAD_STACK_BYTES: usize = 1 << 20;
 /// Rss sampled from /proc/PID/smaps, 2026-11-26). Every KiB here is locked memory in the
 /// serving process and the standby alike, for each of their I/O threads.
 const IO_STACK_PREFAULT_BYTES: usize = 64 << 10;
-/// Free heap each I/O-path thread faults in for its own malloc arena.
-const IO_HEAP_WARM_BYTES: usize = 256 << 10;
+/// Free heap each I/O-path thread faults in for its own malloc arena: four times the most
+/// any of them allocated at once in the VM's near-OOM stage (2026-11-28, a diagnostic build
+/// counting the live bytes of Rust's allocations per arena, from the end of this call on: 5 KiB
+/// in each compression pool thread, 6 in the queue thread, 10 in the flusher, 17 in the
+/// recompressor). A thread that also keeps codec contexts warms their heap besides (see
+/// `warm_heap`). Every KiB here is locked memory in the serving process, the standby and the
+/// supervisor, for each of their I/O threads.
+pub const IO_HEAP_WARM_BYTES: usize = 64 << 10;
 
 /// Ready the calling thread for the I/O path: fault in (and so, under `mlockall`, lock) the
-/// next 64 KiB of its stack and 256 KiB of free space in its malloc arena.
+/// next 64 KiB of its stack and 64 KiB of free space in its malloc arena.
 ///
 /// Why: under `MCL_ONFAULT` pages are only faulted in when first written. A thread serving
 /// swap I/O that touches a fresh page under memory pressure waits in reclaim for the very
 /// swap-out it is serving, and with it every bio in flight (seen in the VM: a rayon worker
 /// stuck in a page fault while kswapd and every allocating task waited for a free bio).
-/// The I/O path allocates little (batch bookkeeping, codec contexts) and frees what it
-/// allocates, so with trimming off (`configure_heap`) it is served from pages it already has.
+/// The I/O path allocates little (batch bookkeeping) and frees what it allocates, so with
+/// trimming off (`configure_heap`) it is served from pages it already has.
 /// Each thread gets a malloc arena of its own (glibc's default up to 8 per CPU), and so a
 /// lock of its own: with one arena for all (`M_ARENA_MAX=1`, tried on 2026-11-26 to save
-/// the 256 KiB each), a thread not readied so may fault in the heap's new top while holding
+/// the heap each warms), a thread not readied so may fault in the heap's new top while holding
 /// the one lock, in reclaim, and every I/O thread that allocates waits with it.
 /// Call it first thing on every such thread.
 pub fn prepare_io_thread() {
     prefault_stack();
-    // Many blocks rather than one, so that they come from this thread's arena (not mmap) and,
-    // once freed, coalesce into free space any later allocation can use.
-    const BLOCK: usize = 32 << 10;
-    let blocks: Vec<Vec<u8>> = (0..IO_HEAP_WARM_BYTES / BLOCK)
-        .map(|_| vec![1u8; BLOCK])
-        .collect();
-    std::hint::black_box(&blocks);
+    warm_heap(IO_HEAP_WARM_BYTES);
 }
 
 #[inline(never)]
@@ -220,10 +220,17 @@ unsafe impl Send for SparePages {}
 
 /// Fault in (and, under `mlockall`, lock) `bytes` of free space in the calling thread's heap
 /// arena: with trimming off (`configure_heap`), later allocations up to that much are served
-/// from pages the process already has. For a thread that will allocate while memory cannot
-/// be had (a standby taking a device over).
+/// from pages the process already has. For what a thread allocates once and then lives in
+/// without touching all of it at first (codec contexts: zstd's workspace is written as pages
+/// need it; made in fresh heap, a page's compression faulted the rest in under memory pressure
+/// and wedged swap in the VM, 2026-11-28), and for a thread that will allocate while memory
+/// cannot be had (a standby taking a device over). It must come before those allocations.
 pub fn warm_heap(bytes: usize) {
-    const BLOCK: usize = 64 << 10;
-    let blocks: Vec<Vec<u8>> = (0..bytes / BLOCK).map(|_| vec![1u8; BLOCK]).collect();
+    // Many blocks rather than one, so that, once freed, they coalesce into free space any later
+    // allocation can use.
+    const BLOCK: usize = 32 << 10;
+    let blocks: Vec<Vec<u8>> = (0..bytes.div_ceil(BLOCK))
+        .map(|_| vec![1u8; BLOCK])
+        .collect();
     std::hint::black_box(&blocks);
 }
