@@ -29,11 +29,15 @@ pub(super) fn ready_store_thread(algorithm: Algorithm) {
     prepare_codec_thread(algorithm);
 }
 
-/// Make this thread's codec contexts for `algorithm` in heap faulted in for them, with the
-/// I/O path's own warm heap still free beside them (see `mem::warm_heap`).
+/// Make this thread's codec contexts for `algorithm` in heap faulted in for them, with room
+/// for what the I/O path allocates still free beside them (see `mem::warm_heap`). Once the
+/// thread is readied (`ready_io_thread`), its 256 KiB hold them at the default levels (a
+/// compressor at level 3 and a decompressor take 182 KiB); higher levels take more (level 19's
+/// compressor alone 270 KiB), which was made in fresh heap until 2026-11-28.
 pub(super) fn prepare_codec_thread(algorithm: Algorithm) {
     crate::mem::warm_heap(
-        crate::codec::thread_contexts_bytes(algorithm) + crate::mem::IO_HEAP_WARM_BYTES,
+        crate::codec::thread_contexts_bytes(algorithm)
+            + crate::mem::IO_ALLOCATIONS_BESIDE_CODEC_BYTES,
     );
     crate::codec::prepare_thread(algorithm);
 }
@@ -51,13 +55,19 @@ pub(super) fn ready_io_thread() {
     }
 }
 
+/// Ready the reserve's refill thread: an I/O thread that compresses nothing, real-time.
+pub(super) fn ready_refill_thread() {
+    ready_io_thread();
+    make_refill_realtime();
+}
+
 /// Make the reserve's refill thread real-time. Why: it allocates the memory every stored page
 /// needs, at the moment RAM runs out, in competition with the programs whose pages are being
 /// swapped out. A real-time task may allocate below the min watermark (as zram, compressing in
 /// the reclaiming task, may dip into the reserves), and runs as soon as it can, so the reserve
 /// refills before writes wait on it: without this, the first seconds of a swap storm in a
 /// 512 MiB VM failed writes with ENOMEM. It sleeps between refills, so it takes little CPU.
-pub(super) fn make_refill_realtime() {
+fn make_refill_realtime() {
     if let Err(error) = crate::os::make_thread_realtime() {
         tracing::warn!(%error, "could not make the reserve's refill thread real-time (needs CAP_SYS_NICE): under sudden memory pressure writes may fail with ENOMEM");
     }

@@ -43,8 +43,8 @@ use crate::units::human_size;
 use detach::{start_detached, Notifier};
 use handler::StoreHandler;
 use harden::{
-    disable_writeback_throttling, lock_memory, make_refill_realtime, prepare_codec_thread,
-    protect_from_oom_killer, ready_io_thread, ready_store_thread,
+    disable_writeback_throttling, lock_memory, prepare_codec_thread, protect_from_oom_killer,
+    ready_io_thread, ready_refill_thread, ready_store_thread,
 };
 
 /// Where daemons keep their logs and endpoints (root only).
@@ -542,8 +542,7 @@ fn serve(
     let start_store_threads = || {
         StoreThreads::start(move |role| {
             if role == StoreThread::Refill {
-                ready_io_thread();
-                make_refill_realtime();
+                ready_refill_thread();
             } else {
                 ready_store_thread(thread_algorithm);
             }

@@ -40,27 +40,31 @@ pub const IO_THREAD_STACK_BYTES: usize = 1 << 20;
 /// Rss sampled from /proc/PID/smaps, 2026-11-26). Every KiB here is locked memory in the
 /// serving process and the standby alike, for each of their I/O threads.
 const IO_STACK_PREFAULT_BYTES: usize = 64 << 10;
-/// Free heap each I/O-path thread faults in for its own malloc arena: four times the most
-/// any of them allocated at once in the VM's near-OOM stage (2026-11-28, a diagnostic build
-/// counting the live bytes of Rust's allocations per arena, from the end of this call on: 5 KiB
-/// in each compression pool thread, 6 in the queue thread, 10 in the flusher, 17 in the
-/// recompressor). A thread that also keeps codec contexts warms their heap besides (see
-/// `warm_heap`). Every KiB here is locked memory in the serving process, the standby and the
-/// supervisor, for each of their I/O threads.
-pub const IO_HEAP_WARM_BYTES: usize = 64 << 10;
+/// Free heap each I/O-path thread faults in for its own malloc arena.
+const IO_HEAP_WARM_BYTES: usize = 256 << 10;
+/// What the I/O path of a thread that compresses allocates beside its codec contexts, at most:
+/// four times the most measured in the VM's near-OOM stage (2026-11-28, a diagnostic build
+/// counting the live bytes of Rust's allocations per malloc arena: 5 KiB in each compression
+/// pool thread, 6 in the queue thread, 10 in the flusher, 17 in the recompressor; the C codecs
+/// allocate nothing per page).
+pub const IO_ALLOCATIONS_BESIDE_CODEC_BYTES: usize = 64 << 10;
 
 /// Ready the calling thread for the I/O path: fault in (and so, under `mlockall`, lock) the
-/// next 64 KiB of its stack and 64 KiB of free space in its malloc arena.
+/// next 64 KiB of its stack and 256 KiB of free space in its malloc arena.
 ///
 /// Why: under `MCL_ONFAULT` pages are only faulted in when first written. A thread serving
 /// swap I/O that touches a fresh page under memory pressure waits in reclaim for the very
 /// swap-out it is serving, and with it every bio in flight (seen in the VM: a rayon worker
 /// stuck in a page fault while kswapd and every allocating task waited for a free bio).
 /// The I/O path allocates little (batch bookkeeping) and frees what it allocates, so with
-/// trimming off (`configure_heap`) it is served from pages it already has.
+/// trimming off (`configure_heap`) it is served from pages it already has. Whether the main
+/// thread, which frees the slots swap frees, and the refill thread, whose heap grows with the
+/// store, can do with less is not known: with 64 KiB (2026-11-28) writes failed for want of
+/// memory in the near-OOM stage's 2 x 100 MiB case in 4 runs of 4, against none in 4 runs of
+/// the builds before.
 /// Each thread gets a malloc arena of its own (glibc's default up to 8 per CPU), and so a
 /// lock of its own: with one arena for all (`M_ARENA_MAX=1`, tried on 2026-11-26 to save
-/// the heap each warms), a thread not readied so may fault in the heap's new top while holding
+/// the 256 KiB each), a thread not readied so may fault in the heap's new top while holding
 /// the one lock, in reclaim, and every I/O thread that allocates waits with it.
 /// Call it first thing on every such thread.
 pub fn prepare_io_thread() {
