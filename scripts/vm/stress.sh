@@ -101,6 +101,7 @@ stress_case() {
     bogo=$(sed -n 's/^ *bogo-ops-per-second-real-time: *//p' /tmp/sng.yaml 2>/dev/null | head -n1)
     vfail=$(grep -ciE 'verif.*fail|fail.*verif|bit error|miscompare' /tmp/sng.out)
     echo "$tag: stress-ng exit $rc, bogo ops/s ${bogo:-none}, failed writes $((w1 - w0)), OOM kills $kills ($others not workers), longest wake-up delay ${delay:-none} ms"
+    echo "$tag: the longest wake-up: $(grep '^WAKEUP_WORST' /tmp/wakeup.out)"
     grep -E 'Write-error|resource error|Kernel panic|deadlocked' "/tmp/dmesg.$tag" | head -n 3
     check "$tag: stress-ng's --verify found no corrupted data" [ "$vfail" -eq 0 ]
     check "$tag: stress-ng ended within its time limit (exit $rc)" [ "$rc" -ne 137 ]

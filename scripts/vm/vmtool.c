@@ -90,6 +90,7 @@
 #include <sys/mman.h>
 #include <sys/shm.h>
 #include <sys/reboot.h>
+#include <sys/resource.h>
 #include <sched.h>
 #include <fcntl.h>
 #include <sys/socket.h>
@@ -864,18 +865,34 @@ static int cmd_wakeup(int argc, char **argv)
 	}
 	double period = (double)parse_u64(argv[0], "period") / 1000.0;
 	double seconds = (double)parse_u64(argv[1], "seconds");
-	double start = now_s(), worst = 0;
+	double start = now_s(), worst = 0, worst_at = 0;
+	/* Where the worst wake-up's time went: this program's own page faults then (a major one
+	 * is a page of it swapped in: the device's read latency), and its time in the kernel. */
+	long worst_majflt = 0, worst_minflt = 0;
+	double worst_sys = 0;
 	for (double due = start + period; due < start + seconds; due += period) {
+		struct rusage before, after;
+		getrusage(RUSAGE_SELF, &before);
 		double t = now_s();
 		if (due > t)
 			usleep((useconds_t)((due - t) * 1e6));
 		t = now_s();
-		if (t - due > worst)
+		getrusage(RUSAGE_SELF, &after);
+		if (t - due > worst) {
 			worst = t - due;
+			worst_at = t - start;
+			worst_majflt = after.ru_majflt - before.ru_majflt;
+			worst_minflt = after.ru_minflt - before.ru_minflt;
+			worst_sys = (double)(after.ru_stime.tv_sec - before.ru_stime.tv_sec) +
+				    (double)(after.ru_stime.tv_usec - before.ru_stime.tv_usec) / 1e6;
+		}
 		if (t > due + period)
 			due = t; /* one long stall counts once, not as many missed wake-ups */
 	}
 	printf("WAKEUP_MAX_DELAY_MS=%.0f\n", worst * 1000.0);
+	printf("WAKEUP_WORST_AT_S=%.1f WAKEUP_WORST_MAJFLT=%ld WAKEUP_WORST_MINFLT=%ld "
+	       "WAKEUP_WORST_SYS_MS=%.0f\n",
+	       worst_at, worst_majflt, worst_minflt, worst_sys * 1000.0);
 	return 0;
 }
 
