@@ -55,19 +55,15 @@ pub(super) fn ready_io_thread() {
     }
 }
 
-/// Ready the reserve's refill thread: an I/O thread that compresses nothing, real-time.
+/// Ready the reserve's refill thread: an I/O thread that compresses nothing, made real-time.
+/// Why real-time: it allocates the memory every stored page needs, at the moment RAM runs out,
+/// in competition with the programs whose pages are being swapped out. A real-time task may
+/// allocate below the min watermark (as zram, compressing in the reclaiming task, may dip into
+/// the reserves), and runs as soon as it can, so the reserve refills before writes wait on it:
+/// without this, the first seconds of a swap storm in a 512 MiB VM failed writes with ENOMEM.
+/// It sleeps between refills, so it takes little CPU.
 pub(super) fn ready_refill_thread() {
     ready_io_thread();
-    make_refill_realtime();
-}
-
-/// Make the reserve's refill thread real-time. Why: it allocates the memory every stored page
-/// needs, at the moment RAM runs out, in competition with the programs whose pages are being
-/// swapped out. A real-time task may allocate below the min watermark (as zram, compressing in
-/// the reclaiming task, may dip into the reserves), and runs as soon as it can, so the reserve
-/// refills before writes wait on it: without this, the first seconds of a swap storm in a
-/// 512 MiB VM failed writes with ENOMEM. It sleeps between refills, so it takes little CPU.
-fn make_refill_realtime() {
     if let Err(error) = crate::os::make_thread_realtime() {
         tracing::warn!(%error, "could not make the reserve's refill thread real-time (needs CAP_SYS_NICE): under sudden memory pressure writes may fail with ENOMEM");
     }

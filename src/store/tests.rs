@@ -1652,7 +1652,6 @@ fn a_resumed_store_gives_back_the_batch_slots_its_predecessor_grew() {
         c
     };
     let n = 2_000u64;
-    let tails_in_memory = batch_tails_in_memory;
     {
         let (s, _) = BatchedPageStore::open(config(), None, backing).unwrap();
         let flusher = s.start_flusher(|_| ()).unwrap();
@@ -1661,7 +1660,7 @@ fn a_resumed_store_gives_back_the_batch_slots_its_predecessor_grew() {
                 s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
             }
         }
-        assert!(tails_in_memory(&s));
+        assert!(batch_tails_in_memory(&s));
         drop(flusher);
     }
     let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
@@ -1669,7 +1668,7 @@ fn a_resumed_store_gives_back_the_batch_slots_its_predecessor_grew() {
         matches!(opened, Opened::Resumed { lost: 0, .. }),
         "{opened:?}"
     );
-    assert!(!tails_in_memory(&s));
+    assert!(!batch_tails_in_memory(&s));
     let mut buf = vec![0u8; PAGE_SIZE];
     for i in 0..n {
         s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
