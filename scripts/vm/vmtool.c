@@ -38,6 +38,15 @@
  *       An ordinary process (no locking, no priority) that wakes every PERIOD_MS for
  *       SECONDS and prints WAKEUP_MAX_DELAY_MS, the longest it woke up late: how long
  *       a user's shell would have stalled.
+ *   vmtool stalls PID SECONDS
+ *       Watches process PID (the wake-up timer, or a shell whose child runs it) for SECONDS, locked in memory at real-time
+ *       priority, sampling every 20 ms its state, its kernel stack and the requests in flight
+ *       on /sys/block/ublkb0 and zram0. Whenever PID is anywhere but asleep in its own timer
+ *       for 1 s or more, prints the episode: when, how long, and each distinct state and
+ *       stack seen in it with the in-flight requests then (the first 3 episodes, up to 6
+ *       stacks each); in the first episode to reach 1.5 s, also every daemon thread's state
+ *       and kernel stack (as the monitor does), to tell whether a page's swap-in waited for
+ *       the device or for memory to read it into.
  *   vmtool rss-settle PID LIMIT_KB TIMEOUT_S
  *       Polls PID's VmRSS every 20 ms until it is at most LIMIT_KB, or TIMEOUT_S
  *       passed; prints RSS_SETTLE_S (-1 if never) and RSS_SETTLE_KB (the last value).
@@ -618,26 +627,36 @@ static int next_daemon(DIR *proc, char *pid, size_t cap)
 	return 0;
 }
 
-/* Where thread TID of PID is in the kernel (/proc/PID/task/TID/stack, root only): its
- * innermost frames on one line, "fn < caller < ...", offsets left out. */
-static void print_kernel_stack(const char *pid, const char *tid)
+/* The kernel stack of /proc/PID/stack already read into `stack`, as "fn < caller < ..." (the
+ * innermost frames, offsets left out) into out. */
+static void stack_line(char *stack, char *out, size_t cap)
 {
-	char path[600];
-	static char stack[4096];
-	snprintf(path, sizeof(path), "/proc/%s/task/%s/stack", pid, tid);
-	if (!read_small(path, stack, sizeof(stack)))
-		return;
-	printf("watchdog:   kernel:");
+	size_t used = 0;
 	int frames = 0;
+	out[0] = 0;
 	for (char *line = strtok(stack, "\n"); line && frames < 12; line = strtok(NULL, "\n")) {
 		char *fn = strchr(line, ' ');
 		if (!fn)
 			continue;
 		fn++;
 		fn[strcspn(fn, "+")] = 0;
-		printf("%s %s", frames++ ? " <" : "", fn);
+		int n = snprintf(out + used, cap - used, "%s%s", frames++ ? " < " : "", fn);
+		if (n < 0 || (size_t)n >= cap - used)
+			break;
+		used += (size_t)n;
 	}
-	printf("\n");
+}
+
+/* Where thread TID of PID is in the kernel (/proc/PID/task/TID/stack, root only). */
+static void print_kernel_stack(const char *pid, const char *tid)
+{
+	char path[600], frames[600];
+	static char stack[4096];
+	snprintf(path, sizeof(path), "/proc/%s/task/%s/stack", pid, tid);
+	if (!read_small(path, stack, sizeof(stack)))
+		return;
+	stack_line(stack, frames, sizeof(frames));
+	printf("watchdog:   kernel: %s\n", frames);
 }
 
 /* Every thread of every trueno-ublk process: its state, page faults and CPU time from
@@ -896,6 +915,99 @@ static int cmd_wakeup(int argc, char **argv)
 	return 0;
 }
 
+/* Requests in flight on a block device: "reads/writes", or "-" where it has none. */
+static void inflight_of(const char *dev, char *out, size_t cap)
+{
+	char path[128], buf[64];
+	unsigned long reads = 0, writes = 0;
+	snprintf(path, sizeof(path), "/sys/block/%s/inflight", dev);
+	if (read_small(path, buf, sizeof(buf)) && sscanf(buf, "%lu %lu", &reads, &writes) == 2)
+		snprintf(out, cap, "%lu/%lu", reads, writes);
+	else
+		snprintf(out, cap, "-");
+}
+
+#define STALL_STACKS 6
+#define STALL_EPISODES 3
+
+static int cmd_stalls(int argc, char **argv)
+{
+	if (argc != 2) {
+		fprintf(stderr, "usage: vmtool stalls PID SECONDS\n");
+		return 2;
+	}
+	double seconds = (double)parse_u64(argv[1], "seconds");
+	/* PID may be a shell that runs the timer as its child (a background shell function):
+	 * follow the first child down to the vmtool process, for up to a second. */
+	char pid[32], path[100], buf[256];
+	snprintf(pid, sizeof(pid), "%s", argv[0]);
+	for (int tries = 0; tries < 50; tries++) {
+		snprintf(path, sizeof(path), "/proc/%s/comm", pid);
+		if (read_small(path, buf, sizeof(buf)) && strcmp(buf, "vmtool\n") == 0)
+			break;
+		snprintf(path, sizeof(path), "/proc/%s/task/%s/children", pid, pid);
+		if (read_small(path, buf, sizeof(buf)) && buf[0] >= '1' && buf[0] <= '9')
+			snprintf(pid, sizeof(pid), "%.*s", (int)strspn(buf, "0123456789"), buf);
+		else
+			usleep(20000);
+	}
+	if (mlockall(MCL_CURRENT | MCL_FUTURE))
+		perror("vmtool stalls: mlockall");
+	struct sched_param sp = { .sched_priority = 40 };
+	if (sched_setscheduler(0, SCHED_FIFO, &sp))
+		perror("vmtool stalls: SCHED_FIFO");
+	char stat_path[64], stack_path[64];
+	snprintf(stat_path, sizeof(stat_path), "/proc/%s/stat", pid);
+	snprintf(stack_path, sizeof(stack_path), "/proc/%s/stack", pid);
+	static char stat[1024], stack[4096];
+	static char seen[STALL_STACKS][600];
+	static double seen_at[STALL_STACKS];
+	int nseen = 0, episodes = 0, threads_printed = 0;
+	double start = now_s(), began = -1;
+	while (now_s() - start < seconds) {
+		usleep(20000);
+		double t = now_s();
+		if (!read_small(stat_path, stat, sizeof(stat)))
+			break; /* PID is gone */
+		char *rest = strrchr(stat, ')');
+		char state = rest && rest[1] ? rest[2] : '?';
+		char line[600], frames[480] = "", ublk[32], zram[32];
+		if (read_small(stack_path, stack, sizeof(stack)))
+			stack_line(stack, frames, sizeof(frames));
+		int asleep = state == 'S' && strstr(frames, "nanosleep");
+		if (asleep || t - start >= seconds) {
+			if (began >= 0 && t - began >= 1.0 && episodes < STALL_EPISODES) {
+				episodes++;
+				printf("STALL at %.1f s for %.0f ms:\n", began - start,
+				       (t - began) * 1000.0);
+				for (int i = 0; i < nseen; i++)
+					printf("  +%.0f ms %s\n", seen_at[i] * 1000.0, seen[i]);
+				fflush(stdout);
+			}
+			began = -1;
+			nseen = 0;
+			continue;
+		}
+		if (began < 0)
+			began = t;
+		inflight_of("ublkb0", ublk, sizeof(ublk));
+		inflight_of("zram0", zram, sizeof(zram));
+		snprintf(line, sizeof(line), "%c [in flight ublkb0 %s zram0 %s] %s", state, ublk, zram,
+			 frames);
+		if (nseen < STALL_STACKS && (nseen == 0 || strcmp(seen[nseen - 1], line) != 0)) {
+			memcpy(seen[nseen], line, sizeof(line));
+			seen_at[nseen++] = t - began;
+		}
+		if (!threads_printed && t - began >= 1.5) {
+			threads_printed = 1;
+			printf("STALL at %.1f s, 1.5 s in: the daemon's threads:\n", began - start);
+			print_daemon_threads();
+			fflush(stdout);
+		}
+	}
+	return 0;
+}
+
 static int cmd_rss_settle(int argc, char **argv)
 {
 	if (argc != 3) {
@@ -958,12 +1070,14 @@ int main(int argc, char **argv)
 		return cmd_pageout(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "wakeup") == 0)
 		return cmd_wakeup(argc - 2, argv + 2);
+	if (argc >= 2 && strcmp(argv[1], "stalls") == 0)
+		return cmd_stalls(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "rss-settle") == 0)
 		return cmd_rss_settle(argc - 2, argv + 2);
 	fprintf(stderr, "usage: vmtool now | clock | gen BYTES SEED | pressure MIB SEED [HOLDFILE] | "
 			"scatter MIB PROCS SEED | "
 			"notify-run TIMEOUT_S STATEFILE CMD [ARGS...] | heartbeat DEV OFFSET STOPFILE | "
-			"shm-remove KEY | pageout MIB SEED | wakeup PERIOD_MS SECONDS | "
+			"shm-remove KEY | pageout MIB SEED | wakeup PERIOD_MS SECONDS | stalls PID SECONDS | "
 			"rss-settle PID LIMIT_KB TIMEOUT_S | "
 			"monitor INTERVAL_S DEADLINE_S STALL_S FLAGFILE\n");
 	return 2;
