@@ -18,6 +18,9 @@ use std::time::{Duration, Instant};
 /// At most one wake-up per this long: each one that finds memory short again only costs the
 /// woken thread one trip through reclaim without its nap.
 const WAKE_INTERVAL: Duration = Duration::from_millis(20);
+/// Frames of a kernel stack given in a log line (`ThrottledThread::kernel_stack`): enough to
+/// reach from where a thread sleeps to the system call that brought it there.
+const KERNEL_STACK_FRAMES: usize = 14;
 
 /// The signal that wakes a throttled thread, with a handler that does nothing, installed once.
 /// `None` if it could not be installed (then nothing is ever sent: the default action of a
@@ -109,6 +112,31 @@ impl ThrottledThread {
         Registered(self)
     }
 
+    /// Where the registered thread is in the kernel: the innermost frames of
+    /// `/proc/self/task/TID/stack`, "fn < caller < ...", for a log line that says what a
+    /// commit waits for (reclaim's throttle, writeback, a lock). `None` if no thread is
+    /// registered or the stack cannot be read (it takes `CAP_SYS_ADMIN`).
+    pub fn kernel_stack(&self) -> Option<String> {
+        let tid = self.tid.load(Ordering::Acquire);
+        if tid == 0 {
+            return None;
+        }
+        let stack = std::fs::read_to_string(format!("/proc/self/task/{tid}/stack")).ok()?;
+        Some(
+            stack
+                .lines()
+                .filter_map(|line| line.split_once(' ').map(|(_, frame)| frame))
+                .map(|frame| {
+                    frame
+                        .split_once('+')
+                        .map_or(frame, |(function, _)| function)
+                })
+                .take(KERNEL_STACK_FRAMES)
+                .collect::<Vec<_>>()
+                .join(" < "),
+        )
+    }
+
     /// Signal the registered thread, unless it was within `WAKE_INTERVAL`: a sleep in the
     /// reclaim throttle ends, and nothing else changes for it. True if it was signalled.
     pub fn wake(&self) -> bool {
@@ -172,6 +200,26 @@ mod tests {
         assert_eq!((slept, error), (-1, Some(libc::EINTR)));
         assert!(took < Duration::from_secs(5), "woken after {took:?}");
         assert!(!thread.wake(), "an unregistered thread is not signalled");
+    }
+
+    #[test]
+    fn the_kernel_stack_is_that_of_the_registered_thread_only() {
+        let thread = ThrottledThread::default();
+        assert_eq!(thread.kernel_stack(), None, "no thread registered");
+        let _registered = thread.register();
+        // With CAP_SYS_ADMIN a thread reads its own stack (here, in the read itself); without
+        // it, None, never a panic or garbage.
+        match thread.kernel_stack() {
+            Some(stack) => {
+                assert!(stack.contains("read"), "the read's system call: {stack}");
+                assert!(!stack.contains("[<"), "addresses left out: {stack}");
+                assert!(!stack.contains('+'), "offsets left out: {stack}");
+            }
+            None => assert!(
+                std::fs::read_to_string("/proc/thread-self/stack").is_err(),
+                "the stack is readable here"
+            ),
+        }
     }
 
     #[test]

@@ -192,10 +192,12 @@ impl BatchedPageStore {
             let reserve = &self.alloc.reserve;
             let (refill, refill_for) = reserve.refill_activity();
             let (chunk_pages_waited, list_room_waited) = reserve.waited_for();
+            let refill_kernel_stack = reserve.refill_kernel_stack().unwrap_or_default();
             tracing::warn!(
                 waited_ms = waited.as_millis(),
                 ?refill,
                 refill_for_ms = refill_for.as_millis(),
+                refill_kernel_stack,
                 refill_commits = reserve.commits(),
                 ?chunk_pages_waited,
                 list_room_waited,

@@ -336,6 +336,11 @@ impl ChunkReserve {
         self.refill_state.get()
     }
 
+    /// Where the refill thread is in the kernel (see `ThrottledThread::kernel_stack`).
+    pub(super) fn refill_kernel_stack(&self) -> Option<String> {
+        self.refill_thread.kernel_stack()
+    }
+
     pub(super) fn arena(&self) -> &Arc<Arena> {
         &self.arena
     }
