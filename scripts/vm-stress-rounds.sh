@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The near-OOM stage, ROUNDS times: one VM per round (`scripts/vm-test.sh --stress`, so each
+# round starts with fresh memory), then a table per case of how often each device did what
+# issue 16 counts over many runs: kernel zram's own writes fail near OOM in some runs and not
+# in others, so one run's "ours failed where zram did not" says little; the frequencies do.
+#
+#   scripts/vm-stress-rounds.sh ROUNDS [LOGDIR]
+#
+# Every knob of scripts/vm-test.sh applies (STRESS_CASES, STRESS_S, TRUENO_UBLK_BIN, ...).
+# Each round's log goes to LOGDIR (default .vm/stress-rounds/<date>); the table is printed at
+# the end and kept in LOGDIR/summary. A round that ends without figures for a case (a panic,
+# a hang, the watchdog) counts as lost for that case. Per case and device:
+#   runs          rounds with figures for the case
+#   failed-writes rounds in which any swap write failed
+#   other-kills   rounds in which the OOM killer killed anything but the workers
+#   wake-up ms    the longest wake-up delay: median and worst of the rounds
+#   bogo ops/s    the workers' progress: median of the rounds
+# and for trueno-ublk, rounds that failed the stage's own checks against zram's in the same VM:
+# failed writes where zram's failed none, a wake-up over zram's + 2 s.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROUNDS=${1:?usage: scripts/vm-stress-rounds.sh ROUNDS [LOGDIR]}
+DIR=${2:-$ROOT/.vm/stress-rounds/$(date -u +%Y%m%d-%H%M%S)}
+mkdir -p "$DIR"
+
+for round in $(seq 1 "$ROUNDS"); do
+    echo "[vm-stress-rounds $(date -u +%H:%M:%S)] round $round of $ROUNDS: $DIR/round-$round.log"
+    if bash "$ROOT/scripts/vm-test.sh" --stress >"$DIR/round-$round.log" 2>&1; then
+        echo "  stage passed"
+    else
+        echo "  stage failed: $(grep -a -m3 '^FAIL' "$DIR/round-$round.log" | tr '\n' ' ')"
+    fi
+done
+
+# "FIGURE <device>_<method>_<mib>_<name>=<value>" lines, the last of each name per round.
+for round in $(seq 1 "$ROUNDS"); do
+    grep -a -o '^FIGURE \(ublk\|zram\)_[a-z0-9_]*=[-0-9.]*' "$DIR/round-$round.log" |
+        sed "s/^FIGURE /$round /; s/=/ /" || true
+done | awk -v rounds="$ROUNDS" '
+function median(list,    n, a, i, j, t) {
+    n = split(list, a, " ")
+    if (n == 0) return "-"
+    for (i = 2; i <= n; i++) for (j = i; j > 1 && a[j - 1] + 0 > a[j] + 0; j--) {
+        t = a[j]; a[j] = a[j - 1]; a[j - 1] = t
+    }
+    return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
+}
+{
+    round = $1; key = $2; value = $3
+    for (n = split("write_errors oom_kills_not_workers wakeup_max_delay_ms bogo_ops_s", names, " "); n > 0; n--) {
+        suffix = "_" names[n]
+        if (substr(key, length(key) - length(suffix) + 1) == suffix) {
+            tag = substr(key, 1, length(key) - length(suffix))
+            fig[round, tag, names[n]] = value
+            device = substr(tag, 1, 4); kase = substr(tag, 6)
+            if (!(kase in seen)) { seen[kase] = 1; cases[++ncases] = kase }
+        }
+    }
+}
+END {
+    printf "%-14s %-6s %5s %14s %12s %19s %11s\n", "case", "device", "runs", "failed-writes", "other-kills", "wake-up ms (med/max)", "bogo ops/s"
+    for (c = 1; c <= ncases; c++) {
+        kase = cases[c]
+        for (d = 1; d <= 2; d++) {
+            device = d == 1 ? "zram" : "ublk"; tag = device "_" kase
+            runs = failed = others = 0; worst = 0; wakes = bogos = ""
+            for (r = 1; r <= rounds; r++) {
+                if (!((r, tag, "write_errors") in fig)) continue
+                runs++
+                failed += fig[r, tag, "write_errors"] > 0
+                others += fig[r, tag, "oom_kills_not_workers"] > 0
+                w = fig[r, tag, "wakeup_max_delay_ms"]; wakes = wakes " " w
+                if (w + 0 > worst) worst = w + 0
+                bogos = bogos " " fig[r, tag, "bogo_ops_s"]
+            }
+            printf "%-14s %-6s %5d %14d %12d %12s/%-6d %11s\n", kase, device, runs, failed, others, median(wakes), worst, median(bogos)
+        }
+        worse_writes = worse_wake = lost = 0
+        for (r = 1; r <= rounds; r++) {
+            z = "zram_" kase; u = "ublk_" kase
+            if (!((r, u, "write_errors") in fig)) { lost++; continue }
+            if (!((r, z, "write_errors") in fig)) continue
+            worse_writes += fig[r, z, "write_errors"] == 0 && fig[r, u, "write_errors"] > 0
+            worse_wake += fig[r, u, "wakeup_max_delay_ms"] > fig[r, z, "wakeup_max_delay_ms"] + 2000
+        }
+        printf "%-14s ublk against zram in the same VM: %d of %d rounds failed writes where zram failed none, %d woke over zram + 2 s, %d lost\n", kase, worse_writes, rounds, worse_wake, lost
+    }
+}' | tee "$DIR/summary"
