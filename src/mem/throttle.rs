@@ -115,25 +115,26 @@ impl ThrottledThread {
     /// Where the registered thread is in the kernel: the innermost frames of
     /// `/proc/self/task/TID/stack`, "fn < caller < ...", for a log line that says what a
     /// commit waits for (reclaim's throttle, writeback, a lock). `None` if no thread is
-    /// registered or the stack cannot be read (it takes `CAP_SYS_ADMIN`).
-    pub fn kernel_stack(&self) -> Option<String> {
+    /// registered; the error if the stack cannot be read (it takes `CAP_SYS_ADMIN`).
+    pub fn kernel_stack(&self) -> Option<std::io::Result<String>> {
         let tid = self.tid.load(Ordering::Acquire);
         if tid == 0 {
             return None;
         }
-        let stack = std::fs::read_to_string(format!("/proc/self/task/{tid}/stack")).ok()?;
         Some(
-            stack
-                .lines()
-                .filter_map(|line| line.split_once(' ').map(|(_, frame)| frame))
-                .map(|frame| {
-                    frame
-                        .split_once('+')
-                        .map_or(frame, |(function, _)| function)
-                })
-                .take(KERNEL_STACK_FRAMES)
-                .collect::<Vec<_>>()
-                .join(" < "),
+            std::fs::read_to_string(format!("/proc/self/task/{tid}/stack")).map(|stack| {
+                stack
+                    .lines()
+                    .filter_map(|line| line.split_once(' ').map(|(_, frame)| frame))
+                    .map(|frame| {
+                        frame
+                            .split_once('+')
+                            .map_or(frame, |(function, _)| function)
+                    })
+                    .take(KERNEL_STACK_FRAMES)
+                    .collect::<Vec<_>>()
+                    .join(" < ")
+            }),
         )
     }
 
@@ -203,22 +204,35 @@ mod tests {
     }
 
     #[test]
-    fn the_kernel_stack_is_that_of_the_registered_thread_only() {
-        let thread = ThrottledThread::default();
-        assert_eq!(thread.kernel_stack(), None, "no thread registered");
-        let _registered = thread.register();
-        // With CAP_SYS_ADMIN a thread reads its own stack (here, in the read itself); without
-        // it, None, never a panic or garbage.
-        match thread.kernel_stack() {
-            Some(stack) => {
-                assert!(stack.contains("read"), "the read's system call: {stack}");
+    fn the_registered_threads_kernel_stack_is_read_from_another_thread() {
+        let thread = Arc::new(ThrottledThread::default());
+        assert!(thread.kernel_stack().is_none(), "no thread registered");
+        let (registered_tx, registered_rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let sleeper = {
+            let thread = Arc::clone(&thread);
+            std::thread::spawn(move || {
+                let _registered = thread.register();
+                registered_tx.send(()).unwrap();
+                done_rx.recv().unwrap(); // asleep in a futex wait meanwhile
+            })
+        };
+        registered_rx.recv().unwrap();
+        // With CAP_SYS_ADMIN another thread's stack is read (here, asleep in its wait);
+        // without it, an error, never a panic or garbage.
+        let read = thread.kernel_stack();
+        done_tx.send(()).unwrap();
+        sleeper.join().unwrap();
+        match read {
+            Some(Ok(stack)) => {
                 assert!(!stack.contains("[<"), "addresses left out: {stack}");
                 assert!(!stack.contains('+'), "offsets left out: {stack}");
             }
-            None => assert!(
+            Some(Err(_)) => assert!(
                 std::fs::read_to_string("/proc/thread-self/stack").is_err(),
                 "the stack is readable here"
             ),
+            None => panic!("the thread was registered"),
         }
     }
 

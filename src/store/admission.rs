@@ -192,7 +192,11 @@ impl BatchedPageStore {
             let reserve = &self.alloc.reserve;
             let (refill, refill_for) = reserve.refill_activity();
             let (chunk_pages_waited, list_room_waited) = reserve.waited_for();
-            let refill_kernel_stack = reserve.refill_kernel_stack().unwrap_or_default();
+            let refill_kernel_stack = match reserve.refill_kernel_stack() {
+                Some(Ok(stack)) => stack,
+                Some(Err(error)) => format!("unreadable: {error}"),
+                None => "no refill thread".to_string(),
+            };
             tracing::warn!(
                 waited_ms = waited.as_millis(),
                 ?refill,

@@ -337,7 +337,7 @@ impl ChunkReserve {
     }
 
     /// Where the refill thread is in the kernel (see `ThrottledThread::kernel_stack`).
-    pub(super) fn refill_kernel_stack(&self) -> Option<String> {
+    pub(super) fn refill_kernel_stack(&self) -> Option<std::io::Result<String>> {
         self.refill_thread.kernel_stack()
     }
 
