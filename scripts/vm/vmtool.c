@@ -43,8 +43,8 @@
  *       priority, sampling every 20 ms its state, its kernel stack and the requests in flight
  *       on /sys/block/ublkb0 and zram0. Whenever PID is anywhere but asleep in its own timer
  *       for 1 s or more, prints the episode: when, how long, and each distinct state and
- *       stack seen in it with the in-flight requests then (the first 3 episodes, up to 6
- *       stacks each); in the first episode to reach 1.5 s, also every daemon thread's state
+ *       stack seen in it, with how many samples found it there and the requests in flight
+ *       (the first 3 episodes, up to 8 stacks each); in the first episode to reach 1.5 s, also every daemon thread's state
  *       and kernel stack (as the monitor does), to tell whether a page's swap-in waited for
  *       the device or for memory to read it into.
  *   vmtool rss-settle PID LIMIT_KB TIMEOUT_S
@@ -927,7 +927,7 @@ static void inflight_of(const char *dev, char *out, size_t cap)
 		snprintf(out, cap, "-");
 }
 
-#define STALL_STACKS 6
+#define STALL_STACKS 8
 #define STALL_EPISODES 3
 
 static int cmd_stalls(int argc, char **argv)
@@ -960,8 +960,14 @@ static int cmd_stalls(int argc, char **argv)
 	snprintf(stat_path, sizeof(stat_path), "/proc/%s/stat", pid);
 	snprintf(stack_path, sizeof(stack_path), "/proc/%s/stack", pid);
 	static char stat[1024], stack[4096];
-	static char seen[STALL_STACKS][600];
+	/* Each distinct state and stack of the episode: when first seen, how many samples (20 ms
+	 * each: the time spent there), the requests in flight then and at most since. */
+	static char seen[STALL_STACKS][480];
+	static char seen_state[STALL_STACKS];
 	static double seen_at[STALL_STACKS];
+	static int seen_samples[STALL_STACKS];
+	static char seen_inflight[STALL_STACKS][80];
+	static unsigned long seen_max_reads[STALL_STACKS], seen_max_writes[STALL_STACKS];
 	int nseen = 0, episodes = 0, threads_printed = 0;
 	double start = now_s(), began = -1;
 	while (now_s() - start < seconds) {
@@ -971,7 +977,7 @@ static int cmd_stalls(int argc, char **argv)
 			break; /* PID is gone */
 		char *rest = strrchr(stat, ')');
 		char state = rest && rest[1] ? rest[2] : '?';
-		char line[600], frames[480] = "", ublk[32], zram[32];
+		char frames[480] = "", ublk[32], zram[32];
 		if (read_small(stack_path, stack, sizeof(stack)))
 			stack_line(stack, frames, sizeof(frames));
 		int asleep = state == 'S' && strstr(frames, "nanosleep");
@@ -981,7 +987,11 @@ static int cmd_stalls(int argc, char **argv)
 				printf("STALL at %.1f s for %.0f ms:\n", began - start,
 				       (t - began) * 1000.0);
 				for (int i = 0; i < nseen; i++)
-					printf("  +%.0f ms %s\n", seen_at[i] * 1000.0, seen[i]);
+					printf("  +%.0f ms, %d samples, %c [in flight then %s; ublkb0 at "
+					       "most %lu/%lu] %s\n",
+					       seen_at[i] * 1000.0, seen_samples[i], seen_state[i],
+					       seen_inflight[i], seen_max_reads[i], seen_max_writes[i],
+					       seen[i]);
 				fflush(stdout);
 			}
 			began = -1;
@@ -992,11 +1002,27 @@ static int cmd_stalls(int argc, char **argv)
 			began = t;
 		inflight_of("ublkb0", ublk, sizeof(ublk));
 		inflight_of("zram0", zram, sizeof(zram));
-		snprintf(line, sizeof(line), "%c [in flight ublkb0 %s zram0 %s] %s", state, ublk, zram,
-			 frames);
-		if (nseen < STALL_STACKS && (nseen == 0 || strcmp(seen[nseen - 1], line) != 0)) {
-			memcpy(seen[nseen], line, sizeof(line));
-			seen_at[nseen++] = t - began;
+		unsigned long reads = 0, writes = 0;
+		(void)sscanf(ublk, "%lu/%lu", &reads, &writes);
+		int i = 0;
+		while (i < nseen && !(seen_state[i] == state && strcmp(seen[i], frames) == 0))
+			i++;
+		if (i == nseen && nseen < STALL_STACKS) {
+			memcpy(seen[i], frames, sizeof(frames));
+			seen_state[i] = state;
+			seen_at[i] = t - began;
+			seen_samples[i] = 0;
+			snprintf(seen_inflight[i], sizeof(seen_inflight[i]), "ublkb0 %s zram0 %s", ublk,
+				 zram);
+			seen_max_reads[i] = seen_max_writes[i] = 0;
+			nseen++;
+		}
+		if (i < nseen) {
+			seen_samples[i]++;
+			if (reads > seen_max_reads[i])
+				seen_max_reads[i] = reads;
+			if (writes > seen_max_writes[i])
+				seen_max_writes[i] = writes;
 		}
 		if (!threads_printed && t - began >= 1.5) {
 			threads_printed = 1;
