@@ -53,7 +53,7 @@ function median(list,    n, a, i, j, t) {
         if (substr(key, length(key) - length(suffix) + 1) == suffix) {
             tag = substr(key, 1, length(key) - length(suffix))
             fig[round, tag, names[n]] = value
-            device = substr(tag, 1, 4); kase = substr(tag, 6)
+            kase = substr(tag, 6)
             if (!(kase in seen)) { seen[kase] = 1; cases[++ncases] = kase }
         }
     }

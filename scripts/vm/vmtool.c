@@ -39,14 +39,15 @@
  *       SECONDS and prints WAKEUP_MAX_DELAY_MS, the longest it woke up late: how long
  *       a user's shell would have stalled.
  *   vmtool stalls PID SECONDS
- *       Watches process PID (the wake-up timer, or a shell whose child runs it) for SECONDS, locked in memory at real-time
- *       priority, sampling every 20 ms its state, its kernel stack and the requests in flight
- *       on /sys/block/ublkb0 and zram0. Whenever PID is anywhere but asleep in its own timer
- *       for 1 s or more, prints the episode: when, how long, and each distinct state and
- *       stack seen in it, with how many samples found it there and the requests in flight
- *       (the first 3 episodes, up to 8 stacks each); in the first episode to reach 1.5 s, also every daemon thread's state
- *       and kernel stack (as the monitor does), to tell whether a page's swap-in waited for
- *       the device or for memory to read it into.
+ *       Watches process PID (the wake-up timer, or a shell whose child runs it) for
+ *       SECONDS, locked in memory at real-time priority, sampling every 20 ms its state, its
+ *       kernel stack and the requests in flight on /sys/block/ublkb0 and zram0. Whenever PID
+ *       is anywhere but asleep in its own timer for 1 s or more, prints the episode: when,
+ *       how long, and each distinct state and stack seen in it, with how many samples found
+ *       it there and the requests in flight (the first 3 episodes, up to 8 stacks each); in
+ *       the first episode to reach 1.5 s, also every daemon thread's state and kernel stack
+ *       (as the monitor does), to tell whether a page's swap-in waited for the device or for
+ *       memory to read it into.
  *   vmtool rss-settle PID LIMIT_KB TIMEOUT_S
  *       Polls PID's VmRSS every 20 ms until it is at most LIMIT_KB, or TIMEOUT_S
  *       passed; prints RSS_SETTLE_S (-1 if never) and RSS_SETTLE_KB (the last value).
@@ -915,16 +916,13 @@ static int cmd_wakeup(int argc, char **argv)
 	return 0;
 }
 
-/* Requests in flight on a block device: "reads/writes", or "-" where it has none. */
-static void inflight_of(const char *dev, char *out, size_t cap)
+/* Requests in flight on a block device into reads and writes; 0 where it has none. */
+static int inflight_of(const char *dev, unsigned long *reads, unsigned long *writes)
 {
 	char path[128], buf[64];
-	unsigned long reads = 0, writes = 0;
 	snprintf(path, sizeof(path), "/sys/block/%s/inflight", dev);
-	if (read_small(path, buf, sizeof(buf)) && sscanf(buf, "%lu %lu", &reads, &writes) == 2)
-		snprintf(out, cap, "%lu/%lu", reads, writes);
-	else
-		snprintf(out, cap, "-");
+	*reads = *writes = 0;
+	return read_small(path, buf, sizeof(buf)) && sscanf(buf, "%lu %lu", reads, writes) == 2;
 }
 
 #define STALL_STACKS 8
@@ -977,7 +975,7 @@ static int cmd_stalls(int argc, char **argv)
 			break; /* PID is gone */
 		char *rest = strrchr(stat, ')');
 		char state = rest && rest[1] ? rest[2] : '?';
-		char frames[480] = "", ublk[32], zram[32];
+		char frames[480] = "";
 		if (read_small(stack_path, stack, sizeof(stack)))
 			stack_line(stack, frames, sizeof(frames));
 		int asleep = state == 'S' && strstr(frames, "nanosleep");
@@ -1000,10 +998,9 @@ static int cmd_stalls(int argc, char **argv)
 		}
 		if (began < 0)
 			began = t;
-		inflight_of("ublkb0", ublk, sizeof(ublk));
-		inflight_of("zram0", zram, sizeof(zram));
-		unsigned long reads = 0, writes = 0;
-		(void)sscanf(ublk, "%lu/%lu", &reads, &writes);
+		unsigned long reads, writes, zram_reads, zram_writes;
+		int on_ublk = inflight_of("ublkb0", &reads, &writes);
+		int on_zram = inflight_of("zram0", &zram_reads, &zram_writes);
 		int i = 0;
 		while (i < nseen && !(seen_state[i] == state && strcmp(seen[i], frames) == 0))
 			i++;
@@ -1012,8 +1009,11 @@ static int cmd_stalls(int argc, char **argv)
 			seen_state[i] = state;
 			seen_at[i] = t - began;
 			seen_samples[i] = 0;
-			snprintf(seen_inflight[i], sizeof(seen_inflight[i]), "ublkb0 %s zram0 %s", ublk,
-				 zram);
+			snprintf(seen_inflight[i], sizeof(seen_inflight[i]),
+				 on_ublk ? "ublkb0 %lu/%lu" : "ublkb0 -", reads, writes);
+			snprintf(seen_inflight[i] + strlen(seen_inflight[i]),
+				 sizeof(seen_inflight[i]) - strlen(seen_inflight[i]),
+				 on_zram ? " zram0 %lu/%lu" : " zram0 -", zram_reads, zram_writes);
 			seen_max_reads[i] = seen_max_writes[i] = 0;
 			nseen++;
 		}
