@@ -112,30 +112,40 @@ impl ThrottledThread {
         Registered(self)
     }
 
-    /// Where the registered thread is in the kernel: the innermost frames of
-    /// `/proc/self/task/TID/stack`, "fn < caller < ...", for a log line that says what a
-    /// commit waits for (reclaim's throttle, writeback, a lock). `None` if no thread is
-    /// registered; the error if the stack cannot be read (it takes `CAP_SYS_ADMIN`).
+    /// Where the registered thread is in the kernel: its scheduler state (`R` running or
+    /// runnable, `S` asleep, `D` asleep and not to be interrupted) and the innermost frames
+    /// of `/proc/self/task/TID/stack`, "D: fn < caller < ...", for a log line that says what
+    /// a commit waits for (reclaim's throttle, writeback, a lock). The kernel gives no stack
+    /// of a thread that is on a CPU at that moment (its unwinder refuses a task running
+    /// elsewhere), which the line then says. `None` if no thread is registered; the error if
+    /// the stack cannot be read (it takes `CAP_SYS_ADMIN`).
     pub fn kernel_stack(&self) -> Option<std::io::Result<String>> {
         let tid = self.tid.load(Ordering::Acquire);
         if tid == 0 {
             return None;
         }
-        Some(
-            std::fs::read_to_string(format!("/proc/self/task/{tid}/stack")).map(|stack| {
-                stack
-                    .lines()
-                    .filter_map(|line| line.split_once(' ').map(|(_, frame)| frame))
-                    .map(|frame| {
-                        frame
-                            .split_once('+')
-                            .map_or(frame, |(function, _)| function)
-                    })
-                    .take(KERNEL_STACK_FRAMES)
-                    .collect::<Vec<_>>()
-                    .join(" < ")
-            }),
-        )
+        let task = format!("/proc/self/task/{tid}");
+        let read = || -> std::io::Result<String> {
+            let stack = std::fs::read_to_string(format!("{task}/stack"))?;
+            let state = std::fs::read_to_string(format!("{task}/stat"))?;
+            let frames = stack
+                .lines()
+                .filter_map(|line| line.split_once(' ').map(|(_, frame)| frame))
+                .map(|frame| {
+                    frame
+                        .split_once('+')
+                        .map_or(frame, |(function, _)| function)
+                })
+                .take(KERNEL_STACK_FRAMES)
+                .collect::<Vec<_>>();
+            let frames = if frames.is_empty() {
+                "no stack (on a CPU)".to_string()
+            } else {
+                frames.join(" < ")
+            };
+            Ok(format!("{}: {frames}", scheduler_state(&state)))
+        };
+        Some(read())
     }
 
     /// Signal the registered thread, unless it was within `WAKE_INTERVAL`: a sleep in the
@@ -166,6 +176,14 @@ impl ThrottledThread {
         // ended, another of ours, for which the signal is as harmless).
         unsafe { libc::tgkill(nix::unistd::getpid().as_raw(), tid, signal) == 0 }
     }
+}
+
+/// The state field of a `/proc/PID/task/TID/stat` line (the first after the command name,
+/// which is in parentheses and may hold anything); `?` if the line has none.
+fn scheduler_state(stat: &str) -> &str {
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .unwrap_or("?")
 }
 
 #[cfg(test)]
@@ -218,13 +236,21 @@ mod tests {
             })
         };
         registered_rx.recv().unwrap();
-        // With CAP_SYS_ADMIN another thread's stack is read (here, asleep in its wait);
-        // without it, an error, never a panic or garbage.
-        let read = thread.kernel_stack();
+        // With CAP_SYS_ADMIN another thread's stack is read (here, asleep in its wait, once
+        // it got there from the send); without it, an error, never a panic or garbage.
+        let mut read = thread.kernel_stack();
+        for _ in 0..500 {
+            if !matches!(&read, Some(Ok(stack)) if !stack.starts_with("S: ")) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+            read = thread.kernel_stack();
+        }
         done_tx.send(()).unwrap();
         sleeper.join().unwrap();
         match read {
             Some(Ok(stack)) => {
+                assert!(stack.starts_with("S: "), "asleep, then its frames: {stack}");
                 assert!(!stack.contains("[<"), "addresses left out: {stack}");
                 assert!(!stack.contains('+'), "offsets left out: {stack}");
             }
@@ -234,6 +260,38 @@ mod tests {
             ),
             None => panic!("the thread was registered"),
         }
+    }
+
+    #[test]
+    fn a_running_thread_reads_as_running() {
+        let thread = Arc::new(ThrottledThread::default());
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (registered_tx, registered_rx) = std::sync::mpsc::channel();
+        let spinner = {
+            let (thread, stop) = (Arc::clone(&thread), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let _registered = thread.register();
+                registered_tx.send(()).unwrap();
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        registered_rx.recv().unwrap();
+        let read = thread.kernel_stack();
+        stop.store(true, Ordering::Relaxed);
+        spinner.join().unwrap();
+        // On a CPU: no frames (the kernel refuses to unwind it); preempted: where it was.
+        if let Some(Ok(stack)) = read {
+            assert!(stack.starts_with("R: "), "running or runnable: {stack}");
+        }
+    }
+
+    #[test]
+    fn the_state_is_read_past_any_command_name() {
+        assert_eq!(scheduler_state("42 (trueno-reserve) D 1 42 0"), "D");
+        assert_eq!(scheduler_state("42 (a) b) R 1"), "R");
+        assert_eq!(scheduler_state("42 (cut"), "?");
     }
 
     #[test]
