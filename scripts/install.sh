@@ -79,13 +79,13 @@ if [ "$uninstall" -eq 1 ]; then
     fi
     for file in "$bindir/trueno-ublk" "$generator" "$unitdir/${units[0]}" "$unitdir/${units[1]}" \
         "$unitdir/${old_units[0]}" "$modules_load" \
-        "$docdir/trueno-ublk.conf.example" "$docdir/README.md"; do
+        "$docdir/trueno-ublk.conf.example" "$docdir/README.md" "$docdir/docs/measurements.md"; do
         if [ -e "$destdir$file" ] || [ -L "$destdir$file" ]; then
             rm -f "$destdir$file"
             echo "removed $destdir$file"
         fi
     done
-    rmdir "$destdir$docdir" 2>/dev/null || true
+    rmdir "$destdir$docdir/docs" "$destdir$docdir" 2>/dev/null || true
     if [ -e "$destdir$config" ]; then
         if cmp -s "$destdir$config" "$example"; then
             rm -f "$destdir$config"
@@ -142,6 +142,7 @@ chmod 0644 "$destdir$modules_load"
 echo "installed $destdir$modules_load"
 install -m 0644 "$example" "$destdir$docdir/trueno-ublk.conf.example"
 install -m 0644 "$repo/README.md" "$destdir$docdir/README.md"
+install -D -m 0644 "$repo/docs/measurements.md" "$destdir$docdir/docs/measurements.md"
 if [ -e "$destdir$config" ]; then
     echo "kept $destdir$config (exists; the example is in $destdir$docdir)"
 else
