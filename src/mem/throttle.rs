@@ -126,8 +126,8 @@ impl ThrottledThread {
         }
         let task = format!("/proc/self/task/{tid}");
         let read = || -> std::io::Result<String> {
-            let stack = std::fs::read_to_string(format!("{task}/stack"))?;
             let state = std::fs::read_to_string(format!("{task}/stat"))?;
+            let stack = std::fs::read_to_string(format!("{task}/stack"))?;
             let frames = stack
                 .lines()
                 .filter_map(|line| line.split_once(' ').map(|(_, frame)| frame))
@@ -139,7 +139,7 @@ impl ThrottledThread {
                 .take(KERNEL_STACK_FRAMES)
                 .collect::<Vec<_>>();
             let frames = if frames.is_empty() {
-                "no stack (on a CPU)".to_string()
+                "no frames (a task on a CPU has none)".to_string()
             } else {
                 frames.join(" < ")
             };
