@@ -48,7 +48,7 @@ failed_writes() {
 
 # stress_case NAME METHOD MIB: one stress-ng run with swap on; figures under NAME_METHOD_MIB.
 stress_case() {
-    local name=$1 method=$2 mib=$3 tag w0 w1 k0 d0 g0 r0 s0 t0 rc wk st kills others delay bogo vfail
+    local name=$1 method=$2 mib=$3 tag w0 w1 b0 k0 d0 g0 r0 s0 t0 rc wk st kills others delay bogo vfail
     tag="${name}_$(echo "$method" | tr -c 'a-z0-9\n' _)_${mib}"
     dmesg -c >>/tmp/dmesg.kept
     # Where memory is as the case starts: a VM lost at a case's start (the OOM killer going on
