@@ -115,9 +115,9 @@ pub fn process_exited(pid: i32) -> bool {
     }
 }
 
-/// The state letter of a `/proc/PID/stat` line: the field after the command name, which is
-/// in parentheses and may itself hold spaces and parentheses.
-fn process_state(stat: &str) -> Option<char> {
+/// The state letter of a `/proc/PID/stat` (or `/proc/PID/task/TID/stat`) line: the field
+/// after the command name, which is in parentheses and may itself hold spaces and parentheses.
+pub fn process_state(stat: &str) -> Option<char> {
     stat.rsplit_once(')')?.1.trim_start().chars().next()
 }
 

@@ -143,7 +143,8 @@ impl ThrottledThread {
             } else {
                 frames.join(" < ")
             };
-            Ok(format!("{}: {frames}", scheduler_state(&state)))
+            let state = crate::os::process_state(&state).unwrap_or('?');
+            Ok(format!("{state}: {frames}"))
         };
         Some(read())
     }
@@ -176,14 +177,6 @@ impl ThrottledThread {
         // ended, another of ours, for which the signal is as harmless).
         unsafe { libc::tgkill(nix::unistd::getpid().as_raw(), tid, signal) == 0 }
     }
-}
-
-/// The state field of a `/proc/PID/task/TID/stat` line (the first after the command name,
-/// which is in parentheses and may hold anything); `?` if the line has none.
-fn scheduler_state(stat: &str) -> &str {
-    stat.rsplit_once(')')
-        .and_then(|(_, rest)| rest.split_whitespace().next())
-        .unwrap_or("?")
 }
 
 #[cfg(test)]
@@ -285,13 +278,6 @@ mod tests {
         if let Some(Ok(stack)) = read {
             assert!(stack.starts_with("R: "), "running or runnable: {stack}");
         }
-    }
-
-    #[test]
-    fn the_state_is_read_past_any_command_name() {
-        assert_eq!(scheduler_state("42 (trueno-reserve) D 1 42 0"), "D");
-        assert_eq!(scheduler_state("42 (a) b) R 1"), "R");
-        assert_eq!(scheduler_state("42 (cut"), "?");
     }
 
     #[test]
