@@ -12,8 +12,8 @@ use thiserror::Error;
 
 use super::render::{render, StatFormat};
 use super::{
-    socket_path, DeviceReport, COMPACT_REQUEST, COMPACT_SIGNAL, IO_TIMEOUT, MAX_REPORT_BYTES,
-    RELOAD_REQUEST,
+    socket_path, DeviceReport, Probe, COMPACT_REQUEST, COMPACT_SIGNAL, IO_TIMEOUT,
+    MAX_REPORT_BYTES, RELOAD_REQUEST,
 };
 
 #[derive(Debug, Error)]
@@ -125,18 +125,6 @@ pub fn reload(
             });
         }
     }
-}
-
-/// What reading one socket gave.
-#[derive(Clone, Debug)]
-pub enum Probe {
-    Live(Box<DeviceReport>),
-    /// The socket is there but no daemon answers properly (it died, or hangs).
-    Unreachable {
-        id: u32,
-        socket: PathBuf,
-        reason: String,
-    },
 }
 
 /// Read the report of every socket in `dir` (or only `ublkb{only}`), in id order.

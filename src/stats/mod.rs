@@ -20,7 +20,7 @@ use crate::slotfree::SlotFreeStats;
 use crate::store::StoreStats;
 use crate::ublk::device::block_path;
 use crate::ublk::IoTimingReport;
-pub use client::{collect, compact, reload, report_text, Probe, StatError};
+pub use client::{collect, compact, reload, report_text, StatError};
 pub use render::{render, StatFormat, COLUMNS};
 pub use server::{serve, serve_in, StatsServer};
 
@@ -31,6 +31,18 @@ pub const SOCKET_DIR: &str = "/run/trueno-ublk";
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
 /// A report is about 1 KiB; anything longer than this is not one.
 const MAX_REPORT_BYTES: u64 = 64 << 10;
+
+/// What reading one socket gave.
+#[derive(Clone, Debug)]
+pub enum Probe {
+    Live(Box<DeviceReport>),
+    /// The socket is there but no daemon answers properly (it died, or hangs).
+    Unreachable {
+        id: u32,
+        socket: PathBuf,
+        reason: String,
+    },
+}
 
 /// What one daemon reports about its device.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

@@ -6,8 +6,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use super::client::Probe;
-use super::DeviceReport;
+use super::{DeviceReport, Probe};
 use crate::ublk::timing::Buckets;
 use crate::units::human_size;
 
