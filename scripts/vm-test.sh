@@ -24,6 +24,9 @@
 # cached under .vm/cache; missing tools are installed with apt-get.
 # Exits 0 only if every check in the VM passed. Environment knobs (defaults in brackets):
 #   VM_RAM_MIB [256]  VM_CPUS [2]  VM_TIMEOUT_S [900]  VM_KERNEL_META [linux-image-6.12-cloud-amd64]
+#   VM_KERNEL_SUITE   boot the newest cloud kernel of this Debian suite instead (trixie-backports:
+#                     7.x, the newer ublk driver), fetched by scripts/vm/fetch-kernel.sh;
+#                     VM_KERNEL_VERSION (say 6.18): the newest of that release line in it
 #   VM_STALL_S [90]   fail when no page was swapped in or out for this long during a swap run
 #   VM_EXTRA_KILLS    kill -9s of the serving process beyond the two of the daemon's recovery
 #                     step, for the pause's p50 and worst [8]
@@ -131,21 +134,6 @@ command -v cargo >/dev/null || [ -n "${TRUENO_UBLK_BIN:-}" ] ||
 
 # --- 2. Kernel and busybox, cached in .vm/cache --------------------------------------------
 mkdir -p "$CACHE"
-resolve_kernel_pkg() {
-    apt-cache depends "$KERNEL_META" 2>/dev/null | awk '$1 == "Depends:" && $2 ~ /^linux-image-/ {print $2; exit}'
-}
-KERNEL_PKG=$(resolve_kernel_pkg || true)
-if [ -z "$KERNEL_PKG" ]; then
-    apt_update_once
-    KERNEL_PKG=$(resolve_kernel_pkg || true)
-fi
-if [ -z "$KERNEL_PKG" ]; then
-    # No apt metadata for it (no bookworm-security/updates in sources?): use a cached package.
-    KERNEL_DEB=$(find "$CACHE" -maxdepth 1 -name 'linux-image-6.12*.deb' | sort | tail -n1)
-    [ -n "$KERNEL_DEB" ] || die "apt knows no '$KERNEL_META': enable Debian 12's bookworm-security or bookworm-updates suite"
-else
-    KERNEL_DEB=$(find "$CACHE" -maxdepth 1 -name "${KERNEL_PKG}_*.deb" | sort | tail -n1)
-fi
 fetch_deb() { # package
     log "downloading $1"
     (cd "$CACHE" && { apt-get download -q "$1" 2>&1 | grep -v 'unsandboxed' || true; })
@@ -164,26 +152,67 @@ cached_deb() {
         DEB=$(find "$CACHE" -maxdepth 1 -name "${1}_*.deb" | sort | tail -n1)
     fi
 }
-if [ -z "$KERNEL_DEB" ]; then
-    cached_deb "$KERNEL_PKG"
-    KERNEL_DEB=$DEB
-    [ -n "$KERNEL_DEB" ] || die "could not download $KERNEL_PKG"
+resolve_kernel_pkg() {
+    apt-cache depends "$KERNEL_META" 2>/dev/null | awk '$1 == "Depends:" && $2 ~ /^linux-image-/ {print $2; exit}'
+}
+# KERNEL_DEBS: the package(s) holding the kernel's image and modules.
+if [ -n "${VM_KERNEL_SUITE:-}" ]; then
+    # Straight from the Debian archive, checked; the host's apt sources need not know the suite.
+    debs=$(bash "$ROOT/scripts/vm/fetch-kernel.sh" "$VM_KERNEL_SUITE" "$CACHE" ${VM_KERNEL_VERSION:+"$VM_KERNEL_VERSION"}) ||
+        die "no kernel from Debian's $VM_KERNEL_SUITE"
+    mapfile -t KERNEL_DEBS <<<"$debs"
+else
+    KERNEL_PKG=$(resolve_kernel_pkg || true)
+    if [ -z "$KERNEL_PKG" ]; then
+        apt_update_once
+        KERNEL_PKG=$(resolve_kernel_pkg || true)
+    fi
+    if [ -z "$KERNEL_PKG" ]; then
+        # No apt metadata for it (no bookworm-security/updates in sources?): a cached package.
+        DEB=$(find "$CACHE" -maxdepth 1 -name 'linux-image-6.12*.deb' | sort | tail -n1)
+        [ -n "$DEB" ] || die "apt knows no '$KERNEL_META': enable Debian 12's bookworm-security or bookworm-updates suite"
+    else
+        cached_deb "$KERNEL_PKG"
+        [ -n "$DEB" ] || die "could not download $KERNEL_PKG"
+    fi
+    KERNEL_DEBS=("$DEB")
 fi
 cached_deb busybox-static
 BUSYBOX_DEB=$DEB
 [ -n "$BUSYBOX_DEB" ] || die "could not download busybox-static"
 
-KDIR="$VM_DIR/kernel/$(basename "$KERNEL_DEB" .deb)"
-if [ ! -e "$KDIR/done" ] || [ ! -e "$KDIR/virtio_blk.ko" ]; then
-    log "extracting $(basename "$KERNEL_DEB")"
+# The kernel's image, the modules the VM loads and its release (kver), in KDIR. Debian 12's
+# packages put the image in /boot and the modules under /lib/modules; trixie-backports' both
+# under /usr/lib/modules/RELEASE. A module the package lacks is built into the kernel (7.x:
+# zsmalloc, lz4_compress); the VM loads the modules it finds.
+KDIR="$VM_DIR/kernel/$(basename "${KERNEL_DEBS[-1]}" .deb)"
+if [ ! -e "$KDIR/done" ] || [ ! -e "$KDIR/kver" ]; then
+    log "extracting ${KERNEL_DEBS[*]##*/}"
     rm -rf "$KDIR" "$VM_DIR/kx"
     mkdir -p "$KDIR" "$VM_DIR/kx"
-    dpkg-deb -x "$KERNEL_DEB" "$VM_DIR/kx"
-    cp "$VM_DIR"/kx/boot/vmlinuz-* "$KDIR/vmlinuz"
+    for deb in "${KERNEL_DEBS[@]}"; do
+        dpkg-deb -x "$deb" "$VM_DIR/kx"
+    done
+    moddir=$(find "$VM_DIR/kx" -type d -path '*/lib/modules/*/kernel' | head -n1)
+    [ -n "$moddir" ] || die "${KERNEL_DEBS[*]##*/}: no lib/modules/RELEASE/kernel"
+    basename "$(dirname "$moddir")" >"$KDIR/kver"
+    image=
+    for candidate in "$VM_DIR"/kx/boot/vmlinuz-* "$(dirname "$moddir")/vmlinuz"; do
+        if [ -f "$candidate" ]; then image=$candidate; fi
+    done
+    [ -n "$image" ] || die "${KERNEL_DEBS[*]##*/}: no vmlinuz"
+    cp "$image" "$KDIR/vmlinuz"
     for m in drivers/block/ublk_drv mm/zsmalloc lib/lz4/lz4_compress lib/lz4/lz4hc_compress \
         drivers/block/zram/zram drivers/block/virtio_blk; do
-        src=$(find "$VM_DIR"/kx/lib/modules/*/kernel -path "*/$m.ko*" | head -n1)
-        [ -n "$src" ] || die "$(basename "$KERNEL_DEB") has no $m.ko"
+        src=$(find "$moddir" -path "*/$m.ko*" | head -n1)
+        if [ -z "$src" ]; then
+            case $m in
+            drivers/block/ublk_drv | drivers/block/zram/zram | drivers/block/virtio_blk)
+                die "${KERNEL_DEBS[*]##*/}: no $m.ko" ;;
+            esac
+            log "$(cat "$KDIR/kver"): no $m.ko (built in)"
+            continue
+        fi
         case "$src" in
         *.xz) xz -dc "$src" >"$KDIR/$(basename "$m").ko" ;;
         *.zst) zstd -dcq "$src" >"$KDIR/$(basename "$m").ko" ;;

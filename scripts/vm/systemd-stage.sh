@@ -71,7 +71,7 @@ if [ ! -f "$ROOTFS" ] || [ ! -s "$ROOTFS" ]; then
 fi
 
 # --- 2. What goes on top: install.sh's files, the module, the test --------------------------
-KVER=$(basename "$KDIR" | sed 's/^linux-image-//; s/_.*//; s/-unsigned$//')
+KVER=$(cat "$KDIR/kver")
 OVER="$VM_DIR/systemd-overlay"
 rm -rf "$OVER"
 mkdir -p "$OVER"
