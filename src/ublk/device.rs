@@ -394,6 +394,7 @@ impl Device {
         let features = control.features();
         tracing::info!(
             features = format_args!("{features:#x}"),
+            names = %sys::feature_names(features),
             "ublk driver features"
         );
         let mut info = spec.dev_info(features);

@@ -81,6 +81,50 @@ pub const UBLK_F_UNPRIVILEGED_DEV: u64 = 1 << 5;
 pub const UBLK_F_CMD_IOCTL_ENCODE: u64 = 1 << 6;
 pub const UBLK_F_USER_COPY: u64 = 1 << 7;
 pub const UBLK_F_ZONED: u64 = 1 << 8;
+pub const UBLK_F_USER_RECOVERY_FAIL_IO: u64 = 1 << 9;
+pub const UBLK_F_UPDATE_SIZE: u64 = 1 << 10;
+pub const UBLK_F_AUTO_BUF_REG: u64 = 1 << 11;
+pub const UBLK_F_QUIESCE: u64 = 1 << 12;
+pub const UBLK_F_PER_IO_DAEMON: u64 = 1 << 13;
+pub const UBLK_F_BUF_REG_OFF_DAEMON: u64 = 1 << 14;
+pub const UBLK_F_BATCH_IO: u64 = 1 << 15;
+pub const UBLK_F_INTEGRITY: u64 = 1 << 16;
+/// The feature bits by the names the kernel's header gives them (without `UBLK_F_`), for
+/// the log: which driver a machine has says what it offers.
+const FEATURE_NAMES: [(u64, &str); 17] = [
+    (UBLK_F_SUPPORT_ZERO_COPY, "SUPPORT_ZERO_COPY"),
+    (UBLK_F_URING_CMD_COMP_IN_TASK, "URING_CMD_COMP_IN_TASK"),
+    (UBLK_F_NEED_GET_DATA, "NEED_GET_DATA"),
+    (UBLK_F_USER_RECOVERY, "USER_RECOVERY"),
+    (UBLK_F_USER_RECOVERY_REISSUE, "USER_RECOVERY_REISSUE"),
+    (UBLK_F_UNPRIVILEGED_DEV, "UNPRIVILEGED_DEV"),
+    (UBLK_F_CMD_IOCTL_ENCODE, "CMD_IOCTL_ENCODE"),
+    (UBLK_F_USER_COPY, "USER_COPY"),
+    (UBLK_F_ZONED, "ZONED"),
+    (UBLK_F_USER_RECOVERY_FAIL_IO, "USER_RECOVERY_FAIL_IO"),
+    (UBLK_F_UPDATE_SIZE, "UPDATE_SIZE"),
+    (UBLK_F_AUTO_BUF_REG, "AUTO_BUF_REG"),
+    (UBLK_F_QUIESCE, "QUIESCE"),
+    (UBLK_F_PER_IO_DAEMON, "PER_IO_DAEMON"),
+    (UBLK_F_BUF_REG_OFF_DAEMON, "BUF_REG_OFF_DAEMON"),
+    (UBLK_F_BATCH_IO, "BATCH_IO"),
+    (UBLK_F_INTEGRITY, "INTEGRITY"),
+];
+
+/// `flags` as the names of its feature bits, any bits without a name last in hex:
+/// `"USER_RECOVERY USER_COPY 0x100000"`.
+pub fn feature_names(flags: u64) -> String {
+    let known = FEATURE_NAMES.iter().fold(0, |all, &(bit, _)| all | bit);
+    let mut names: Vec<String> = FEATURE_NAMES
+        .iter()
+        .filter(|&&(bit, _)| flags & bit != 0)
+        .map(|&(_, name)| name.to_owned())
+        .collect();
+    if flags & !known != 0 {
+        names.push(format!("{:#x}", flags & !known));
+    }
+    names.join(" ")
+}
 /// What a device needs to survive its daemon with every request kept: with `USER_RECOVERY`
 /// the kernel keeps the disk and queues new I/O while no daemon serves it; with `_REISSUE` the
 /// requests the dead daemon had taken are handed to the next one instead of failing.
@@ -331,5 +375,24 @@ mod tests {
         assert_eq!(&bytes[6..8], &64u16.to_le_bytes());
         assert_eq!(&bytes[8..16], &9u64.to_le_bytes());
         assert!(bytes[32..].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn feature_names_name_every_known_bit_and_show_the_rest_in_hex() {
+        assert_eq!(feature_names(0), "");
+        // What the 6.12 driver of the VM test offers (its log line, features=0x1fe).
+        assert_eq!(
+            feature_names(0x1fe),
+            "URING_CMD_COMP_IN_TASK NEED_GET_DATA USER_RECOVERY USER_RECOVERY_REISSUE \
+             UNPRIVILEGED_DEV CMD_IOCTL_ENCODE USER_COPY ZONED"
+        );
+        let all = feature_names(u64::MAX);
+        assert!(all.starts_with("SUPPORT_ZERO_COPY "), "{all}");
+        assert!(all.ends_with(" INTEGRITY 0xfffffffffffe0000"), "{all}");
+        assert_eq!(all.split(' ').count(), FEATURE_NAMES.len() + 1);
+        assert_eq!(
+            feature_names(UBLK_F_USER_COPY | UBLK_F_BATCH_IO | 1 << 40 | 1 << 17),
+            "USER_COPY BATCH_IO 0x10000020000"
+        );
     }
 }
