@@ -738,10 +738,10 @@ fn serve(
         Err("turned off (slot-free-probe = no, or --no-slot-free-probe)".to_string())
     };
     match &slot_free_probe {
-        Ok(_) => {
+        Ok(probe) => {
             ready_io_thread();
             tracing::info!(
-                function = crate::slotfree::btf::FREE_FUNCTION,
+                function = probe.function(),
                 "slot-free probe attached: the memory of a freed swap slot comes back at once"
             );
         }

@@ -1,7 +1,7 @@
 //! What the probe needs to know of the running kernel, read from its BTF
-//! (`/sys/kernel/btf/vmlinux`): where `swap_info_struct` keeps its block device and flags,
-//! where `block_device` keeps its number, the value of `SWP_BLKDEV`, and which argument of
-//! `swap_entry_range_free` is which.
+//! (`/sys/kernel/btf/vmlinux`): which function frees swap slots (`FREE_FUNCTIONS`), which of
+//! its arguments is which, where `swap_info_struct` keeps its block device, flags and
+//! clusters, where `block_device` keeps its number, and the value of `SWP_BLKDEV`.
 //!
 //! Read as a stream, a few passes over the file with one small buffer, never the whole of it:
 //! the file is several MiB and the daemon's memory is locked (a BTF library that parses every
@@ -17,18 +17,53 @@ use super::SlotFreeError;
 
 const BTF_MAGIC: u16 = 0xeb9f;
 const KIND_PTR: u32 = 2;
+const KIND_ARRAY: u32 = 3;
 const KIND_STRUCT: u32 = 4;
 const KIND_ENUM: u32 = 6;
 const KIND_FUNC: u32 = 12;
 const KIND_FUNC_PROTO: u32 = 13;
 
-/// The function every freed swap slot passes through in Linux 6.10-6.12 (`mm/swapfile.c`; it
-/// calls `swap_range_free`, where zram hears of the slot, which the compiler inlines).
-pub const FREE_FUNCTION: &str = "swap_entry_range_free";
+/// The function every freed swap slot passes through (`mm/swapfile.c`; each calls what tells
+/// zram of the slot, `swap_range_free`, which the compiler inlines), newest kernels first: the
+/// probe goes on the first one this kernel's BTF has. In Debian's kernels:
+/// `__swap_cluster_free_entries(si, ci, ci_start, nr_pages)` in 7.3 (the swap table's: a
+/// slot by its place in its cluster), `swap_entries_free(si, ci, entry, nr_pages)` in
+/// 6.16-6.19 and `swap_entries_free(si, ci, offset, nr_pages)` in 7.0,
+/// `swap_entry_range_free(si, entry, nr_pages)` in 6.12.
+pub const FREE_FUNCTIONS: [&str; 3] = [
+    "__swap_cluster_free_entries",
+    "swap_entries_free",
+    "swap_entry_range_free",
+];
+
+/// How the free function's arguments give the first freed slot (its offset in the swap area).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FirstSlot {
+    /// Argument `entry`, a `swp_entry_t` (one word): the slot is its offset bits.
+    Entry { arg: usize },
+    /// Argument `offset`: the slot.
+    Offset { arg: usize },
+    /// Argument `ci_start`, the slot's place in the cluster argument `ci` points to (an element
+    /// of the swap area's array `cluster_info`): the slot is `(ci - si->cluster_info) /
+    /// cluster_info_bytes * cluster_slots + ci_start`.
+    InCluster {
+        arg_ci: usize,
+        arg_start: usize,
+        /// Byte offset of `cluster_info` in `struct swap_info_struct`.
+        si_cluster_info: u32,
+        /// `sizeof(struct swap_cluster_info)`.
+        cluster_info_bytes: u32,
+        /// Slots a cluster holds (`SWAPFILE_CLUSTER`: the length of `struct swap_table`'s
+        /// `entries`, one per slot).
+        cluster_slots: u32,
+    },
+}
 
 /// Where the probe finds what it reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KernelLayout {
+    /// The function probed, one of `FREE_FUNCTIONS`.
+    pub function: &'static str,
     /// Byte offsets in `struct swap_info_struct` of `bdev` and `flags`.
     pub si_bdev: u32,
     pub si_flags: u32,
@@ -37,11 +72,11 @@ pub struct KernelLayout {
     /// `SWP_BLKDEV`: set in `flags` when the swap area is a whole block device, so that slot
     /// offsets are device pages (a swap file's offsets go through its extents).
     pub swp_blkdev: u64,
-    /// Argument positions of `FREE_FUNCTION`: the `swap_info_struct *`, the entry (a
-    /// `swp_entry_t`, one word) and the count of slots.
+    /// Argument positions of `function`: the `swap_info_struct *` and the count of slots;
+    /// and how its arguments give the first slot.
     pub arg_si: usize,
-    pub arg_entry: usize,
     pub arg_nr_pages: usize,
+    pub first_slot: FirstSlot,
 }
 
 #[cfg(test)]
@@ -49,13 +84,30 @@ impl KernelLayout {
     /// A layout of the shape x86-64 Linux 6.12 has, for tests of the program.
     pub(crate) fn sample() -> Self {
         Self {
+            function: "swap_entry_range_free",
             si_bdev: 216,
             si_flags: 0,
             bd_dev: 144,
             swp_blkdev: 64,
             arg_si: 0,
-            arg_entry: 1,
             arg_nr_pages: 2,
+            first_slot: FirstSlot::Entry { arg: 1 },
+        }
+    }
+
+    /// The same with 7.3's shape: `__swap_cluster_free_entries(si, ci, ci_start, nr_pages)`.
+    pub(crate) fn sample_in_cluster() -> Self {
+        Self {
+            function: "__swap_cluster_free_entries",
+            arg_nr_pages: 3,
+            first_slot: FirstSlot::InCluster {
+                arg_ci: 1,
+                arg_start: 2,
+                si_cluster_info: 80,
+                cluster_info_bytes: 48,
+                cluster_slots: 512,
+            },
+            ..Self::sample()
         }
     }
 }
@@ -237,66 +289,117 @@ pub fn kernel_layout(path: &Path) -> Result<KernelLayout, SlotFreeError> {
     layout_of(file)
 }
 
-/// The names `layout_of` looks for.
-const NAMES: [&str; 9] = [
+/// The names `layout_of` looks for: `Name::X as usize` is X's place, and the free functions
+/// come last, from `Name::FreeFunctions` on.
+const NAMES: [&str; 18] = [
     "swap_info_struct",
     "bdev",
     "flags",
+    "cluster_info",
     "block_device",
     "bd_dev",
     "SWP_BLKDEV",
-    FREE_FUNCTION,
+    "swap_cluster_info",
+    "swap_table",
+    "entries",
     "entry",
+    "offset",
+    "ci",
+    "ci_start",
     "nr_pages",
+    FREE_FUNCTIONS[0],
+    FREE_FUNCTIONS[1],
+    FREE_FUNCTIONS[2],
 ];
+
+#[derive(Clone, Copy)]
+enum Name {
+    SwapInfo,
+    Bdev,
+    Flags,
+    ClusterInfo,
+    BlockDevice,
+    BdDev,
+    SwpBlkdev,
+    SwapClusterInfo,
+    SwapTable,
+    Entries,
+    Entry,
+    Offset,
+    Ci,
+    CiStart,
+    NrPages,
+    FreeFunctions,
+}
+const _: () = assert!(Name::FreeFunctions as usize + FREE_FUNCTIONS.len() == NAMES.len());
 
 fn layout_of(source: impl Read + Seek) -> Result<KernelLayout, SlotFreeError> {
     let mut btf = BtfFile::open(source)?;
     let names = btf.find_strings(NAMES)?;
-    for (list, name) in names.iter().zip(NAMES) {
-        if list.is_empty() {
-            return Err(btf_error(format!("no `{name}` in this kernel's BTF")));
-        }
+    let name = |n: Name| names[n as usize].as_slice();
+    let missing = |what: &str| btf_error(format!("this kernel's BTF has no {what}"));
+    if name(Name::SwapInfo).is_empty() {
+        return Err(missing("`swap_info_struct`"));
     }
-    let [si_name, bdev, flags, bd_name, bd_dev, blkdev, function, entry, nr_pages] = &names;
 
-    // Pass 1: the two structs, the enumerator and the function.
-    let (mut si_struct, mut si_bdev, mut si_flags, mut bd_offset) = (None, None, None, None);
-    let (mut swp_blkdev, mut proto) = (None, None);
+    // Pass 1: the structs, the enumerator and the free functions.
+    let (mut si_struct, mut si_bdev, mut si_flags, mut si_cluster_info) = (None, None, None, None);
+    let (mut bd_offset, mut swp_blkdev, mut cluster_info_bytes, mut table_entries) =
+        (None, None, None, None);
+    let mut protos: [Option<u32>; FREE_FUNCTIONS.len()] = [None; FREE_FUNCTIONS.len()];
     btf.for_each_type(|id, head, extra| {
+        let is = |n: Name| name(n).contains(&head.name_off);
         match head.kind() {
-            KIND_STRUCT if si_name.contains(&head.name_off) => {
+            KIND_STRUCT if is(Name::SwapInfo) => {
                 si_struct = Some(id);
-                si_bdev = member_offset(head, extra, bdev);
-                si_flags = member_offset(head, extra, flags);
+                si_bdev = member_offset(head, extra, name(Name::Bdev));
+                si_flags = member_offset(head, extra, name(Name::Flags));
+                si_cluster_info = member_offset(head, extra, name(Name::ClusterInfo));
             }
-            KIND_STRUCT if bd_name.contains(&head.name_off) => {
-                bd_offset = member_offset(head, extra, bd_dev);
+            KIND_STRUCT if is(Name::BlockDevice) => {
+                bd_offset = member_offset(head, extra, name(Name::BdDev));
+            }
+            KIND_STRUCT if is(Name::SwapClusterInfo) => {
+                cluster_info_bytes = Some(head.size_or_type)
+            }
+            KIND_STRUCT if is(Name::SwapTable) => {
+                table_entries = extra
+                    .chunks_exact(12)
+                    .find(|member| name(Name::Entries).contains(&u32_at(member, 0)))
+                    .map(|member| u32_at(member, 4));
             }
             KIND_ENUM => {
                 if let Some(item) = extra
                     .chunks_exact(8)
-                    .find(|item| blkdev.contains(&u32_at(item, 0)))
+                    .find(|item| name(Name::SwpBlkdev).contains(&u32_at(item, 0)))
                 {
                     swp_blkdev = Some(u64::from(u32_at(item, 4)));
                 }
             }
-            KIND_FUNC if function.contains(&head.name_off) => proto = Some(head.size_or_type),
+            KIND_FUNC => {
+                for (i, proto) in protos.iter_mut().enumerate() {
+                    if names[Name::FreeFunctions as usize + i].contains(&head.name_off) {
+                        *proto = Some(head.size_or_type);
+                    }
+                }
+            }
             _ => {}
         }
         true
     })?;
-    let missing = |what: &str| btf_error(format!("this kernel's BTF has no {what}"));
     let si_struct = si_struct.ok_or_else(|| missing("struct swap_info_struct"))?;
-    let proto = proto.ok_or_else(|| missing(&format!("function {FREE_FUNCTION}")))?;
+    let (function, proto) = FREE_FUNCTIONS
+        .iter()
+        .zip(protos)
+        .find_map(|(&function, proto)| Some((function, proto?)))
+        .ok_or_else(|| missing(&format!("function {}", FREE_FUNCTIONS.join(", "))))?;
 
-    // Pass 2: the function's parameters.
+    // Pass 2: the function's parameters, and how many slots a cluster's table holds.
     let mut params: Option<Vec<(u32, u32)>> = None;
+    let mut cluster_slots = None;
+    let last = proto.max(table_entries.unwrap_or(0));
     btf.for_each_type(|id, head, extra| {
-        if id != proto {
-            return true;
-        }
-        if head.kind() == KIND_FUNC_PROTO {
+        if id == proto && head.kind() == KIND_FUNC_PROTO {
             params = Some(
                 extra
                     .chunks_exact(8)
@@ -304,14 +407,38 @@ fn layout_of(source: impl Read + Seek) -> Result<KernelLayout, SlotFreeError> {
                     .collect(),
             );
         }
-        false
+        if Some(id) == table_entries && head.kind() == KIND_ARRAY {
+            cluster_slots = Some(u32_at(extra, 8));
+        }
+        id < last
     })?;
-    let params = params.ok_or_else(|| missing(&format!("prototype of {FREE_FUNCTION}")))?;
-    let position = |names: &[u32]| params.iter().position(|(name, _)| names.contains(name));
-    let arg_entry =
-        position(entry).ok_or_else(|| missing(&format!("`entry` argument of {FREE_FUNCTION}")))?;
-    let arg_nr_pages = position(nr_pages)
-        .ok_or_else(|| missing(&format!("`nr_pages` argument of {FREE_FUNCTION}")))?;
+    let params = params.ok_or_else(|| missing(&format!("prototype of {function}")))?;
+    let position = |n: Name| params.iter().position(|(p, _)| name(n).contains(p));
+    let argument = |n: Name| {
+        position(n)
+            .ok_or_else(|| missing(&format!("`{}` argument of {function}", NAMES[n as usize])))
+    };
+    let arg_nr_pages = argument(Name::NrPages)?;
+    let first_slot = if position(Name::CiStart).is_some() {
+        FirstSlot::InCluster {
+            arg_ci: argument(Name::Ci)?,
+            arg_start: argument(Name::CiStart)?,
+            si_cluster_info: si_cluster_info
+                .ok_or_else(|| missing("swap_info_struct.cluster_info"))?,
+            cluster_info_bytes: cluster_info_bytes
+                .filter(|&bytes| bytes > 0)
+                .ok_or_else(|| missing("struct swap_cluster_info"))?,
+            cluster_slots: cluster_slots
+                .filter(|&slots| slots > 0)
+                .ok_or_else(|| missing("swap_table.entries"))?,
+        }
+    } else if let Some(arg) = position(Name::Offset) {
+        FirstSlot::Offset { arg }
+    } else {
+        FirstSlot::Entry {
+            arg: argument(Name::Entry)?,
+        }
+    };
 
     // Pass 3: which argument is the `struct swap_info_struct *`.
     let mut pointers_to_si = Vec::new();
@@ -324,16 +451,17 @@ fn layout_of(source: impl Read + Seek) -> Result<KernelLayout, SlotFreeError> {
     let arg_si = params
         .iter()
         .position(|(_, ty)| pointers_to_si.contains(ty))
-        .ok_or_else(|| missing(&format!("swap_info_struct argument of {FREE_FUNCTION}")))?;
+        .ok_or_else(|| missing(&format!("swap_info_struct argument of {function}")))?;
 
     Ok(KernelLayout {
+        function,
         si_bdev: si_bdev.ok_or_else(|| missing("swap_info_struct.bdev"))?,
         si_flags: si_flags.ok_or_else(|| missing("swap_info_struct.flags"))?,
         bd_dev: bd_offset.ok_or_else(|| missing("block_device.bd_dev"))?,
         swp_blkdev: swp_blkdev.ok_or_else(|| missing("SWP_BLKDEV"))?,
         arg_si,
-        arg_entry,
         arg_nr_pages,
+        first_slot,
     })
 }
 
@@ -402,10 +530,11 @@ mod tests {
         vec![
             // 1: int
             (off(s, "long"), info(1, 0), 8, words(&[64])),
-            // 2: struct swap_info_struct { long flags @0; long other @64; struct block_device *bdev @ 192 }
+            // 2: struct swap_info_struct { long flags @0; long other @64;
+            //    struct block_device *bdev @ 192; struct swap_cluster_info *cluster_info @ 256 }
             (
                 off(s, "swap_info_struct"),
-                info(KIND_STRUCT, 3),
+                info(KIND_STRUCT, 4),
                 64,
                 words(&[
                     off(s, "flags"),
@@ -417,6 +546,9 @@ mod tests {
                     off(s, "bdev"),
                     5,
                     192,
+                    off(s, "cluster_info"),
+                    12,
+                    256,
                 ]),
             ),
             // 3: struct swap_info_struct *
@@ -460,7 +592,58 @@ mod tests {
                     1,
                 ]),
             ),
+            // 9: struct swap_cluster_info, 48 bytes
+            (
+                off(s, "swap_cluster_info"),
+                info(KIND_STRUCT, 0),
+                48,
+                vec![],
+            ),
+            // 10: long[512]
+            (0, info(KIND_ARRAY, 0), 0, words(&[1, 1, 512])),
+            // 11: struct swap_table { long entries[512] @0 }
+            (
+                off(s, "swap_table"),
+                info(KIND_STRUCT, 1),
+                4096,
+                words(&[off(s, "entries"), 10, 0]),
+            ),
+            // 12: struct swap_cluster_info *
+            (0, info(KIND_PTR, 0), 9, vec![]),
         ]
+    }
+
+    /// The sample with 7.3's free function as well:
+    /// `__swap_cluster_free_entries(si, ci, ci_start, nr_pages)`.
+    fn sample_types_in_cluster(s: &[&str]) -> Vec<(u32, u32, u32, Vec<u8>)> {
+        let mut types = sample_types(s);
+        types.extend([
+            // 13: func __swap_cluster_free_entries -> 14
+            (
+                off(s, "__swap_cluster_free_entries"),
+                info(KIND_FUNC, 0),
+                14,
+                vec![],
+            ),
+            // 14: proto (struct swap_info_struct *si, struct swap_cluster_info *ci,
+            //     long ci_start, long nr_pages)
+            (
+                0,
+                info(KIND_FUNC_PROTO, 4),
+                0,
+                words(&[
+                    off(s, "si"),
+                    3,
+                    off(s, "ci"),
+                    12,
+                    off(s, "ci_start"),
+                    1,
+                    off(s, "nr_pages"),
+                    1,
+                ]),
+            ),
+        ]);
+        types
     }
 
     #[test]
@@ -470,15 +653,59 @@ mod tests {
         assert_eq!(
             layout,
             KernelLayout {
+                function: "swap_entry_range_free",
                 si_bdev: 24,
                 si_flags: 0,
                 bd_dev: 4,
                 swp_blkdev: 64,
                 arg_si: 0,
-                arg_entry: 2,
                 arg_nr_pages: 3,
+                first_slot: FirstSlot::Entry { arg: 2 },
             }
         );
+    }
+
+    #[test]
+    fn an_offset_argument_is_the_slot_itself() {
+        let strings = strings();
+        let mut types = sample_types(&strings);
+        types[7].3 = words(&[
+            off(&strings, "si"),
+            3,
+            off(&strings, "other"),
+            1,
+            off(&strings, "offset"),
+            1,
+            off(&strings, "nr_pages"),
+            1,
+        ]);
+        let layout = layout_of(btf_file(&types, &strings)).unwrap();
+        assert_eq!(layout.first_slot, FirstSlot::Offset { arg: 2 });
+    }
+
+    #[test]
+    fn the_newest_free_function_wins_and_its_cluster_arithmetic_comes_from_the_types() {
+        let strings = strings();
+        let layout = layout_of(btf_file(&sample_types_in_cluster(&strings), &strings)).unwrap();
+        assert_eq!(layout.function, "__swap_cluster_free_entries");
+        assert_eq!((layout.arg_si, layout.arg_nr_pages), (0, 3));
+        assert_eq!(
+            layout.first_slot,
+            FirstSlot::InCluster {
+                arg_ci: 1,
+                arg_start: 2,
+                si_cluster_info: 32,
+                cluster_info_bytes: 48,
+                cluster_slots: 512,
+            }
+        );
+        // Without `struct swap_table` the cluster's size is unknown: refused, not guessed.
+        let mut types = sample_types_in_cluster(&strings);
+        types[10].0 = off(&strings, "other");
+        let error = layout_of(btf_file(&types, &strings))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("swap_table.entries"), "{error}");
     }
 
     #[test]
@@ -488,7 +715,9 @@ mod tests {
         types.truncate(6);
         let file = btf_file(&types, &strings);
         let error = layout_of(file).unwrap_err().to_string();
-        assert!(error.contains(FREE_FUNCTION), "{error}");
+        for function in FREE_FUNCTIONS {
+            assert!(error.contains(function), "{error}");
+        }
     }
 
     #[test]

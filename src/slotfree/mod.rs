@@ -8,7 +8,7 @@
 //! zram frees a slot's memory as the kernel frees the slot.
 //!
 //! How: a kprobe program (`program`) on the function every freed slot passes through
-//! (`btf::FREE_FUNCTION`) sets the freed slots' bits in a bitmap shared with the daemon (a BPF
+//! (one of `btf::FREE_FUNCTIONS`, by the kernel) sets the freed slots' bits in a bitmap shared with the daemon (a BPF
 //! array map it maps), and counts its calls in the word after it. The daemon looks at the
 //! count every `POLL` (`POLL_MEMORY_SHORT` while memory is short) and, when it moved, frees the pages whose bits are set
 //! (`SlotFreeProbe::free_reported`). Optional: a kernel without BTF, kprobes, the function or
@@ -115,6 +115,8 @@ pub struct SlotFreeProbe {
     _event: std::os::fd::OwnedFd,
     _program: std::os::fd::OwnedFd,
     _map: std::os::fd::OwnedFd,
+    /// The kernel function it is attached to (one of `btf::FREE_FUNCTIONS`).
+    function: &'static str,
     /// The count when the bitmap was last looked through.
     seen_calls: AtomicU64,
     slots: AtomicU64,
@@ -144,13 +146,14 @@ impl SlotFreeProbe {
         })?;
         let shared = sys::WordArrayMapping::map(&map, map_words as usize)
             .map_err(kernel("mapping the bitmap"))?;
-        let event = sys::attach_kprobe(btf::FREE_FUNCTION, &program)
+        let event = sys::attach_kprobe(layout.function, &program)
             .map_err(kernel("attaching the kprobe"))?;
         Ok(Self {
             shared,
             _event: event,
             _program: program,
             _map: map,
+            function: layout.function,
             seen_calls: AtomicU64::new(0),
             slots: AtomicU64::new(0),
         })
@@ -187,10 +190,15 @@ impl SlotFreeProbe {
         });
     }
 
+    /// The kernel function the probe is attached to.
+    pub fn function(&self) -> &'static str {
+        self.function
+    }
+
     pub fn stats(&self) -> SlotFreeStats {
         SlotFreeStats {
             attached: true,
-            detail: btf::FREE_FUNCTION.to_string(),
+            detail: self.function.to_string(),
             calls: self.calls().load(Ordering::Relaxed),
             slots: self.slots.load(Ordering::Relaxed),
         }
@@ -315,7 +323,17 @@ mod kernel_verifier {
     /// load BPF programs (root); elsewhere there is nothing to check and it says so.
     #[test]
     fn the_probe_passes_the_running_kernels_verifier() {
-        let layout = btf::KernelLayout::sample();
+        let entry = btf::KernelLayout::sample();
+        let offset = btf::KernelLayout {
+            first_slot: btf::FirstSlot::Offset { arg: 1 },
+            ..entry
+        };
+        for layout in [entry, offset, btf::KernelLayout::sample_in_cluster()] {
+            passes_the_verifier(&layout);
+        }
+    }
+
+    fn passes_the_verifier(layout: &btf::KernelLayout) {
         let words = 4096;
         let map = match sys::create_word_array(words + 1, "trueno_test") {
             Ok(map) => map,
@@ -325,7 +343,7 @@ mod kernel_verifier {
             }
         };
         let fd = std::os::fd::AsRawFd::as_raw_fd(&map);
-        let code = program::slot_free_probe(&layout, kernel_dev(259, 0), fd, words).unwrap();
+        let code = program::slot_free_probe(layout, kernel_dev(259, 0), fd, words).unwrap();
         if let Err((error, log)) = sys::load_kprobe_program(&code, "trueno_test") {
             assert_ne!(error.raw_os_error(), Some(libc::EINVAL), "{error}: {log}");
             eprintln!("skipped: this process may not load kprobe programs ({error}: {log})");

@@ -1,6 +1,6 @@
 //! The probe itself: a kprobe program of about 60 BPF instructions, written out here rather
-//! than compiled (no BPF compiler needed to build or run the daemon). On every call of
-//! `swap_entry_range_free` it reads the swap area's flags and its block device's number, and
+//! than compiled (no BPF compiler needed to build or run the daemon). On every call of the
+//! kernel's slot-free function (`KernelLayout::function`) it reads the swap area's flags and its block device's number, and
 //! for a swap area that is the whole of our device it sets the freed slots' bits in a bitmap
 //! the daemon maps (an array map of 64-bit words, one bit per device page), then counts the
 //! call in the word after the bitmap, which the daemon watches. Everything it reads of the
@@ -12,7 +12,7 @@
 
 #![forbid(unsafe_code)]
 
-use super::btf::KernelLayout;
+use super::btf::{FirstSlot, KernelLayout};
 
 /// The most slots one call frees: a cluster (`SWAPFILE_CLUSTER`). A larger count (none in
 /// Linux 6.12) is left to the discard.
@@ -48,6 +48,9 @@ const ATOMIC_OR: i32 = 0x40;
 const MOV64_X: u8 = 0xbf;
 const MOV64_K: u8 = 0xb7;
 const ADD64_X: u8 = 0x0f;
+const SUB64_X: u8 = 0x1f;
+const MUL64_K: u8 = 0x27;
+const DIV64_K: u8 = 0x37; // unsigned
 const ADD64_K: u8 = 0x07;
 const AND64_K: u8 = 0x57;
 const LSH64_K: u8 = 0x67;
@@ -120,16 +123,13 @@ pub fn slot_free_probe(
             .copied()
             .ok_or(ProgramError::ArgumentOnStack(n))
     };
-    let (si, entry, nr_pages) = (
-        arg(layout.arg_si)?,
-        arg(layout.arg_entry)?,
-        arg(layout.arg_nr_pages)?,
-    );
+    let (si, nr_pages) = (arg(layout.arg_si)?, arg(layout.arg_nr_pages)?);
     let imm = |value: u64, what| i32::try_from(value).map_err(|_| ProgramError::TooLarge(what));
     let si_flags = imm(layout.si_flags.into(), "swap_info_struct.flags")?;
     let si_bdev = imm(layout.si_bdev.into(), "swap_info_struct.bdev")?;
     let bd_dev = imm(layout.bd_dev.into(), "block_device.bd_dev")?;
     let blkdev = imm(layout.swp_blkdev, "SWP_BLKDEV")?;
+    let bitmap_pages = u64::from(words) * 64;
     let words = imm(words.into(), "bitmap words")?;
     // A 32-bit comparison takes the immediate's 32 bits as they are.
     let dev = i32::from_ne_bytes(dev.to_ne_bytes());
@@ -153,10 +153,49 @@ pub fn slot_free_probe(
     probe.read_kernel_into(-16, 4);
     probe.push(insn(LDX_W, R1, FP, -16, 0));
     probe.jump_if(JNE32_K, R1, dev, Exit);
-    // r7 = the first slot (the entry's offset bits), r8 = the count (32 bits), r9 = 0.
-    probe.push(insn(LDX_DW, R7, R6, entry, 0));
-    probe.push(insn(LSH64_K, R7, 0, 0, SWP_TYPE_BITS));
-    probe.push(insn(RSH64_K, R7, 0, 0, SWP_TYPE_BITS));
+    // r7 = the first slot, r8 = the count (32 bits), r9 = 0.
+    match layout.first_slot {
+        FirstSlot::Entry { arg: entry } => {
+            // The entry's offset bits.
+            probe.push(insn(LDX_DW, R7, R6, arg(entry)?, 0));
+            probe.push(insn(LSH64_K, R7, 0, 0, SWP_TYPE_BITS));
+            probe.push(insn(RSH64_K, R7, 0, 0, SWP_TYPE_BITS));
+        }
+        FirstSlot::Offset { arg: offset } => probe.push(insn(LDX_DW, R7, R6, arg(offset)?, 0)),
+        FirstSlot::InCluster {
+            arg_ci,
+            arg_start,
+            si_cluster_info,
+            cluster_info_bytes,
+            cluster_slots,
+        } => {
+            // (ci - si->cluster_info) / cluster_info_bytes * cluster_slots + ci_start (32
+            // bits), for a `ci` among the clusters the bitmap covers (any other leaves).
+            let si_cluster_info = imm(si_cluster_info.into(), "swap_info_struct.cluster_info")?;
+            if cluster_info_bytes == 0 || cluster_slots == 0 {
+                return Err(ProgramError::TooLarge("a cluster of no bytes or no slots"));
+            }
+            let clusters_bytes = bitmap_pages
+                .div_ceil(cluster_slots.into())
+                .saturating_mul(cluster_info_bytes.into());
+            let clusters_bytes = imm(clusters_bytes, "the clusters' array")?;
+            let cluster_info_bytes = imm(cluster_info_bytes.into(), "swap_cluster_info")?;
+            let cluster_slots = imm(cluster_slots.into(), "SWAPFILE_CLUSTER")?;
+            probe.push(insn(LDX_DW, R3, R6, si, 0));
+            probe.push(insn(ADD64_K, R3, 0, 0, si_cluster_info));
+            probe.read_kernel_into(-8, 8);
+            probe.push(insn(LDX_DW, R7, R6, arg(arg_ci)?, 0));
+            probe.push(insn(LDX_DW, R1, FP, -8, 0));
+            probe.push(insn(SUB64_X, R7, R1, 0, 0));
+            probe.jump_if(JGE_K, R7, clusters_bytes, Exit);
+            probe.push(insn(DIV64_K, R7, 0, 0, cluster_info_bytes));
+            probe.push(insn(MUL64_K, R7, 0, 0, cluster_slots));
+            probe.push(insn(LDX_DW, R1, R6, arg(arg_start)?, 0));
+            probe.push(insn(LSH64_K, R1, 0, 0, 32));
+            probe.push(insn(RSH64_K, R1, 0, 0, 32));
+            probe.push(insn(ADD64_X, R7, R1, 0, 0));
+        }
+    }
     probe.push(insn(LDX_DW, R8, R6, nr_pages, 0));
     probe.push(insn(LSH64_K, R8, 0, 0, 32));
     probe.push(insn(RSH64_K, R8, 0, 0, 32));
@@ -325,7 +364,7 @@ mod tests {
     fn reads_the_arguments_the_layout_names_and_compares_the_device_number() {
         let mut layout = layout();
         layout.arg_si = 1;
-        layout.arg_entry = 2;
+        layout.first_slot = FirstSlot::Entry { arg: 2 };
         layout.arg_nr_pages = 3;
         let program = slot_free_probe(&layout, (259 << 20) | 3, 7, 4096).unwrap();
         let ctx_loads: Vec<i16> = program
@@ -346,6 +385,28 @@ mod tests {
         // A bit is set with an atomic or, the counter bumped with an atomic add.
         assert!(program.contains(&insn(ATOMIC_DW, R0, R3, 0, ATOMIC_OR)));
         assert!(program.contains(&insn(ATOMIC_DW, R0, R1, 0, ATOMIC_ADD)));
+    }
+
+    #[test]
+    fn a_slot_in_a_cluster_is_the_clusters_index_times_its_slots_plus_its_place() {
+        let layout = KernelLayout::sample_in_cluster();
+        let program = slot_free_probe(&layout, (259 << 20) | 3, 7, 4096).unwrap();
+        let ctx_loads: Vec<i16> = program
+            .iter()
+            .filter(|i| i.code == LDX_DW && i.regs >> 4 == R6)
+            .map(|i| i.off)
+            .collect();
+        // si three times (flags, bdev, cluster_info), then ci, ci_start and the count.
+        assert_eq!(ctx_loads, [112, 112, 112, 104, 96, 88]);
+        let at = |code: u8| program.iter().position(|i| i.code == code).unwrap();
+        assert!(at(SUB64_X) < at(DIV64_K) && at(DIV64_K) < at(MUL64_K));
+        assert_eq!(program[at(DIV64_K)].imm, 48);
+        assert_eq!(program[at(MUL64_K)].imm, 512);
+        // Past the clusters the 4096 words' 262,144 pages take: 512 clusters of 48 bytes.
+        assert_eq!(
+            program[at(SUB64_X) + 1],
+            insn(JGE_K, R7, 0, program[at(SUB64_X) + 1].off, 512 * 48)
+        );
     }
 
     #[test]
