@@ -20,6 +20,7 @@
 #   FIGURE store_<backend>_<write|read|codec_compress|zram_write>_gbps=G.
 
 . /test/env
+. /test/kernel-log.sh
 VT=/test/vmtool
 UL=/usr/sbin
 FAILS=0
@@ -191,12 +192,10 @@ bench-storm)
 *) fail "unknown MODE '$MODE'" ;;
 esac
 
-# A figure from a run that hit errors or stalls is no figure (same patterns as test.sh).
-bad=$(dmesg | grep -E -e '[Uu][Bb][Ll][Kk].*([Ee]rror|[Ff]ail|[Tt]imeout|[Aa]bort)' \
-    -e 'hung_task|blocked for more than|BUG:|Oops:|WARNING:|Call Trace|Out of memory|oom-kill' \
-    -e 'Write-error on swap-device|Read-error on swap-device|I/O error|resource error')
-if [ -n "$bad" ]; then
+# A figure from a run that hit errors or stalls is no figure.
+dmesg >/tmp/dmesg
+if kernel_log_errors /tmp/dmesg >/tmp/dmesg-bad; then
     fail "dmesg has errors:"
-    echo "$bad" | head -n 20
+    cat /tmp/dmesg-bad
 fi
 if [ "$FAILS" -eq 0 ]; then echo "VMTEST RESULT: PASS"; else echo "VMTEST RESULT: FAIL"; fi

@@ -63,6 +63,7 @@
 # same file name as this build's: the daemon's processes are found by it).
 PREVIOUS_BIN=${PREVIOUS_BIN:-}
 . /test/stress.sh
+. /test/kernel-log.sh
 # Two cgroups, where the VM has cgroup2 with the memory controller: "shell" (memory.swap.max=0)
 # for this shell, its checkers and the daemons it starts, so that nothing the test needs to
 # carry on waits for swap while a device has no daemon; "work" for the programs that are meant
@@ -1154,17 +1155,11 @@ fi
 section "kernel log"
 dmesg >/tmp/dmesg
 grep -iE 'ublk' /tmp/dmesg | tail -n 20
-# One extended regular expression (the VM's shell is busybox's: no arrays).
-bad='[Uu][Bb][Ll][Kk].*([Ee]rror|[Ff]ail|[Tt]imeout|[Aa]bort)'
-bad="$bad|hung_task|blocked for more than|BUG:|Oops:|WARNING:|Call Trace|general protection"
-bad="$bad|Out of memory|oom-kill|soft lockup"
-bad="$bad|Write-error on swap-device|Read-error on swap-device|I/O error|resource error"
-if ! grep -qE "$bad" /tmp/dmesg; then
-    ok "dmesg: no ublk or swap I/O errors, hung tasks, BUG, Oops, warnings or OOM kills"
-else
-    # With what comes before and after each: a call trace's first lines say what printed it.
+if kernel_log_errors /tmp/dmesg >/tmp/dmesg-bad; then
     fail "dmesg has errors:"
-    grep -E -B 4 -A 16 "$bad" /tmp/dmesg | head -n 200
+    cat /tmp/dmesg-bad
+else
+    ok "dmesg: no ublk or swap I/O errors, hung tasks, BUG, Oops, warnings or OOM kills"
 fi
 
 # --- 11. near OOM (after the kernel-log check: OOM kills are expected there) ---------------
