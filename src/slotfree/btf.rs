@@ -514,6 +514,15 @@ mod tests {
         words.iter().flat_map(|w| w.to_le_bytes()).collect()
     }
 
+    /// A function prototype's parameters, each a name and a type id.
+    fn params(strings: &[&str], params: [(&str, u32); 4]) -> Vec<u8> {
+        let words_of: Vec<u32> = params
+            .iter()
+            .flat_map(|&(name, ty)| [off(strings, name), ty])
+            .collect();
+        words(&words_of)
+    }
+
     fn info(kind: u32, vlen: u32) -> u32 {
         (kind << 24) | vlen
     }
@@ -581,16 +590,7 @@ mod tests {
                 0,
                 info(KIND_FUNC_PROTO, 4),
                 0,
-                words(&[
-                    off(s, "si"),
-                    3,
-                    off(s, "other"),
-                    1,
-                    off(s, "entry"),
-                    1,
-                    off(s, "nr_pages"),
-                    1,
-                ]),
+                params(s, [("si", 3), ("other", 1), ("entry", 1), ("nr_pages", 1)]),
             ),
             // 9: struct swap_cluster_info, 48 bytes
             (
@@ -631,16 +631,7 @@ mod tests {
                 0,
                 info(KIND_FUNC_PROTO, 4),
                 0,
-                words(&[
-                    off(s, "si"),
-                    3,
-                    off(s, "ci"),
-                    12,
-                    off(s, "ci_start"),
-                    1,
-                    off(s, "nr_pages"),
-                    1,
-                ]),
+                params(s, [("si", 3), ("ci", 12), ("ci_start", 1), ("nr_pages", 1)]),
             ),
         ]);
         types
@@ -669,16 +660,10 @@ mod tests {
     fn an_offset_argument_is_the_slot_itself() {
         let strings = strings();
         let mut types = sample_types(&strings);
-        types[7].3 = words(&[
-            off(&strings, "si"),
-            3,
-            off(&strings, "other"),
-            1,
-            off(&strings, "offset"),
-            1,
-            off(&strings, "nr_pages"),
-            1,
-        ]);
+        types[7].3 = params(
+            &strings,
+            [("si", 3), ("other", 1), ("offset", 1), ("nr_pages", 1)],
+        );
         let layout = layout_of(btf_file(&types, &strings)).unwrap();
         assert_eq!(layout.first_slot, FirstSlot::Offset { arg: 2 });
     }
@@ -725,16 +710,10 @@ mod tests {
         let strings = strings();
         let mut types = sample_types(&strings);
         // The first parameter's type becomes `long`: no argument points to swap_info_struct.
-        types[7].3 = words(&[
-            off(&strings, "si"),
-            1,
-            off(&strings, "other"),
-            1,
-            off(&strings, "entry"),
-            1,
-            off(&strings, "nr_pages"),
-            1,
-        ]);
+        types[7].3 = params(
+            &strings,
+            [("si", 1), ("other", 1), ("entry", 1), ("nr_pages", 1)],
+        );
         let file = btf_file(&types, &strings);
         assert!(layout_of(file).is_err());
     }

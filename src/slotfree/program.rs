@@ -329,6 +329,15 @@ mod tests {
         KernelLayout::sample()
     }
 
+    /// The offsets in the context (`pt_regs`) of the program's argument loads, in order.
+    fn ctx_loads(program: &[Insn]) -> Vec<i16> {
+        program
+            .iter()
+            .filter(|i| i.code == LDX_DW && i.regs >> 4 == R6)
+            .map(|i| i.off)
+            .collect()
+    }
+
     fn is_jump(code: u8) -> bool {
         code & 0x07 == 0x05 && !matches!(code, CALL | EXIT)
     }
@@ -367,13 +376,8 @@ mod tests {
         layout.first_slot = FirstSlot::Entry { arg: 2 };
         layout.arg_nr_pages = 3;
         let program = slot_free_probe(&layout, (259 << 20) | 3, 7, 4096).unwrap();
-        let ctx_loads: Vec<i16> = program
-            .iter()
-            .filter(|i| i.code == LDX_DW && i.regs >> 4 == R6)
-            .map(|i| i.off)
-            .collect();
         // si twice (flags, bdev), then entry and count.
-        assert_eq!(ctx_loads, [104, 104, 96, 88]);
+        assert_eq!(ctx_loads(&program), [104, 104, 96, 88]);
         let compare = program.iter().find(|i| i.code == JNE32_K).unwrap();
         assert_eq!(compare.imm, (259 << 20) | 3);
         let maps: Vec<(u8, i32)> = program
@@ -391,13 +395,8 @@ mod tests {
     fn a_slot_in_a_cluster_is_the_clusters_index_times_its_slots_plus_its_place() {
         let layout = KernelLayout::sample_in_cluster();
         let program = slot_free_probe(&layout, (259 << 20) | 3, 7, 4096).unwrap();
-        let ctx_loads: Vec<i16> = program
-            .iter()
-            .filter(|i| i.code == LDX_DW && i.regs >> 4 == R6)
-            .map(|i| i.off)
-            .collect();
         // si three times (flags, bdev, cluster_info), then ci, ci_start and the count.
-        assert_eq!(ctx_loads, [112, 112, 112, 104, 96, 88]);
+        assert_eq!(ctx_loads(&program), [112, 112, 112, 104, 96, 88]);
         let at = |code: u8| program.iter().position(|i| i.code == code).unwrap();
         assert!(at(SUB64_X) < at(DIV64_K) && at(DIV64_K) < at(MUL64_K));
         assert_eq!(program[at(DIV64_K)].imm, 48);
