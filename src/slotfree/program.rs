@@ -1,11 +1,11 @@
 //! The probe itself: a kprobe program of about 60 BPF instructions, written out here rather
 //! than compiled (no BPF compiler needed to build or run the daemon). On every call of the
-//! kernel's slot-free function (`KernelLayout::function`) it reads the swap area's flags and its block device's number, and
-//! for a swap area that is the whole of our device it sets the freed slots' bits in a bitmap
-//! the daemon maps (an array map of 64-bit words, one bit per device page), then counts the
-//! call in the word after the bitmap, which the daemon watches. Everything it reads of the
-//! kernel's structs goes through `bpf_probe_read_kernel`, so a wrong offset reads a wrong
-//! value, never faults. A bitmap cannot overflow, as a queue of records would when a program
+//! kernel's slot-free function (`KernelLayout::function`) it reads the swap area's flags and
+//! its block device's number, and for a swap area that is the whole of our device it sets
+//! the freed slots' bits in a bitmap the daemon maps (an array map of 64-bit words, one bit
+//! per device page), then counts the call in the word after the bitmap, which the daemon
+//! watches. Everything it reads of the kernel's structs goes through
+//! `bpf_probe_read_kernel`, so a wrong offset reads a wrong value, never faults. A bitmap cannot overflow, as a queue of records would when a program
 //! with 100k pages out exits faster than the daemon reads.
 //!
 //! The argument registers are x86-64's (`struct pt_regs`); other architectures have no probe.
