@@ -55,7 +55,7 @@ newest() {
 }
 
 image=$(awk '$1 == "Package:" && $2 ~ /^linux-image-[0-9][^ ]*-cloud-amd64$/ {print $2}' "$work/Packages" |
-    sed 's/^linux-image-//' | grep -F "${version:+$version.}" | sort -V | tail -n1 || true)
+    sed 's/^linux-image-//' | awk -v v="$version" 'v == "" || index($0, v ".") == 1' | sort -V | tail -n1)
 [ -n "$image" ] || die "$suite has no linux-image-${version:+$version.}*-cloud-amd64"
 packages=("linux-image-$image")
 if [ -n "$(newest "linux-binary-$image")" ]; then

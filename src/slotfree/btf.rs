@@ -338,9 +338,6 @@ fn layout_of(source: impl Read + Seek) -> Result<KernelLayout, SlotFreeError> {
     let names = btf.find_strings(NAMES)?;
     let name = |n: Name| names[n as usize].as_slice();
     let missing = |what: &str| btf_error(format!("this kernel's BTF has no {what}"));
-    if name(Name::SwapInfo).is_empty() {
-        return Err(missing("`swap_info_struct`"));
-    }
 
     // Pass 1: the structs, the enumerator and the free functions.
     let (mut si_struct, mut si_bdev, mut si_flags, mut si_cluster_info) = (None, None, None, None);

@@ -191,14 +191,12 @@ pub fn slot_free_probe(
             probe.push(insn(DIV64_K, R7, 0, 0, cluster_info_bytes));
             probe.push(insn(MUL64_K, R7, 0, 0, cluster_slots));
             probe.push(insn(LDX_DW, R1, R6, arg(arg_start)?, 0));
-            probe.push(insn(LSH64_K, R1, 0, 0, 32));
-            probe.push(insn(RSH64_K, R1, 0, 0, 32));
+            probe.keep_low_32_bits(R1);
             probe.push(insn(ADD64_X, R7, R1, 0, 0));
         }
     }
     probe.push(insn(LDX_DW, R8, R6, nr_pages, 0));
-    probe.push(insn(LSH64_K, R8, 0, 0, 32));
-    probe.push(insn(RSH64_K, R8, 0, 0, 32));
+    probe.keep_low_32_bits(R8);
     probe.jump_if(JGT_K, R8, MAX_RANGE, Exit);
     probe.push(insn(MOV64_K, R9, 0, 0, 0));
     // Each slot: bitmap[slot / 64] |= 1 << slot % 64. A bounded loop: r8 <= MAX_RANGE.
@@ -281,6 +279,13 @@ impl Builder {
         let back = self.here() + 1 - target;
         let off = i16::try_from(back).map_or(i16::MIN, |back| -back);
         self.push(insn(JA, 0, 0, off, 0));
+    }
+
+    /// `reg &= 0xffff_ffff`: an `unsigned int` argument, whose register's upper half is
+    /// whatever the caller left there.
+    fn keep_low_32_bits(&mut self, reg: u8) {
+        self.push(insn(LSH64_K, reg, 0, 0, 32));
+        self.push(insn(RSH64_K, reg, 0, 0, 32));
     }
 
     /// `r0 = bpf_map_lookup_elem(map, fp + key)`.
