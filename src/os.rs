@@ -43,17 +43,69 @@ pub fn set_thread_nice(nice: libc::c_int) -> std::io::Result<()> {
 
 /// CPU time the calling thread has used (`CLOCK_THREAD_CPUTIME_ID`); zero if it cannot be read.
 pub fn thread_cpu_time() -> std::time::Duration {
+    cpu_clock(libc::CLOCK_THREAD_CPUTIME_ID)
+}
+
+/// CPU time this process has used, in every thread it has had, those that ended included
+/// (`CLOCK_PROCESS_CPUTIME_ID`); zero if it cannot be read.
+pub fn process_cpu_time() -> std::time::Duration {
+    cpu_clock(libc::CLOCK_PROCESS_CPUTIME_ID)
+}
+
+fn cpu_clock(clock: libc::clockid_t) -> std::time::Duration {
     let mut now = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: clock_gettime writes one timespec into `now`, which we own and which outlives
     // the call.
-    let read = cvt(unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) });
+    let read = cvt(unsafe { libc::clock_gettime(clock, &mut now) });
     match (read, u64::try_from(now.tv_sec), u32::try_from(now.tv_nsec)) {
         (Ok(()), Ok(secs), Ok(nanos)) => std::time::Duration::new(secs, nanos),
         _ => std::time::Duration::ZERO,
     }
+}
+
+/// One thread of this process and the CPU time it has used.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ThreadCpu {
+    pub tid: u32,
+    /// Its `comm`: the name it was given, at most 15 bytes.
+    pub name: String,
+    pub cpu: std::time::Duration,
+}
+
+/// Each live thread of this process with its CPU time: the first field of
+/// `/proc/self/task/TID/schedstat`, nanoseconds run on a CPU. A thread that ends while this
+/// reads is left out.
+pub fn thread_cpu_times() -> std::io::Result<Vec<ThreadCpu>> {
+    let mut threads = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task")? {
+        let task = task?;
+        let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) else {
+            continue;
+        };
+        let path = task.path();
+        let (Ok(comm), Ok(schedstat)) = (
+            std::fs::read_to_string(path.join("comm")),
+            std::fs::read_to_string(path.join("schedstat")),
+        ) else {
+            continue;
+        };
+        let Some(nanos) = schedstat
+            .split_whitespace()
+            .next()
+            .and_then(|ns| ns.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        threads.push(ThreadCpu {
+            tid,
+            name: comm.trim_end().to_string(),
+            cpu: std::time::Duration::from_nanos(nanos),
+        });
+    }
+    Ok(threads)
 }
 
 /// Run the calling thread under `SCHED_FIFO` at the lowest real-time priority. The kernel's
@@ -246,6 +298,37 @@ mod tests {
         let first = reader.read().unwrap();
         let second = reader.read().unwrap();
         assert!(first.available <= first.total && second.total == first.total);
+    }
+
+    #[test]
+    fn a_named_thread_shows_with_the_cpu_time_it_used() {
+        let (done, wait) = std::sync::mpsc::channel::<()>();
+        let (spent, told) = std::sync::mpsc::channel();
+        let busy = std::thread::Builder::new()
+            .name("os-test-busy".into())
+            .spawn(move || {
+                let start = thread_cpu_time();
+                while thread_cpu_time() - start < std::time::Duration::from_millis(30) {}
+                spent.send(thread_cpu_time()).unwrap();
+                wait.recv().unwrap();
+            })
+            .unwrap();
+        let used = told.recv().unwrap();
+        let threads = thread_cpu_times().unwrap();
+        done.send(()).unwrap();
+        busy.join().unwrap();
+        let seen = &threads
+            .iter()
+            .find(|thread| thread.name == "os-test-busy")
+            .unwrap()
+            .cpu;
+        // schedstat and the thread's clock count the same run time, read at different moments.
+        assert!(*seen >= std::time::Duration::from_millis(30), "{seen:?}");
+        assert!(
+            *seen <= used + std::time::Duration::from_millis(50),
+            "{seen:?} {used:?}"
+        );
+        assert!(process_cpu_time() >= *seen);
     }
 
     #[test]

@@ -6,6 +6,7 @@
 
 mod codec_alone;
 pub mod corpus;
+mod cpu;
 mod latency;
 mod progress;
 pub mod report;
@@ -221,6 +222,7 @@ struct StorePass {
     /// Stops and joins the flusher when dropped.
     _flusher: FlusherHandle,
     write_time: Duration,
+    write_cpu: cpu::PhaseCpu,
     read_time: Duration,
     /// Right after the write and flush.
     stats: StoreStats,
@@ -245,6 +247,7 @@ fn store_pass(
     let flusher = store.start_flusher(|_| ()).map_err(BenchError::Flusher)?;
 
     progress.phase("store write", bytes as u64);
+    let cpu_mark = cpu::CpuMark::now();
     let start = Instant::now();
     write_requests(
         &store,
@@ -259,6 +262,7 @@ fn store_pass(
     )?;
     flush(&store, "flush")?;
     let write_time = start.elapsed();
+    let write_cpu = cpu_mark.since();
     let stats = store.stats();
 
     scratch.poison();
@@ -280,6 +284,7 @@ fn store_pass(
         store,
         _flusher: flusher,
         write_time,
+        write_cpu,
         read_time,
         stats,
     })
@@ -416,6 +421,7 @@ impl Round {
             codec_decompress_gbps: gbps(bytes, self.codec.decompress_time),
             zram_write_gbps: self.zram.as_ref().map(|z| z.write_gbps),
             zram_read_gbps: self.zram.as_ref().map(|z| z.read_gbps),
+            write_cpu: self.pass.write_cpu.clone(),
         }
     }
 }
@@ -453,6 +459,11 @@ pub fn measure(
     corpus: &Corpus,
     progress: &Progress,
 ) -> Result<BenchReport, BenchError> {
+    // The pool's threads named as in the daemon, so that `write_cpu` tells them apart. Built
+    // already (a second bench in one process, the tests), it keeps the names it was given.
+    let _ = rayon::ThreadPoolBuilder::new()
+        .thread_name(crate::codec::pool_thread_name)
+        .build_global();
     let plan = plan(args, corpus)?;
     let load_average = load_average();
     let repeat = usize::from(args.repeat).max(1);

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use super::cpu::PhaseCpu;
 use super::zram::ZramReport;
 use crate::store::StoreStats;
 
@@ -114,6 +115,8 @@ pub struct RunFigures {
     pub codec_decompress_gbps: f64,
     pub zram_write_gbps: Option<f64>,
     pub zram_read_gbps: Option<f64>,
+    /// Where the store's write phase (writes and the flush) spent CPU, by thread.
+    pub write_cpu: PhaseCpu,
 }
 
 /// Ours divided by zram's.
@@ -303,6 +306,22 @@ impl BenchReport {
             c.store_write_share * 100.0,
             c.store_read_share * 100.0
         );
+        if let Some(best) = self
+            .runs
+            .iter()
+            .max_by(|a, b| a.write_gbps.total_cmp(&b.write_gbps))
+        {
+            let _ = writeln!(
+                out,
+                "  CPU of the store's writes{}, {}",
+                if self.runs.len() > 1 {
+                    " (the best round)"
+                } else {
+                    ""
+                },
+                best.write_cpu.summary()
+            );
+        }
         let l = &self.latency;
         let _ = writeln!(
             out,

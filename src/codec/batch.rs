@@ -9,6 +9,12 @@ use rayon::prelude::*;
 use super::page::{compress_page, decompress_page};
 use super::{Algorithm, BatchCodec, CodecError, CompressedBatch, Encoding, Page, PAGE_SIZE};
 
+/// The name of thread `index` of rayon's global pool, the compression pool that
+/// `Backend::SimdParallel` and the store's flush run on (as the daemon and the bench name it).
+pub fn pool_thread_name(index: usize) -> String {
+    format!("trueno-pool{index}")
+}
+
 /// Batch codec on the CPU.
 #[derive(Clone, Copy, Debug)]
 pub struct CpuCodec {

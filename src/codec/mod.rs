@@ -13,7 +13,7 @@ mod page;
 
 use thiserror::Error;
 
-pub use batch::CpuCodec;
+pub use batch::{pool_thread_name, CpuCodec};
 pub use compressor::{Compressed, Compressor};
 pub use page::{
     classify, compress_page, decompress_page, fill_page, prepare_thread, sampled_entropy_bits,

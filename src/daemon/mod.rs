@@ -511,7 +511,7 @@ fn serve(
     // A pool that cannot start fails the start: rayon would take the global pool as made,
     // without threads, and every parallel flush or read after it would panic.
     rayon::ThreadPoolBuilder::new()
-        .thread_name(|i| format!("trueno-pool{i}"))
+        .thread_name(crate::codec::pool_thread_name)
         .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
         .start_handler(move |_| ready_store_thread(thread_algorithm))
         .build_global()
