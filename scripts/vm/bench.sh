@@ -198,4 +198,5 @@ if kernel_log_errors /tmp/dmesg >/tmp/dmesg-bad; then
     fail "dmesg has errors:"
     cat /tmp/dmesg-bad
 fi
+kernel_swap_table_reports /tmp/dmesg
 if [ "$FAILS" -eq 0 ]; then echo "VMTEST RESULT: PASS"; else echo "VMTEST RESULT: FAIL"; fi

@@ -1161,6 +1161,7 @@ if kernel_log_errors /tmp/dmesg >/tmp/dmesg-bad; then
 else
     ok "dmesg: no ublk or swap I/O errors, hung tasks, BUG, Oops, warnings or OOM kills"
 fi
+kernel_swap_table_reports /tmp/dmesg
 
 # --- 11. near OOM (after the kernel-log check: OOM kills are expected there) ---------------
 if [ "$MODE" = stress ]; then
