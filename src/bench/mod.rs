@@ -115,6 +115,8 @@ pub enum BenchError {
     },
     #[error("cannot start the store's flusher thread: {0}")]
     Flusher(std::io::Error),
+    #[error("cannot start the compression pool's threads: {0}")]
+    Pool(rayon::ThreadPoolBuildError),
     #[error(
         "{phase}: {pages} page(s) read back differ from what was written (first: page {first_page})"
     )]
@@ -460,10 +462,16 @@ pub fn measure(
     progress: &Progress,
 ) -> Result<BenchReport, BenchError> {
     // The pool's threads named as in the daemon, so that `write_cpu` tells them apart. Built
-    // already (a second bench in one process, the tests), it keeps the names it was given.
-    let _ = rayon::ThreadPoolBuilder::new()
+    // already (a second bench in one process, the tests), it keeps the names it was given;
+    // only a thread that could not start carries a cause (`source`), and then there is no pool.
+    if let Err(error) = rayon::ThreadPoolBuilder::new()
         .thread_name(crate::codec::pool_thread_name)
-        .build_global();
+        .build_global()
+    {
+        if std::error::Error::source(&error).is_some() {
+            return Err(BenchError::Pool(error));
+        }
+    }
     let plan = plan(args, corpus)?;
     let load_average = load_average();
     let repeat = usize::from(args.repeat).max(1);
