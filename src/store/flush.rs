@@ -52,6 +52,7 @@ impl BatchedPageStore {
         }
         // Under the flush mutex every batch but the open one is flushed and free.
         let next = (b + 1) % PENDING_BATCHES;
+        self.take_span_offer();
         self.batches[next].open(self.span.slots());
         self.current.store(next, Ordering::Release);
         // A free batch again: writers may wait for slots instead of failing.

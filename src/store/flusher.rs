@@ -252,26 +252,28 @@ impl BatchedPageStore {
             None => {}
             // Quiet batches still take writes, so growing waits for memory that comes
             // without a wait (the next quiet fill asks again).
-            Some(SpanChange::Grow) if self.may_grow_batches() => {
-                let quiet = self.span.quiet_slots();
-                for batch in self.batches.iter() {
-                    // A step at a time, looking again before each.
-                    for from in (quiet..batch.capacity()).step_by(GROW_STEP_SLOTS) {
-                        if !self.may_grow_batches() {
-                            return;
-                        }
-                        let to = (from + GROW_STEP_SLOTS).min(batch.capacity());
-                        if let Err(error) = batch.commit_slots(from..to) {
-                            tracing::warn!(%error, "committing the pending batches' memory failed; batches stay small");
-                            return;
+            Some(SpanChange::Grow) if self.span.is_offered() || self.may_grow_batches() => {
+                if !self.span.is_offered() {
+                    let quiet = self.span.quiet_slots();
+                    for batch in self.batches.iter() {
+                        // A step at a time, looking again before each.
+                        for from in (quiet..batch.capacity()).step_by(GROW_STEP_SLOTS) {
+                            if !self.may_grow_batches() {
+                                return;
+                            }
+                            let to = (from + GROW_STEP_SLOTS).min(batch.capacity());
+                            if let Err(error) = batch.commit_slots(from..to) {
+                                tracing::warn!(%error, "committing the pending batches' memory failed; batches stay small");
+                                return;
+                            }
                         }
                     }
+                    self.span.offer_whole();
                 }
-                // Under the flush mutex, so that no batch opens meanwhile; if a flush holds
-                // it, the next pass (or the next quiet fill) tries again.
+                // Taken by the next flush, or here under the flush mutex if no flush holds it
+                // (if one does, the next pass tries again).
                 if let Some(_flush) = self.flush.try_lock() {
-                    self.span.set_whole();
-                    add(&self.counters.batch_span_grows, 1);
+                    self.take_span_offer();
                 }
             }
             Some(SpanChange::Grow) => {}
@@ -292,6 +294,13 @@ impl BatchedPageStore {
                 self.give_back_batch_tails();
                 add(&self.counters.batch_span_shrinks, 1);
             }
+        }
+    }
+
+    /// Under the flush mutex: batches open whole from now on if that was offered.
+    pub(super) fn take_span_offer(&self) {
+        if self.span.take_offer() {
+            add(&self.counters.batch_span_grows, 1);
         }
     }
 

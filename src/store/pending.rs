@@ -18,7 +18,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -254,15 +254,23 @@ pub(super) enum SpanChange {
 }
 
 /// How many slots the batches open with: all of them, or `QUIET_SLOTS` (see `QUIET_SLOTS`).
-/// Only the refill thread changes it, so that the memory of the slots past `QUIET_SLOTS` is
-/// given back only while no batch may use them, and committed before one may: it sets the
-/// quiet span under the flush mutex, with the open batch empty and lowered to it, before it
-/// gives their memory back, and the whole span after it committed it.
+/// Changed only under the flush mutex, so that the memory of the slots past `QUIET_SLOTS` is
+/// given back only while no batch may use them, and committed before one may: the refill
+/// thread sets the quiet span, with the open batch empty and lowered to it, before it gives
+/// their memory back; it commits that memory and then offers the whole span
+/// (`offer_whole`), which the next holder of the flush mutex takes (`take_offer`).
 pub(super) struct BatchSpan {
     slots: AtomicUsize,
     capacity: usize,
     /// Batches flushed full at the quiet span.
     quiet_fills: AtomicU64,
+    /// Every slot's memory is committed, and batches may open whole. Why an offer and not
+    /// the refill thread making the span whole itself: it may only try the flush mutex (a
+    /// flush may wait for it), and while writes come hard a flush nearly always holds it; in
+    /// `trueno-ublk bench` (400 MiB of real pages, 2026-11-29) one fill in three flushed up to
+    /// 3,066 quiet batches first, each of 32 pages and so compressed on the flusher's core
+    /// alone (fewer than `parallel_min_pages`), at under half the speed.
+    whole_offered: AtomicBool,
     quiet_after: Duration,
     watch: Mutex<SpanWatch>,
 }
@@ -286,6 +294,7 @@ impl BatchSpan {
             }),
             capacity,
             quiet_fills: AtomicU64::new(0),
+            whole_offered: AtomicBool::new(false),
             quiet_after,
             watch: Mutex::new(SpanWatch {
                 flushes: 0,
@@ -337,18 +346,37 @@ impl BatchSpan {
         if self.is_whole() {
             (watch.changed.elapsed() >= self.quiet_after).then_some(SpanChange::Shrink)
         } else {
-            (filled || memory_short).then_some(SpanChange::Grow)
+            // An offer not yet taken asks again: if no flush comes to take it, the refill
+            // thread must, or the span would stay quiet with its memory committed.
+            (filled || memory_short || self.is_offered()).then_some(SpanChange::Grow)
         }
     }
 
-    /// Batches open whole from now on (their memory committed).
-    pub(super) fn set_whole(&self) {
-        self.watch.lock().changed = Instant::now();
-        self.slots.store(self.capacity, Ordering::Release);
+    /// Every slot's memory is committed: the next holder of the flush mutex opens batches
+    /// whole (`take_offer`).
+    pub(super) fn offer_whole(&self) {
+        self.whole_offered.store(true, Ordering::Release);
     }
 
-    /// Batches open quiet from now on.
+    /// Whether an offer waits to be taken.
+    pub(super) fn is_offered(&self) -> bool {
+        self.whole_offered.load(Ordering::Acquire)
+    }
+
+    /// Under the flush mutex: make the span whole if it was offered; true if it was.
+    pub(super) fn take_offer(&self) -> bool {
+        if !self.whole_offered.swap(false, Ordering::AcqRel) {
+            return false;
+        }
+        self.watch.lock().changed = Instant::now();
+        self.slots.store(self.capacity, Ordering::Release);
+        true
+    }
+
+    /// Under the flush mutex: batches open quiet from now on (an offer withdrawn: the memory
+    /// past the quiet span goes back next).
     pub(super) fn set_quiet(&self) {
+        self.whole_offered.store(false, Ordering::Release);
         self.slots.store(self.quiet_slots(), Ordering::Release);
     }
 }
@@ -414,7 +442,15 @@ mod tests {
         assert_eq!(span.next(1, false), None);
         assert!(span.note_sealed(QUIET_SLOTS));
         assert_eq!(span.next(2, false), Some(SpanChange::Grow));
-        span.set_whole();
+        span.offer_whole();
+        assert_eq!(span.slots(), QUIET_SLOTS, "quiet until the offer is taken");
+        assert_eq!(
+            span.next(2, false),
+            Some(SpanChange::Grow),
+            "an offer asks again"
+        );
+        assert!(span.take_offer());
+        assert!(!span.take_offer(), "taken once");
         assert_eq!(span.slots(), 256);
         assert!(!span.note_sealed(256), "whole: nothing to grow");
         // Flushes keep it whole; a spell without one shrinks it.
@@ -428,7 +464,11 @@ mod tests {
         assert_eq!(span.slots(), QUIET_SLOTS);
         // Memory short: whole, and whole it stays however quiet.
         assert_eq!(span.next(5, true), Some(SpanChange::Grow));
-        span.set_whole();
+        span.offer_whole();
+        span.set_quiet();
+        assert!(!span.take_offer(), "a quiet span withdraws the offer");
+        span.offer_whole();
+        assert!(span.take_offer());
         std::thread::sleep(quiet + quiet / 2);
         assert_eq!(span.next(5, true), None);
         assert_eq!(span.next(5, false), None, "short until just now");

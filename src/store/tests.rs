@@ -1597,6 +1597,42 @@ fn the_pending_batches_hold_memory_for_every_slot_only_while_writes_come() {
 }
 
 #[test]
+fn batches_grow_though_a_flush_holds_the_flush_mutex_whenever_the_refill_thread_looks() {
+    use super::pending::QUIET_SLOTS;
+    let (s, flusher) = store_with_reserve(1 << 20);
+    let n = QUIET_SLOTS as u64;
+    for i in 0..n {
+        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    {
+        // A flush that never ends, as when flushes follow each other back to back.
+        let _flush = s.flush.lock();
+        wait_for("the refill thread offers the whole span", &|| {
+            s.span.is_offered()
+        });
+        assert_eq!(
+            s.span.slots(),
+            QUIET_SLOTS,
+            "whole only once the offer is taken"
+        );
+    }
+    wait_for("a flush or the refill thread takes the offer", &|| {
+        s.stats().batch_span_grows == 1
+    });
+    assert!(s.span.is_whole() && !s.span.is_offered());
+    for i in 0..4 * n {
+        s.write(i * PAGE_SIZE as u64, &text(i + 1)[..]).unwrap();
+    }
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for i in 0..4 * n {
+        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+        assert_eq!(&buf[..], &text(i + 1)[..], "page {i}");
+    }
+    drop(flusher);
+}
+
+#[test]
 fn writers_racing_the_batches_growing_and_shrinking_keep_their_data() {
     super::pending::QUIET_AFTER_FOR_TESTS
         .with(|q| q.set(Some(std::time::Duration::from_millis(3))));
