@@ -246,7 +246,7 @@ impl BatchedPageStore {
     /// The refill thread's part for the pending batches (see `BatchSpan`): commit every
     /// slot when writes fill quiet batches or memory gets short, give all but the quiet
     /// slots back when none came for a while and memory is not short.
-    fn provide_batches(&self) {
+    pub(super) fn provide_batches(&self) {
         let flushes = self.counters.batch_flushes.load(Ordering::Relaxed);
         match self.span.next(flushes, self.alloc.reserve.memory_short()) {
             None => {}

@@ -1599,37 +1599,39 @@ fn the_pending_batches_hold_memory_for_every_slot_only_while_writes_come() {
 #[test]
 fn batches_grow_though_a_flush_holds_the_flush_mutex_whenever_the_refill_thread_looks() {
     use super::pending::QUIET_SLOTS;
-    let (s, flusher) = store_with_reserve(1 << 20);
+    // No refill thread: this test plays it (`provide_batches`), so nothing races it.
+    let mut c = crate::config::StoreSettings::default().store_config(1 << 30, false);
+    c.reserve_bytes = 1 << 20;
+    let s = store(c);
     let n = QUIET_SLOTS as u64;
-    for i in 0..n {
-        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
-    }
-    s.flush_pending().unwrap();
+    let write_and_check = |pages: u64, round: u64| {
+        for i in 0..pages {
+            s.write(i * PAGE_SIZE as u64, &text(i + round)[..]).unwrap();
+        }
+        s.flush_pending().unwrap();
+        let mut buf = vec![0u8; PAGE_SIZE];
+        for i in 0..pages {
+            s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+            assert_eq!(&buf[..], &text(i + round)[..], "round {round} page {i}");
+        }
+    };
+    write_and_check(n, 0);
     {
         // A flush that never ends, as when flushes follow each other back to back.
         let _flush = s.flush.lock();
-        wait_for("the refill thread offers the whole span", &|| {
-            s.span.is_offered()
-        });
+        s.provide_batches();
+        assert!(s.span.is_offered(), "the whole span offered");
         assert_eq!(
             s.span.slots(),
             QUIET_SLOTS,
             "whole only once the offer is taken"
         );
     }
-    wait_for("a flush or the refill thread takes the offer", &|| {
-        s.stats().batch_span_grows == 1
-    });
+    // The next flush takes it.
+    write_and_check(1, 1);
+    assert_eq!(s.stats().batch_span_grows, 1);
     assert!(s.span.is_whole() && !s.span.is_offered());
-    for i in 0..4 * n {
-        s.write(i * PAGE_SIZE as u64, &text(i + 1)[..]).unwrap();
-    }
-    let mut buf = vec![0u8; PAGE_SIZE];
-    for i in 0..4 * n {
-        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
-        assert_eq!(&buf[..], &text(i + 1)[..], "page {i}");
-    }
-    drop(flusher);
+    write_and_check(4 * n, 2);
 }
 
 #[test]
