@@ -108,6 +108,11 @@ stress_case() {
     echo "$tag: the longest wake-up: $(grep '^WAKEUP_WORST' /tmp/wakeup.out)"
     head -n 80 /tmp/stalls.out | sed "s/^/$tag: /"
     grep -E 'Write-error|resource error|Kernel panic|deadlocked' "/tmp/dmesg.$tag" | head -n 3
+    # The refill thread's backtrace, where `vmtool stalls` asked for the CPUs' (sysrq l).
+    awk '/NMI backtrace for cpu/ { block = $0; inside = 1; next }
+        inside { block = block "\n" $0 }
+        inside && /<\/TASK>/ { inside = 0; if (block ~ /Comm: trueno-reserve/) print block }' \
+        "/tmp/dmesg.$tag" | head -n 60 | sed "s/^/$tag: refill backtrace: /"
     # Where the memory a failed write waited for was (the daemon says so once per fail-fast
     # period; the log's tail at the end of the stage is often past it).
     [ "$name" = zram ] || [ "$w1" -eq "$w0" ] ||

@@ -47,7 +47,8 @@
  *       it there and the requests in flight (the first 3 episodes, up to 8 stacks each); in
  *       the first episode to reach 1.5 s, also every daemon thread's state and kernel stack
  *       (as the monitor does), to tell whether a page's swap-in waited for the device or for
- *       memory to read it into.
+ *       memory to read it into. When the daemon's log says a write starved while its refill
+ *       thread ran, asks every CPU for its backtrace (sysrq l, twice a run at most).
  *   vmtool rss-settle PID LIMIT_KB TIMEOUT_S
  *       Polls PID's VmRSS every 20 ms until it is at most LIMIT_KB, or TIMEOUT_S
  *       passed; prints RSS_SETTLE_S (-1 if never) and RSS_SETTLE_KB (the last value).
@@ -927,6 +928,41 @@ static int inflight_of(const char *dev, unsigned long *reads, unsigned long *wri
 
 #define STALL_STACKS 8
 #define STALL_EPISODES 3
+#define STARVED_BACKTRACES 2
+
+/* The daemon's log says a write starved while its refill thread was running (state R, which
+ * has no kernel stack to read): have every CPU print its backtrace to the kernel log (sysrq
+ * l), at most STARVED_BACKTRACES times a run, so that where the refill thread runs shows
+ * (issue 16: on Linux 7.3 it ran, where on 6.12 it slept in reclaim's throttle). Reads what
+ * the log gained since the last look from *fd (opened at its end on the first call). */
+static void backtrace_running_refill(int *fd, int *dumps, double at)
+{
+	static char buf[8192];
+	if (*fd < 0) {
+		*fd = open("/run/trueno-ublk/ublkb0.log", O_RDONLY);
+		if (*fd >= 0)
+			lseek(*fd, 0, SEEK_END);
+		return;
+	}
+	ssize_t n;
+	while ((n = read(*fd, buf, sizeof(buf) - 1)) > 0) {
+		buf[n] = 0;
+		if (*dumps >= STARVED_BACKTRACES || !strstr(buf, "starved for memory") ||
+		    !strstr(buf, "refill_kernel_stack=\"R"))
+			continue;
+		int sysrq = open("/proc/sysrq-trigger", O_WRONLY);
+		if (sysrq >= 0) {
+			if (write(sysrq, "l", 1) == 1) {
+				(*dumps)++;
+				printf("STARVED at %.1f s with the refill thread running: the CPUs' "
+				       "backtraces (sysrq l) go to the kernel log\n",
+				       at);
+				fflush(stdout);
+			}
+			close(sysrq);
+		}
+	}
+}
 
 static int cmd_stalls(int argc, char **argv)
 {
@@ -966,11 +1002,12 @@ static int cmd_stalls(int argc, char **argv)
 	static int seen_samples[STALL_STACKS];
 	static char seen_inflight[STALL_STACKS][80];
 	static unsigned long seen_max_reads[STALL_STACKS], seen_max_writes[STALL_STACKS];
-	int nseen = 0, episodes = 0, threads_printed = 0;
+	int nseen = 0, episodes = 0, threads_printed = 0, log_fd = -1, dumps = 0;
 	double start = now_s(), began = -1;
 	while (now_s() - start < seconds) {
 		usleep(20000);
 		double t = now_s();
+		backtrace_running_refill(&log_fd, &dumps, t - start);
 		if (!read_small(stat_path, stat, sizeof(stat)))
 			break; /* PID is gone */
 		char *rest = strrchr(stat, ')');
