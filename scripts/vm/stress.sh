@@ -112,7 +112,8 @@ stress_case() {
     awk '/NMI backtrace for cpu/ { block = $0; inside = 1; next }
         inside { block = block "\n" $0 }
         inside && /<\/TASK>/ { inside = 0; if (block ~ /Comm: trueno-reserve/) print block }' \
-        "/tmp/dmesg.$tag" | head -n 60 | sed "s/^/$tag: refill backtrace: /"
+        "/tmp/dmesg.$tag" | grep -vE '\] (R[A-HJ-Z0-9][A-Z0-9]*|Code|CS|FS|CR2|PKRU): ' | head -n 100 |
+        sed "s/^/$tag: refill backtrace: /"
     # Where the memory a failed write waited for was (the daemon says so once per fail-fast
     # period; the log's tail at the end of the stage is often past it).
     [ "$name" = zram ] || [ "$w1" -eq "$w0" ] ||
