@@ -61,8 +61,9 @@ pub(super) const SWAP_STRIDE_GROUPS: usize = 8;
 /// chunks and pending batches would have carried it for a while (seen in the VM: with only
 /// the next group asked for, a write waited 301 ms for one at the first storm). Asking for
 /// the eight between as well (as before) made the whole table committed once a 32nd of the
-/// device was in use, and the group needed next the last of eight commits. Not while free
-/// memory is down at the reclaim throttle's floor (`mem::free_memory_is_back`): then each
+/// device was in use, and the group needed next the last of eight commits. Not while a
+/// write waits for memory, nor while free memory is down at the reclaim throttle's floor
+/// (`mem::free_memory_is_back`; the rule is `may_provide_ahead`): then each
 /// page of a group may take the refill thread a second in the throttle, and writes waited
 /// for chunks meanwhile (seen in the VM's near-OOM stage, 2026-11-27: the refill thread 5 to
 /// 15 s in a fault of the table's memory, its kernel stack `shmem_fault` < ... <
@@ -241,8 +242,8 @@ impl BatchedPageStore {
 
     /// Pin the table groups of pages `first..first + pages` for a write (see `table_memory`),
     /// asking the refill thread to commit those that are not, and the `TABLE_GROUPS_AHEAD`
-    /// after the last unless free memory is at its floor (so that writes moving through the
-    /// device find them committed). A group not committed yet takes a spare slot if the
+    /// after the last when it may provide ahead (`may_provide_ahead`: so that writes moving
+    /// through the device find them committed). A group not committed yet takes a spare slot if the
     /// refill thread has one ready (`TableMemory::take_spare`); if not, with `SlotWait::Block`
     /// the write waits for it; with `SlotWait::Defer`, returns `None` (the caller tries again
     /// later); both unless the starvation rule gives up.
@@ -268,8 +269,7 @@ impl BatchedPageStore {
             }
             pins.groups.end = group + 1;
         }
-        // The memory-short flag first: free memory is only looked at (a system call) then.
-        if self.alloc.reserve.memory_short() && !crate::mem::free_memory_is_back() {
+        if !self.may_provide_ahead() {
             return Ok(Some(pins));
         }
         let mut asked = false;

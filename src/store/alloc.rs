@@ -321,27 +321,47 @@ impl ZsAllocator {
     /// its chunks may be needed again at once.
     pub(super) fn provision(&self) {
         self.provision_classes(
-            &|_, len, capacity| capacity - len < provision_slack(len),
+            &|_, lists| lists.capacity - lists.len < provision_slack(lists.len),
             !self.reserve.memory_short(),
         );
     }
 
-    /// `provision` for the classes `remake` picks (given a class, its lists' length and
-    /// capacity), and with `shrink`, for the classes whose lists are far larger than their
-    /// live chunks need: their lists are made anew with faulted-in room. Each class's live
-    /// chunks are noted (`chunk_notes`).
-    fn provision_classes(&self, remake: &dyn Fn(usize, usize, usize) -> bool, shrink: bool) {
+    /// `provision` only for the classes with no room left, where the next taker of a new
+    /// chunk would wait for it (`take_object`), and no shrinking: for when the refill thread
+    /// must not fault in memory that nobody waits for yet (see
+    /// `BatchedPageStore::may_provide_ahead`).
+    pub(super) fn provision_where_full(&self) {
+        self.provision_classes(&|_, lists| !lists.has_room, false);
+    }
+
+    /// `provision` for the classes `remake` picks (given a class and its lists), and with
+    /// `shrink`, for the classes whose lists are far larger than their live chunks need:
+    /// their lists are made anew with faulted-in room. Each class's live chunks are noted
+    /// (`chunk_notes`).
+    fn provision_classes(&self, remake: &dyn Fn(usize, ListsNow) -> bool, shrink: bool) {
         for (index, class) in self.classes.iter().enumerate() {
-            let (len, capacity, chunks) = {
+            let (len, capacity, chunks, has_room) = {
                 let st = class.state.lock();
-                (st.usage.len(), st.usage.capacity(), st.chunks)
+                (
+                    st.usage.len(),
+                    st.usage.capacity(),
+                    st.chunks,
+                    has_room(&st),
+                )
             };
             self.note_chunks(index, chunks);
             let compact_want = chunks + 2 * provision_slack(chunks);
             let compact = shrink
                 && capacity >= SHRINK_FACTOR * compact_want
                 && capacity * LIST_BYTES_PER_CHUNK >= SHRINK_MIN_BYTES;
-            let grow = remake(index, len, capacity);
+            let grow = remake(
+                index,
+                ListsNow {
+                    len,
+                    capacity,
+                    has_room,
+                },
+            );
             if !compact && !grow {
                 continue;
             }
@@ -789,6 +809,29 @@ impl ZsAllocator {
             f(&mut lock.write()[off..off + class.obj_size]);
         }
     }
+
+    /// Test hook: each class's room in its lists (entries).
+    #[cfg(test)]
+    pub(super) fn list_capacities(&self) -> Vec<usize> {
+        self.classes
+            .iter()
+            .map(|class| class.state.lock().usage.capacity())
+            .collect()
+    }
+
+    /// Test hook: leave a class that holds no chunk with no room in its lists (as if the
+    /// system had refused its room); which one, if any.
+    #[cfg(test)]
+    pub(super) fn leave_an_unused_class_without_room(&self) -> Option<usize> {
+        self.classes.iter().position(|class| {
+            let mut st = class.state.lock();
+            let unused = st.usage.is_empty() && st.free_ids.is_empty();
+            if unused {
+                st.usage.shrink_to(0);
+            }
+            unused && !has_room(&st)
+        })
+    }
 }
 
 /// A rebuild in progress: the pages of the carved arena as a resumed store finds them in its
@@ -985,7 +1028,7 @@ impl ZsAllocator {
             }
         }
         arena.map_page_tables(kept.into_iter())?;
-        self.provision_classes(&|class, _, capacity| capacity > room[class], false);
+        self.provision_classes(&|class, lists| lists.capacity > room[class], false);
         self.reserve.provision_pools();
         Ok(())
     }
@@ -1018,6 +1061,17 @@ fn provision_slack(len: usize) -> usize {
     } else {
         (len / 8).max(PROVISION_MIN_SLACK)
     }
+}
+
+/// A class's lists as `provision_classes` found them.
+#[derive(Clone, Copy)]
+struct ListsNow {
+    /// Entries in `usage` (ids handed out).
+    len: usize,
+    /// Room in `usage` (and in the other lists, which are never shorter).
+    capacity: usize,
+    /// Whether a chunk can be added without growing a list (`has_room`).
+    has_room: bool,
 }
 
 /// Whether a class can add a chunk without growing a list: an id to reuse, or room for a new

@@ -200,9 +200,26 @@ impl BatchedPageStore {
         Ok(handle)
     }
 
+    /// The refill thread's work besides the reserve's chunks, before each of its commits
+    /// (`ChunkReserve::run_refill`): the page table's memory, the pending batches' and the
+    /// allocator's lists.
+    pub(super) fn provide(&self) {
+        let reserve = &self.alloc.reserve;
+        reserve.note_refill_activity(RefillActivity::Table);
+        self.provide_table();
+        reserve.note_refill_activity(RefillActivity::Batches);
+        self.provide_batches();
+        reserve.note_refill_activity(RefillActivity::Lists);
+        if self.may_provide_ahead() {
+            self.alloc.provision();
+        } else {
+            self.alloc.provision_where_full();
+        }
+    }
+
     /// The refill thread's part for the page table (see `table_memory`): commit the groups
-    /// writers asked for, waking them, and give back groups whose pages were all emptied
-    /// (while memory is not short).
+    /// writers asked for, waking them, keep spare groups ready (`may_provide_ahead`), and give
+    /// back groups whose pages were all emptied (while memory is not short).
     fn provide_table(&self) {
         let memory = self.table.memory();
         let reserve = &self.alloc.reserve;
@@ -213,8 +230,10 @@ impl BatchedPageStore {
                 tracing::warn!(%error, "committing the page table's memory failed; writes to its new part wait");
             }
         }
-        if let Err(error) = memory.keep_spares(|bytes| reserve.make_room_for(bytes)) {
-            tracing::warn!(%error, "committing a spare part of the page table failed; a write to a new part waits for one");
+        if self.may_provide_ahead() {
+            if let Err(error) = memory.keep_spares(|bytes| reserve.make_room_for(bytes)) {
+                tracing::warn!(%error, "committing a spare part of the page table failed; a write to a new part waits for one");
+            }
         }
         // Not while memory is short: swap is then at its busiest, and a group given back is
         // one a write may wait for.
@@ -252,13 +271,13 @@ impl BatchedPageStore {
             None => {}
             // Quiet batches still take writes, so growing waits for memory that comes
             // without a wait (the next quiet fill asks again).
-            Some(SpanChange::Grow) if self.span.is_offered() || self.may_grow_batches() => {
+            Some(SpanChange::Grow) if self.span.is_offered() || self.may_provide_ahead() => {
                 if !self.span.is_offered() {
                     let quiet = self.span.quiet_slots();
                     for batch in self.batches.iter() {
                         // A step at a time, looking again before each.
                         for from in (quiet..batch.capacity()).step_by(GROW_STEP_SLOTS) {
-                            if !self.may_grow_batches() {
+                            if !self.may_provide_ahead() {
                                 return;
                             }
                             let to = (from + GROW_STEP_SLOTS).min(batch.capacity());
@@ -304,13 +323,20 @@ impl BatchedPageStore {
         }
     }
 
-    /// Whether the batches may grow now: not while a write waits for chunk memory (that
-    /// commit comes first), nor while memory is short and free memory down at the reclaim
-    /// throttle's floor, where each page faulted in may sleep a second (as for the page
-    /// table's groups asked for ahead, `admission`). A store whose batches gave back their
-    /// memory while idle, and had to have it again before a flush could go on, once spent
-    /// over a second so at the onset of a swap storm in the VM's near-OOM stage.
-    fn may_grow_batches(&self) -> bool {
+    /// Whether the refill thread may fault in memory ahead of need (the batches' slots past
+    /// the quiet span, the page table's spare groups, room in the allocator's lists beyond
+    /// what a taker waits for): not while a write waits for memory (that commit comes first),
+    /// nor while memory is short and free memory down at the reclaim throttle's floor, where
+    /// each page faulted in may sleep a second (as for the page table's groups asked for
+    /// ahead, `admission`), and a write that comes meanwhile waits behind it. Seen in the VM's
+    /// near-OOM stage: a store whose batches gave back their memory while idle, and had to
+    /// have it again before a flush could go on, spent over a second so at the onset of a
+    /// swap storm; and on the 7.3 kernel, writes failed with ENOMEM after waiting a second
+    /// for a one-page chunk while the refill thread grew a size class's lists ahead, in
+    /// direct reclaim (2026-11-29, `STRESS_CASES=... VM_KERNEL_SUITE=trixie-backports bash
+    /// scripts/vm-stress-rounds.sh 2`: `refill=Lists`, `list_room_waited=false`).
+    pub(super) fn may_provide_ahead(&self) -> bool {
+        // The memory-short flag first: free memory is only looked at (a system call) then.
         !self.alloc.reserve.starving()
             && (!self.alloc.reserve.memory_short() || crate::mem::free_memory_is_back())
     }
@@ -340,14 +366,7 @@ impl BatchedPageStore {
             StoreThread::Refill => {
                 if self.alloc.reserve.enabled() {
                     let reserve = &self.alloc.reserve;
-                    reserve.run_refill(|| {
-                        reserve.note_refill_activity(RefillActivity::Table);
-                        self.provide_table();
-                        reserve.note_refill_activity(RefillActivity::Batches);
-                        self.provide_batches();
-                        reserve.note_refill_activity(RefillActivity::Lists);
-                        self.alloc.provision();
-                    });
+                    reserve.run_refill(|| self.provide());
                 }
             }
             StoreThread::Recompress => {

@@ -1715,3 +1715,39 @@ fn a_resumed_store_gives_back_the_batch_slots_its_predecessor_grew() {
     drop(s);
     crate::mem::Segment::remove_shared(key).unwrap();
 }
+
+#[test]
+fn while_a_write_waits_for_memory_the_refill_thread_faults_in_nothing_ahead_of_need() {
+    // No refill thread: this test plays it (`provide`).
+    let mut c = crate::config::StoreSettings::default().store_config(1 << 30, false);
+    c.reserve_bytes = 1 << 20;
+    let s = store(c);
+    let room = || s.alloc.list_capacities();
+    let spares = || s.table.memory().spares();
+    for i in 0..64u64 {
+        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    // A class whose lists are full: a new chunk of it would wait for room.
+    let full = s.alloc.leave_an_unused_class_without_room().unwrap();
+    let (room_before, spares_before) = (room(), spares());
+    assert!(spares_before < super::table_memory::SPARE_SLOTS);
+    s.alloc.reserve.note_waiting();
+    assert!(!s.may_provide_ahead());
+    s.provide();
+    let waiting = room();
+    for (class, (&before, &now)) in room_before.iter().zip(&waiting).enumerate() {
+        if class == full {
+            assert!(now > before, "the full class's lists grew");
+        } else {
+            assert_eq!(now, before, "class {class} grew ahead of need");
+        }
+    }
+    assert_eq!(spares(), spares_before, "no spare table group committed");
+    // Once nobody waits, everything is provided ahead again.
+    s.alloc.reserve.note_served();
+    assert!(s.may_provide_ahead());
+    s.provide();
+    assert_eq!(spares(), super::table_memory::SPARE_SLOTS);
+    assert!(room().iter().zip(&waiting).any(|(now, then)| now > then));
+}
