@@ -204,6 +204,9 @@ impl BatchedPageStore {
                 refill_for_ms = refill_for.as_millis(),
                 refill_kernel_stack,
                 refill_commits = reserve.commits(),
+                refill_committing = reserve
+                    .refill_commit()
+                    .map(|(chunks, pages)| format!("{chunks} x {pages} pages")),
                 ?chunk_pages_waited,
                 list_room_waited,
                 table_waited = self.table.memory().any_wanted(),

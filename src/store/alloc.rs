@@ -328,8 +328,8 @@ impl ZsAllocator {
 
     /// `provision` only for the classes with no room left, where the next taker of a new
     /// chunk would wait for it (`take_object`), and no shrinking: for when the refill thread
-    /// must not fault in memory that nobody waits for yet (see
-    /// `BatchedPageStore::may_provide_ahead`).
+    /// must not fault in memory that nobody waits for yet (while a write waits for memory:
+    /// `BatchedPageStore::provide`).
     pub(super) fn provision_where_full(&self) {
         self.provision_classes(&|_, lists| !lists.has_room, false);
     }

@@ -210,7 +210,12 @@ impl BatchedPageStore {
         reserve.note_refill_activity(RefillActivity::Batches);
         self.provide_batches();
         reserve.note_refill_activity(RefillActivity::Lists);
-        if self.may_provide_ahead() {
+        // Room ahead even at the reclaim throttle's floor (unlike `may_provide_ahead`): a
+        // class's lists grow by an eighth at a time, a few pages, and a class left to fill
+        // them makes its next taker wait for the growth (on the 7.3 kernel, with lists grown
+        // only once full at the floor, a write starved a second for room while the reserve
+        // held 980 KiB, 2026-11-29).
+        if !reserve.starving() {
             self.alloc.provision();
         } else {
             self.alloc.provision_where_full();
@@ -218,8 +223,9 @@ impl BatchedPageStore {
     }
 
     /// The refill thread's part for the page table (see `table_memory`): commit the groups
-    /// writers asked for, waking them, keep spare groups ready (`may_provide_ahead`), and give
-    /// back groups whose pages were all emptied (while memory is not short).
+    /// writers asked for, waking them, keep spare groups ready (while no write waits for
+    /// memory), and give back groups whose pages were all emptied (while memory is not
+    /// short).
     fn provide_table(&self) {
         let memory = self.table.memory();
         let reserve = &self.alloc.reserve;
@@ -230,7 +236,9 @@ impl BatchedPageStore {
                 tracing::warn!(%error, "committing the page table's memory failed; writes to its new part wait");
             }
         }
-        if self.may_provide_ahead() {
+        // Spares even at the floor, as room in the lists above: a write to a new group
+        // would wait for one.
+        if !reserve.starving() {
             if let Err(error) = memory.keep_spares(|bytes| reserve.make_room_for(bytes)) {
                 tracing::warn!(%error, "committing a spare part of the page table failed; a write to a new part waits for one");
             }
@@ -323,18 +331,19 @@ impl BatchedPageStore {
         }
     }
 
-    /// Whether the refill thread may fault in memory ahead of need (the batches' slots past
-    /// the quiet span, the page table's spare groups, room in the allocator's lists beyond
-    /// what a taker waits for): not while a write waits for memory (that commit comes first),
-    /// nor while memory is short and free memory down at the reclaim throttle's floor, where
-    /// each page faulted in may sleep a second (as for the page table's groups asked for
-    /// ahead, `admission`), and a write that comes meanwhile waits behind it. Seen in the VM's
-    /// near-OOM stage: a store whose batches gave back their memory while idle, and had to
-    /// have it again before a flush could go on, spent over a second so at the onset of a
-    /// swap storm; and on the 7.3 kernel, writes failed with ENOMEM after waiting a second
-    /// for a one-page chunk while the refill thread grew a size class's lists ahead, in
-    /// direct reclaim (2026-11-29, `STRESS_CASES=... VM_KERNEL_SUITE=trixie-backports bash
-    /// scripts/vm-stress-rounds.sh 2`: `refill=Lists`, `list_room_waited=false`).
+    /// Whether the refill thread may fault in the larger parts it provides ahead of need (the
+    /// batches' slots past the quiet span, the page table's groups asked for ahead,
+    /// `admission`): not while a write waits for memory (that commit comes first), nor while
+    /// memory is short and free memory down at the reclaim throttle's floor, where each page
+    /// faulted in may sleep a second, and a write that comes meanwhile waits behind it. Seen
+    /// in the VM's near-OOM stage: a store whose batches gave back their memory while idle,
+    /// and had to have it again before a flush could go on, spent over a second so at the
+    /// onset of a swap storm. The small parts (spare table groups, room in the allocator's
+    /// lists) wait only while a write waits (`provide`): on the 7.3 kernel writes failed
+    /// with ENOMEM after waiting a second for a one-page chunk while the refill thread grew a
+    /// size class's lists ahead, in direct reclaim (2026-11-29, `STRESS_CASES=...
+    /// VM_KERNEL_SUITE=trixie-backports bash scripts/vm-stress-rounds.sh 2`: `refill=Lists`,
+    /// `list_room_waited=false`).
     pub(super) fn may_provide_ahead(&self) -> bool {
         // The memory-short flag first: free memory is only looked at (a system call) then.
         !self.alloc.reserve.starving()

@@ -138,12 +138,16 @@ impl RefillActivity {
     ];
 }
 
-/// `RefillActivity` and since when, in one word each, written by the refill thread alone.
+/// `RefillActivity` and since when, and the commit under way, in one word each, written by
+/// the refill thread alone (or, without one, by takers that commit for themselves).
 struct RefillState {
     activity: AtomicU8,
     /// Since `epoch`.
     since_ns: AtomicU64,
     epoch: Instant,
+    /// The chunks being committed: their size in pages in the low half, how many in the high
+    /// half; 0 between commits.
+    commit: AtomicU64,
 }
 
 impl RefillState {
@@ -152,7 +156,22 @@ impl RefillState {
             activity: AtomicU8::new(RefillActivity::Waiting as u8),
             since_ns: AtomicU64::new(0),
             epoch: Instant::now(),
+            commit: AtomicU64::new(0),
         }
+    }
+
+    /// A commit of `chunks` chunks of `pages` pages starts (0, 0: it ended).
+    fn note_commit(&self, pages: usize, chunks: usize) {
+        let half = |n: usize| u64::from(u32::try_from(n).unwrap_or(u32::MAX));
+        self.commit
+            .store(half(chunks) << 32 | half(pages), Ordering::Relaxed);
+    }
+
+    /// The commit under way: chunks and their size in pages, if one is.
+    fn commit(&self) -> Option<(usize, usize)> {
+        let word = self.commit.load(Ordering::Relaxed);
+        let half = |n: u64| usize::try_from(n & u64::from(u32::MAX)).unwrap_or(usize::MAX);
+        (word != 0).then(|| (half(word >> 32), half(word)))
     }
 
     fn set(&self, activity: RefillActivity) {
@@ -337,6 +356,12 @@ impl ChunkReserve {
     /// What the refill thread is doing, and for how long it has been.
     pub(super) fn refill_activity(&self) -> (RefillActivity, Duration) {
         self.refill_state.get()
+    }
+
+    /// The refill thread's commit under way, for the log line of a write that starved:
+    /// how many chunks of how many pages, if one is.
+    pub(super) fn refill_commit(&self) -> Option<(usize, usize)> {
+        self.refill_state.commit()
     }
 
     /// Where the refill thread is in the kernel (see `ThrottledThread::kernel_stack`).
@@ -791,28 +816,27 @@ impl ChunkReserve {
 
     /// Make at least one more chunk of `k + 1` pages ready, and at most `wanted`: a group of
     /// cold ones committed again, or a group carved from the arena (one chunk while a taker
-    /// waits: see `one_at_a_time`). False if none could be. Why at most `wanted`: a whole
+    /// waits, `one_at_a_time`, or memory is short). False if none could be. Why at most `wanted`: a whole
     /// group for a pool one chunk short of its share put up to a group per pool (2 MiB for
     /// the eight sizes) of locked memory beyond the target, and `trim` then gave it back.
     fn commit_more(&self, k: usize, wanted: usize) -> bool {
         let chunk_bytes = (k + 1) * PAGE_SIZE;
-        let count = if self.one_at_a_time() {
+        // One chunk at a time while memory is short: each commit then waits in reclaim for
+        // one chunk, not for a group, and this thread gets back sooner to its hole punches
+        // (near-OOM stage of `scripts/vm-test.sh --stress`, 2026-11-26 00:00: with cold chunks
+        // recommitted by the group, one run of four left the serving process holding 132 MiB
+        // for 25 MiB of swap and the VM wedged, another ended in the OOM panic) and to a
+        // taker of another size that came meanwhile (on the 7.3 kernel, whose reclaim keeps
+        // the committing thread busy for as long as it finds no page, a write starved 1.3 s
+        // for a one-page chunk behind a commit, with 420 KiB ready right after: likely a group
+        // carved for another size, 2026-11-29; the starved-write line now names the commit).
+        let count = if self.one_at_a_time() || self.memory_short.load(Ordering::Relaxed) {
             1
         } else {
             (COMMIT_GROUP_BYTES / chunk_bytes).clamp(1, wanted.max(1))
         };
-        // Cold chunks one at a time while memory is short: each commit then waits in reclaim
-        // for one chunk, not for a group, and this thread gets back to its hole punches
-        // sooner (near-OOM stage of `scripts/vm-test.sh --stress`, 2026-11-26 00:00: with cold
-        // chunks recommitted by the group, one run of four left the serving process holding
-        // 132 MiB for 25 MiB of swap and the VM wedged, another ended in the OOM panic).
-        let cold_count = if self.memory_short.load(Ordering::Relaxed) {
-            1
-        } else {
-            count
-        };
         let mut cold = ChunkGroup::new();
-        while cold.len() < cold_count {
+        while cold.len() < count {
             let Some(page) = self.cold.take(k + 1) else {
                 break;
             };
@@ -827,6 +851,8 @@ impl ChunkReserve {
                 }
             }
         }
+        let committing = if cold.is_empty() { count } else { cold.len() };
+        self.refill_state.note_commit(k + 1, committing);
         let committed = if cold.is_empty() {
             let carved_pages = (self.arena.carved() + chunk_bytes * count).div_ceil(PAGE_SIZE);
             // Nothing carved that the cold map could not mark once given back.
@@ -836,7 +862,10 @@ impl ChunkReserve {
                 .and_then(|()| self.arena.carve(chunk_bytes, count))
             {
                 Ok(Some(chunks)) => Ok(chunks.into_iter().collect()),
-                Ok(None) => return false,
+                Ok(None) => {
+                    self.refill_state.note_commit(0, 0);
+                    return false;
+                }
                 Err(error) => Err(error),
             }
         } else {
@@ -849,6 +878,7 @@ impl ChunkReserve {
                 }
             }
         };
+        self.refill_state.note_commit(0, 0);
         match committed {
             Ok(chunks) => {
                 self.commits.fetch_add(1, Ordering::Relaxed);
@@ -1364,6 +1394,29 @@ mod tests {
         reserve.stop();
         assert_eq!(taker.join().unwrap(), 64 * PAGE_SIZE);
         assert!(!reserve.starving());
+    }
+
+    #[test]
+    fn with_memory_short_chunks_are_committed_one_at_a_time() {
+        let ready = |reserve: &ChunkReserve| -> u64 {
+            reserve
+                .pools
+                .iter()
+                .map(|pool| pool.lock().ready.len() as u64)
+                .sum()
+        };
+        // Memory plentiful: a commit is a group of chunks.
+        let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, arena(), &[1, 1]);
+        reserve.refill();
+        assert!(reserve.commits() < ready(&reserve));
+        // Short: each commit, carved or cold, is one chunk (so that a taker of another size
+        // waits for one chunk's reclaim at most).
+        let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, arena(), &[1, 1]);
+        reserve.set_memory_short(true);
+        reserve.refill();
+        assert!(ready(&reserve) > 1);
+        assert_eq!(reserve.commits(), ready(&reserve));
+        assert_eq!(reserve.refill_commit(), None, "no commit under way");
     }
 
     #[test]
