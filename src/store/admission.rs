@@ -209,6 +209,7 @@ impl BatchedPageStore {
                     .map(|(chunks, pages)| format!("{chunks} x {pages} pages")),
                 ?chunk_pages_waited,
                 list_room_waited,
+                list_room_last_waited_object_bytes = self.alloc.room_waited_object_bytes(),
                 table_waited = self.table.memory().any_wanted(),
                 reserve_kib = reserve.held_bytes() >> 10,
                 fail_ms = FAIL_FAST_PERIOD.as_millis(),

@@ -26,7 +26,7 @@
 )]
 #![forbid(unsafe_code)]
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use allocator_api2::collections::TryReserveError;
@@ -187,6 +187,9 @@ pub(super) struct ZsAllocator {
     /// Times the system refused a class's lists (`provision`): logged at powers of two, not
     /// on every refill pass while it lasts.
     list_refusals: AtomicU64,
+    /// The object size of the class a taker last waited for room in the lists of (0: none
+    /// yet), for the log line of a write that starved.
+    room_waited_object_bytes: AtomicUsize,
 }
 
 /// Pages per chunk for objects of `obj_size` bytes: the fewest pages with the least tail waste.
@@ -267,6 +270,7 @@ impl ZsAllocator {
             reserve: ChunkReserve::new(reserve_bytes, arena, &classes_per_size),
             chunk_notes,
             list_refusals: AtomicU64::new(0),
+            room_waited_object_bytes: AtomicUsize::new(0),
         }
     }
 
@@ -332,6 +336,15 @@ impl ZsAllocator {
     /// `BatchedPageStore::provide`).
     pub(super) fn provision_where_full(&self) {
         self.provision_classes(&|_, lists| !lists.has_room, false);
+    }
+
+    /// The object size of the class a taker last waited for room in the lists of, if one
+    /// did.
+    pub(super) fn room_waited_object_bytes(&self) -> Option<usize> {
+        match self.room_waited_object_bytes.load(Ordering::Relaxed) {
+            0 => None,
+            bytes => Some(bytes),
+        }
     }
 
     /// `provision` for the classes `remake` picks (given a class and its lists), and with
@@ -558,6 +571,8 @@ impl ZsAllocator {
                     // thread to make room, as for the chunk itself, and give up as a taker
                     // of a chunk does (the system may refuse the room for good).
                     if self.reserve.refill_running() && !has_room(&st) {
+                        self.room_waited_object_bytes
+                            .store(class.obj_size, Ordering::Relaxed);
                         self.reserve.note_waiting_for_room();
                         let stall = Stall::new();
                         while !has_room(&st) {
@@ -1271,6 +1286,8 @@ mod tests {
         ));
         assert_eq!(a.chunk_bytes(), 0);
         assert!(!a.reserve.starving(), "no waiter left counted");
+        let class = &a.classes[a.class_index(1000)];
+        assert_eq!(a.room_waited_object_bytes(), Some(class.obj_size));
         // Once the lists get room, it stores.
         a.reserve.pretend_refill_running(false);
         let handle = a.store(&[5u8; 1000]).unwrap();
