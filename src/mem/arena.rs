@@ -261,6 +261,28 @@ impl ArenaChunk {
     }
 }
 
+impl ArenaChunk {
+    /// `first` and `second`, adjacent in one arena (`second` right after `first`), as one
+    /// chunk with their memory as it is. `Err` gives both back as they were.
+    pub fn join(
+        first: ArenaChunk,
+        second: ArenaChunk,
+    ) -> Result<ArenaChunk, (ArenaChunk, ArenaChunk)> {
+        let adjacent = Arc::ptr_eq(&first.arena, &second.arena)
+            && first.page() * HOST_PAGE + first.len() == second.page() * HOST_PAGE;
+        if !adjacent {
+            return Err((first, second));
+        }
+        match first
+            .arena
+            .chunk_at(first.page() * HOST_PAGE, first.len() + second.len())
+        {
+            Ok(joined) => Ok(joined),
+            Err(_) => Err((first, second)),
+        }
+    }
+}
+
 impl std::fmt::Debug for ArenaChunk {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "ArenaChunk(page {}, {:?})", self.page(), self.chunk)
@@ -379,5 +401,25 @@ mod tests {
         assert_eq!((head.page(), head.len()), (0, HOST_PAGE));
         assert_eq!((rest.page(), rest.len()), (1, 3 * HOST_PAGE));
         assert_eq!(rest[0], 7);
+    }
+
+    #[test]
+    fn adjacent_chunks_join_into_one_that_keeps_their_data() {
+        let arena = Arena::private(16 * HOST_PAGE).unwrap();
+        let mut chunks = arena.carve(HOST_PAGE, 3).unwrap().unwrap();
+        chunks[1][5] = 9;
+        let third = chunks.pop().unwrap();
+        let second = chunks.pop().unwrap();
+        let first = chunks.pop().unwrap();
+        // Not adjacent (or in the wrong order): both back as they were.
+        let (first, third) = ArenaChunk::join(first, third).unwrap_err();
+        let (second, first) = ArenaChunk::join(second, first).unwrap_err();
+        let other = Arena::private(16 * HOST_PAGE).unwrap();
+        let elsewhere = other.carve(HOST_PAGE, 2).unwrap().unwrap().remove(1);
+        let (first, _) = ArenaChunk::join(first, elsewhere).unwrap_err();
+        let joined = ArenaChunk::join(first, second).unwrap();
+        let joined = ArenaChunk::join(joined, third).unwrap();
+        assert_eq!((joined.page(), joined.len()), (0, 3 * HOST_PAGE));
+        assert_eq!(joined[HOST_PAGE + 5], 9);
     }
 }

@@ -96,6 +96,9 @@ pub struct StoreStats {
     /// Chunks a write whose size had run dry cut from a larger ready chunk.
     #[serde(default)]
     pub reserve_split_chunks: u64,
+    /// Chunks a write whose size had run dry joined from adjacent smaller ready chunks.
+    #[serde(default)]
+    pub reserve_joined_chunks: u64,
     /// Bytes of freed chunks given back to the system by a thread other than the refill
     /// thread, which otherwise does it: because it was stuck in a commit, or behind (a full
     /// surplus list; see `reserve::ChunkReserve::give_back`).

@@ -813,6 +813,7 @@ impl BatchedPageStore {
             reserve_misses: self.alloc.reserve.misses(),
             reserve_stolen_bytes: self.alloc.reserve.stolen_bytes(),
             reserve_split_chunks: self.alloc.reserve.split_chunks(),
+            reserve_joined_chunks: self.alloc.reserve.joined_chunks(),
             reserve_given_back_past_refill_bytes: self.alloc.reserve.given_back_past_refill(),
             reserve_refill_rousings: self.alloc.reserve.refill_rousings(),
             recompressed_pages: get(&c.recompressed_pages),

@@ -30,6 +30,13 @@ use super::nanos;
 use crate::codec::PAGE_SIZE;
 use crate::mem::{Arena, ArenaChunk, ThrottledThread};
 
+/// The latest ready chunks of a pool a taker looks at for a run to join (`join_smaller`): a
+/// bound on its work under the pool's lock, on the stack.
+const JOIN_LOOK: usize = 64;
+/// Chunks joined into one, most of the time at most (the room on the stack; more spill to
+/// the heap): a chunk of the allocator's largest size, 8 pages, from one-page ones.
+const MAX_JOINED_PARTS: usize = 8;
+
 /// How often the refill thread looks even when nobody woke it.
 const REFILL_PERIOD: Duration = Duration::from_millis(50);
 /// Room kept in each pool's lists for chunks given back on the I/O path or committed by the
@@ -213,6 +220,21 @@ fn demand_share(demand: u64, total: u64, target: u64) -> u64 {
     target * demand / total.max(1)
 }
 
+/// In `sorted` (page, index) pairs by page, where the first run of `len` entries each `step`
+/// pages after the one before ends (its last entry's position), if there is one.
+fn run_end(sorted: &[(usize, usize)], step: usize, len: usize) -> Option<usize> {
+    let mut start = 0;
+    for i in 0..sorted.len() {
+        if i > 0 && sorted[i].0 != sorted[i - 1].0 + step {
+            start = i;
+        }
+        if i + 1 - start == len {
+            return Some(i);
+        }
+    }
+    None
+}
+
 /// Push `chunk` onto `list` if it has room, without growing it; the chunk back otherwise.
 fn push_with_room(list: &mut Vec<ArenaChunk>, chunk: ArenaChunk) -> Result<(), ArenaChunk> {
     if list.len() == list.capacity() {
@@ -247,6 +269,8 @@ pub(super) struct ChunkReserve {
     stolen_bytes: AtomicU64,
     /// Chunks a taker cut from a larger ready one (`split_larger`).
     split_chunks: AtomicU64,
+    /// Chunks a taker joined from adjacent smaller ready ones (`join_smaller`).
+    joined_chunks: AtomicU64,
     /// Takers waiting for the refill thread now.
     waiters: AtomicUsize,
     /// Of them, those waiting for room in the allocator's lists (`note_waiting_for_room`).
@@ -310,6 +334,7 @@ impl ChunkReserve {
             misses: AtomicU64::new(0),
             stolen_bytes: AtomicU64::new(0),
             split_chunks: AtomicU64::new(0),
+            joined_chunks: AtomicU64::new(0),
             waiters: AtomicUsize::new(0),
             room_waiters: AtomicUsize::new(0),
             commits: AtomicU64::new(0),
@@ -445,6 +470,10 @@ impl ChunkReserve {
         self.split_chunks.load(Ordering::Relaxed)
     }
 
+    pub(super) fn joined_chunks(&self) -> u64 {
+        self.joined_chunks.load(Ordering::Relaxed)
+    }
+
     /// Whether a taker waits for the refill thread now: the system has, for the moment, no
     /// memory to give the store.
     pub(super) fn starving(&self) -> bool {
@@ -541,6 +570,7 @@ impl ChunkReserve {
                 if let Some(chunk) = self
                     .pop_committed(k, last_resort)
                     .or_else(|| self.split_larger(k))
+                    .or_else(|| self.join_smaller(k))
                 {
                     self.served(k);
                     return Ok(chunk);
@@ -654,6 +684,72 @@ impl ChunkReserve {
                 }
                 Err(chunk) => larger.ready.push(chunk),
             }
+        }
+        None
+    }
+
+    /// A chunk of `k + 1` pages joined from adjacent ready chunks of one smaller size that
+    /// divides it, found among the latest `JOIN_LOOK` of that pool's ready chunks (chunks are
+    /// committed in runs of adjacent ones). Why: a taker whose pool ran dry, with no larger
+    /// chunk to split, otherwise waits for the refill thread's commit, which near OOM may
+    /// spend over a second in reclaim, while the reserve's memory sits ready in smaller sizes
+    /// (the near-OOM stage on the 7.3 kernel, 2026-11-29: a write starved a second for a
+    /// 3-page chunk, the refill thread in the commit of a 1-page one, 364 KiB ready).
+    fn join_smaller(&self, k: usize) -> Option<ArenaChunk> {
+        let pages = k + 1;
+        for part in (1..pages).rev().filter(|part| pages % part == 0) {
+            let parts = pages / part;
+            let mut run: SmallVec<[ArenaChunk; MAX_JOINED_PARTS]> = {
+                let mut pool = self.pools[part - 1].lock();
+                let from = pool.ready.len().saturating_sub(JOIN_LOOK);
+                // (page, index in `ready`) of the latest ready chunks, by page.
+                let mut latest = [(0usize, 0usize); JOIN_LOOK];
+                let latest = &mut latest[..pool.ready.len() - from];
+                for (entry, (index, chunk)) in latest
+                    .iter_mut()
+                    .zip(pool.ready.iter().enumerate().skip(from))
+                {
+                    *entry = (chunk.page(), index);
+                }
+                latest.sort_unstable();
+                let Some(end) = run_end(latest, part, parts) else {
+                    continue;
+                };
+                let mut indexes: SmallVec<[usize; MAX_JOINED_PARTS]> = latest
+                    [end + 1 - parts..=end]
+                    .iter()
+                    .map(|&(_, index)| index)
+                    .collect();
+                // Highest first: a `swap_remove` moves only the last entry, never one of
+                // the run still to take.
+                indexes.sort_unstable_by(|a, b| b.cmp(a));
+                indexes
+                    .iter()
+                    .map(|&index| pool.ready.swap_remove(index))
+                    .collect()
+            };
+            self.held_bytes
+                .fetch_sub((pages * PAGE_SIZE) as u64, Ordering::Relaxed);
+            run.sort_unstable_by_key(ArenaChunk::page);
+            let mut pieces = run.into_iter();
+            let mut joined = pieces.next()?;
+            for piece in pieces {
+                joined = match ArenaChunk::join(joined, piece) {
+                    Ok(joined) => joined,
+                    // Not reachable: the run's chunks lie one after the other in one arena.
+                    Err((joined, piece)) => {
+                        tracing::error!(
+                            page = joined.page(),
+                            "adjacent ready chunks would not join"
+                        );
+                        self.give_back(joined);
+                        self.give_back(piece);
+                        return None;
+                    }
+                };
+            }
+            self.joined_chunks.fetch_add(1, Ordering::Relaxed);
+            return Some(joined);
         }
         None
     }
@@ -1394,6 +1490,60 @@ mod tests {
         reserve.stop();
         assert_eq!(taker.join().unwrap(), 64 * PAGE_SIZE);
         assert!(!reserve.starving());
+    }
+
+    #[test]
+    fn runs_are_found_among_pages_in_order() {
+        let pairs = |pages: &[usize]| -> Vec<(usize, usize)> {
+            pages.iter().enumerate().map(|(i, &p)| (p, i)).collect()
+        };
+        assert_eq!(run_end(&pairs(&[0, 1, 2]), 1, 3), Some(2));
+        assert_eq!(run_end(&pairs(&[0, 2, 3, 4, 9]), 1, 3), Some(3));
+        assert_eq!(run_end(&pairs(&[0, 2, 4, 6]), 2, 2), Some(1));
+        assert_eq!(run_end(&pairs(&[0, 2, 4]), 1, 2), None);
+        assert_eq!(run_end(&pairs(&[5]), 1, 2), None);
+        assert_eq!(run_end(&[], 1, 2), None);
+    }
+
+    #[test]
+    fn a_taker_whose_size_ran_dry_joins_adjacent_smaller_ready_chunks() {
+        // Sizes of 1, 2 and 3 pages; only one-page chunks ready, committed as a run.
+        let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, arena(), &[1, 1, 1]);
+        assert!(reserve.commit_more(0, 16));
+        let ready = reserve.pools[0].lock().ready.len();
+        assert!(ready >= 6);
+        let held = reserve.held_bytes();
+        // A refill thread that never commits: the taker is served from what is ready.
+        reserve.pretend_refill_running(true);
+        let never = |_: Duration| -> bool { panic!("the taker waited") };
+        let chunk = reserve.take(3, Some(&never)).unwrap();
+        assert_eq!(chunk.len(), 3 * PAGE_SIZE);
+        assert_eq!(reserve.joined_chunks(), 1);
+        assert_eq!(reserve.held_bytes(), held - 3 * PAGE_SIZE as u64);
+        assert_eq!(reserve.pools[0].lock().ready.len(), ready - 3);
+        // Two pages from one-page chunks too (the 2-page pool is empty).
+        assert_eq!(reserve.take(2, Some(&never)).unwrap().len(), 2 * PAGE_SIZE);
+        assert_eq!(reserve.joined_chunks(), 2);
+        // Ready chunks that are not adjacent do not join: every other one-page chunk left.
+        let mut pool = reserve.pools[0].lock();
+        let odd: Vec<ArenaChunk> = {
+            pool.ready.sort_unstable_by_key(ArenaChunk::page);
+            let mut kept = Vec::new();
+            let mut taken = Vec::new();
+            for (i, chunk) in pool.ready.drain(..).enumerate() {
+                if i % 2 == 0 {
+                    kept.push(chunk);
+                } else {
+                    taken.push(chunk);
+                }
+            }
+            pool.ready.extend(kept);
+            taken
+        };
+        drop(pool);
+        assert!(reserve.join_smaller(1).is_none());
+        drop(odd);
+        reserve.pretend_refill_running(false);
     }
 
     #[test]
