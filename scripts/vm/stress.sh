@@ -63,6 +63,8 @@ stress_case() {
         s0=$(json_field table_spares_taken)
         t0=$(json_field table_group_waits)
         b0=$(json_field batch_span_grows)
+        c0=$(json_field reserve_split_chunks)
+        j0=$(json_field reserve_joined_chunks)
         echo "$tag: before: serving process RSS $(rss_kib "$(serving_pid 0)") kB"
     }
     work "$VT" wakeup 100 $((STRESS_S + 10)) >/tmp/wakeup.out 2>&1 &
@@ -134,6 +136,8 @@ stress_case() {
         sfigure "${tag}_table_spares_taken" "$(($(json_field table_spares_taken) - s0))"
         sfigure "${tag}_table_group_waits" "$(($(json_field table_group_waits) - t0))"
         sfigure "${tag}_batch_span_grows" "$(($(json_field batch_span_grows) - b0))"
+        sfigure "${tag}_reserve_split_chunks" "$(($(json_field reserve_split_chunks) - c0))"
+        sfigure "${tag}_reserve_joined_chunks" "$(($(json_field reserve_joined_chunks) - j0))"
     }
 }
 
