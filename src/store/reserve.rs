@@ -912,9 +912,10 @@ impl ChunkReserve {
 
     /// Make at least one more chunk of `k + 1` pages ready, and at most `wanted`: a group of
     /// cold ones committed again, or a group carved from the arena (one chunk while a taker
-    /// waits, `one_at_a_time`, or memory is short). False if none could be. Why at most `wanted`: a whole
-    /// group for a pool one chunk short of its share put up to a group per pool (2 MiB for
-    /// the eight sizes) of locked memory beyond the target, and `trim` then gave it back.
+    /// waits, `one_at_a_time`, or memory is short). False if none could be. Why at most
+    /// `wanted`: a whole group for a pool one chunk short of its share put up to a group per
+    /// pool (2 MiB for the eight sizes) of locked memory beyond the target, and `trim` then
+    /// gave it back.
     fn commit_more(&self, k: usize, wanted: usize) -> bool {
         let chunk_bytes = (k + 1) * PAGE_SIZE;
         // One chunk at a time while memory is short: each commit then waits in reclaim for
