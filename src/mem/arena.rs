@@ -259,27 +259,21 @@ impl ArenaChunk {
             _ => Err(self),
         }
     }
-}
 
-impl ArenaChunk {
     /// `first` and `second`, adjacent in one arena (`second` right after `first`), as one
     /// chunk with their memory as it is. `Err` gives both back as they were.
     pub fn join(
         first: ArenaChunk,
         second: ArenaChunk,
     ) -> Result<ArenaChunk, (ArenaChunk, ArenaChunk)> {
-        let adjacent = Arc::ptr_eq(&first.arena, &second.arena)
-            && first.page() * HOST_PAGE + first.len() == second.page() * HOST_PAGE;
-        if !adjacent {
+        let offset = first.page() * HOST_PAGE;
+        if !Arc::ptr_eq(&first.arena, &second.arena)
+            || offset + first.len() != second.page() * HOST_PAGE
+        {
             return Err((first, second));
         }
-        match first
-            .arena
-            .chunk_at(first.page() * HOST_PAGE, first.len() + second.len())
-        {
-            Ok(joined) => Ok(joined),
-            Err(_) => Err((first, second)),
-        }
+        let joined = first.arena.chunk_at(offset, first.len() + second.len());
+        joined.map_err(|_| (first, second))
     }
 }
 

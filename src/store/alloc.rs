@@ -353,35 +353,28 @@ impl ZsAllocator {
     /// (`chunk_notes`).
     fn provision_classes(&self, remake: &dyn Fn(usize, ListsNow) -> bool, shrink: bool) {
         for (index, class) in self.classes.iter().enumerate() {
-            let (len, capacity, chunks, has_room) = {
+            let (lists, chunks) = {
                 let st = class.state.lock();
-                (
-                    st.usage.len(),
-                    st.usage.capacity(),
-                    st.chunks,
-                    has_room(&st),
-                )
+                let lists = ListsNow {
+                    len: st.usage.len(),
+                    capacity: st.usage.capacity(),
+                    has_room: has_room(&st),
+                };
+                (lists, st.chunks)
             };
             self.note_chunks(index, chunks);
             let compact_want = chunks + 2 * provision_slack(chunks);
             let compact = shrink
-                && capacity >= SHRINK_FACTOR * compact_want
-                && capacity * LIST_BYTES_PER_CHUNK >= SHRINK_MIN_BYTES;
-            let grow = remake(
-                index,
-                ListsNow {
-                    len,
-                    capacity,
-                    has_room,
-                },
-            );
+                && lists.capacity >= SHRINK_FACTOR * compact_want
+                && lists.capacity * LIST_BYTES_PER_CHUNK >= SHRINK_MIN_BYTES;
+            let grow = remake(index, lists);
             if !compact && !grow {
                 continue;
             }
             let want = if compact {
                 compact_want
             } else {
-                len + 2 * provision_slack(len)
+                lists.len + 2 * provision_slack(lists.len)
             };
             if !compact && self.grow_lists_in_place(class, want) {
                 continue;
