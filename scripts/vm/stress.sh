@@ -48,7 +48,7 @@ failed_writes() {
 
 # stress_case NAME METHOD MIB: one stress-ng run with swap on; figures under NAME_METHOD_MIB.
 stress_case() {
-    local name=$1 method=$2 mib=$3 tag w0 w1 b0 k0 d0 g0 r0 s0 t0 rc wk st kills others delay bogo vfail
+    local name=$1 method=$2 mib=$3 tag w0 w1 b0 c0 j0 l0 k0 d0 g0 r0 s0 t0 rc wk st kills others delay bogo vfail
     tag="${name}_$(echo "$method" | tr -c 'a-z0-9\n' _)_${mib}"
     dmesg -c >>/tmp/dmesg.kept
     # Where memory is as the case starts: a VM lost at a case's start (the OOM killer going on
@@ -65,6 +65,7 @@ stress_case() {
         b0=$(json_field batch_span_grows)
         c0=$(json_field reserve_split_chunks)
         j0=$(json_field reserve_joined_chunks)
+        l0=$(json_field long_waited_writes)
         echo "$tag: before: serving process RSS $(rss_kib "$(serving_pid 0)") kB"
     }
     work "$VT" wakeup 100 $((STRESS_S + 10)) >/tmp/wakeup.out 2>&1 &
@@ -138,6 +139,10 @@ stress_case() {
         sfigure "${tag}_batch_span_grows" "$(($(json_field batch_span_grows) - b0))"
         sfigure "${tag}_reserve_split_chunks" "$(($(json_field reserve_split_chunks) - c0))"
         sfigure "${tag}_reserve_joined_chunks" "$(($(json_field reserve_joined_chunks) - j0))"
+        # Writes that waited over a second for memory and were stored all the same, and the
+        # longest wait of the device's life so far.
+        sfigure "${tag}_long_waited_writes" "$(($(json_field long_waited_writes) - l0))"
+        sfigure "${tag}_longest_write_wait_ms_so_far" "$(json_field longest_write_wait_ms)"
     }
 }
 

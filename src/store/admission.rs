@@ -17,7 +17,8 @@ use super::{BatchedPageStore, StoreError, PAGE_SIZE};
 
 /// A writer that has waited this long for memory (a pending slot while the flusher waits for
 /// chunk memory, or a chunk itself) while the refill thread has committed none in that time
-/// (`reserve::Stall`), fails its write with `ENOMEM`, and so do the writes after it for
+/// (`reserve::Stall`), fails its write with `ENOMEM` (unless an OOM kill asked for lately may
+/// still free memory: `MEMORY_BACK_AFTER_KILL`), and so do the writes after it for
 /// `FAIL_FAST_PERIOD` or until the flusher frees a batch. A refill that is slow but commits
 /// keeps writes waiting: at the onset of pressure memory comes back in well under a second per
 /// commit group, and failing then only logs write errors. Why: the daemon serves swap, and when
@@ -45,8 +46,19 @@ const FAIL_FAST_PERIOD: Duration = Duration::from_millis(200);
 /// with never asks. The reserve's last quarter is taken from then on, too.
 const OOM_NUDGE_AFTER: Duration = super::reserve::LAST_RESORT_AFTER;
 /// For this long after an OOM kill was asked for, a refill thread stuck in a commit is woken
-/// from the kernel's reclaim throttle (see `rouse_stuck_refill`): the victim's memory comes
-/// back within it, and the writes fail at its end.
+/// from the kernel's reclaim throttle (see `rouse_stuck_refill`), and a starving writer keeps
+/// waiting (up to `SLOW_REFILL_PATIENCE` in all, as while pages compress: memory is coming):
+/// the victim's memory comes back within it, and the writes fail at its end if it did not.
+/// Why not only the writer's own timeout: a kill is asked for 300 ms into a write's wait
+/// (`OOM_NUDGE_AFTER`), or later where one was asked for within `oom`'s interval, so a writer
+/// that gave up at 1 s gave the victim 0.7 s or less to exit and its memory to reach the
+/// refill thread, and on Linux 7.3 under emulation that was too little (the near-OOM stage on
+/// 7.3.4, 2026-11-28 and 29: writes failed in 19 of 45 move-inv cases, zram's in none, each
+/// 0.004-0.7 s after the last kill asked for where the log shows it; with this rule, 0 of
+/// 12). Why not a shorter bound than 5 s (a waiting write holds its request, and with the
+/// queue full of them a task swapping out in reclaim waits for a tag): with 2 s, writes
+/// failed in 3 of 12 cases, and a process that only sleeps and wakes still once waited 9.8 s,
+/// for tags, as writes waited 2 s, failed, and the next ones waited again (2026-11-29).
 const MEMORY_BACK_AFTER_KILL: Duration = STARVED_WRITE_TIMEOUT;
 
 /// How far on, in table groups, swap's next new cluster lies: on a fresh device Linux 6.12's
@@ -116,6 +128,14 @@ pub(super) enum SlotWait {
     Defer { since: Option<Instant> },
 }
 
+/// Whether a writer starving while swapping frees nothing gives up, having waited `waited`,
+/// with `kill_under_way` if an OOM kill asked for within `MEMORY_BACK_AFTER_KILL` may still
+/// free memory: after `STARVED_WRITE_TIMEOUT` if none may, and after `SLOW_REFILL_PATIENCE`
+/// whatever the kills asked for meanwhile.
+fn gives_up_while_swap_frees_nothing(waited: Duration, kill_under_way: bool) -> bool {
+    waited >= SLOW_REFILL_PATIENCE || (waited >= STARVED_WRITE_TIMEOUT && !kill_under_way)
+}
+
 impl BatchedPageStore {
     pub(super) fn failing_fast(&self) -> bool {
         self.now_ns() < self.fail_fast_until.load(Ordering::Acquire)
@@ -125,8 +145,9 @@ impl BatchedPageStore {
     /// true if it gives up (then `starved_write`). While writes fail fast it gives up at once;
     /// otherwise only while a taker waits for the refill thread (the flusher, or this writer):
     /// if swapping frees nothing, first asking for an OOM kill after `OOM_NUDGE_AFTER`, then
-    /// giving up after `STARVED_WRITE_TIMEOUT`; while pages compress, giving up after
-    /// `SLOW_REFILL_PATIENCE`.
+    /// giving up after `STARVED_WRITE_TIMEOUT` once no kill asked for within
+    /// `MEMORY_BACK_AFTER_KILL` may still free memory (`gives_up_while_swap_frees_nothing`);
+    /// while pages compress, giving up after `SLOW_REFILL_PATIENCE`.
     pub(super) fn gives_up(&self, waited: Duration) -> bool {
         self.gives_up_waiting(self.alloc.reserve.starving(), waited)
     }
@@ -146,7 +167,8 @@ impl BatchedPageStore {
         if waited >= OOM_NUDGE_AFTER && self.oom.nudge(self.now_ns(), waited) {
             add(&self.counters.oom_kills_asked, 1);
         }
-        waited >= STARVED_WRITE_TIMEOUT
+        let kill_under_way = self.oom.asked_within(self.now_ns(), MEMORY_BACK_AFTER_KILL);
+        gives_up_while_swap_frees_nothing(waited, kill_under_way)
     }
 
     /// `pages` pages were compressed for writes, `raw` of them did not compress (see
@@ -416,5 +438,23 @@ impl BatchedPageStore {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_writer_without_memory_gives_the_victim_of_a_kill_time_to_free_its_memory() {
+        let ms = Duration::from_millis;
+        // No kill under way: the write fails after its second.
+        assert!(!gives_up_while_swap_frees_nothing(ms(999), false));
+        assert!(gives_up_while_swap_frees_nothing(ms(1000), false));
+        // A kill asked for lately: the write waits on for its victim's memory.
+        assert!(!gives_up_while_swap_frees_nothing(ms(1000), true));
+        assert!(!gives_up_while_swap_frees_nothing(ms(4999), true));
+        // However many kills were asked for, a write waits 5 s at most.
+        assert!(gives_up_while_swap_frees_nothing(ms(5000), true));
     }
 }
