@@ -161,14 +161,20 @@ impl BatchedPageStore {
             return false;
         }
         self.rouse_stuck_refill();
-        if !self.oom.swap_frees_nothing(self.now_ns(), waited) {
+        let now = self.now_ns();
+        if !self.oom.swap_frees_nothing(now, waited) {
             return waited >= SLOW_REFILL_PATIENCE;
         }
-        if waited >= OOM_NUDGE_AFTER && self.oom.nudge(self.now_ns(), waited) {
+        if waited >= OOM_NUDGE_AFTER && self.oom.nudge(now, waited) {
             add(&self.counters.oom_kills_asked, 1);
         }
-        let kill_under_way = self.oom.asked_within(self.now_ns(), MEMORY_BACK_AFTER_KILL);
-        gives_up_while_swap_frees_nothing(waited, kill_under_way)
+        gives_up_while_swap_frees_nothing(waited, self.kill_under_way(now))
+    }
+
+    /// Whether an OOM kill asked for within `MEMORY_BACK_AFTER_KILL` before `now_ns` may still
+    /// free memory.
+    fn kill_under_way(&self, now_ns: u64) -> bool {
+        self.oom.asked_within(now_ns, MEMORY_BACK_AFTER_KILL)
     }
 
     /// `pages` pages were compressed for writes, `raw` of them did not compress (see
@@ -197,8 +203,7 @@ impl BatchedPageStore {
     pub(super) fn rouse_stuck_refill(&self) {
         let reserve = &self.alloc.reserve;
         if reserve.refill_stuck()
-            && (self.oom.asked_within(self.now_ns(), MEMORY_BACK_AFTER_KILL)
-                || crate::mem::free_memory_is_back())
+            && (self.kill_under_way(self.now_ns()) || crate::mem::free_memory_is_back())
         {
             reserve.rouse_refill();
         }
