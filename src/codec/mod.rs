@@ -17,7 +17,7 @@ pub use batch::{pool_thread_name, CpuCodec};
 pub use compressor::{Compressed, Compressor};
 pub use page::{
     classify, compress_page, decompress_page, fill_page, prepare_thread, sampled_entropy_bits,
-    thread_contexts_bytes, PageChecksum, ADAPTIVE_ZSTD_LEVEL, MAX_COMPRESSED_LEN,
+    thread_contexts_bytes, PageChecksum, ThreadCodecs, ADAPTIVE_ZSTD_LEVEL, MAX_COMPRESSED_LEN,
 };
 
 /// Size of one page of the device, in bytes.

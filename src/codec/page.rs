@@ -93,14 +93,16 @@ pub fn fill_page(out: &mut [u8], word: u64) {
 /// Samples taken by `sampled_entropy_bits`.
 const ENTROPY_SAMPLES: usize = PAGE_SIZE.div_ceil(ENTROPY_SAMPLE_STRIDE);
 
-/// `c * log2(c)` for every count a histogram of `ENTROPY_SAMPLES` can hold.
+/// `c * log2(c)` for every count a histogram of `ENTROPY_SAMPLES` can hold. `libm`'s log2,
+/// not the standard library's: that one is the C library's libm, whose start-up maps about
+/// 330 KiB of its code into the daemon, all of it locked (issue 16's idle footprint).
 static C_LOG2_C: LazyLock<Vec<f32>> = LazyLock::new(|| {
     (0..=ENTROPY_SAMPLES)
         .map(|c| {
             if c == 0 {
                 0.0
             } else {
-                c as f32 * (c as f32).log2()
+                c as f32 * libm::log2f(c as f32)
             }
         })
         .collect()
@@ -121,7 +123,7 @@ pub fn sampled_entropy_bits(page: &Page) -> f32 {
         .map(|&c| table.get(usize::from(c)).copied().unwrap_or(0.0))
         .sum();
     let n = ENTROPY_SAMPLES as f32;
-    n.log2() - sum / n
+    libm::log2f(n) - sum / n
 }
 
 fn lz4_compress(page: &Page, out: &mut [u8]) -> Option<usize> {
@@ -219,15 +221,52 @@ fn warm_up_page() -> Page {
     page
 }
 
-/// Heap the codec contexts `prepare_thread(algorithm)` keeps take (zstd's workspace for a
-/// page grows with the level: 72 KiB at level 1, 88 at level 3, and 94 KiB for the
-/// decompressor, zstd 1.5.7), measured by making such contexts and dropping them. For warming
-/// that much heap before `prepare_thread`: zstd writes a context's pages only as a page's
-/// compression needs them, so contexts made in fresh heap fault the rest in later, on the I/O
-/// path.
-pub fn thread_contexts_bytes(algorithm: Algorithm) -> usize {
-    let decompressor = zstd::zstd_safe::DCtx::create().sizeof();
-    let compressor = kept_zstd_level(algorithm).map_or(0, |level| {
+/// The zstd contexts a thread keeps ready for its work (see `prepare_thread`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ThreadCodecs {
+    /// What it compresses pages with: a zstd level keeps a compressor for that level.
+    pub compresses: Algorithm,
+    /// Whether it decompresses zstd pages: every thread that serves reads does (an LZ4 store
+    /// holds zstd pages once the recompressor has been at them, or memory was short); the
+    /// flusher only compresses. Each decompressor is 94 KiB of locked heap.
+    pub decompresses_zstd: bool,
+}
+
+impl ThreadCodecs {
+    /// A thread that serves reads as well as compressing with `compresses`.
+    pub fn reading(compresses: Algorithm) -> Self {
+        Self {
+            compresses,
+            decompresses_zstd: true,
+        }
+    }
+
+    /// A thread that only compresses with `compresses`.
+    pub fn compressing(compresses: Algorithm) -> Self {
+        Self {
+            compresses,
+            decompresses_zstd: false,
+        }
+    }
+
+    /// A thread that needs no zstd context (LZ4 needs none).
+    pub fn none() -> Self {
+        Self::compressing(Algorithm::Lz4)
+    }
+}
+
+/// Heap the codec contexts `prepare_thread(codecs)` keeps take (zstd's workspace for a page
+/// grows with the level: 72 KiB at level 1, 88 at level 3, and 94 KiB for the decompressor,
+/// zstd 1.5.7), measured by making such contexts and dropping them. For warming that much
+/// heap before `prepare_thread`: zstd writes a context's pages only as a page's compression
+/// needs them, so contexts made in fresh heap fault the rest in later, on the I/O path.
+pub fn thread_contexts_bytes(codecs: ThreadCodecs) -> usize {
+    let decompressor = if codecs.decompresses_zstd {
+        zstd::zstd_safe::DCtx::create().sizeof()
+    } else {
+        0
+    };
+    let compressor = kept_zstd_level(codecs.compresses).map_or(0, |level| {
         let Ok(mut c) = new_zstd_compressor(level) else {
             return 0;
         };
@@ -239,22 +278,26 @@ pub fn thread_contexts_bytes(algorithm: Algorithm) -> usize {
     decompressor + compressor
 }
 
-/// Make this thread's codec contexts for `algorithm` now (zstd's compressor, sized for a page,
-/// and zstd's decompressor, which every store needs: an LZ4 store holds zstd pages once the
-/// recompressor has been at them): the I/O path must not allocate them at its first page,
-/// where the allocation could wait on reclaim, and reclaim on this device. Their heap is
-/// best faulted in before (see `thread_contexts_bytes`).
-pub fn prepare_thread(algorithm: Algorithm) {
-    let level = kept_zstd_level(algorithm).unwrap_or(ADAPTIVE_ZSTD_LEVEL);
+/// Make this thread's codec contexts now (zstd's compressor, sized for a page, and zstd's
+/// decompressor if it reads): the I/O path must not allocate them at its first page, where
+/// the allocation could wait on reclaim, and reclaim on this device. Their heap is best
+/// faulted in before (see `thread_contexts_bytes`).
+pub fn prepare_thread(codecs: ThreadCodecs) {
+    let kept = kept_zstd_level(codecs.compresses);
+    if kept.is_none() && !codecs.decompresses_zstd {
+        return;
+    }
     let page = warm_up_page();
     let mut out = [0u8; PAGE_SIZE];
-    // The compressed page is only a way to warm the decompressor; an LZ4 thread keeps no
-    // compressor.
-    if let Some(n) = zstd_compress(level, &page, &mut out) {
-        let mut back = [0u8; PAGE_SIZE];
-        let _ = decompress_page(Encoding::Zstd, &out[..n], &mut back);
+    // Compressing warms the compressor (for a thread that keeps none, the compressed page is
+    // only a way to warm the decompressor).
+    if let Some(n) = zstd_compress(kept.unwrap_or(ADAPTIVE_ZSTD_LEVEL), &page, &mut out) {
+        if codecs.decompresses_zstd {
+            let mut back = [0u8; PAGE_SIZE];
+            let _ = decompress_page(Encoding::Zstd, &out[..n], &mut back);
+        }
     }
-    if kept_zstd_level(algorithm).is_none() {
+    if kept.is_none() {
         ZSTD_COMPRESSOR.with(|cell| cell.borrow_mut().take());
     }
 }
@@ -382,12 +425,21 @@ mod tests {
             )
         };
         std::thread::spawn(move || {
+            // A thread that compresses alone keeps no decompressor, LZ4 no context at all.
+            prepare_thread(ThreadCodecs::none());
+            assert_eq!(contexts(), (None, false));
+            prepare_thread(ThreadCodecs::compressing(Algorithm::Zstd { level: 3 }));
+            assert_eq!(contexts(), (Some(3), false));
+        })
+        .join()
+        .unwrap();
+        std::thread::spawn(move || {
             // An LZ4 store may hold recompressed zstd pages: a decompressor, no compressor.
-            prepare_thread(Algorithm::Lz4);
+            prepare_thread(ThreadCodecs::reading(Algorithm::Lz4));
             assert_eq!(contexts(), (None, true));
-            prepare_thread(Algorithm::Zstd { level: 3 });
+            prepare_thread(ThreadCodecs::reading(Algorithm::Zstd { level: 3 }));
             assert_eq!(contexts(), (Some(3), true));
-            prepare_thread(Algorithm::Adaptive);
+            prepare_thread(ThreadCodecs::reading(Algorithm::Adaptive));
             assert_eq!(contexts(), (Some(ADAPTIVE_ZSTD_LEVEL), true));
         })
         .join()
@@ -396,15 +448,21 @@ mod tests {
 
     #[test]
     fn the_contexts_a_thread_keeps_are_measured_with_the_compressor_its_level_needs() {
-        let lz4 = thread_contexts_bytes(Algorithm::Lz4);
-        let zstd1 = thread_contexts_bytes(Algorithm::Zstd { level: 1 });
-        let zstd3 = thread_contexts_bytes(Algorithm::Zstd { level: 3 });
-        let zstd19 = thread_contexts_bytes(Algorithm::Zstd { level: 19 });
+        let reading = |algorithm| thread_contexts_bytes(ThreadCodecs::reading(algorithm));
+        let lz4 = reading(Algorithm::Lz4);
+        let zstd1 = reading(Algorithm::Zstd { level: 1 });
+        let zstd3 = reading(Algorithm::Zstd { level: 3 });
+        let zstd19 = reading(Algorithm::Zstd { level: 19 });
         // LZ4 keeps the decompressor alone; a compressor's workspace grows with the level.
         assert!(lz4 > 16 << 10, "{lz4}");
         assert!(zstd1 > lz4 + (16 << 10), "{zstd1} {lz4}");
         assert!(zstd3 > zstd1 && zstd19 > zstd3, "{zstd1} {zstd3} {zstd19}");
-        assert_eq!(thread_contexts_bytes(Algorithm::Adaptive), zstd1);
+        assert_eq!(reading(Algorithm::Adaptive), zstd1);
+        // Without reads, the compressor alone.
+        assert_eq!(thread_contexts_bytes(ThreadCodecs::none()), 0);
+        let compressing =
+            thread_contexts_bytes(ThreadCodecs::compressing(Algorithm::Zstd { level: 3 }));
+        assert_eq!(compressing, zstd3 - lz4);
     }
 
     #[test]

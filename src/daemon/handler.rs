@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use crate::codec::Algorithm;
+use crate::codec::{Algorithm, ThreadCodecs};
 use crate::slotfree::SlotFreeProbe;
 use crate::store::{BatchedPageStore, WriteOutcome};
 use crate::ublk::{BlockHandler, Handled, Op, Request};
@@ -59,7 +59,7 @@ impl StoreHandler {
 
 impl BlockHandler for StoreHandler {
     fn prepare_thread(&self) {
-        super::harden::prepare_codec_thread(self.algorithm);
+        super::harden::prepare_codec_thread(ThreadCodecs::reading(self.algorithm));
     }
 
     /// Not while the system is short of memory: near OOM the queue thread's spinning took

@@ -3,7 +3,7 @@
 
 #![forbid(unsafe_code)]
 
-use crate::codec::Algorithm;
+use crate::codec::ThreadCodecs;
 
 /// The daemon serves swap, so none of its own memory may ever need swap to come back (see
 /// `os::lock_memory`); and what it locks is only what it touches, so no transparent huge
@@ -22,31 +22,39 @@ pub(super) fn lock_memory() {
 }
 
 /// Ready a thread of the store that compresses or decompresses (flusher, recompressor, rayon
-/// worker) for the I/O path, as the ublk layer does its queue threads: stack and arena faulted
-/// in, codec contexts made, an I/O flusher, top CPU priority.
-pub(super) fn ready_store_thread(algorithm: Algorithm) {
-    ready_io_thread();
-    prepare_codec_thread(algorithm);
+/// worker) for the I/O path, as the ublk layer does its queue threads: stack faulted in, its
+/// codec contexts made in heap faulted in for them with room for what its I/O path allocates
+/// beside them, an I/O flusher, top CPU priority.
+pub(super) fn ready_store_thread(codecs: ThreadCodecs) {
+    crate::mem::prepare_io_thread_with_heap(codec_thread_heap_bytes(codecs));
+    mark_io_thread();
+    crate::codec::prepare_thread(codecs);
 }
 
-/// Make this thread's codec contexts for `algorithm` in heap faulted in for them, with room
-/// for what the I/O path allocates still free beside them (see `mem::warm_heap`). Once the
-/// thread is readied (`ready_io_thread`), its 256 KiB hold them at the default levels (a
-/// compressor at level 3 and a decompressor take 182 KiB); higher levels take more (level 19's
-/// compressor alone 270 KiB), which was made in fresh heap until 2026-11-28.
-pub(super) fn prepare_codec_thread(algorithm: Algorithm) {
-    crate::mem::warm_heap(
-        crate::codec::thread_contexts_bytes(algorithm)
-            + crate::mem::IO_ALLOCATIONS_BESIDE_CODEC_BYTES,
-    );
-    crate::codec::prepare_thread(algorithm);
+/// Make this thread's codec contexts in heap faulted in for them, with room for what the
+/// I/O path allocates still free beside them (see `mem::warm_heap`): for a thread readied
+/// otherwise (the queue thread, by the ublk layer; a standby's main thread).
+pub(super) fn prepare_codec_thread(codecs: ThreadCodecs) {
+    crate::mem::warm_heap(codec_thread_heap_bytes(codecs));
+    crate::codec::prepare_thread(codecs);
+}
+
+/// Heap a thread that compresses keeps faulted in: its codec contexts (a compressor at level
+/// 3 and a decompressor take 182 KiB, a compressor alone 88; higher levels take more, level
+/// 19's compressor alone 270 KiB) and what its I/O path allocates beside them.
+fn codec_thread_heap_bytes(codecs: ThreadCodecs) -> usize {
+    crate::codec::thread_contexts_bytes(codecs) + crate::mem::IO_ALLOCATIONS_BESIDE_CODEC_BYTES
 }
 
 /// Ready a thread that touches the store but compresses nothing (the serving process's main
-/// thread, which frees the slots the probe reports; the reserve's refill thread): as
-/// `ready_store_thread`, without the codec contexts.
+/// thread, which frees the slots the probe reports; the reserve's refill thread): stack and
+/// heap faulted in, an I/O flusher, top CPU priority.
 pub(super) fn ready_io_thread() {
     crate::mem::prepare_io_thread();
+    mark_io_thread();
+}
+
+fn mark_io_thread() {
     if let Err(error) = crate::os::set_io_flusher() {
         tracing::warn!(%error, "PR_SET_IO_FLUSHER failed on a store thread");
     }

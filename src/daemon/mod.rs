@@ -29,13 +29,14 @@ use tracing_subscriber::filter::Targets;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
-use crate::codec::BatchCodec;
+use crate::codec::{BatchCodec, ThreadCodecs};
 use crate::config::{self, DeviceOptions, DeviceSettings};
 use crate::gpu::NoGpu;
 use crate::slotfree::SlotFreeStats;
 use crate::stats::{self, DeviceReport};
 use crate::store::{
-    remove_shared, Backing, BatchedPageStore, Opened, StoreError, StoreThread, StoreThreads,
+    remove_shared, store_thread_codecs, Backing, BatchedPageStore, Opened, StoreError, StoreThread,
+    StoreThreads,
 };
 use crate::ublk::device::{block_path, char_class_path};
 use crate::ublk::{AddedDevice, Device, DeviceSpec, Standby, UblkError};
@@ -503,6 +504,7 @@ fn serve(
     // The codec contexts every thread that compresses new pages makes before it serves:
     // those of the stronger codec too, where memory running short switches to it.
     let thread_algorithm = settings.store.thread_algorithm();
+    let recompress = settings.store.recompress;
     // The store's compression pool (the flush's), a standby's too, before it waits: made at
     // the takeover, its threads faulted in their stacks, heaps and codec contexts while memory
     // was at the watermark, and the flush that the resumed queue's writes waited for waited
@@ -513,7 +515,7 @@ fn serve(
     rayon::ThreadPoolBuilder::new()
         .thread_name(crate::codec::pool_thread_name)
         .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
-        .start_handler(move |_| ready_store_thread(thread_algorithm))
+        .start_handler(move |_| ready_store_thread(ThreadCodecs::reading(thread_algorithm)))
         .build_global()
         .map_err(|error| {
             DaemonError::Daemon(format!(
@@ -544,7 +546,7 @@ fn serve(
             if role == StoreThread::Refill {
                 ready_refill_thread();
             } else {
-                ready_store_thread(thread_algorithm);
+                ready_store_thread(store_thread_codecs(role, algorithm, recompress));
             }
         })
         .map_err(io_error("starting the store's threads"))
@@ -557,7 +559,7 @@ fn serve(
         })?;
         let mut standby = Device::standby(id, handler.clone())?;
         // This thread compresses the pending pages of the store it resumes.
-        prepare_codec_thread(thread_algorithm);
+        prepare_codec_thread(ThreadCodecs::reading(thread_algorithm));
         // What the takeover allocates, kept ready (see `SparePages`): heap in this thread's
         // arena, as much as resuming the store as it is now needs (it grows as the serving
         // process stores pages, and is looked at again every ping), the page tables of the
@@ -826,7 +828,7 @@ fn serve(
                     Ok(SIGUSR2) => {
                         // `trueno-ublk compact`: in a thread of its own at the lowest priority.
                         match store.start_compaction(
-                            move |_| ready_store_thread(thread_algorithm),
+                            move |role| ready_store_thread(store_thread_codecs(role, algorithm, recompress)),
                             |done| tracing::info!(
                                 passes = done.passes,
                                 moved_pages = done.moved_pages,

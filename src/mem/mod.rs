@@ -68,8 +68,14 @@ pub const IO_ALLOCATIONS_BESIDE_CODEC_BYTES: usize = 64 << 10;
 /// the one lock, in reclaim, and every I/O thread that allocates waits with it.
 /// Call it first thing on every such thread.
 pub fn prepare_io_thread() {
+    prepare_io_thread_with_heap(IO_HEAP_WARM_BYTES);
+}
+
+/// `prepare_io_thread` for a thread whose heap is its codec contexts and little else (see
+/// `IO_ALLOCATIONS_BESIDE_CODEC_BYTES`): `heap_bytes` of free heap instead.
+pub fn prepare_io_thread_with_heap(heap_bytes: usize) {
     prefault_stack();
-    warm_heap(IO_HEAP_WARM_BYTES);
+    warm_heap(heap_bytes);
 }
 
 #[inline(never)]

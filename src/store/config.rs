@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use crate::codec::{Algorithm, Backend, BackendThresholds, BatchCodec, Compressor};
+use crate::codec::{Algorithm, Backend, BackendThresholds, BatchCodec, Compressor, ThreadCodecs};
+
+use super::StoreThread;
 
 /// Everything the store needs to know. The product's defaults are `config::StoreSettings`'s:
 /// the store has none of its own.
@@ -82,4 +84,81 @@ pub fn short_memory_algorithm(
 /// serve the LZ4 pages, which need none), else `algorithm`.
 pub fn thread_algorithm(algorithm: Algorithm, recompress: Option<RecompressConfig>) -> Algorithm {
     short_memory_algorithm(algorithm, recompress).unwrap_or(algorithm)
+}
+
+/// Whether a store of `algorithm` recompresses zstd pages: only a zstd store's are not
+/// already as small as recompression would make them (an LZ4 or adaptive store's zstd pages
+/// got zstd when memory was short, or by adaptive's choice).
+pub fn recompresses_zstd_pages(algorithm: Algorithm) -> bool {
+    matches!(algorithm, Algorithm::Zstd { .. })
+}
+
+/// The codec contexts the store's thread `role` keeps (see `codec::prepare_thread`): the
+/// flusher compresses new pages and reads none; the recompressor compresses with the
+/// recompression codec and decompresses only the zstd pages it recompresses (a compaction,
+/// which runs as it, moves pages without either); the refill thread compresses nothing.
+pub fn store_thread_codecs(
+    role: StoreThread,
+    algorithm: Algorithm,
+    recompress: Option<RecompressConfig>,
+) -> ThreadCodecs {
+    match (role, recompress) {
+        (StoreThread::Flusher, _) => {
+            ThreadCodecs::compressing(thread_algorithm(algorithm, recompress))
+        }
+        (StoreThread::Recompress, Some(config)) => ThreadCodecs {
+            compresses: config.algorithm,
+            decompresses_zstd: recompresses_zstd_pages(algorithm),
+        },
+        (StoreThread::Recompress, None) | (StoreThread::Refill, _) => ThreadCodecs::none(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn recompress(level: i32) -> Option<RecompressConfig> {
+        Some(RecompressConfig {
+            algorithm: Algorithm::Zstd { level },
+            idle: Duration::from_secs(30),
+            min_saving_divisor: 8,
+            cpu_percent: 50,
+        })
+    }
+
+    #[test]
+    fn only_threads_that_read_or_recompress_zstd_pages_keep_a_zstd_decompressor() {
+        let zstd = |level| Algorithm::Zstd { level };
+        // The default: LZ4, zstd:3 for idle pages and while memory is short.
+        let lz4 = |role| store_thread_codecs(role, Algorithm::Lz4, recompress(3));
+        assert_eq!(
+            lz4(StoreThread::Flusher),
+            ThreadCodecs::compressing(zstd(3))
+        );
+        // An LZ4 store's zstd pages are settled: the recompressor never decodes one.
+        assert_eq!(
+            lz4(StoreThread::Recompress),
+            ThreadCodecs::compressing(zstd(3))
+        );
+        assert_eq!(lz4(StoreThread::Refill), ThreadCodecs::none());
+        assert_eq!(
+            store_thread_codecs(StoreThread::Flusher, Algorithm::Lz4, None),
+            ThreadCodecs::none()
+        );
+        // A zstd store recompressing at a higher level decodes its zstd pages.
+        assert_eq!(
+            store_thread_codecs(StoreThread::Recompress, zstd(1), recompress(9)),
+            ThreadCodecs::reading(zstd(9))
+        );
+        assert_eq!(
+            store_thread_codecs(StoreThread::Flusher, zstd(1), recompress(9)),
+            ThreadCodecs::compressing(zstd(1))
+        );
+        // Without recompression the recompressor's thread (and a compaction) needs none.
+        assert_eq!(
+            store_thread_codecs(StoreThread::Recompress, zstd(1), None),
+            ThreadCodecs::none()
+        );
+    }
 }

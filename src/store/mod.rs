@@ -59,7 +59,9 @@ use crate::codec::{
 };
 use admission::SlotWait;
 use alloc::ZsAllocator;
-pub use config::{short_memory_algorithm, thread_algorithm, RecompressConfig, StoreConfig};
+pub use config::{
+    short_memory_algorithm, store_thread_codecs, thread_algorithm, RecompressConfig, StoreConfig,
+};
 pub use counters::StoreStats;
 use counters::{add, sub, Counters};
 pub use error::StoreError;

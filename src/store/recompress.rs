@@ -29,14 +29,12 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::alloc::Handle;
-use super::config::RecompressConfig;
+use super::config::{recompresses_zstd_pages, store_thread_codecs, RecompressConfig};
 use super::counters::add;
 use super::nanos;
 use super::table::{EntryGuard, Hint, PageState};
-use super::BatchedPageStore;
-use crate::codec::{
-    compress_page, decompress_page, page_len, Algorithm, Encoding, Page, PAGE_SIZE,
-};
+use super::{BatchedPageStore, StoreThread};
+use crate::codec::{compress_page, decompress_page, page_len, Encoding, Page, PAGE_SIZE};
 
 /// Ticks of the idle clock per idle threshold: a page counts as idle once its hint is this many
 /// ticks old, so it is recompressed between 15/16 and 17/16 of the threshold after its last
@@ -101,7 +99,11 @@ impl BatchedPageStore {
     /// The recompressor's thread: advance the idle clock every tick and, on each, make a pass
     /// over the table. Returns when the store shuts down.
     pub(super) fn recompress_loop(&self, config: RecompressConfig) {
-        crate::codec::prepare_thread(config.algorithm);
+        crate::codec::prepare_thread(store_thread_codecs(
+            StoreThread::Recompress,
+            self.config.algorithm,
+            Some(config),
+        ));
         let tick = tick(&config);
         let mut scratch = Scratch::new();
         loop {
@@ -124,11 +126,6 @@ impl BatchedPageStore {
         let ticks = self.epoch.elapsed().as_nanos() / tick.as_nanos().max(1);
         self.idle_clock
             .set(u64::try_from(ticks).unwrap_or(u64::MAX));
-    }
-
-    /// Whether this store compresses its new pages with zstd.
-    fn writes_zstd(&self) -> bool {
-        matches!(self.config.algorithm, Algorithm::Zstd { .. })
     }
 
     fn stopping(&self) -> bool {
@@ -164,7 +161,8 @@ impl BatchedPageStore {
             // A zstd page of a store that writes LZ4 (or adaptive) got zstd when it was
             // written, while memory was short (or by adaptive's choice): it is as small as
             // this would make it, give or take the 1/8 a result must save.
-            let settled = hint.settled() || (encoding == Encoding::Zstd && !self.writes_zstd());
+            let settled = hint.settled()
+                || (encoding == Encoding::Zstd && !recompresses_zstd_pages(self.config.algorithm));
             let idle = hint.age(self.idle_clock.now()) >= TICKS_PER_IDLE;
             let to_recompress = !settled && idle;
             let to_move = !to_recompress && self.alloc.class_evacuating(usize::from(len));
