@@ -51,9 +51,9 @@ const COMMIT_GROUP_BYTES: usize = 256 << 10;
 pub const QUIET_AFTER: Duration = Duration::from_secs(1);
 const QUIET_TARGET_DIVISOR: u64 = 4;
 /// ...and never more than this: the target grows with RAM (up to 64 MiB), the idle footprint
-/// must not (16 MiB locked on an idle 16 GiB machine before this). Memory getting short, which
-/// comes before swap does, brings the whole target back.
-const QUIET_TARGET_MAX_BYTES: u64 = 1 << 20;
+/// must not (16 MiB locked on an idle 16 GiB machine before this; 1 MiB until 2026-11-29).
+/// Memory getting short, which comes before swap does, brings the whole target back.
+const QUIET_TARGET_MAX_BYTES: u64 = 512 << 10;
 /// A reserve in use holds up to this fraction of its target beyond it before giving chunks
 /// back (see `trim_above`).
 const TRIM_SLACK_DIVISOR: u64 = 8;
@@ -1298,7 +1298,7 @@ impl ChunkReserve {
         demand_share(demand, total, target).max(floor)
     }
 
-    /// The target of a refill pass: `target_bytes`, or a quarter of it (at most 1 MiB) once no chunk has been
+    /// The target of a refill pass: `target_bytes`, or a quarter of it (at most 512 KiB) once no chunk has been
     /// taken for `QUIET_AFTER` while memory is not short. Why: the reserve is locked memory
     /// held for the next burst of writes, and a swap device is idle most of its life (the
     /// issue's idle footprint); the first chunk taken, or memory getting short, brings the
@@ -1791,8 +1791,8 @@ mod tests {
     }
 
     #[test]
-    fn a_quiet_reserve_keeps_a_quarter_of_its_target_at_most_1_mib_until_a_chunk_is_taken() {
-        for target in [4 << 20, 16 << 20] {
+    fn a_quiet_reserve_keeps_a_quarter_of_its_target_at_most_512_kib_until_a_chunk_is_taken() {
+        for target in [1 << 20, 4 << 20, 16 << 20] {
             let reserve = ChunkReserve::new(target, arena(), &[1; 8]);
             reserve.refill();
             let full = reserve.held_bytes();
@@ -1810,7 +1810,7 @@ mod tests {
             reserve.set_memory_short(false);
             quiet();
             reserve.refill();
-            let quiet_target = (target / QUIET_TARGET_DIVISOR).min(1 << 20);
+            let quiet_target = (target / QUIET_TARGET_DIVISOR).min(QUIET_TARGET_MAX_BYTES);
             let held = reserve.held_bytes();
             assert!(held <= quiet_target, "{held} of a {target}-byte target");
             assert!(held >= quiet_target / 2, "{held} of a {target}-byte target");
