@@ -31,10 +31,11 @@ const OPEN: u64 = 1 << 63;
 const COUNT_MASK: u64 = (1 << 32) - 1;
 const LIMIT_SHIFT: u32 = 32;
 const LIMIT_MASK: u64 = (1 << 31) - 1;
-/// Slots each batch keeps with memory while no writes come and memory is not short (128 KiB
-/// a batch): what a swap device's occasional page needs. Why not all: every slot is a locked
-/// page, and the two batches' 512 slots were 2 MiB of the daemon's idle footprint.
-pub(super) const QUIET_SLOTS: usize = 32;
+/// Slots each batch keeps with memory while no writes come and memory is not short (64 KiB a
+/// batch, one step of growth: `GROW_STEP_SLOTS`): what a swap device's occasional page needs.
+/// Why not all: every slot is a locked page, and the two batches' 512 slots were 2 MiB of the
+/// daemon's idle footprint (32 slots a batch from 2026-11-28 to 2026-11-29).
+pub(super) const QUIET_SLOTS: usize = 16;
 /// `first_write_ns` of a batch none has written to yet.
 const NO_WRITE: u64 = u64::MAX;
 
