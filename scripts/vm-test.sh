@@ -346,6 +346,8 @@ if [ "$MODE" != kernel-only ]; then
         mkdir -p "$STAGE/opt/previous"
         objcopy --strip-debug "$PREVIOUS_BIN" "$STAGE/opt/previous/trueno-ublk"
         xz -9 "$STAGE/opt/previous/trueno-ublk"
+        # Its libraries may be more than this build's (it still linked libm).
+        copy_libs "$PREVIOUS_BIN"
     fi
     if [ "$MODE" = bench-fio ] && [ -n "${VM_COMPARE_BIN:-}" ]; then
         [ -x "$VM_COMPARE_BIN" ] || die "no binary at $VM_COMPARE_BIN (VM_COMPARE_BIN)"
