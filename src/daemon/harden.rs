@@ -26,24 +26,22 @@ pub(super) fn lock_memory() {
 /// codec contexts made in heap faulted in for them with room for what its I/O path allocates
 /// beside them, an I/O flusher, top CPU priority.
 pub(super) fn ready_store_thread(codecs: ThreadCodecs) {
-    crate::mem::prepare_io_thread_with_heap(codec_thread_heap_bytes(codecs));
+    crate::mem::prefault_stack();
     mark_io_thread();
-    crate::codec::prepare_thread(codecs);
+    prepare_codec_thread(codecs);
 }
 
 /// Make this thread's codec contexts in heap faulted in for them, with room for what the
-/// I/O path allocates still free beside them (see `mem::warm_heap`): for a thread readied
-/// otherwise (the queue thread, by the ublk layer; a standby's main thread).
+/// I/O path allocates still free beside them (see `mem::warm_heap`): its heap is its codec
+/// contexts (a compressor at level 3 and a decompressor take 182 KiB, a compressor alone 88;
+/// higher levels take more, level 19's compressor alone 270 KiB) and little else. For a
+/// store thread (`ready_store_thread`), a queue thread (by the ublk layer, which faults its
+/// stack in) and a standby's main thread.
 pub(super) fn prepare_codec_thread(codecs: ThreadCodecs) {
-    crate::mem::warm_heap(codec_thread_heap_bytes(codecs));
+    crate::mem::warm_heap(
+        crate::codec::thread_contexts_bytes(codecs) + crate::mem::IO_ALLOCATIONS_BESIDE_CODEC_BYTES,
+    );
     crate::codec::prepare_thread(codecs);
-}
-
-/// Heap a thread that compresses keeps faulted in: its codec contexts (a compressor at level
-/// 3 and a decompressor take 182 KiB, a compressor alone 88; higher levels take more, level
-/// 19's compressor alone 270 KiB) and what its I/O path allocates beside them.
-fn codec_thread_heap_bytes(codecs: ThreadCodecs) -> usize {
-    crate::codec::thread_contexts_bytes(codecs) + crate::mem::IO_ALLOCATIONS_BESIDE_CODEC_BYTES
 }
 
 /// Ready a thread that touches the store but compresses nothing (the serving process's main

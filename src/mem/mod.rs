@@ -35,10 +35,12 @@ const HOST_PAGE: usize = 4096;
 /// Stack every I/O-path thread (queue, flusher, rayon worker) is given.
 pub const IO_THREAD_STACK_BYTES: usize = 1 << 20;
 /// How much of it is faulted in up front: deeper than any I/O path goes. liblz4's compressor,
-/// the deepest frame, takes 16 KiB; the deepest stack measured was 36 KiB (a build faulting in
-/// 4 KiB, `trueno-ublk bench` with lz4, zstd and recompression, each thread's stack mapping's
-/// Rss sampled from /proc/PID/smaps, 2026-11-26). Every KiB here is locked memory in the
-/// serving process and the standby alike, for each of their I/O threads.
+/// the deepest frame, takes 16 KiB. Measured with builds faulting in 4 KiB, each thread's
+/// stack mapping's Rss from /proc/PID/smaps: 36 KiB at most in `trueno-ublk bench` with lz4,
+/// zstd and recompression (2026-11-26); 56 KiB in two of the serving process's six I/O
+/// threads after the VM's near-OOM stage (2026-11-29; with 64 KiB faulted in, 72-76 KiB at
+/// idle: a thread's start frames and TLS above the prefault take 8-12). Every KiB here is
+/// locked memory in the serving process and the standby alike, for each of their I/O threads.
 const IO_STACK_PREFAULT_BYTES: usize = 64 << 10;
 /// Free heap each I/O-path thread faults in for its own malloc arena.
 const IO_HEAP_WARM_BYTES: usize = 256 << 10;
@@ -68,18 +70,16 @@ pub const IO_ALLOCATIONS_BESIDE_CODEC_BYTES: usize = 64 << 10;
 /// the one lock, in reclaim, and every I/O thread that allocates waits with it.
 /// Call it first thing on every such thread.
 pub fn prepare_io_thread() {
-    prepare_io_thread_with_heap(IO_HEAP_WARM_BYTES);
-}
-
-/// `prepare_io_thread` for a thread whose heap is its codec contexts and little else (see
-/// `IO_ALLOCATIONS_BESIDE_CODEC_BYTES`): `heap_bytes` of free heap instead.
-pub fn prepare_io_thread_with_heap(heap_bytes: usize) {
     prefault_stack();
-    warm_heap(heap_bytes);
+    warm_heap(IO_HEAP_WARM_BYTES);
 }
 
+/// Fault in (and so, under `mlockall`, lock) the next `IO_STACK_PREFAULT_BYTES` of the calling
+/// thread's stack: the first half of `prepare_io_thread`, for a thread whose heap is readied
+/// otherwise (one whose heap is its codec contexts and little else, see
+/// `IO_ALLOCATIONS_BESIDE_CODEC_BYTES`).
 #[inline(never)]
-fn prefault_stack() {
+pub fn prefault_stack() {
     let mut probe = [0u8; IO_STACK_PREFAULT_BYTES];
     std::hint::black_box(&mut probe);
 }

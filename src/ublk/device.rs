@@ -726,7 +726,8 @@ fn run_queue(
     go: &Receiver<Arc<File>>,
     ready: &Sender<QueueReady>,
 ) -> QueueExit {
-    crate::mem::prepare_io_thread();
+    // The handler readies the heap, for what its `handle` keeps there.
+    crate::mem::prefault_stack();
     handler.prepare_thread();
     let parts = match QueueParts::prepare(setup) {
         Ok(parts) => parts,

@@ -28,8 +28,10 @@ fn tag_of(user_data: u64) -> u16 {
 
 /// What serves the requests: the daemon's store adapter. Called from every queue thread.
 pub trait BlockHandler: Send + Sync {
-    /// Called once on each queue thread before its first request: make what `handle` needs
-    /// on this thread now, while allocating cannot wait on this device.
+    /// Called once on each queue thread before its first request, its stack already faulted
+    /// in: make what `handle` needs on this thread now, while allocating cannot wait on this
+    /// device, and fault in the free heap it will allocate from while serving, beside what
+    /// the queue's setup and fetch allocate (a few KiB; see `mem::prepare_io_thread`).
     fn prepare_thread(&self);
 
     /// Whether the queue may watch its ring for the next request after serving some, before
