@@ -435,7 +435,7 @@ impl Segment {
         Ok(())
     }
 
-    fn check(&self, offset: usize, len: usize) -> std::io::Result<()> {
+    pub(super) fn check(&self, offset: usize, len: usize) -> std::io::Result<()> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len && offset % HOST_PAGE == 0 && len % HOST_PAGE == 0 => {
                 Ok(())
@@ -490,8 +490,8 @@ impl Segment {
     }
 
     /// Bytes `[offset, offset + len)`, shared. The caller makes sure nobody writes them
-    /// meanwhile (see `Chunk`).
-    fn bytes(&self, offset: usize, len: usize) -> &[u8] {
+    /// meanwhile (see `ArenaChunk`).
+    pub(super) fn bytes(&self, offset: usize, len: usize) -> &[u8] {
         // SAFETY: callers pass ranges inside the mapping (checked when their view was made),
         // which lives as long as `&self`; exclusion of writers is the view's contract.
         unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(offset), len) }
@@ -501,7 +501,7 @@ impl Segment {
         clippy::mut_from_ref,
         reason = "views hand out disjoint ranges under their own locks"
     )]
-    fn bytes_mut(&self, offset: usize, len: usize) -> &mut [u8] {
+    pub(super) fn bytes_mut(&self, offset: usize, len: usize) -> &mut [u8] {
         // SAFETY: as for `bytes`; the view holding the range's exclusive lock (or owning the
         // range outright) is the only one that reaches it.
         unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(offset), len) }
@@ -714,55 +714,6 @@ impl DerefMut for SlotWrite<'_> {
     }
 }
 
-/// A range of a segment owned by one holder (an arena chunk): read through `&`, written
-/// through `&mut`, like a `Box<[u8]>` whose memory is in the segment.
-pub struct Chunk {
-    segment: Arc<Segment>,
-    offset: usize,
-    len: usize,
-}
-
-impl Chunk {
-    /// The range `[offset, offset + len)` as a chunk. The caller (the arena) hands out each
-    /// range to one holder at a time.
-    pub(super) fn new(segment: &Arc<Segment>, offset: usize, len: usize) -> std::io::Result<Self> {
-        segment.check(offset, len)?;
-        Ok(Self {
-            segment: Arc::clone(segment),
-            offset,
-            len,
-        })
-    }
-
-    pub fn offset(&self) -> usize {
-        self.offset
-    }
-
-    pub fn decommit(&self) -> std::io::Result<()> {
-        self.segment.decommit(self.offset, self.len)
-    }
-}
-
-impl std::fmt::Debug for Chunk {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Chunk({}+{})", self.offset, self.len)
-    }
-}
-
-impl Deref for Chunk {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        self.segment.bytes(self.offset, self.len)
-    }
-}
-
-impl DerefMut for Chunk {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        // `&mut self`: this holder is the only one reaching the range.
-        self.segment.bytes_mut(self.offset, self.len)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -780,12 +731,18 @@ mod tests {
         let slots = seg.page_slots(HOST_PAGE, 2).unwrap();
         slots.write(1).fill(9);
         assert!(slots.read(1).iter().all(|&b| b == 9));
-        let mut chunk = Chunk::new(&seg, 4 * HOST_PAGE, 2 * HOST_PAGE).unwrap();
-        chunk.fill(5);
-        chunk.decommit().unwrap();
+        seg.check(4 * HOST_PAGE, 2 * HOST_PAGE).unwrap();
+        assert!(
+            seg.check(4 * HOST_PAGE, HOST_PAGE + 1).is_err(),
+            "not whole pages"
+        );
+        seg.bytes_mut(4 * HOST_PAGE, 2 * HOST_PAGE).fill(5);
+        seg.decommit(4 * HOST_PAGE, 2 * HOST_PAGE).unwrap();
         seg.commit(4 * HOST_PAGE, 2 * HOST_PAGE).unwrap();
         assert!(
-            chunk.iter().all(|&b| b == 0),
+            seg.bytes(4 * HOST_PAGE, 2 * HOST_PAGE)
+                .iter()
+                .all(|&b| b == 0),
             "a given-back range reads as zeros"
         );
         assert!(slots.read(1).iter().all(|&b| b == 9));
