@@ -110,9 +110,10 @@ impl Arena {
     pub fn chunk_at(self: &Arc<Self>, offset: usize, len: usize) -> std::io::Result<ArenaChunk> {
         let fits = offset.checked_add(len).is_some_and(|end| end <= self.len);
         let einval = || std::io::Error::from_raw_os_error(libc::EINVAL);
-        if !fits || offset % HOST_PAGE != 0 || len % HOST_PAGE != 0 {
+        if !fits {
             return Err(einval());
         }
+        // Whole pages: the arena starts on a page, so the segment's check says it.
         self.segment.check(self.start + offset, len)?;
         Ok(ArenaChunk {
             arena: Arc::clone(self),
@@ -202,9 +203,15 @@ impl ArenaChunk {
         self.arena.start + self.page() * HOST_PAGE
     }
 
+    /// Its length in bytes (whole pages): what `len()` gives, without going through the
+    /// segment's view of the memory.
+    fn byte_len(&self) -> usize {
+        self.pages as usize * HOST_PAGE
+    }
+
     /// Return the chunk's pages to the system; `recommit_all` brings them back (zeroed).
     pub fn decommit(&self) -> std::io::Result<()> {
-        self.arena.segment.decommit(self.offset(), self.len())
+        self.arena.segment.decommit(self.offset(), self.byte_len())
     }
 
     /// Give back the pages of every chunk in `chunks`, one system call per run of adjacent
@@ -243,11 +250,11 @@ impl ArenaChunk {
                 Some((run_segment, start, len))
                     if Arc::ptr_eq(run_segment, segment) && *start + *len == offset =>
                 {
-                    *len += chunk.len();
+                    *len += chunk.byte_len();
                 }
                 _ => {
                     if let Some((run_segment, start, len)) =
-                        run.replace((segment, offset, chunk.len()))
+                        run.replace((segment, offset, chunk.byte_len()))
                     {
                         run_op(run_segment, start, len);
                     }
@@ -263,13 +270,13 @@ impl ArenaChunk {
     /// The chunk as two: its first `len` bytes (whole pages, fewer than it has) and the rest,
     /// with their memory as it is. `Err` gives the chunk back whole.
     pub fn split(self, len: usize) -> Result<(ArenaChunk, ArenaChunk), ArenaChunk> {
-        if len == 0 || len >= self.len() || len % HOST_PAGE != 0 {
+        if len == 0 || len >= self.byte_len() || len % HOST_PAGE != 0 {
             return Err(self);
         }
         let offset = self.page() * HOST_PAGE;
         match (
             self.arena.chunk_at(offset, len),
-            self.arena.chunk_at(offset + len, self.len() - len),
+            self.arena.chunk_at(offset + len, self.byte_len() - len),
         ) {
             (Ok(head), Ok(rest)) => Ok((head, rest)),
             _ => Err(self),
@@ -284,11 +291,13 @@ impl ArenaChunk {
     ) -> Result<ArenaChunk, (ArenaChunk, ArenaChunk)> {
         let offset = first.page() * HOST_PAGE;
         if !Arc::ptr_eq(&first.arena, &second.arena)
-            || offset + first.len() != second.page() * HOST_PAGE
+            || offset + first.byte_len() != second.page() * HOST_PAGE
         {
             return Err((first, second));
         }
-        let joined = first.arena.chunk_at(offset, first.len() + second.len());
+        let joined = first
+            .arena
+            .chunk_at(offset, first.byte_len() + second.byte_len());
         joined.map_err(|_| (first, second))
     }
 }
@@ -302,18 +311,14 @@ impl std::fmt::Debug for ArenaChunk {
 impl Deref for ArenaChunk {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        self.arena
-            .segment
-            .bytes(self.offset(), self.pages as usize * HOST_PAGE)
+        self.arena.segment.bytes(self.offset(), self.byte_len())
     }
 }
 
 impl DerefMut for ArenaChunk {
     fn deref_mut(&mut self) -> &mut [u8] {
         // `&mut self`: this holder is the only one reaching the range.
-        self.arena
-            .segment
-            .bytes_mut(self.offset(), self.pages as usize * HOST_PAGE)
+        self.arena.segment.bytes_mut(self.offset(), self.byte_len())
     }
 }
 
