@@ -15,6 +15,7 @@
 #   other-kills   rounds in which the OOM killer killed anything but the workers
 #   wake-up ms    the longest wake-up delay: median and worst of the rounds
 #   bogo ops/s    the workers' progress: median of the rounds
+#   idle CPU s    seconds the VM's CPUs idled during the run (of STRESS_S x 2): median
 # and for trueno-ublk, rounds that failed the stage's own checks against zram's in the same VM:
 # failed writes where zram's failed none, a wake-up over zram's + 2 s.
 set -euo pipefail
@@ -48,7 +49,7 @@ function median(list,    n, a, i, j, t) {
 }
 {
     round = $1; key = $2; value = $3
-    for (n = split("write_errors oom_kills_not_workers wakeup_max_delay_ms bogo_ops_s", names, " "); n > 0; n--) {
+    for (n = split("write_errors oom_kills_not_workers wakeup_max_delay_ms bogo_ops_s cpu_idle_s", names, " "); n > 0; n--) {
         suffix = "_" names[n]
         if (substr(key, length(key) - length(suffix) + 1) == suffix) {
             tag = substr(key, 1, length(key) - length(suffix))
@@ -59,12 +60,12 @@ function median(list,    n, a, i, j, t) {
     }
 }
 END {
-    printf "%-14s %-6s %5s %14s %12s %19s %11s\n", "case", "device", "runs", "failed-writes", "other-kills", "wake-up ms (med/max)", "bogo ops/s"
+    printf "%-14s %-6s %5s %14s %12s %19s %11s %10s\n", "case", "device", "runs", "failed-writes", "other-kills", "wake-up ms (med/max)", "bogo ops/s", "idle CPU s"
     for (c = 1; c <= ncases; c++) {
         kase = cases[c]
         for (d = 1; d <= 2; d++) {
             device = d == 1 ? "zram" : "ublk"; tag = device "_" kase
-            runs = failed = others = 0; worst = 0; wakes = bogos = ""
+            runs = failed = others = 0; worst = 0; wakes = bogos = idles = ""
             for (r = 1; r <= rounds; r++) {
                 if (!((r, tag, "write_errors") in fig)) continue
                 runs++
@@ -73,8 +74,9 @@ END {
                 w = fig[r, tag, "wakeup_max_delay_ms"]; wakes = wakes " " w
                 if (w + 0 > worst) worst = w + 0
                 bogos = bogos " " fig[r, tag, "bogo_ops_s"]
+                if ((r, tag, "cpu_idle_s") in fig) idles = idles " " fig[r, tag, "cpu_idle_s"]
             }
-            printf "%-14s %-6s %5d %14d %12d %12s/%-6d %11s\n", kase, device, runs, failed, others, median(wakes), worst, median(bogos)
+            printf "%-14s %-6s %5d %14d %12d %12s/%-6d %11s %10s\n", kase, device, runs, failed, others, median(wakes), worst, median(bogos), median(idles)
         }
         worse_writes = worse_wake = lost = 0
         for (r = 1; r <= rounds; r++) {

@@ -9,7 +9,8 @@
 # (stress-ng divides --vm-bytes between its workers) in the "work" cgroup, while `vmtool
 # wakeup` there measures how late an ordinary process wakes up. Figures per device and case:
 # workers' bogo ops/s, failed swap writes, OOM kills (all, and of anything but the workers),
-# the longest wake-up delay, OOM kills the store asked for. Checks, per case, ublk against
+# the longest wake-up delay, OOM kills the store asked for, the CPU seconds of the daemon's
+# threads, of kswapd and of idle CPUs over the run. Checks, per case, ublk against
 # zram in this VM: no verify failure, write errors 0 where zram's are 0, no OOM kill of
 # anything but the workers where zram killed only workers, wake-up delay at most zram's + 2 s;
 # bogo ops/s against zram's is printed (a NOTE when lower), not checked. A kernel panic or
@@ -44,6 +45,26 @@ failed_writes() {
     zram) awk '{ print $2 }' /sys/block/zram0/io_stat ;;
     *) json_field failed_writes ;;
     esac
+}
+
+# cpu_ticks: clock ticks (user + system) used so far by the daemon's threads and kswapd, by
+# thread name, and the CPUs' idle ticks (idle + iowait): where the case's CPU time went beside
+# the workers' own (stress-ng prints theirs).
+cpu_ticks() {
+    cat /proc/[0-9]*/task/[0-9]*/stat 2>/dev/null | awk '
+        $2 ~ /^\((trueno|ublk|kswapd)/ { t[$2] += $14 + $15 }
+        END { for (n in t) print n, t[n] }'
+    awk '/^cpu / { print "(idle)", $5 + $6 }' /proc/stat
+}
+
+# cpu_seconds BEFORE AFTER [PATTERN]: CPU seconds between two cpu_ticks outputs, by name
+# (" name=s" each), or summed over the names matching PATTERN.
+cpu_seconds() {
+    awk -v p="${3:-}" 'NR == FNR { b[$1] = $2; next }
+        { d = $2 - b[$1] }
+        p == "" && d > 0 { printf " %s=%.1f", $1, d / 100 }
+        p != "" && $1 ~ p { s += d }
+        END { if (p != "") printf "%.1f", s / 100 }' "$1" "$2"
 }
 
 # stress_case NAME METHOD MIB: one stress-ng run with swap on; figures under NAME_METHOD_MIB.
@@ -90,10 +111,12 @@ stress_case() {
     # A swap run for the monitor: swap that stops moving for STALL_S fails the VM at once, with
     # where each of the daemon's threads waits (a wedged case otherwise waits for the VM's end).
     touch /run/pressure-on
+    cpu_ticks >/tmp/cpu.before
     work env LD_LIBRARY_PATH=$SNG/lib timeout -s KILL $((STRESS_S + 120)) $SNG/stress-ng --vm 2 \
         --vm-bytes "$((2 * mib))M" --vm-method "$method" --vm-keep --verify -t "${STRESS_S}s" \
         --metrics-brief --yaml /tmp/sng.yaml >/tmp/sng.out 2>&1
     rc=$?
+    cpu_ticks >/tmp/cpu.after
     rm -f /run/pressure-on
     touch /tmp/stress.done
     echo 1 <>/tmp/stress.fifo # read-write: never blocks, even with the reader gone
@@ -109,6 +132,7 @@ stress_case() {
     vfail=$(grep -ciE 'verif.*fail|fail.*verif|bit error|miscompare' /tmp/sng.out)
     echo "$tag: stress-ng exit $rc, bogo ops/s ${bogo:-none}, failed writes $((w1 - w0)), OOM kills $kills ($others not workers), longest wake-up delay ${delay:-none} ms"
     echo "$tag: the longest wake-up: $(grep '^WAKEUP_WORST' /tmp/wakeup.out)"
+    echo "$tag: CPU seconds over the run:$(cpu_seconds /tmp/cpu.before /tmp/cpu.after)"
     head -n 80 /tmp/stalls.out | sed "s/^/$tag: /"
     grep -E 'Write-error|resource error|Kernel panic|deadlocked' "/tmp/dmesg.$tag" | head -n 3
     # The refill thread's backtrace, where `vmtool stalls` asked for the CPUs' (sysrq l).
@@ -129,6 +153,8 @@ stress_case() {
     sfigure "${tag}_oom_kills" "$kills"
     sfigure "${tag}_oom_kills_not_workers" "$others"
     sfigure "${tag}_wakeup_max_delay_ms" "${delay:--1}"
+    sfigure "${tag}_cpu_idle_s" "$(cpu_seconds /tmp/cpu.before /tmp/cpu.after '^[(]idle')"
+    sfigure "${tag}_cpu_kswapd_s" "$(cpu_seconds /tmp/cpu.before /tmp/cpu.after '^[(]kswapd')"
     [ "$name" = zram ] || {
         sfigure "${tag}_oom_kills_asked" "$(($(json_field oom_kills_asked) - k0))"
         sfigure "${tag}_deferred_writes" "$(($(json_field deferred) - d0))"
@@ -143,6 +169,7 @@ stress_case() {
         # longest wait of the device's life so far.
         sfigure "${tag}_long_waited_writes" "$(($(json_field long_waited_writes) - l0))"
         sfigure "${tag}_longest_write_wait_ms_so_far" "$(json_field longest_write_wait_ms)"
+        sfigure "${tag}_cpu_daemon_s" "$(cpu_seconds /tmp/cpu.before /tmp/cpu.after '^[(](trueno|ublk)')"
     }
 }
 
