@@ -56,7 +56,8 @@
 #      is free once its last user lets go.
 # A monitor prints free memory and swap counters every 20 s and, if the test is still running
 # at WATCHDOG_S or swap stops moving for STALL_S during a pressure run, dumps the blocked tasks
-# to the console and fails the run.
+# to the console and fails the run. If this shell dies (the OOM killer took it, say), the VM's
+# init has the monitor print its last 30 seconds and every process's state.
 
 . /test/env
 # The build an upgrade starts from, when vm-test.sh put one in (xz-compressed until used; the

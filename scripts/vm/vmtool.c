@@ -77,7 +77,12 @@
  *       swapped in or out for STALL_S, it prints the end of each daemon log and every
  *       daemon thread's state twice (a second apart), dumps blocked tasks, all tasks,
  *       the running CPUs and memory to the console (sysrq w, t, l, m), prints a FAIL
- *       verdict and powers the VM off.
+ *       verdict and powers the VM off. Samples every second and keeps the last
+ *       ACCOUNT_SAMPLES; on SIGUSR1 (the init's, when the test ended with an error: its
+ *       shell killed by the OOM killer, say) prints them, every process's state, resident
+ *       and swapped size, OOM score adjustment and wait channel, the kernel stack of each
+ *       thread in uninterruptible sleep and every daemon thread's, creates
+ *       /run/monitor-account-done and exits.
  *
  * The mixed pattern: page p (4 KiB) of a run with seed s is
  *   - all zero when p % 50 == 0 (2%: same-filled pages never reach a codec),
@@ -756,6 +761,108 @@ static void daemons_rss(char *out, size_t cap)
 	closedir(proc);
 }
 
+/* Task flags of /proc/PID/stat (include/linux/sched.h). */
+#define PF_EXITING 0x00000004u
+#define PF_KTHREAD 0x00200000u
+
+/* One second of the monitor's record, for the account of a test that died. */
+struct monitor_sample {
+	double t;
+	long long mem_free, mem_available, swap_free, swap_cached, pswpin, pswpout, oom_kill;
+	char daemons[256];
+};
+#define ACCOUNT_SAMPLES 30
+static volatile sig_atomic_t account_asked;
+
+static void ask_for_account(int signal)
+{
+	(void)signal;
+	account_asked = 1;
+}
+
+/* Every process but kernel threads, and every task in uninterruptible sleep: state (and
+ * whether it is exiting), resident and swapped size, OOM score adjustment, wait channel; the
+ * kernel stack of each of its threads in uninterruptible sleep. */
+static void print_processes(void)
+{
+	DIR *proc = opendir("/proc");
+	if (!proc)
+		return;
+	struct dirent *e;
+	while ((e = readdir(proc))) {
+		if (e->d_name[0] < '1' || e->d_name[0] > '9')
+			continue;
+		char path[600], status[4096], stat[1024], adj[32], wchan[128];
+		snprintf(path, sizeof(path), "/proc/%s/status", e->d_name);
+		if (!read_small(path, status, sizeof(status)))
+			continue;
+		char *state = strstr(status, "State:");
+		char letter = state ? state[6 + strspn(state + 6, " \t")] : '?';
+		long long rss = field_of(status, "VmRSS");
+		/* The task's flags (after the ")" that ends the name: state ppid pgrp session tty
+		 * tpgid flags): kernel threads are left out unless blocked, and a process that is
+		 * exiting (an OOM victim on its way out, its memory not yet freed) is said so. */
+		unsigned flags = 0;
+		snprintf(path, sizeof(path), "/proc/%s/stat", e->d_name);
+		char *after_name = read_small(path, stat, sizeof(stat)) ? strrchr(stat, ')') : NULL;
+		if (after_name)
+			(void)sscanf(after_name + 2, "%*c %*d %*d %*d %*d %*d %u", &flags);
+		if ((flags & PF_KTHREAD) && letter != 'D')
+			continue;
+		snprintf(path, sizeof(path), "/proc/%s/oom_score_adj", e->d_name);
+		if (!read_small(path, adj, sizeof(adj)))
+			strcpy(adj, "?");
+		adj[strcspn(adj, "\n")] = 0;
+		snprintf(path, sizeof(path), "/proc/%s/wchan", e->d_name);
+		if (!read_small(path, wchan, sizeof(wchan)))
+			strcpy(wchan, "?");
+		char *name = strstr(status, "Name:");
+		int name_len = name ? (int)strcspn(name + 6, "\n") : 1;
+		printf("account: pid %s %.*s state %c%s rss %lld kB swap %lld kB oom_score_adj %s "
+		       "wchan %s\n",
+		       e->d_name, name_len, name ? name + 6 : "?", letter,
+		       (flags & PF_EXITING) ? " exiting" : "", rss, field_of(status, "VmSwap"), adj,
+		       wchan);
+		snprintf(path, sizeof(path), "/proc/%s/task", e->d_name);
+		DIR *tasks = opendir(path);
+		if (!tasks)
+			continue;
+		struct dirent *t;
+		while ((t = readdir(tasks))) {
+			char stat[1024];
+			snprintf(path, sizeof(path), "/proc/%s/task/%s/stat", e->d_name, t->d_name);
+			if (t->d_name[0] < '1' || t->d_name[0] > '9' ||
+			    !read_small(path, stat, sizeof(stat)))
+				continue;
+			char *rest = strrchr(stat, ')');
+			if (rest && rest[1] == ' ' && rest[2] == 'D') {
+				printf("account:   thread %s in D:\n", t->d_name);
+				print_kernel_stack(e->d_name, t->d_name);
+			}
+		}
+		closedir(tasks);
+	}
+	closedir(proc);
+}
+
+/* The account of a test that died: the last seconds' samples (oldest first), every
+ * process, every daemon thread. */
+static void print_account(const struct monitor_sample *samples, unsigned taken)
+{
+	printf("account: the test ended with an error; the monitor's last %u seconds:\n",
+	       taken < ACCOUNT_SAMPLES ? taken : ACCOUNT_SAMPLES);
+	for (unsigned i = taken > ACCOUNT_SAMPLES ? taken - ACCOUNT_SAMPLES : 0; i < taken; i++) {
+		const struct monitor_sample *s = &samples[i % ACCOUNT_SAMPLES];
+		printf("account: t=%.1f s MemFree=%lld MemAvailable=%lld SwapFree=%lld "
+		       "SwapCached=%lld kB pswpin=%lld pswpout=%lld oom_kill=%lld%s\n",
+		       s->t, s->mem_free, s->mem_available, s->swap_free, s->swap_cached,
+		       s->pswpin, s->pswpout, s->oom_kill, s->daemons);
+	}
+	print_processes();
+	print_daemon_threads();
+	fflush(stdout);
+}
+
 static int cmd_monitor(int argc, char **argv)
 {
 	if (argc != 4) {
@@ -781,23 +888,53 @@ static int cmd_monitor(int argc, char **argv)
 	struct sched_param sp = { .sched_priority = 50 };
 	if (sched_setscheduler(0, SCHED_FIFO, &sp))
 		perror("vmtool monitor: SCHED_FIFO");
+	/* The watchdog must outlive whatever the OOM killer takes. */
+	int own_adj = open("/proc/self/oom_score_adj", O_WRONLY);
+	if (own_adj < 0 || write(own_adj, "-1000", 5) != 5)
+		perror("vmtool monitor: oom_score_adj");
+	if (own_adj >= 0)
+		close(own_adj);
+	/* No SA_RESTART: the signal ends the second's sleep. */
+	struct sigaction on_usr1 = { .sa_handler = ask_for_account };
+	sigaction(SIGUSR1, &on_usr1, NULL);
+	FILE *pidfile = fopen("/run/monitor.pid", "w");
+	if (pidfile) {
+		fprintf(pidfile, "%d\n", (int)getpid());
+		fclose(pidfile);
+	}
 	static char mem[8192], vm[16384];
+	static struct monitor_sample samples[ACCOUNT_SAMPLES];
 	double t0 = now_s();
-	for (;;) {
-		sleep(interval);
+	for (unsigned taken = 0;; taken++) {
+		sleep(1);
+		if (account_asked) {
+			print_account(samples, taken);
+			close(open("/run/monitor-account-done", O_WRONLY | O_CREAT, 0644));
+			return 0;
+		}
 		ssize_t n = pread(meminfo, mem, sizeof(mem) - 1, 0);
 		mem[n > 0 ? n : 0] = 0;
 		n = pread(vmstat, vm, sizeof(vm) - 1, 0);
 		vm[n > 0 ? n : 0] = 0;
 		double t = now_s() - t0;
-		static char daemons[512];
-		daemons[0] = 0;
-		daemons_rss(daemons, sizeof(daemons));
+		struct monitor_sample *sample = &samples[taken % ACCOUNT_SAMPLES];
+		*sample = (struct monitor_sample){
+			.t = t,
+			.mem_free = field_of(mem, "MemFree"),
+			.mem_available = field_of(mem, "MemAvailable"),
+			.swap_free = field_of(mem, "SwapFree"),
+			.swap_cached = field_of(mem, "SwapCached"),
+			.pswpin = field_of(vm, "pswpin"),
+			.pswpout = field_of(vm, "pswpout"),
+			.oom_kill = field_of(vm, "oom_kill"),
+		};
+		daemons_rss(sample->daemons, sizeof(sample->daemons));
+		if ((taken + 1) % interval != 0)
+			continue;
 		printf("monitor: t=%.0f s MemFree=%lld kB MemAvailable=%lld kB SwapFree=%lld kB "
 		       "pswpout=%lld pswpin=%lld%s\n",
-		       t, field_of(mem, "MemFree"), field_of(mem, "MemAvailable"),
-		       field_of(mem, "SwapFree"), field_of(vm, "pswpout"), field_of(vm, "pswpin"),
-		       daemons);
+		       t, sample->mem_free, sample->mem_available, sample->swap_free,
+		       sample->pswpout, sample->pswpin, sample->daemons);
 		fflush(stdout);
 		long long swaps = field_of(vm, "pswpout") + field_of(vm, "pswpin");
 		if (swaps != last_swaps || access(flagfile, F_OK) != 0) {
