@@ -7,15 +7,18 @@
 #   scripts/vm-stress-rounds.sh ROUNDS [LOGDIR]
 #
 # Every knob of scripts/vm-test.sh applies (STRESS_CASES, STRESS_S, TRUENO_UBLK_BIN, ...).
-# Each round's log goes to LOGDIR (default .vm/stress-rounds/<date>); the table is printed at
-# the end and kept in LOGDIR/summary. A round that ends without figures for a case (a panic,
-# a hang, the watchdog) counts as lost for that case. Per case and device:
+# Each round's log goes to LOGDIR (default .vm/stress-rounds/<date>), with the whole VM console
+# of a round that failed; the table is printed at the end and kept in LOGDIR/summary. A round
+# that ends without figures for a case (a panic, a hang, the watchdog, the test's shell killed)
+# counts as lost for that case. Per case and device:
 #   runs          rounds with figures for the case
 #   failed-writes rounds in which any swap write failed
 #   other-kills   rounds in which the OOM killer killed anything but the workers
 #   wake-up ms    the longest wake-up delay: median and worst of the rounds
 #   bogo ops/s    the workers' progress: median of the rounds
 #   idle CPU s    seconds the VM's CPUs idled during the run (of STRESS_S x 2): median
+#   throttle s    seconds tasks slept in the kernel's reclaim_throttle during the run, summed
+#                 over tasks (where the VM's kernel has the trace event): median
 # and for trueno-ublk, rounds that failed the stage's own checks against zram's in the same VM:
 # failed writes where zram's failed none, a wake-up over zram's + 2 s.
 set -euo pipefail
@@ -23,6 +26,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ROUNDS=${1:?usage: scripts/vm-stress-rounds.sh ROUNDS [LOGDIR]}
 DIR=${2:-$ROOT/.vm/stress-rounds/$(date -u +%Y%m%d-%H%M%S)}
+VM_DIR=$ROOT/.vm # scripts/vm-test.sh's, where its VM console is
 mkdir -p "$DIR"
 
 for round in $(seq 1 "$ROUNDS"); do
@@ -31,6 +35,8 @@ for round in $(seq 1 "$ROUNDS"); do
         echo "  stage passed"
     else
         echo "  stage failed: $(grep -a -m3 '^FAIL' "$DIR/round-$round.log" | tr '\n' ' ')"
+        # The whole console (the round's log has its last lines): the kernel's task dumps.
+        cp "$VM_DIR/console.log" "$DIR/console-$round.log" 2>/dev/null || true
     fi
 done
 
@@ -49,7 +55,7 @@ function median(list,    n, a, i, j, t) {
 }
 {
     round = $1; key = $2; value = $3
-    for (n = split("write_errors oom_kills_not_workers wakeup_max_delay_ms bogo_ops_s cpu_idle_s", names, " "); n > 0; n--) {
+    for (n = split("write_errors oom_kills_not_workers wakeup_max_delay_ms bogo_ops_s cpu_idle_s reclaim_throttle_s", names, " "); n > 0; n--) {
         suffix = "_" names[n]
         if (substr(key, length(key) - length(suffix) + 1) == suffix) {
             tag = substr(key, 1, length(key) - length(suffix))
@@ -60,12 +66,12 @@ function median(list,    n, a, i, j, t) {
     }
 }
 END {
-    printf "%-14s %-6s %5s %14s %12s %19s %11s %10s\n", "case", "device", "runs", "failed-writes", "other-kills", "wake-up ms (med/max)", "bogo ops/s", "idle CPU s"
+    printf "%-14s %-6s %5s %14s %12s %19s %11s %10s %10s\n", "case", "device", "runs", "failed-writes", "other-kills", "wake-up ms (med/max)", "bogo ops/s", "idle CPU s", "throttle s"
     for (c = 1; c <= ncases; c++) {
         kase = cases[c]
         for (d = 1; d <= 2; d++) {
             device = d == 1 ? "zram" : "ublk"; tag = device "_" kase
-            runs = failed = others = 0; worst = 0; wakes = bogos = idles = ""
+            runs = failed = others = 0; worst = 0; wakes = bogos = idles = throttles = ""
             for (r = 1; r <= rounds; r++) {
                 if (!((r, tag, "write_errors") in fig)) continue
                 runs++
@@ -75,8 +81,9 @@ END {
                 if (w + 0 > worst) worst = w + 0
                 bogos = bogos " " fig[r, tag, "bogo_ops_s"]
                 if ((r, tag, "cpu_idle_s") in fig) idles = idles " " fig[r, tag, "cpu_idle_s"]
+                if ((r, tag, "reclaim_throttle_s") in fig) throttles = throttles " " fig[r, tag, "reclaim_throttle_s"]
             }
-            printf "%-14s %-6s %5d %14d %12d %12s/%-6d %11s %10s\n", kase, device, runs, failed, others, median(wakes), worst, median(bogos), median(idles)
+            printf "%-14s %-6s %5d %14d %12d %12s/%-6d %11s %10s %10s\n", kase, device, runs, failed, others, median(wakes), worst, median(bogos), median(idles), median(throttles)
         }
         worse_writes = worse_wake = lost = 0
         for (r = 1; r <= rounds; r++) {

@@ -10,7 +10,8 @@
 # wakeup` there measures how late an ordinary process wakes up. Figures per device and case:
 # workers' bogo ops/s, failed swap writes, OOM kills (all, and of anything but the workers),
 # the longest wake-up delay, OOM kills the store asked for, the CPU seconds of the daemon's
-# threads, of kswapd and of idle CPUs over the run. Checks, per case, ublk against
+# threads, of kswapd and of idle CPUs over the run, and how often and how long tasks waited in
+# the kernel's reclaim throttles (`reclaim over the run`). Checks, per case, ublk against
 # zram in this VM: no verify failure, write errors 0 where zram's are 0, no OOM kill of
 # anything but the workers where zram killed only workers, wake-up delay at most zram's + 2 s;
 # bogo ops/s against zram's is printed (a NOTE when lower), not checked. A kernel panic or
@@ -67,9 +68,46 @@ cpu_seconds() {
         END { if (p != "") printf "%.1f", s / 100 }' "$1" "$2"
 }
 
+# The kernel's reclaim throttle, where tracefs has its event: each time a task in reclaim
+# slept in `reclaim_throttle` (waiting for writeback to finish, for isolated pages, for
+# progress), for how long and why. Under a swap device whose writes complete later than
+# zram's (in the daemon, not in the reclaiming task), reclaim meets pages still under
+# writeback and sleeps: idle CPUs while the workers wait.
+TRACE=/sys/kernel/tracing
+throttle_trace_on() {
+    [ -d $TRACE/events ] || mount -t tracefs tracefs $TRACE 2>/dev/null
+    [ -e $TRACE/events/vmscan/mm_vmscan_throttled/enable ] || return 0
+    echo 2048 >$TRACE/buffer_size_kb
+    echo 1 >$TRACE/events/vmscan/mm_vmscan_throttled/enable
+}
+
+# throttle_trace_take: clears the trace; its throttled sleeps, summed by reason, as
+# " REASON=COUNTx/SECONDS s" each (nothing where there is no trace).
+throttle_trace_take() {
+    [ -e $TRACE/trace ] || return 0
+    awk '/mm_vmscan_throttled:/ {
+            r = ""; d = 0
+            for (i = 1; i <= NF; i++) {
+                if ($i ~ /^reason=/) r = substr($i, 8)
+                if ($i ~ /delayed=/) { split($i, kv, "="); d = kv[2] }
+            }
+            sub(/^VMSCAN_THROTTLE_/, "", r); n[r]++; s[r] += d
+        }
+        END { for (r in n) printf " %s=%dx/%.1fs", r, n[r], s[r] / 1e6 }' $TRACE/trace
+    echo >$TRACE/trace
+}
+
+# vmstat_now: the reclaim counters of /proc/vmstat that say how often tasks waited in
+# reclaim: `pgscan_direct_throttle` (slept in `throttle_direct_reclaim`, free memory below
+# half the min watermark), `allocstall_*` (entered direct reclaim), summed.
+vmstat_now() {
+    awk '$1 == "pgscan_direct_throttle" { t = $2 } $1 ~ /^allocstall_/ { a += $2 }
+        END { print t + 0, a + 0 }' /proc/vmstat
+}
+
 # stress_case NAME METHOD MIB: one stress-ng run with swap on; figures under NAME_METHOD_MIB.
 stress_case() {
-    local name=$1 method=$2 mib=$3 tag w0 w1 b0 c0 j0 l0 k0 d0 g0 r0 s0 t0 rc wk st kills others delay bogo vfail
+    local name=$1 method=$2 mib=$3 tag w0 w1 b0 c0 j0 l0 n0 k0 d0 g0 r0 s0 t0 h0 h1 a0 a1 rc wk st kills others delay bogo vfail
     tag="${name}_$(echo "$method" | tr -c 'a-z0-9\n' _)_${mib}"
     dmesg -c >>/tmp/dmesg.kept
     # Where memory is as the case starts: a VM lost at a case's start (the OOM killer going on
@@ -87,6 +125,7 @@ stress_case() {
         c0=$(json_field reserve_split_chunks)
         j0=$(json_field reserve_joined_chunks)
         l0=$(json_field long_waited_writes)
+        n0=$(wc -l </run/trueno-ublk/ublkb0.log)
         echo "$tag: before: serving process RSS $(rss_kib "$(serving_pid 0)") kB"
     }
     work "$VT" wakeup 100 $((STRESS_S + 10)) >/tmp/wakeup.out 2>&1 &
@@ -111,12 +150,16 @@ stress_case() {
     # A swap run for the monitor: swap that stops moving for STALL_S fails the VM at once, with
     # where each of the daemon's threads waits (a wedged case otherwise waits for the VM's end).
     touch /run/pressure-on
+    throttle_trace_take >/dev/null
+    vmstat_now >/tmp/vmstat.before
     cpu_ticks >/tmp/cpu.before
     work env LD_LIBRARY_PATH=$SNG/lib timeout -s KILL $((STRESS_S + 120)) $SNG/stress-ng --vm 2 \
         --vm-bytes "$((2 * mib))M" --vm-method "$method" --vm-keep --verify -t "${STRESS_S}s" \
         --metrics-brief --yaml /tmp/sng.yaml >/tmp/sng.out 2>&1
     rc=$?
     cpu_ticks >/tmp/cpu.after
+    vmstat_now >/tmp/vmstat.after
+    throttle_trace_take >/tmp/throttled
     rm -f /run/pressure-on
     touch /tmp/stress.done
     echo 1 <>/tmp/stress.fifo # read-write: never blocks, even with the reader gone
@@ -133,6 +176,9 @@ stress_case() {
     echo "$tag: stress-ng exit $rc, bogo ops/s ${bogo:-none}, failed writes $((w1 - w0)), OOM kills $kills ($others not workers), longest wake-up delay ${delay:-none} ms"
     echo "$tag: the longest wake-up: $(grep '^WAKEUP_WORST' /tmp/wakeup.out)"
     echo "$tag: CPU seconds over the run:$(cpu_seconds /tmp/cpu.before /tmp/cpu.after)"
+    read -r h0 a0 </tmp/vmstat.before
+    read -r h1 a1 </tmp/vmstat.after
+    echo "$tag: reclaim over the run: direct reclaim entered $((a1 - a0))x, throttled below half the min watermark $((h1 - h0))x; reclaim_throttle sleeps:$(cat /tmp/throttled)"
     head -n 80 /tmp/stalls.out | sed "s/^/$tag: /"
     grep -E 'Write-error|resource error|Kernel panic|deadlocked' "/tmp/dmesg.$tag" | head -n 3
     # The refill thread's backtrace, where `vmtool stalls` asked for the CPUs' (sysrq l).
@@ -145,6 +191,14 @@ stress_case() {
     # period; the log's tail at the end of the stage is often past it).
     [ "$name" = zram ] || [ "$w1" -eq "$w0" ] ||
         grep 'starved for memory' /run/trueno-ublk/ublkb0.log | tail -n 3
+    # The killed workers' pages freed as the slot-free probe reported their slots (4 MiB or
+    # more at a time), with how long each took, against the kernel's kill lines: who was first.
+    [ "$name" = zram ] || {
+        tail -n +$((n0 + 1)) /run/trueno-ublk/ublkb0.log | grep 'freed the pages of slots' |
+            sed -n "s/^[0-9-]*T\([0-9:.]*\)Z.* pages=\([0-9]*\) took_ms=\([0-9]*\).*/$tag: slots freed at \1: \2 pages in \3 ms/p" | head -n 30
+        grep 'Killed process' "/tmp/dmesg.$tag" | sed "s/^/$tag: /" | head -n 30
+        echo "$tag: the log's time of day $("$VT" clock) s was the kernel's $(cut -d' ' -f1 /proc/uptime) s"
+    }
     check "$tag: stress-ng's --verify found no corrupted data" [ "$vfail" -eq 0 ]
     check "$tag: stress-ng ended within its time limit (exit $rc)" [ "$rc" -ne 137 ]
     check "$tag: the wake-up timer survived and reported" [ -n "$delay" ]
@@ -155,6 +209,8 @@ stress_case() {
     sfigure "${tag}_wakeup_max_delay_ms" "${delay:--1}"
     sfigure "${tag}_cpu_idle_s" "$(cpu_seconds /tmp/cpu.before /tmp/cpu.after '^[(]idle')"
     sfigure "${tag}_cpu_kswapd_s" "$(cpu_seconds /tmp/cpu.before /tmp/cpu.after '^[(]kswapd')"
+    sfigure "${tag}_direct_reclaim_throttled" "$((h1 - h0))"
+    sfigure "${tag}_reclaim_throttle_s" "$(awk '{ for (i = 1; i <= NF; i++) { split($i, p, "/"); s += p[2] } } END { printf "%.1f", s + 0 }' /tmp/throttled)"
     [ "$name" = zram ] || {
         sfigure "${tag}_oom_kills_asked" "$(($(json_field oom_kills_asked) - k0))"
         sfigure "${tag}_deferred_writes" "$(($(json_field deferred) - d0))"
@@ -299,6 +355,7 @@ stress_phase() {
         return
     fi
     : >/tmp/stress.figures
+    throttle_trace_on
     zram_up
     "$UL"/mkswap /dev/zram0 >/dev/null
     check "zram: swapon -d /dev/zram0" "$UL"/swapon -d /dev/zram0
