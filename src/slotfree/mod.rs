@@ -177,18 +177,22 @@ impl SlotFreeProbe {
 
     /// If the probe has reported frees since the last look, call `free(page, still_freed)` for
     /// every page whose slot was reported freed; `free` must call `still_freed` while it holds
-    /// the page's lock and free the page only if it says so, and return whether it did.
-    pub fn free_reported(&self, mut free: impl FnMut(u64, &dyn Fn() -> bool) -> bool) {
+    /// the page's lock and free the page only if it says so, and return whether it did. The
+    /// pages freed.
+    pub fn free_reported(&self, mut free: impl FnMut(u64, &dyn Fn() -> bool) -> bool) -> u64 {
         let calls = self.calls().load(Ordering::Acquire);
         if calls == self.seen_calls.swap(calls, Ordering::AcqRel) {
-            return;
+            return 0;
         }
         let bits = self.bitmap();
+        let mut freed = 0;
         bits.for_each_set(|page| {
             if free(page, &|| bits.take(page)) {
-                self.slots.fetch_add(1, Ordering::Relaxed);
+                freed += 1;
             }
         });
+        self.slots.fetch_add(freed, Ordering::Relaxed);
+        freed
     }
 
     /// The kernel function the probe is attached to.
