@@ -15,9 +15,6 @@ use crate::ublk::{BlockHandler, Handled, Op, Request};
 const PAGE_BYTES: u64 = crate::codec::PAGE_SIZE as u64;
 /// Frees of reported slots this large (4 MiB of pages) are logged.
 const LOGGED_SLOT_FREE_PAGES: u64 = 1024;
-/// While freeing reported slots, the memory freed goes back to the system past a stuck refill
-/// thread every this many pages (1 MiB; see `StoreHandler::free_reported_slots`).
-const GIVE_BACK_EVERY_PAGES: u64 = 256;
 
 /// Serves block requests from the page store. The store comes after the handler: a standby's
 /// queue threads are made (and call `prepare_thread`) before the store may be opened, which
@@ -58,25 +55,11 @@ impl StoreHandler {
     /// free (a program with many pages out exited or was killed) is logged with how long it
     /// took: near OOM the kernel's next OOM decision races the memory it gives back, and the
     /// log against the kernel's kill lines says who won.
-    ///
-    /// Every `GIVE_BACK_EVERY_PAGES` pages freed, the memory freed so far goes back to the
-    /// system if the refill thread (which otherwise does that) is stuck in reclaim, rather than
-    /// once the whole free is done. Why: near OOM it is stuck, and freeing a killed worker's
-    /// 90 MiB took this thread up to 360 ms in the VM (2026-11-29), while the kernel's next OOM
-    /// kill came 42 ms after one whose victim had all its pages here, and took the shell.
     pub(super) fn free_reported_slots(&self) {
         if let (Some(probe), Some(store)) = (self.slot_frees.get(), self.store.get()) {
             let started = Instant::now();
-            let mut since_give_back = 0;
-            let pages = probe.free_reported(|page, still_freed| {
-                let freed = store.free_swap_slot(page, still_freed);
-                since_give_back += u64::from(freed);
-                if since_give_back == GIVE_BACK_EVERY_PAGES {
-                    since_give_back = 0;
-                    store.give_back_past_stuck_refill();
-                }
-                freed
-            });
+            let pages =
+                probe.free_reported(|page, still_freed| store.free_swap_slot(page, still_freed));
             if pages >= LOGGED_SLOT_FREE_PAGES {
                 tracing::info!(
                     pages,

@@ -46,7 +46,8 @@ pub const POLL: Duration = Duration::from_millis(100);
 /// next victim 200-300 ms after one whose pages were all swapped out (it freed no RAM, only
 /// slots of this device), and the memory of those slots must be back before then (the
 /// near-OOM stage of `scripts/vm-test.sh --stress`: the OOM killer went from the fresh workers
-/// on to the test's shells within 0.5 s).
+/// on to the test's shells within 0.5 s). Not always enough: once it went on within 42 ms
+/// (2026-11-29), less than freeing such a victim's pages takes under emulation.
 pub const POLL_MEMORY_SHORT: Duration = Duration::from_millis(20);
 
 /// Why there is no probe.
