@@ -70,9 +70,10 @@ cpu_seconds() {
 
 # The kernel's reclaim throttle, where tracefs has its event: each time a task in reclaim
 # slept in `reclaim_throttle` (waiting for writeback to finish, for isolated pages, for
-# progress), for how long and why. Under a swap device whose writes complete later than
-# zram's (in the daemon, not in the reclaiming task), reclaim meets pages still under
-# writeback and sleeps: idle CPUs while the workers wait.
+# progress), for how long and why. Why: a swap device whose writes complete later than zram's
+# (in the daemon, not in the reclaiming task) could make reclaim meet pages still under
+# writeback and sleep, idling the CPUs while the workers wait; on 6.12 in this VM it measured
+# next to nothing on either device (2026-11-29), so the idle CPUs of our `all` case are not it.
 TRACE=/sys/kernel/tracing
 throttle_trace_on() {
     [ -d $TRACE/events ] || mount -t tracefs tracefs $TRACE 2>/dev/null
