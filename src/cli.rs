@@ -52,6 +52,10 @@ pub enum Command {
     /// Enable /dev/ublkbN as swap with discard and the configured priority (without systemd;
     /// under systemd the generated dev-ublkbN.swap unit does it).
     Swapon(SwaponArgs),
+    /// Read a process's swapped-out pages back into its memory (PID 1 unless --pid), but only
+    /// while every ublk device is served. The unit runs it before a stop: PID 1 starts the next
+    /// daemon while the device waits, and must not wait on a page of its own there.
+    FaultIn(FaultInArgs),
 }
 
 /// A clap parser for a setting with named values: the names are the config file's.
@@ -314,6 +318,14 @@ pub struct SwaponArgs {
     pub dry_run: bool,
 }
 
+/// `trueno-ublk fault-in`.
+#[derive(Clone, Debug, Args)]
+pub struct FaultInArgs {
+    /// The process whose pages to bring back
+    #[arg(long, default_value_t = 1)]
+    pub pid: u32,
+}
+
 type CommandResult = Result<(), Box<dyn std::error::Error>>;
 
 /// Run the command line; returns the process exit code. Errors are printed as one or two
@@ -337,6 +349,7 @@ pub fn main() -> i32 {
         Command::Reload(args) => reload(&args),
         Command::Bench(args) => run_bench(&args),
         Command::Swapon(args) => swapon(&args),
+        Command::FaultIn(args) => fault_in(&args),
     };
     match result {
         Ok(()) => 0,
@@ -476,6 +489,28 @@ fn swapon(args: &SwaponArgs) -> CommandResult {
         return Ok(());
     }
     crate::swap::swapon(args.id, priority)?;
+    Ok(())
+}
+
+fn fault_in(args: &FaultInArgs) -> CommandResult {
+    let pid = args.pid;
+    let line = match crate::swap::fault_in(pid)? {
+        crate::swap::FaultIn::Read { swapped: 0, .. } => {
+            format!("pid {pid}: no page swapped out")
+        }
+        crate::swap::FaultIn::Read {
+            swapped,
+            still_swapped,
+        } => format!(
+            "pid {pid}: {swapped} pages were swapped out, {} read back ({still_swapped} out again)",
+            swapped.saturating_sub(still_swapped)
+        ),
+        crate::swap::FaultIn::NotServed { path, state } => format!(
+            "pid {pid}: nothing read back: {path} is not served right now ({state}), and a \
+             read of a page on it would wait for its next daemon"
+        ),
+    };
+    print_out(&format!("{line}\n"))?;
     Ok(())
 }
 

@@ -95,6 +95,15 @@ pub struct DeviceRow {
     pub daemon_alive: bool,
 }
 
+impl DeviceRow {
+    /// Whether I/O to the device waits for a daemon: quiesced between two, or live with its
+    /// daemon gone (until the kernel notices).
+    pub fn io_waits(&self) -> bool {
+        self.state == state_name(crate::ublk::sys::UBLK_S_DEV_QUIESCED)
+            || (self.state == state_name(crate::ublk::sys::UBLK_S_DEV_LIVE) && !self.daemon_alive)
+    }
+}
+
 /// Ids of every ublk device the kernel knows, sorted.
 pub fn device_ids() -> Vec<u32> {
     let mut ids: Vec<u32> = std::fs::read_dir(UBLK_CHAR_CLASS)

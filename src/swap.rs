@@ -1,8 +1,12 @@
 //! `trueno-ublk swapon`: enable a device as swap with the priority its config section gives,
-//! and discard on.
+//! and discard on. `trueno-ublk fault-in`: bring a process's swapped-out pages back into its
+//! memory while every device is served (the unit does it for PID 1 before a stop).
 
 #![forbid(unsafe_code)]
 
+use std::fs::File;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use thiserror::Error;
@@ -19,6 +23,15 @@ pub enum SwapError {
         command: String,
         source: std::io::Error,
     },
+    #[error("no process {pid}")]
+    NoProcess { pid: u32 },
+    #[error("cannot read {path} ({source}): run as root, outside any sandbox")]
+    ProcessMemory {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Devices(#[from] crate::devices::DevicesError),
 }
 
 /// The swap priority of device `id`: its section's `swap-priority` in `config_path`, else the
@@ -55,4 +68,184 @@ pub fn swapon(id: u32, priority: u16) -> Result<(), SwapError> {
     let path = std::ffi::CString::new(block_path(id))
         .map_err(|_| failed(std::io::ErrorKind::InvalidInput.into()))?;
     crate::os::swapon(&path, priority).map_err(failed)
+}
+
+/// What `fault_in` did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FaultIn {
+    /// The process's swapped-out pages were read: `swapped` pages were out before,
+    /// `still_swapped` after (swapped out again at once, or their read failed).
+    Read { swapped: u64, still_swapped: u64 },
+    /// Nothing was read: a ublk device is not served right now (quiesced between two daemons,
+    /// or its daemon is gone), and a read of a page of the process on it would wait for the
+    /// next daemon.
+    NotServed { path: String, state: &'static str },
+}
+
+/// `/proc/PID/pagemap`: bit 62 of a page's entry says the page is swapped out.
+const PAGEMAP_SWAPPED: u64 = 1 << 62;
+/// Pagemap entries read at once.
+const PAGEMAP_CHUNK: usize = 512;
+
+/// Read every swapped-out page of process `pid` back into its memory (one byte of each, read
+/// through `/proc/PID/mem`, faults the page in as the process's own access would), but only
+/// while every ublk device is served: a read of a page on a device between two daemons would
+/// wait for the next one. The unit runs this for PID 1 before a stop: PID 1 starts the next
+/// daemon while the device waits, and must not wait on a page of its own there.
+pub fn fault_in(pid: u32) -> Result<FaultIn, SwapError> {
+    if !crate::devices::device_ids().is_empty() {
+        if let Some(row) = crate::devices::list()?
+            .into_iter()
+            .find(crate::devices::DeviceRow::io_waits)
+        {
+            return Ok(FaultIn::NotServed {
+                path: row.path,
+                state: row.state,
+            });
+        }
+    }
+    if !Path::new(&format!("/proc/{pid}")).exists() {
+        return Err(SwapError::NoProcess { pid });
+    }
+    let proc_file = |name: &str| format!("/proc/{pid}/{name}");
+    let unreadable = |path: String| move |source| SwapError::ProcessMemory { path, source };
+    let smaps =
+        std::fs::read_to_string(proc_file("smaps")).map_err(unreadable(proc_file("smaps")))?;
+    let pagemap = File::open(proc_file("pagemap")).map_err(unreadable(proc_file("pagemap")))?;
+    let memory = File::open(proc_file("mem")).map_err(unreadable(proc_file("mem")))?;
+    let page = crate::os::base_page_size();
+    let mappings = swapped_mappings(&smaps);
+    let mut swapped = 0;
+    for mapping in &mappings {
+        for_each_page_with(&pagemap, mapping, page, PAGEMAP_SWAPPED, |address| {
+            swapped += 1;
+            // A failed read leaves the page out; the count after says so.
+            let _ = memory.read_at(&mut [0u8], address);
+        })
+        .map_err(unreadable(proc_file("pagemap")))?;
+    }
+    let mut still_swapped = 0;
+    for mapping in &mappings {
+        for_each_page_with(&pagemap, mapping, page, PAGEMAP_SWAPPED, |_| {
+            still_swapped += 1;
+        })
+        .map_err(unreadable(proc_file("pagemap")))?;
+    }
+    Ok(FaultIn::Read {
+        swapped,
+        still_swapped,
+    })
+}
+
+/// Call `each` with the address of every page of `mapping` whose `pagemap` entry has `flag`.
+fn for_each_page_with(
+    pagemap: &File,
+    mapping: &Range<u64>,
+    page: u64,
+    flag: u64,
+    mut each: impl FnMut(u64),
+) -> std::io::Result<()> {
+    const ENTRY: usize = std::mem::size_of::<u64>();
+    let mut entries = [0u8; PAGEMAP_CHUNK * ENTRY];
+    let mut address = mapping.start;
+    while address < mapping.end {
+        let pages = usize::try_from((mapping.end - address) / page)
+            .unwrap_or(usize::MAX)
+            .min(PAGEMAP_CHUNK);
+        let want = &mut entries[..pages * ENTRY];
+        pagemap.read_exact_at(want, address / page * ENTRY as u64)?;
+        for entry in want.chunks_exact(ENTRY) {
+            let entry = u64::from_le_bytes(entry.try_into().unwrap_or_default());
+            if entry & flag != 0 {
+                each(address);
+            }
+            address += page;
+        }
+    }
+    Ok(())
+}
+
+/// The address ranges of the mappings in a `/proc/PID/smaps` text that have pages swapped out.
+fn swapped_mappings(smaps: &str) -> Vec<Range<u64>> {
+    let mut mappings = Vec::new();
+    let mut current = None;
+    for line in smaps.lines() {
+        if let Some(range) = mapping_range(line) {
+            current = Some(range);
+        } else if let Some(kib) = line.strip_prefix("Swap:") {
+            let kib: u64 = kib
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .unwrap_or(0);
+            if kib > 0 {
+                mappings.extend(current.take());
+            }
+        }
+    }
+    mappings
+}
+
+/// The address range of an smaps mapping's first line ("7f0000-7f2000 rw-p 00000000 00:00 0").
+fn mapping_range(line: &str) -> Option<Range<u64>> {
+    let (start, end) = line.split_once(' ')?.0.split_once('-')?;
+    Some(u64::from_str_radix(start, 16).ok()?..u64::from_str_radix(end, 16).ok()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mappings_with_swapped_pages_are_read_from_smaps() {
+        let smaps = "\
+55d0c0a00000-55d0c0a21000 rw-p 00000000 00:00 0                          [heap]
+Size:                132 kB
+Swap:                  8 kB
+SwapPss:               8 kB
+VmFlags: rd wr mr mw me ac sd
+7f1e2c000000-7f1e2c021000 rw-p 00000000 00:00 0 
+Size:                132 kB
+Swap:                  0 kB
+SwapPss:               0 kB
+7f1e2d000000-7f1e2d100000 r--p 00001000 fe:01 1234                       /usr/lib/x86_64-linux-gnu/libc.so.6 (deleted)
+Swap:                 12 kB
+";
+        assert_eq!(
+            swapped_mappings(smaps),
+            vec![
+                0x55d0_c0a0_0000..0x55d0_c0a2_1000,
+                0x7f1e_2d00_0000..0x7f1e_2d10_0000
+            ]
+        );
+        assert_eq!(swapped_mappings(""), Vec::<Range<u64>>::new());
+    }
+
+    #[test]
+    fn the_pagemap_walk_finds_each_page_of_a_range() {
+        // The walk with another flag of the entry (bit 63, present) over memory this test has
+        // just written: every page of the range, at its own address, and none twice.
+        const PAGEMAP_PRESENT: u64 = 1 << 63;
+        let page = crate::os::base_page_size();
+        let pages = 40;
+        let mut buffer = vec![1u8; usize::try_from(page).unwrap() * (pages + 1)];
+        for byte in buffer.iter_mut().step_by(usize::try_from(page).unwrap()) {
+            *byte = 2;
+        }
+        let start = (buffer.as_ptr() as u64).next_multiple_of(page);
+        let range = start..start + pages as u64 * page;
+        let pagemap = File::open("/proc/self/pagemap").expect("pagemap");
+        let mut seen = Vec::new();
+        for_each_page_with(&pagemap, &range, page, PAGEMAP_PRESENT, |address| {
+            seen.push(address);
+        })
+        .expect("pagemap read");
+        let want: Vec<u64> = range
+            .clone()
+            .step_by(usize::try_from(page).unwrap())
+            .collect();
+        assert_eq!(seen, want);
+        drop(buffer);
+    }
 }

@@ -102,3 +102,10 @@ fn output_into_a_pipe_nobody_reads_ends_quietly() {
     assert!(output.status.success(), "{:?}: {stderr}", output.status);
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+#[test]
+fn fault_in_names_a_missing_process() {
+    // Pid numbers end at pid_max (at most 2^22): this one never names a process.
+    let output = trueno_ublk(&["fault-in", "--pid", "999999999"]);
+    assert_clean_failure(&output, "no process 999999999");
+}

@@ -14,8 +14,10 @@
 #      verified): `delete --id 0` is refused at once; kill -9 of the serving process (the
 #      supervisor's standby takes the device over; the unit's main process stays);
 #      `systemctl reload trueno-ublk@0` (a standby of the binary on disk takes the device
-#      over from the serving process; the main process stays); `systemctl restart trueno-ublk@0` (the daemon hands the device over, the new one
-#      resumes it: swap stays on, no new mkswap); kill -9 of every process of the unit
+#      over from the serving process; the main process stays); `systemctl restart
+#      trueno-ublk@0` (ExecStop reads PID 1's swapped-out pages back, the daemon hands the
+#      device over, the new one resumes it: swap stays on, no new mkswap); kill -9 of every
+#      process of the unit
 #      (systemd restarts it, and the start resumes the device); the program then verifies
 #      every word once more. The pause of each is a figure.
 #   3. The stop the README gives (swap unit, then the daemon: the device is deleted), a fresh
@@ -251,7 +253,9 @@ if [ -e /tmp/hold ]; then
         eval "journal_units | grep -q 'reload: handing the device over'"
     check "... the unit's main process (the supervisor, $main0) stayed" [ "$(main_pid)" = "$main0" ]
     check "... and the unit stayed active" systemctl -q is-active trueno-ublk@$ID.service
-    # b. systemctl restart: the daemon hands the device over, the new one resumes it.
+    # b. systemctl restart: the daemon hands the device over, the new one resumes it. First
+    #    the unit's ExecStop reads PID 1's swapped-out pages back (`trueno-ublk fault-in`).
+    echo "before the restart: PID 1 $(grep VmSwap /proc/1/status)"
     serving0=$(settled_serving_pid)
     t0=$(now)
     timeout 120 systemctl restart trueno-ublk@$ID.service
@@ -263,6 +267,8 @@ if [ -e /tmp/hold ]; then
     check "systemctl restart trueno-ublk@$ID with swap on: exit 0 (exit $rc, $took s)" [ "$rc" -eq 0 ]
     check "... a new supervisor ($(main_pid), was $main0) and serving process ($(serving_pid), was $serving0)" \
         eval "[ \"\$(main_pid)\" != \"$main0\" ] && live_other_than \"$serving0\""
+    check "... ExecStop read PID 1's swapped-out pages back first ($(journal_units | grep -o 'pid 1: .*' | tail -n 1))" \
+        eval "journal_units | grep -Eq 'pid 1: (no page swapped out|[0-9]+ pages were swapped out)'"
     check "... the old daemon handed the device over" eval "journal_units | grep -q 'device handed over'"
     check "... and the new one resumed it with every page" eval "journal_units | grep -q 'resumed the store with every page'"
     check "... swap is still on" grep -q "^$DEV " /proc/swaps

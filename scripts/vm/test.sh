@@ -49,7 +49,9 @@
 #      kill to live is a figure, with its p50 and worst); first, with the pages paged out,
 #      an upgrade (SIGTERM to the supervisor hands the device over, this build's `create`
 #      resumes it), and, while the memory is held, kill -9 of every trueno-ublk process (the
-#      device stays quiesced, `create` again resumes it).
+#      device stays quiesced, `create` again resumes it). `trueno-ublk fault-in` (what the
+#      unit's ExecStop does for PID 1) reads a paged-out program's pages back while the device
+#      is served, and reads nothing, at once, while it is quiesced.
 #      Then a device whose store's shared memory is gone (removed with every daemon dead):
 #      `create` refuses to resume it (it would serve zeros), the device stays quiesced,
 #      `delete` refuses it while it is in use (mounted), --lose-pages deletes it, and its id
@@ -107,6 +109,8 @@ figure() {
     echo "FIGURE $1=$2" >>/tmp/figures.log
 }
 now() { $VT now; }
+# child_of PID: the (first) child of PID: the program `work timeout ...` runs.
+child_of() { awk '{ print $1 }' "/proc/$1/task/$1/children" 2>/dev/null; }
 since() { awk -v a="$(now)" -v b="$1" 'BEGIN { printf "%.3f", a - b }'; }
 mbps() { awk -v b="$1" -v s="$2" 'BEGIN { if (s <= 0) s = 1e-6; printf "%.1f", b / 1e6 / s }'; }
 vmstat_of() { awk -v k="$1" '$1 == k { print $2 }' /proc/vmstat; }
@@ -534,6 +538,41 @@ create_resumes() {
     fi
 }
 
+# fault_in_checks: `trueno-ublk fault-in` on a program of 16 MiB paged out to the served
+# device 0: the pages come back into its memory (its VmSwap falls) and every word still
+# matches.
+fault_in_checks() {
+    local pid program out swapped back swap_kib rc words bad
+    rm -f /tmp/hold-fi
+    VMTOOL_PASSES=0 VMTOOL_VERIFY_AFTER_HOLD=1 VMTOOL_PAGEOUT=1 \
+        work timeout 300 $VT pressure 16 "$(date +%s)" /tmp/hold-fi >/tmp/fault-in-program.out 2>&1 &
+    pid=$!
+    if ! wait_until 120 test -e /tmp/hold-fi; then
+        fail "fault-in: the 16 MiB program never held its memory"
+        kill "$pid" 2>/dev/null
+        wait "$pid"
+        return
+    fi
+    program=$(child_of "$pid")
+    echo "fault-in: before, pid $program $(grep VmSwap "/proc/$program/status")"
+    out=$(timeout 60 trueno-ublk fault-in --pid "$program" 2>&1)
+    rc=$?
+    swap_kib=$(awk '/^VmSwap:/ { print $2 }' "/proc/$program/status")
+    echo "fault-in: $out; after, VmSwap $swap_kib kB"
+    swapped=$(echo "$out" | sed -n 's/.*: \([0-9]*\) pages were swapped out.*/\1/p')
+    back=$(echo "$out" | sed -n 's/.*, \([0-9]*\) read back.*/\1/p')
+    check "fault-in --pid $program: exit 0, the program's 4096 pages read back (exit $rc: $out)" \
+        [ "$rc" -eq 0 -a "${swapped:-0}" -ge 4096 -a "${back:-0}" -ge 4000 ]
+    check "fault-in: ... its VmSwap is below 1 MiB after (${swap_kib:-?} kB)" [ "${swap_kib:-99999}" -lt 1024 ]
+    rm -f /tmp/hold-fi
+    wait "$pid"
+    rc=$?
+    words=$(sed -n 's/^PRESSURE_AFTER_HOLD_WORDS_CHECKED=//p' /tmp/fault-in-program.out)
+    bad=$(sed -n 's/^PRESSURE_AFTER_HOLD_BAD_WORDS=//p' /tmp/fault-in-program.out)
+    check "fault-in: ... and every word matched after (rc $rc, ${words:-0} checked, ${bad:-?} bad)" \
+        [ "$rc" -eq 0 -a "${bad:-1}" = 0 -a "${words:-0}" -ge "$((16 * MIB / 8))" ]
+}
+
 # daemon_recovery_checks: what issue #11 asks of the daemon, under swap pressure. Device 0 is
 # swap; the pressure program fills 1.5x the RAM and verifies every word, then holds its
 # memory and verifies every word once more when released. Before it, an upgrade from the
@@ -543,7 +582,7 @@ create_resumes() {
 # while the memory is held, kill -9 of every trueno-ublk process: the device stays
 # quiesced, and `create` again resumes it.
 daemon_recovery_checks() {
-    local dev=/dev/ublkb0 out0 in0 rc pid sup role c0 filled words bad after_bad after_words n pauses
+    local dev=/dev/ublkb0 out0 in0 rc pid sup role c0 filled words bad after_bad after_words n pauses t0
     local first=trueno-ublk
     # The device starts under the previous build when the VM has one (see vm-test.sh), so
     # that step 0 is an upgrade.
@@ -558,6 +597,7 @@ daemon_recovery_checks() {
         [ "$(cat /sys/block/ublkb0/queue/io_timeout)" = 1000 ]
     check "daemon recovery: mkswap" $UL/mkswap $dev >/dev/null
     check "daemon recovery: swapon -d" $UL/swapon -d $dev
+    fault_in_checks
     # 0. An upgrade, as a package's `systemctl restart` does it, with the previous build's
     #    pages out: a first pressure program fills its memory, paging each part out as it
     #    goes (RAM never at the watermark), and holds it;
@@ -658,6 +698,12 @@ daemon_recovery_checks() {
         check "daemon recovery: no trueno-ublk process left after kill -9 of all" wait_until 10 no_daemon_runs
         check "daemon recovery: ... and the device stays, quiesced ($(dev_row 0))" wait_until 10 dev_state_is 0 quiesced
         check "daemon recovery: ... and is still swap" in_swaps $dev
+        # The program's pages out there would hold a read until the next daemon.
+        t0=$(now)
+        timeout 20 trueno-ublk fault-in --pid "$(child_of "$pid")" >/tmp/fault-in.out 2>&1
+        rc=$?
+        check "daemon recovery: ... fault-in of the program reads nothing while it is quiesced (exit $rc after $(since "$t0") s: $(cat /tmp/fault-in.out))" \
+            eval "[ $rc -eq 0 ] && grep -q 'nothing read back: $dev is not served right now (quiesced)' /tmp/fault-in.out"
         create_resumes "create --size 1G --id 0 again resumes it" recovery_kill_all_to_live_s "$c0"
         rm -f /tmp/hold
     else
