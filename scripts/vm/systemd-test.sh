@@ -255,7 +255,20 @@ if [ -e /tmp/hold ]; then
     check "... and the unit stayed active" systemctl -q is-active trueno-ublk@$ID.service
     # b. systemctl restart: the daemon hands the device over, the new one resumes it. First
     #    the unit's ExecStop reads PID 1's swapped-out pages back (`trueno-ublk fault-in`).
-    echo "before the restart: PID 1 $(grep VmSwap /proc/1/status)"
+    #    PID 1 paged out first, as reclaim may do it: what is charged to init.scope
+    #    (swap.max 0) stays; what it touched at boot, charged to the root cgroup, goes out to
+    #    the device. Then a short burst of demand reclaims the swap cache, so that those
+    #    pages are on the device alone, as reclaim leaves them (a restart in CI's run of
+    #    2026-11-29 20:24 stalled on such a page; this does not make that stall happen
+    #    reliably, but without the ExecStop the check below fails).
+    $VT pageout-pid 1
+    touch /run/pressure-on
+    VMTOOL_PASSES=1 systemd-run --scope --quiet --collect -p MemorySwapMax=infinity \
+        $VT pressure $(($(avail_mib) + 48)) 7 >/tmp/burst.out 2>&1
+    rm -f /run/pressure-on
+    grep '^PRESSURE_BAD_WORDS' /tmp/burst.out
+    pid1_swap_kib=$(vmswap_kib 1)
+    echo "PID 1 VmSwap after the burst: $pid1_swap_kib kB"
     serving0=$(settled_serving_pid)
     t0=$(now)
     timeout 120 systemctl restart trueno-ublk@$ID.service
@@ -267,8 +280,13 @@ if [ -e /tmp/hold ]; then
     check "systemctl restart trueno-ublk@$ID with swap on: exit 0 (exit $rc, $took s)" [ "$rc" -eq 0 ]
     check "... a new supervisor ($(main_pid), was $main0) and serving process ($(serving_pid), was $serving0)" \
         eval "[ \"\$(main_pid)\" != \"$main0\" ] && live_other_than \"$serving0\""
-    check "... ExecStop read PID 1's swapped-out pages back first ($(journal_units | grep -o 'pid 1: .*' | tail -n 1))" \
-        eval "journal_units | grep -Eq 'pid 1: (no page swapped out|[0-9]+ pages were swapped out)'"
+    if [ "${pid1_swap_kib:-0}" -gt 0 ]; then
+        check "... ExecStop read PID 1's $pid1_swap_kib KiB of swapped-out pages back first ($(journal_units | grep -o 'pid 1: .*' | tail -n 1))" \
+            eval "journal_units | grep -Eq 'pid 1: [1-9][0-9]* pages were swapped out'"
+    else
+        check "... ExecStop ran (PID 1 had nothing swapped out: $(journal_units | grep -o 'pid 1: .*' | tail -n 1))" \
+            eval "journal_units | grep -q 'pid 1: '"
+    fi
     check "... the old daemon handed the device over" eval "journal_units | grep -q 'device handed over'"
     check "... and the new one resumed it with every page" eval "journal_units | grep -q 'resumed the store with every page'"
     check "... swap is still on" grep -q "^$DEV " /proc/swaps

@@ -34,6 +34,9 @@
  *       pushing each part out to swap with MADV_PAGEOUT as it goes (so the program
  *       never needs much RAM), prints PAGEOUT_SWAPPED_KB (its VmSwap) and exits: the
  *       kernel frees every slot it had.
+ *   vmtool pageout-pid PID
+ *       Pages out every private mapping of process PID (process_madvise MADV_PAGEOUT; pages
+ *       its memory cgroup may not swap stay) and prints its VmSwap before and after.
  *   vmtool wakeup PERIOD_MS SECONDS
  *       An ordinary process (no locking, no priority) that wakes every PERIOD_MS for
  *       SECONDS and prints WAKEUP_MAX_DELAY_MS, the longest it woke up late: how long
@@ -110,6 +113,8 @@
 #include <sched.h>
 #include <fcntl.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -1015,6 +1020,61 @@ static int cmd_pageout(int argc, char **argv)
 	return 0;
 }
 
+/* The VmSwap of process `pid` in KiB, or -1. */
+static long long vm_swap_kib(long pid)
+{
+	char path[64], buf[4096];
+	snprintf(path, sizeof(path), "/proc/%ld/status", pid);
+	int fd = open(path, O_RDONLY);
+	ssize_t n = fd >= 0 ? read(fd, buf, sizeof(buf) - 1) : -1;
+	if (fd >= 0)
+		close(fd);
+	if (n <= 0)
+		return -1;
+	buf[n] = 0;
+	return field_of(buf, "VmSwap");
+}
+
+static int cmd_pageout_pid(int argc, char **argv)
+{
+	if (argc != 1) {
+		fprintf(stderr, "usage: vmtool pageout-pid PID\n");
+		return 2;
+	}
+	long pid = (long)parse_u64(argv[0], "pid");
+	int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)pid, 0);
+	if (pidfd < 0) {
+		perror("vmtool pageout-pid: pidfd_open");
+		return 1;
+	}
+	char path[64], line[512];
+	snprintf(path, sizeof(path), "/proc/%ld/maps", pid);
+	FILE *maps = fopen(path, "r");
+	if (!maps) {
+		perror("vmtool pageout-pid: maps");
+		return 1;
+	}
+	long long before = vm_swap_kib(pid);
+	unsigned long mappings = 0, failed = 0;
+	while (fgets(line, sizeof(line), maps)) {
+		unsigned long start, end;
+		char perms[5];
+		/* Private mappings only: what swap can take from the process itself. */
+		if (sscanf(line, "%lx-%lx %4s", &start, &end, perms) != 3 || perms[3] != 'p')
+			continue;
+		struct iovec range = { (void *)start, end - start };
+		mappings++;
+		if (syscall(SYS_process_madvise, pidfd, &range, 1, MADV_PAGEOUT, 0) < 0)
+			failed++;
+	}
+	fclose(maps);
+	close(pidfd);
+	printf("pageout-pid: %ld: %lu private mappings paged out (%lu refused), VmSwap %lld kB "
+	       "before, %lld kB after\n",
+	       pid, mappings, failed, before, vm_swap_kib(pid));
+	return 0;
+}
+
 static int cmd_wakeup(int argc, char **argv)
 {
 	if (argc != 2) {
@@ -1268,6 +1328,8 @@ int main(int argc, char **argv)
 		return cmd_shm_remove(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "pageout") == 0)
 		return cmd_pageout(argc - 2, argv + 2);
+	if (argc >= 2 && strcmp(argv[1], "pageout-pid") == 0)
+		return cmd_pageout_pid(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "wakeup") == 0)
 		return cmd_wakeup(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "stalls") == 0)
@@ -1277,7 +1339,7 @@ int main(int argc, char **argv)
 	fprintf(stderr, "usage: vmtool now | clock | gen BYTES SEED | pressure MIB SEED [HOLDFILE] | "
 			"scatter MIB PROCS SEED | "
 			"notify-run TIMEOUT_S STATEFILE CMD [ARGS...] | heartbeat DEV OFFSET STOPFILE | "
-			"shm-remove KEY | pageout MIB SEED | wakeup PERIOD_MS SECONDS | stalls PID SECONDS | "
+			"shm-remove KEY | pageout MIB SEED | pageout-pid PID | wakeup PERIOD_MS SECONDS | stalls PID SECONDS | "
 			"rss-settle PID LIMIT_KB TIMEOUT_S | "
 			"monitor INTERVAL_S DEADLINE_S STALL_S FLAGFILE\n");
 	return 2;
