@@ -24,6 +24,12 @@
 # cached under .vm/cache; missing tools are installed with apt-get.
 # Exits 0 only if every check in the VM passed. Environment knobs (defaults in brackets):
 #   VM_RAM_MIB [256]  VM_CPUS [2]  VM_TIMEOUT_S [900]  VM_KERNEL_META [linux-image-6.12-cloud-amd64]
+#   VM_ACCEL [tcg]    kvm: the busybox VM on the host's CPU through KVM (needs /dev/kvm); its
+#                     figures are then not comparable with the emulated ones. Not seen working
+#                     yet: under the GPU machine's nested KVM the guest kernel died in its boot
+#                     decompressor (2026-11-29; docs/measurements.md)
+#   VM_BUILD_ONLY     a folder: make the busybox VM (kernel, initramfs, vm.env) there and stop,
+#                     for scripts/vm-boot-prepared.sh on another machine (one with KVM)
 #   VM_KERNEL_SUITE   boot the newest cloud kernel of this Debian suite instead (trixie-backports:
 #                     7.x, the newer ublk driver), fetched by scripts/vm/fetch-kernel.sh;
 #                     VM_KERNEL_VERSION (say 6.18): the newest of that release line in it
@@ -378,6 +384,16 @@ STRESS_S=${STRESS_S:-30}
 EOF
 (cd "$STAGE" && find . | cpio -o -H newc --quiet) | gzip -1 >"$VM_DIR/initrd.cpio.gz"
 log "initramfs $(du -h "$VM_DIR/initrd.cpio.gz" | cut -f1), kernel $(basename "$KDIR"), mode $MODE"
+if [ -n "${VM_BUILD_ONLY:-}" ]; then
+    # The busybox VM made, not booted: for a machine with KVM and no build tools
+    # (scripts/vm-boot-prepared.sh boots it there).
+    mkdir -p "$VM_BUILD_ONLY"
+    cp "$KDIR/vmlinuz" "$VM_DIR/initrd.cpio.gz" "$VM_BUILD_ONLY/"
+    printf 'RAM_MIB=%s\nCPUS=%s\nTIMEOUT_S=%s\nMODE=%s\nKERNEL=%s\n' "$RAM_MIB" "$CPUS" \
+        "$TIMEOUT_S" "$MODE" "$(basename "$KDIR")" >"$VM_BUILD_ONLY/vm.env"
+    log "VM_BUILD_ONLY: kernel, initramfs and vm.env in $VM_BUILD_ONLY; not booted"
+    exit 0
+fi
 
 # --- 5. Boot (the busybox VM) --------------------------------------------------------------
 run_busybox_vm() {
@@ -391,16 +407,10 @@ fi
 for attempt in 1 2; do
 : >"$CONSOLE"
 : >"$RESULT"
-log "booting: ${RAM_MIB} MiB RAM, $CPUS vCPUs, TCG (limit ${TIMEOUT_S} s)"
+log "booting: ${RAM_MIB} MiB RAM, $CPUS vCPUs, ${VM_ACCEL:-tcg} (limit ${TIMEOUT_S} s)"
 VM_START=$SECONDS
-timeout --kill-after=10 "$TIMEOUT_S" qemu-system-x86_64 \
-    -nodefaults -no-user-config -accel tcg,thread=multi -cpu max -smp "$CPUS" -m "${RAM_MIB}M" \
-    -kernel "$KDIR/vmlinuz" -initrd "$VM_DIR/initrd.cpio.gz" \
-    -append "console=ttyS0 rdinit=/init rootfstype=ramfs panic=-1 loglevel=4 ${VM_KERNEL_ARGS:-}" \
-    -nic none -display none -no-reboot "${DISK[@]}" \
-    -chardev file,id=console,path="$CONSOLE" -serial chardev:console \
-    -chardev file,id=result,path="$RESULT" -serial chardev:result \
-    </dev/null >"$VM_DIR/qemu.log" 2>&1 &
+qemu_boot "$TIMEOUT_S" "$CPUS" "$RAM_MIB" "$KDIR/vmlinuz" "$VM_DIR/initrd.cpio.gz" \
+    "$CONSOLE" "$RESULT" "${DISK[@]}" </dev/null >"$VM_DIR/qemu.log" 2>&1 &
 QEMU_PID=$!
 # Show the in-VM log as it comes (tail ends by itself once qemu has exited).
 tail -n +1 -s 0.5 --pid "$QEMU_PID" -F "$RESULT" 2>/dev/null | sed -u 's/\r$//' &

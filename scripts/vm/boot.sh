@@ -20,3 +20,22 @@ boot_again() { # attempt console result
     log "the guest kernel died in its own boot before the test began (an emulator fault; console below): booting again"
     tr -d '\r' <"$2" | head -n 6 || true
 }
+
+# qemu_boot TIMEOUT_S CPUS RAM_MIB KERNEL INITRD CONSOLE RESULT [QEMU_ARGS...]: boot the
+# busybox VM (its /init runs the test or benchmark the initramfs holds), the console and the
+# result port (ttyS1) into files; returns qemu's status (124: the time limit). Software
+# emulation (TCG), or the host's CPU through KVM with VM_ACCEL=kvm. QEMU names the emulator
+# [qemu-system-x86_64].
+qemu_boot() {
+    local timeout_s=$1 cpus=$2 ram_mib=$3 kernel=$4 initrd=$5 console=$6 result=$7
+    shift 7
+    local accel=(-accel tcg,thread=multi -cpu max)
+    [ "${VM_ACCEL:-tcg}" = kvm ] && accel=(-accel kvm -cpu host)
+    timeout --kill-after=10 "$timeout_s" "${QEMU:-qemu-system-x86_64}" \
+        -nodefaults -no-user-config "${accel[@]}" -smp "$cpus" -m "${ram_mib}M" \
+        -kernel "$kernel" -initrd "$initrd" \
+        -append "console=ttyS0 rdinit=/init rootfstype=ramfs panic=-1 loglevel=4 ${VM_KERNEL_ARGS:-}" \
+        -nic none -display none -no-reboot "$@" \
+        -chardev file,id=console,path="$console" -serial chardev:console \
+        -chardev file,id=result,path="$result" -serial chardev:result
+}
