@@ -414,6 +414,27 @@ fn wait_until_gone(id: u32, timeout: Duration) -> bool {
 mod tests {
     use super::*;
 
+    #[test]
+    fn io_waits_on_a_quiesced_device_or_one_whose_daemon_is_gone() {
+        let row = |state: u16, daemon_alive: bool| DeviceRow {
+            id: 0,
+            path: block_path(0),
+            size: 1 << 30,
+            queues: 1,
+            depth: 32,
+            state: state_name(state),
+            pid: 1,
+            daemon_alive,
+        };
+        use crate::ublk::sys::{UBLK_S_DEV_DEAD, UBLK_S_DEV_LIVE, UBLK_S_DEV_QUIESCED};
+        assert!(!row(UBLK_S_DEV_LIVE, true).io_waits());
+        assert!(row(UBLK_S_DEV_LIVE, false).io_waits());
+        assert!(row(UBLK_S_DEV_QUIESCED, true).io_waits());
+        assert!(row(UBLK_S_DEV_QUIESCED, false).io_waits());
+        // Stopped (I/O fails at once) or never started: nothing waits.
+        assert!(!row(UBLK_S_DEV_DEAD, false).io_waits());
+    }
+
     const SWAPS: &str = "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n\
         /dev/ublkb0\\040(deleted)               partition\t1048572\t\t20480\t\t100\n\
         /dev/ublkb1                             partition\t1048572\t\t0\t\t-2\n\
