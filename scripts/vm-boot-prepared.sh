@@ -15,10 +15,13 @@ RAM_MIB='' CPUS='' TIMEOUT_S='' MODE='' KERNEL=''
 . "$ROOT/scripts/vm/boot.sh"
 [ "$MODE" != stress ] || { echo "vm-boot-prepared: --stress VMs need their stress-ng disk" >&2; exit 2; }
 cpus=${2:-$CPUS}
+# An uncompressed kernel beside it (vm-kvm-bundle.sh) is booted through its PVH entry.
+kernel=$dir/vmlinuz
+[ -e "$dir/vmlinux" ] && kernel=$dir/vmlinux
 [ -e /dev/kvm ] && export VM_ACCEL=${VM_ACCEL:-kvm}
-echo "booting $KERNEL, mode $MODE: $RAM_MIB MiB, $cpus vCPUs, ${VM_ACCEL:-tcg}"
+echo "booting $KERNEL ($(basename "$kernel")), mode $MODE: $RAM_MIB MiB, $cpus vCPUs, ${VM_ACCEL:-tcg}"
 rc=0
-qemu_boot "$TIMEOUT_S" "$cpus" "$RAM_MIB" "$dir/vmlinuz" "$dir/initrd.cpio.gz" \
+qemu_boot "$TIMEOUT_S" "$cpus" "$RAM_MIB" "$kernel" "$dir/initrd.cpio.gz" \
     "$dir/console.log" "$dir/result.log" </dev/null >"$dir/qemu.log" 2>&1 || rc=$?
 tr -d '\r' <"$dir/result.log"
 echo "qemu exit $rc"

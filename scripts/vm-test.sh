@@ -27,9 +27,11 @@
 #   VM_ACCEL [tcg]    kvm: the busybox VM on the host's CPU through KVM (needs /dev/kvm); its
 #                     figures are then not comparable with the emulated ones. Not seen working
 #                     yet: under the GPU machine's nested KVM the guest kernel died in its boot
-#                     decompressor (2026-11-29; docs/measurements.md)
+#                     decompressor (2026-11-29; docs/measurements.md; vm-kvm-bundle.sh boots
+#                     it uncompressed instead)
 #   VM_BUILD_ONLY     a folder: make the busybox VM (kernel, initramfs, vm.env) there and stop,
-#                     for scripts/vm-boot-prepared.sh on another machine (one with KVM)
+#                     for scripts/vm-boot-prepared.sh on another machine (one with KVM; see
+#                     scripts/vm-kvm-bundle.sh)
 #   VM_KERNEL_SUITE   boot the newest cloud kernel of this Debian suite instead (trixie-backports:
 #                     7.x, the newer ublk driver), fetched by scripts/vm/fetch-kernel.sh;
 #                     VM_KERNEL_VERSION (say 6.18): the newest of that release line in it
