@@ -205,15 +205,6 @@ pub fn swapon(path: &std::ffi::CStr, priority: u16) -> std::io::Result<()> {
     cvt(unsafe { libc::swapon(path.as_ptr(), flags) })
 }
 
-/// The kernel's base page size (what `/proc/PID/pagemap` has an entry for); 4096 if unknown.
-pub fn base_page_size() -> u64 {
-    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
-        .ok()
-        .flatten()
-        .and_then(|size| u64::try_from(size).ok())
-        .unwrap_or(4096)
-}
-
 /// Total RAM from /proc/meminfo (`MemTotal`).
 pub fn ram_bytes() -> std::io::Result<u64> {
     let text = std::fs::read_to_string("/proc/meminfo")?;

@@ -113,7 +113,7 @@ pub fn fault_in(pid: u32) -> Result<FaultIn, SwapError> {
         std::fs::read_to_string(proc_file("smaps")).map_err(unreadable(proc_file("smaps")))?;
     let pagemap = File::open(proc_file("pagemap")).map_err(unreadable(proc_file("pagemap")))?;
     let memory = File::open(proc_file("mem")).map_err(unreadable(proc_file("mem")))?;
-    let page = crate::os::base_page_size();
+    let page = crate::mem::HOST_PAGE as u64;
     let mappings = swapped_mappings(&smaps);
     let mut swapped = 0;
     for mapping in &mappings {
@@ -227,12 +227,13 @@ Swap:                 12 kB
         // The walk with another flag of the entry (bit 63, present) over memory this test has
         // just written: every page of the range, at its own address, and none twice.
         const PAGEMAP_PRESENT: u64 = 1 << 63;
-        let page = crate::os::base_page_size();
+        let page = crate::mem::HOST_PAGE;
         let pages = 40;
-        let mut buffer = vec![1u8; usize::try_from(page).unwrap() * (pages + 1)];
-        for byte in buffer.iter_mut().step_by(usize::try_from(page).unwrap()) {
+        let mut buffer = vec![1u8; page * (pages + 1)];
+        for byte in buffer.iter_mut().step_by(page) {
             *byte = 2;
         }
+        let page = page as u64;
         let start = (buffer.as_ptr() as u64).next_multiple_of(page);
         let range = start..start + pages as u64 * page;
         let pagemap = File::open("/proc/self/pagemap").expect("pagemap");
@@ -241,10 +242,7 @@ Swap:                 12 kB
             seen.push(address);
         })
         .expect("pagemap read");
-        let want: Vec<u64> = range
-            .clone()
-            .step_by(usize::try_from(page).unwrap())
-            .collect();
+        let want: Vec<u64> = range.clone().step_by(crate::mem::HOST_PAGE).collect();
         assert_eq!(seen, want);
         drop(buffer);
     }

@@ -30,7 +30,9 @@ pub use lists::{
 pub use segment::{PageSlots, Segment, SlotRead, SlotWrite, Words};
 pub use throttle::{free_memory_is_back, ThrottledThread};
 
-const HOST_PAGE: usize = 4096;
+/// The MMU's base page: what the arena and the segment align to, and what
+/// `/proc/PID/pagemap` has one entry for (x86-64 and 4 KiB-page arm64).
+pub const HOST_PAGE: usize = 4096;
 
 /// Stack every I/O-path thread (queue, flusher, rayon worker) is given.
 pub const IO_THREAD_STACK_BYTES: usize = 1 << 20;
