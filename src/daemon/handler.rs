@@ -58,8 +58,10 @@ impl StoreHandler {
     pub(super) fn free_reported_slots(&self) {
         if let (Some(probe), Some(store)) = (self.slot_frees.get(), self.store.get()) {
             let started = Instant::now();
-            let pages =
-                probe.free_reported(|page, still_freed| store.free_swap_slot(page, still_freed));
+            let mut frees = store.swap_slot_frees();
+            let pages = probe.free_reported(|page, still_freed| frees.free(page, still_freed));
+            // The memory goes back here, before the time is taken.
+            drop(frees);
             if pages >= LOGGED_SLOT_FREE_PAGES {
                 tracing::info!(
                     pages,

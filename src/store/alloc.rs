@@ -648,13 +648,22 @@ impl ZsAllocator {
         id
     }
 
-    /// Free the object of `len` bytes at `handle`; frees its chunk if it was the chunk's last.
+    /// Free the object of `len` bytes at `handle`; frees its chunk if it was the chunk's last
+    /// (to the reserve, see `ChunkReserve::give_back`).
     pub(super) fn free(&self, handle: Handle, len: usize) {
+        if let Some(chunk) = self.free_object(handle, len) {
+            self.reserve.give_back(chunk);
+        }
+    }
+
+    /// Free the object of `len` bytes at `handle`; its chunk, if it was the chunk's last, for
+    /// the caller to give back (one of a run of frees, see `ChunkReserve::give_back_all`).
+    pub(super) fn free_object(&self, handle: Handle, len: usize) -> Option<ArenaChunk> {
         let class = &self.classes[self.class_index(len)];
         let mut st = class.state.lock();
         let Some(id) = self.chunk_id(handle.page()) else {
             tracing::error!(?handle, "free of an object in no live chunk ignored");
-            return;
+            return None;
         };
         let ClassState {
             usage,
@@ -666,16 +675,16 @@ impl ZsAllocator {
         } = &mut *st;
         let Some(Some(u)) = usage.get_mut(id) else {
             tracing::error!(?handle, "free of an object in no live chunk ignored");
-            return;
+            return None;
         };
         let bit = handle.obj() % 64;
         let Some(word) = u.free.get_mut(handle.obj() / 64) else {
             tracing::error!(?handle, "free of an object past its chunk ignored");
-            return;
+            return None;
         };
         if *word & (1 << bit) != 0 {
             tracing::error!(?handle, "double free ignored");
-            return;
+            return None;
         }
         *word |= 1 << bit;
         u.used -= 1;
@@ -695,16 +704,16 @@ impl ZsAllocator {
                 tag.store(0, Ordering::Release);
             }
             let chunk = class.chunks.write()[id].take();
-            if let Some(chunk) = chunk {
-                self.reserve.give_back(chunk.into_inner());
-            }
             free_ids.push(id as u32);
             self.chunk_bytes
                 .fetch_sub(class.chunk_bytes as u64, Ordering::Relaxed);
-        } else if u.partial_pos.is_none() && !u.evacuating {
+            return chunk.map(RwLock::into_inner);
+        }
+        if u.partial_pos.is_none() && !u.evacuating {
             u.partial_pos = Some(partial.len() as u32);
             partial.push(id as u32);
         }
+        None
     }
 
     /// Whether the object of `len` bytes at `handle` is in a chunk being evacuated. Only

@@ -58,7 +58,7 @@ use crate::codec::{
     CompressedBatch, Compressor, Encoding, Page, PageChecksum, PageClass, PAGE_SIZE,
 };
 use admission::SlotWait;
-use alloc::ZsAllocator;
+use alloc::{Handle, ZsAllocator};
 pub use config::{
     short_memory_algorithm, store_thread_codecs, thread_algorithm, RecompressConfig, StoreConfig,
 };
@@ -72,6 +72,7 @@ pub use oom::OomKiller;
 use pending::{BatchSpan, PendingBatch};
 pub use recompress::Compaction;
 /// How long after its last use the chunk reserve shrinks to a quarter of its target.
+use reserve::FreedTogether;
 pub use reserve::QUIET_AFTER as RESERVE_QUIET_AFTER;
 use table::{IdleClock, PageState, PageTable};
 use table_memory::TableMemory;
@@ -672,21 +673,30 @@ impl BatchedPageStore {
         Ok(())
     }
 
-    /// Swap freed the slot of page `index` (heard of outside the block protocol, see
-    /// `crate::slotfree`): unless `still_freed`, asked while the page's lock is held, says a
-    /// write came since, the page is emptied as by a discard. Whether it was emptied.
-    pub fn free_swap_slot(&self, index: u64, still_freed: &dyn Fn() -> bool) -> bool {
-        if index >= self.config.size_bytes / PAGE_SIZE as u64 {
-            // Nothing to free; forget the report all the same.
-            still_freed();
-            return false;
+    /// For a run of frees of the slots swap freed (heard of outside the block protocol, see
+    /// `crate::slotfree`): the memory they free goes back to the system together when the
+    /// run ends (see `SlotFrees`). Not for the I/O path: giving memory back takes the segment
+    /// file's lock.
+    pub fn swap_slot_frees(&self) -> SlotFrees<'_> {
+        SlotFrees {
+            store: self,
+            emptied: self.alloc.reserve.freed_together(),
         }
-        self.empty_page(index, still_freed)
     }
 
     /// Empty page `index` (inside the device) and free its memory if `now`, asked while the
     /// page's lock is held, says so; whether it held anything.
     fn empty_page(&self, index: u64, now: impl FnOnce() -> bool) -> bool {
+        self.empty_page_with(index, now, |handle, len| self.alloc.free(handle, len))
+    }
+
+    /// `empty_page`, freeing the object the page held with `free(handle, len)`.
+    fn empty_page_with(
+        &self,
+        index: u64,
+        now: impl FnOnce() -> bool,
+        free: impl FnOnce(Handle, usize),
+    ) -> bool {
         let old = {
             let Some(mut entry) = self.table.lock(index) else {
                 now();
@@ -704,7 +714,7 @@ impl BatchedPageStore {
             old
         };
         if let PageState::Stored { handle, len, .. } = old {
-            self.alloc.free(handle, usize::from(len));
+            free(handle, usize::from(len));
         }
         true
     }
@@ -874,6 +884,33 @@ impl BatchedPageStore {
         } else {
             false
         }
+    }
+}
+
+/// A run of frees of the slots swap freed (`BatchedPageStore::swap_slot_frees`); the chunks
+/// they empty go back together when it is dropped (see `reserve::FreedTogether`).
+pub struct SlotFrees<'a> {
+    store: &'a BatchedPageStore,
+    emptied: FreedTogether<'a>,
+}
+
+impl SlotFrees<'_> {
+    /// Swap freed the slot of page `index`: unless `still_freed`, asked while the page's lock
+    /// is held, says a write came since, the page is emptied as by a discard. Whether it was
+    /// emptied.
+    pub fn free(&mut self, index: u64, still_freed: &dyn Fn() -> bool) -> bool {
+        let store = self.store;
+        if index >= store.config.size_bytes / PAGE_SIZE as u64 {
+            // Nothing to free; forget the report all the same.
+            still_freed();
+            return false;
+        }
+        let emptied = &mut self.emptied;
+        store.empty_page_with(index, still_freed, |handle, len| {
+            if let Some(chunk) = store.alloc.free_object(handle, len) {
+                emptied.push(chunk);
+            }
+        })
     }
 }
 

@@ -1061,17 +1061,19 @@ fn a_freed_swap_slot_empties_its_page_only_while_the_report_stands() {
         asked.set(asked.get() + 1);
         true
     };
-    assert!(!s.free_swap_slot(pages, &ask));
-    assert!(!s.free_swap_slot(u64::MAX, &ask));
+    let mut frees = s.swap_slot_frees();
+    assert!(!frees.free(pages, &ask));
+    assert!(!frees.free(u64::MAX, &ask));
     assert_eq!(asked.get(), 2);
     // A report withdrawn (a write came since): the page stays.
-    assert!(!s.free_swap_slot(3, &|| false));
+    assert!(!frees.free(3, &|| false));
     assert_eq!(read_page_back(&s, 3), text(3).to_vec());
     // Reports standing for pages 10..20: emptied, and their data gone; the others stay.
     for i in 10..20 {
-        assert!(s.free_swap_slot(i, &|| true));
+        assert!(frees.free(i, &|| true));
     }
-    assert!(!s.free_swap_slot(10, &|| true), "already empty");
+    assert!(!frees.free(10, &|| true), "already empty");
+    drop(frees);
     assert_eq!(s.stats().orig_bytes, data - 10 * PAGE_SIZE as u64);
     for i in 0..pages {
         let want = if (10..20).contains(&i) {
