@@ -270,32 +270,55 @@ swap_used() {
         END { printf "swap in use %d kB (swap cache %d kB)", t - f, c }' /proc/meminfo
 }
 
-# memory_return PID: a program swaps 200 MiB of compressible pages out and exits; the
-# serving process's RSS must come back within 4 MiB of its idle RSS within 2 s. The program
-# runs in a cgroup of its own, reclaimed right after it exits: on a device that completes
-# writes asynchronously (any but zram's synchronous one) the kernel keeps the last pages it
-# wrote in its swap cache, and their slots stay taken until reclaim drops them (with swap less
-# than half full it does not at exit). Dropping them frees the slots, as memory pressure would.
+# memory_return PID MIB [random]: a program swaps MIB MiB of compressible pages out and exits
+# (with `random`: random words, a one-page chunk each in the store, and it is killed with
+# SIGKILL, as the OOM killer's move-inv workers are, the time taken from the kill); the serving
+# process's RSS must come back within 4 MiB of its idle RSS within 2 s. The program runs in a
+# cgroup of its own, reclaimed right after it ends: on a device that completes writes
+# asynchronously (any but zram's synchronous one) the kernel keeps the last pages it wrote in
+# its swap cache, and their slots stay taken until reclaim drops them (with swap less than
+# half full it does not at exit). Dropping them frees the slots, as memory pressure would.
 memory_return() {
-    local pid=$1 idle t0 out cg=/sys/fs/cgroup/pageout
+    local pid=$1 mib=$2 kind=${3:-} idle t0 out prog settle what figure=ublk_memory_return_s
+    local cg=/sys/fs/cgroup/pageout
+    what="memory return (${mib} MiB${kind:+ $kind})"
+    [ -n "$kind" ] && figure=ublk_memory_return_${kind}_s
     idle=$(awk '/^VmRSS/ { print $2 }' "/proc/$pid/status")
     mkdir -p $cg
-    sh -c "echo \$\$ >$cg/cgroup.procs && exec $VT pageout 200 7" >/tmp/pageout.out 2>&1
-    t0=$(now)
-    echo "after exit: $(swap_used)"
+    if [ -z "$kind" ]; then
+        sh -c "echo \$\$ >$cg/cgroup.procs && exec $VT pageout $mib 7" >/tmp/pageout.out 2>&1
+        t0=$(now)
+        settle=
+    else
+        sh -c "echo \$\$ >$cg/cgroup.procs && exec $VT pageout $mib 7 $kind wait" >/tmp/pageout.out 2>&1 &
+        prog=$!
+        wait_until 120 grep -q PAGEOUT_SWAPPED_KB /tmp/pageout.out || echo "$what: not paged out within 120 s"
+        # Timed from before the kill: RSS is above the limit until the store frees the pages.
+        $VT rss-settle "$pid" $((idle + 4096)) 10 >/tmp/settle.out &
+        settle=$!
+        t0=$(now)
+        kill -9 $prog
+        wait $prog 2>/dev/null
+    fi
+    echo "after the program ended: $(swap_used)"
     echo 256M >$cg/memory.reclaim 2>/dev/null
     echo "after reclaiming the program's cgroup: $(swap_used)"
-    out=$($VT rss-settle "$pid" $((idle + 4096)) 10)
+    if [ -n "$settle" ]; then
+        wait $settle
+        out=$(cat /tmp/settle.out)
+    else
+        out=$($VT rss-settle "$pid" $((idle + 4096)) 10)
+    fi
     echo "$out"
-    echo "$(since "$t0") s after the program exited: $(swap_used)"
+    echo "$(since "$t0") s after the program ended: $(swap_used)"
     cat /tmp/pageout.out
     trueno-ublk stat
     grep -E '^(VmRSS|RssAnon|RssFile|RssShmem)' "/proc/$pid/status"
     rmdir $cg
-    check "memory return: the program swapped out ($(sed -n 's/^PAGEOUT_SWAPPED_KB=//p' /tmp/pageout.out) kB)" \
-        [ "$(sed -n 's/^PAGEOUT_SWAPPED_KB=//p' /tmp/pageout.out)" -gt $((100 * 1024)) ]
-    sfigure ublk_memory_return_s "$(echo "$out" | sed -n 's/^RSS_SETTLE_S=//p')"
-    check "memory return: serving process's RSS back within 4 MiB of idle ($idle kB) within 2 s: $(echo "$out" | tr '\n' ' ')" \
+    check "$what: the program swapped out ($(sed -n 's/^PAGEOUT_SWAPPED_KB=//p' /tmp/pageout.out) kB)" \
+        [ "$(sed -n 's/^PAGEOUT_SWAPPED_KB=//p' /tmp/pageout.out)" -gt $((mib * 512)) ]
+    sfigure $figure "$(echo "$out" | sed -n 's/^RSS_SETTLE_S=//p')"
+    check "$what: serving process's RSS back within 4 MiB of idle ($idle kB) within 2 s: $(echo "$out" | tr '\n' ' ')" \
         awk -v s="$(echo "$out" | sed -n 's/^RSS_SETTLE_S=//p')" 'BEGIN { exit !(s >= 0 && s <= 2) }'
 }
 
@@ -389,7 +412,8 @@ stress_phase() {
     trueno-ublk stat
     "$UL"/mkswap /dev/ublkb0 >/dev/null
     check "ublk: swapon -d /dev/ublkb0" "$UL"/swapon -d /dev/ublkb0
-    memory_return "$pid"
+    memory_return "$pid" 200
+    memory_return "$pid" 64 random
     stress_cases ublk
     for p in $STRESS_CASES; do
         stress_compare "${p%%:*}" "${p##*:}"

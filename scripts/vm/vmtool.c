@@ -29,11 +29,12 @@
  *       in random order (another access pattern than pressure's sequential passes).
  *       Prints SCATTER_WORDS_CHECKED and SCATTER_BAD_WORDS; exits 1 on any mismatch or
  *       failed process.
- *   vmtool pageout MIB SEED
- *       Fills MIB MiB of anonymous memory with the mixed pattern 16 MiB at a time,
+ *   vmtool pageout MIB SEED [random] [wait]
+ *       Fills MIB MiB of anonymous memory with the mixed pattern (with `random`, random
+ *       words: nothing compresses, as a stress-ng move-inv worker's) 16 MiB at a time,
  *       pushing each part out to swap with MADV_PAGEOUT as it goes (so the program
- *       never needs much RAM), prints PAGEOUT_SWAPPED_KB (its VmSwap) and exits: the
- *       kernel frees every slot it had.
+ *       never needs much RAM), prints PAGEOUT_SWAPPED_KB (its VmSwap) and exits (with
+ *       `wait`, waits to be killed): the kernel frees every slot it had.
  *   vmtool pageout-pid PID
  *       Pages out every private mapping of process PID (process_madvise MADV_PAGEOUT; pages
  *       its memory cgroup may not swap stay) and prints its VmSwap before and after.
@@ -982,8 +983,17 @@ static int cmd_monitor(int argc, char **argv)
 
 static int cmd_pageout(int argc, char **argv)
 {
-	if (argc != 2) {
-		fprintf(stderr, "usage: vmtool pageout MIB SEED\n");
+	int random = 0, wait = 0;
+	for (int i = 2; i < argc; i++) {
+		if (strcmp(argv[i], "random") == 0)
+			random = 1;
+		else if (strcmp(argv[i], "wait") == 0)
+			wait = 1;
+		else
+			argc = 0;
+	}
+	if (argc < 2) {
+		fprintf(stderr, "usage: vmtool pageout MIB SEED [random] [wait]\n");
 		return 2;
 	}
 	uint64_t mib = parse_u64(argv[0], "MiB");
@@ -1000,8 +1010,15 @@ static int cmd_pageout(int argc, char **argv)
 	double t0 = now_s();
 	for (uint64_t p = 0; p < pages; p += part) {
 		uint64_t n = pages - p < part ? pages - p : part;
-		for (uint64_t q = p; q < p + n; q++)
-			make_page(mem + q * PAGE_WORDS, seed, q);
+		for (uint64_t q = p; q < p + n; q++) {
+			if (random) {
+				uint64_t state = seed * 0xD1B54A32D192ED03ULL ^ q;
+				for (int i = 0; i < PAGE_WORDS; i++)
+					mem[q * PAGE_WORDS + i] = splitmix64(&state);
+			} else {
+				make_page(mem + q * PAGE_WORDS, seed, q);
+			}
+		}
 		if (madvise(mem + p * PAGE_WORDS, n * PAGE_BYTES, MADV_PAGEOUT)) {
 			perror("vmtool pageout: MADV_PAGEOUT");
 			return 1;
@@ -1017,6 +1034,8 @@ static int cmd_pageout(int argc, char **argv)
 	       now_s() - t0);
 	printf("PAGEOUT_SWAPPED_KB=%lld\n", field_of(buf, "VmSwap"));
 	fflush(stdout);
+	while (wait)
+		pause();
 	return 0;
 }
 
