@@ -1,15 +1,15 @@
-//! Store benchmarks: the write path (batched and per-page), the read path, and one page at a
-//! time with the flusher running. Pages as in `benches/codec.rs` (`TRUENO_BENCH_CORPUS` or a
+//! Store benchmarks: the write path (batched and per-page), the read path, one page at a
+//! time with the flusher running, and a killed program's slots freed. Pages as in `benches/codec.rs` (`TRUENO_BENCH_CORPUS` or a
 //! synthetic mix, same-filled pages included as they come).
 
 #[path = "../tests/store_common/mod.rs"]
 mod store_common;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use trueno_ublk::codec::{Algorithm, PAGE_SIZE};
+use trueno_ublk::codec::{Algorithm, Page, PAGE_SIZE};
 use trueno_ublk::store::BatchedPageStore;
 
 const PAGES: usize = 4000;
@@ -118,6 +118,45 @@ fn bench_single_page(c: &mut Criterion) {
     g.finish();
 }
 
+/// Pages of a killed stress-ng move-inv worker in the VM's near-OOM stage, about.
+const KILLED_PAGES: usize = 17_000;
+
+/// A killed program's incompressible pages (a one-page chunk each) freed as the slot-free
+/// probe reports them, and their memory given back (the refill thread running, the VM's 4 MiB
+/// reserve target): the run of frees alone is timed.
+fn bench_slot_frees(c: &mut Criterion) {
+    let pages: Vec<Box<Page>> = (0..KILLED_PAGES as u64)
+        .map(store_common::random_page)
+        .collect();
+    let mut config = trueno_ublk::config::StoreSettings::default()
+        .store_config((KILLED_PAGES * PAGE_SIZE) as u64, false);
+    config.reserve_bytes = 4 << 20;
+    let s = BatchedPageStore::new(config, None).expect("store");
+    let _flusher = s.start_flusher(|_| {}).expect("flusher");
+    let mut g = c.benchmark_group("store_slot_frees");
+    g.throughput(Throughput::Bytes((KILLED_PAGES * PAGE_SIZE) as u64));
+    g.bench_function("incompressible", |b| {
+        b.iter_custom(|iters| {
+            let mut spent = Duration::ZERO;
+            for _ in 0..iters {
+                for (i, page) in pages.iter().enumerate() {
+                    let _ = s.write((i * PAGE_SIZE) as u64, &page[..]);
+                }
+                let _ = s.flush_pending();
+                let started = Instant::now();
+                let mut frees = s.swap_slot_frees();
+                for i in 0..KILLED_PAGES as u64 {
+                    frees.free(i, &|| true);
+                }
+                drop(frees);
+                spent += started.elapsed();
+            }
+            spent
+        })
+    });
+    g.finish();
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_millis(200))
@@ -128,6 +167,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = bench_write, bench_read, bench_single_page
+    targets = bench_write, bench_read, bench_single_page, bench_slot_frees
 }
 criterion_main!(benches);

@@ -850,11 +850,12 @@ impl ChunkReserve {
     /// program's incompressible pages are a one-page chunk each, and near OOM the kernel's
     /// OOM killer races the daemon for their memory (see `crate::slotfree::POLL_MEMORY_SHORT`).
     /// One by one, the surplus list filled faster than the refill thread emptied it, and both
-    /// threads punched the runs each happened to hold, contending for the pools' locks: on
-    /// this project's machine, 17,000 one-page chunks freed so took 1.3-2.1 µs a page and
-    /// their memory was back 23-52 ms after the first free; together, 1.1-1.3 µs and 18-22 ms
-    /// (2026-11-29). A hole punch costs about 14 µs for one page and 1.2 µs a page for runs
-    /// of 64, the kernel's own freeing of a shared-memory page about 1.
+    /// threads punched the runs each happened to hold, contending for the pools' locks:
+    /// `cargo bench --bench store -- slot_frees` (17,000 such chunks) took 26.6-26.8 ms for
+    /// the frees alone, the refill thread punching part of the holes after them, and takes
+    /// 21.4 with every hole punched (this project's machine, 2026-11-30). A hole punch costs
+    /// about 14 µs for one page and 1.2 µs a page for runs of 64, the kernel's own freeing of
+    /// a shared-memory page about 1.
     fn give_back_all(&self, chunks: &mut Vec<ArenaChunk>) {
         let target = self.current_target.load(Ordering::Relaxed);
         while let Some(chunk) = chunks.pop() {
