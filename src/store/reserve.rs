@@ -14,7 +14,8 @@
 //! target, and give their pages back to the system (a hole punched in the arena) beyond it:
 //! the refill thread punches them; while it has been stuck in one commit, the thread that
 //! frees swap slots does (`give_back_past_stuck_refill`), and a thread that finds the surplus
-//! list full gives it back itself (`give_back`).
+//! list full gives it back itself (`give_back`). A run of slot frees keeps the chunks it
+//! empties and gives them back itself, together (`FreedTogether`).
 
 #![forbid(unsafe_code)]
 
