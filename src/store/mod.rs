@@ -71,8 +71,8 @@ use layout::{Ownership, Regions, Shape};
 pub use oom::OomKiller;
 use pending::{BatchSpan, PendingBatch};
 pub use recompress::Compaction;
-/// How long after its last use the chunk reserve shrinks to a quarter of its target.
 use reserve::FreedTogether;
+/// How long after its last use the chunk reserve shrinks to a quarter of its target.
 pub use reserve::QUIET_AFTER as RESERVE_QUIET_AFTER;
 use table::{IdleClock, PageState, PageTable};
 use table_memory::TableMemory;
