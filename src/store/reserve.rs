@@ -832,7 +832,7 @@ impl ChunkReserve {
         } else {
             chunk
         };
-        self.decommit(smallvec::smallvec![chunk]);
+        self.decommit(&mut [chunk]);
     }
 
     /// Room for the chunks a run of frees empties, given back together (see `FreedTogether`).
@@ -874,10 +874,7 @@ impl ChunkReserve {
         if chunks.is_empty() {
             return;
         }
-        if let Err(error) = ArenaChunk::decommit_all(chunks) {
-            tracing::warn!(%error, "giving freed chunks' memory back failed");
-        }
-        self.make_cold(chunks);
+        self.decommit(chunks);
         chunks.clear();
     }
 
@@ -974,11 +971,11 @@ impl ChunkReserve {
     }
 
     /// Give the pages of `chunks` back to the system; they wait as cold pages.
-    fn decommit(&self, mut chunks: ChunkGroup) {
-        if let Err(error) = ArenaChunk::decommit_all(&mut chunks) {
+    fn decommit(&self, chunks: &mut [ArenaChunk]) {
+        if let Err(error) = ArenaChunk::decommit_all(chunks) {
             tracing::warn!(%error, "giving a chunk's memory back failed");
         }
-        self.make_cold(&chunks);
+        self.make_cold(chunks);
     }
 
     /// Note `chunks`, whose pages were given back, as cold.
@@ -1249,7 +1246,7 @@ impl ChunkReserve {
             if !beyond.is_empty() {
                 giving_back();
                 given_back += beyond.len() as u64 * chunk_bytes;
-                self.decommit(beyond);
+                self.decommit(&mut beyond);
             }
             if !more {
                 return given_back;
@@ -1335,7 +1332,7 @@ impl ChunkReserve {
                 if taken.is_empty() {
                     break;
                 }
-                self.decommit(taken);
+                self.decommit(&mut taken);
             }
         }
         if stolen > 0 {
@@ -1433,7 +1430,7 @@ impl ChunkReserve {
                 return;
             }
             self.refill_state.set(RefillActivity::GivingBack);
-            self.decommit(cut);
+            self.decommit(&mut cut);
         }
     }
 
