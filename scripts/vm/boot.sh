@@ -21,15 +21,28 @@ boot_again() { # attempt console result
     tr -d '\r' <"$2" | head -n 6 || true
 }
 
+# The CPU model of an emulated (TCG) guest: QEMU's `max` without ERMS and FSRM. Why: with
+# those flags glibc's memcpy and memset (and some of the kernel's copies and its clear_page)
+# use `rep movsb` and `rep stosb`, which QEMU 7.2's TCG runs an iteration at a time, so a
+# program's copies cost several times what they would on a CPU that has the flags (which runs
+# them at full speed), and a user-space codec falls behind the kernel's for a reason no real
+# machine has. Measured with `VM_CPU=... bash scripts/vm-bench.sh
+# --store`, 2026-11-30: the codec alone on one vCPU at 0.126-0.127 GB/s with `max` or `max`
+# without AVX, 0.241-0.242 without ERMS and FSRM (or as `qemu64` or `Nehalem`), kernel zram
+# lz4 0.211-0.242 under all of them. VM_CPU overrides it.
+tcg_cpu() {
+    printf '%s' "${VM_CPU:-max,erms=off,fsrm=off}"
+}
+
 # qemu_boot TIMEOUT_S CPUS RAM_MIB KERNEL INITRD CONSOLE RESULT [QEMU_ARGS...]: boot the
 # busybox VM (its /init runs the test or benchmark the initramfs holds), the console and the
 # result port (ttyS1) into files; returns qemu's status (124: the time limit). Software
-# emulation (TCG), or the host's CPU through KVM with VM_ACCEL=kvm. QEMU names the emulator
-# [qemu-system-x86_64].
+# emulation (TCG, the CPU of `tcg_cpu`), or the host's CPU through KVM with VM_ACCEL=kvm.
+# QEMU names the emulator [qemu-system-x86_64].
 qemu_boot() {
     local timeout_s=$1 cpus=$2 ram_mib=$3 kernel=$4 initrd=$5 console=$6 result=$7
     shift 7
-    local accel=(-accel tcg,thread=multi -cpu max)
+    local accel=(-accel tcg,thread=multi -cpu "$(tcg_cpu)")
     [ "${VM_ACCEL:-tcg}" = kvm ] && accel=(-accel kvm -cpu host)
     timeout --kill-after=10 "$timeout_s" "${QEMU:-qemu-system-x86_64}" \
         -nodefaults -no-user-config "${accel[@]}" -smp "$cpus" -m "${ram_mib}M" \

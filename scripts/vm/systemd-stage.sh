@@ -135,11 +135,11 @@ RESULT="$VM_DIR/systemd-result.log"
 for attempt in 1 2; do
 : >"$CONSOLE"
 : >"$RESULT"
-log "booting systemd: ${RAM_MIB} MiB RAM, $CPUS vCPUs, TCG (limit ${TIMEOUT_S} s)"
+log "booting systemd: ${RAM_MIB} MiB RAM, $CPUS vCPUs, TCG, CPU $(tcg_cpu) (limit ${TIMEOUT_S} s)"
 VM_START=$SECONDS
 QEMU_RC=0
 timeout --kill-after=10 "$TIMEOUT_S" qemu-system-x86_64 \
-    -nodefaults -no-user-config -accel tcg,thread=multi -cpu max -smp "$CPUS" -m "${RAM_MIB}M" \
+    -nodefaults -no-user-config -accel tcg,thread=multi -cpu "$(tcg_cpu)" -smp "$CPUS" -m "${RAM_MIB}M" \
     -kernel "$KDIR/vmlinuz" -initrd "$INITRD" \
     -append "console=ttyS0 rdinit=/init rootfstype=ramfs panic=-1 loglevel=4 systemd.show_status=1" \
     -nic none -display none -no-reboot \
