@@ -293,6 +293,14 @@ memory_return() {
         sh -c "echo \$\$ >$cg/cgroup.procs && exec $VT pageout $mib 7 $kind wait" >/tmp/pageout.out 2>&1 &
         prog=$!
         wait_until 120 grep -q PAGEOUT_SWAPPED_KB /tmp/pageout.out || echo "$what: not paged out within 120 s"
+        # Its pages' writes done and their swap cache dropped before the kill: a page still
+        # in the swap cache when its process dies keeps its slot (with swap less than half
+        # full the kernel does not free it at exit), and reclaim right after the kill may meet
+        # it still under writeback (seen 2026-11-30: 11 MiB left in the swap cache 10 s on).
+        wait_until 10 awk '/^Writeback:/ { exit $2 != 0 }' /proc/meminfo ||
+            echo "$what: writeback still under way after 10 s"
+        echo 256M >$cg/memory.reclaim 2>/dev/null
+        echo "before the kill, its cgroup reclaimed: $(swap_used)"
         # Timed from before the kill: RSS is above the limit until the store frees the pages.
         $VT rss-settle "$pid" $((idle + 4096)) 10 >/tmp/settle.out &
         settle=$!
