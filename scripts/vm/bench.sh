@@ -187,6 +187,9 @@ bench-storm)
     echo 1 >/sys/block/zram0/reset
     ublk_up
     storm ublk_default /dev/ublkb0
+    # Where its time went: the store's counters, the per-op service times and the
+    # pages written while memory was short (`short_memory_pages`).
+    $UBLK stat --id 0 --json || fail "$UBLK stat --id 0 --json"
     ublk_down
     ;;
 *) fail "unknown MODE '$MODE'" ;;
