@@ -32,6 +32,8 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=vm/boot.sh
+. "$ROOT/scripts/vm/boot.sh" # for tcg_cpu: the figures depend on the guest's CPU model
 LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT
 
@@ -41,7 +43,7 @@ if [ "${1:-}" = --compare ]; then
     VM_RAM_MIB=1024 VM_TIMEOUT_S=$((300 + rounds * 300)) VM_COMPARE_BIN=$other \
         VM_COMPARE_ROUNDS=$rounds bash "$ROOT/scripts/vm-test.sh" --bench-fio | tee "$LOGS/fio.log"
     echo
-    echo "================ this build (a) against $other (b), $(date -u '+%Y-%m-%d %H:%M UTC') ================"
+    echo "================ this build (a) against $other (b), $(date -u '+%Y-%m-%d %H:%M UTC'), guest CPU $(tcg_cpu) ================"
     tr -d '\r' <"$LOGS/fio.log" | sed -n 's/^FIGURE //p' | awk -F= -v rounds="$rounds" '
         { v[$1] = $2 }
         function median(list, count,   i, j, t) {
@@ -72,7 +74,7 @@ fi
 if [ "${1:-}" = --store ]; then
     VM_RAM_MIB=1024 bash "$ROOT/scripts/vm-test.sh" --bench-store | tee "$LOGS/store.log"
     echo
-    echo "================ store and codec against zram inside the VM ($(date -u '+%Y-%m-%d %H:%M UTC')) ================"
+    echo "================ store and codec against zram inside the VM ($(date -u '+%Y-%m-%d %H:%M UTC'), guest CPU $(tcg_cpu)) ================"
     tr -d '\r' <"$LOGS/store.log" | sed -n 's/^FIGURE //p' | awk -F= '
         { v[$1] = $2 }
         END {
@@ -92,7 +94,7 @@ VM_RAM_MIB=1024 bash "$ROOT/scripts/vm-test.sh" --bench-fio | tee "$LOGS/fio.log
 VM_RAM_MIB=256 bash "$ROOT/scripts/vm-test.sh" --bench-storm | tee "$LOGS/storm.log"
 
 echo
-echo "================ trueno-ublk VM bench ($(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) host cores) ================"
+echo "================ trueno-ublk VM bench ($(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) host cores, guest CPU $(tcg_cpu)) ================"
 cat "$LOGS/fio.log" "$LOGS/storm.log" | tr -d '\r' | sed -n 's/^FIGURE //p' | awk -F= '
     { v[$1] = $2 }
     function ratio(a, b) { return (a > 0 && b > 0) ? sprintf("%.2f", a / b) : "-" }
