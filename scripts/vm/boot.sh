@@ -26,10 +26,10 @@ boot_again() { # attempt console result
 # use `rep movsb` and `rep stosb`, which QEMU 7.2's TCG runs an iteration at a time, so a
 # program's copies cost several times what they would on a CPU that has the flags (which runs
 # them at full speed), and a user-space codec falls behind the kernel's for a reason no real
-# machine has. Measured with `VM_CPU=... bash scripts/vm-bench.sh
-# --store`, 2026-11-30: the codec alone on one vCPU at 0.126-0.127 GB/s with `max` or `max`
-# without AVX, 0.241-0.242 without ERMS and FSRM (or as `qemu64` or `Nehalem`), kernel zram
-# lz4 0.211-0.242 under all of them. VM_CPU overrides it.
+# machine has. Measured with `VM_CPU=... bash scripts/vm-bench.sh --store`, 2026-11-30: the
+# codec alone on one vCPU at 0.126-0.127 GB/s with `max` or `max` without AVX, 0.241-0.242
+# without ERMS and FSRM (or as `qemu64` or `Nehalem`), kernel zram lz4 0.211-0.242 under all
+# of them. VM_CPU overrides it.
 tcg_cpu() {
     printf '%s' "${VM_CPU:-max,erms=off,fsrm=off}"
 }
