@@ -24,7 +24,7 @@
 # cached under .vm/cache; missing tools are installed with apt-get.
 # Exits 0 only if every check in the VM passed. Environment knobs (defaults in brackets):
 #   VM_RAM_MIB [256]  VM_CPUS [2]  VM_TIMEOUT_S [900]  VM_KERNEL_META [linux-image-6.12-cloud-amd64]
-#   VM_CPU [max,erms=off,fsrm=off]  the emulated guest's CPU model (why: scripts/vm/boot.sh)
+#   VM_CPU            the emulated guest's CPU model (default and why: tcg_cpu in scripts/vm/boot.sh)
 #   VM_ACCEL [tcg]    kvm: the busybox VM on the host's CPU through KVM (needs /dev/kvm); its
 #                     figures are then not comparable with the emulated ones. Not seen working
 #                     yet: under the GPU machine's nested KVM the guest kernel died in its boot
