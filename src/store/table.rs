@@ -711,6 +711,27 @@ mod tests {
     }
 
     #[test]
+    fn with_every_slot_in_use_keeping_spares_makes_no_room_for_memory_it_will_not_commit() {
+        use super::super::table_memory::{GROUP_PAGES, SPARE_SLOTS};
+        let t = laid_out_table(8 * GROUP_PAGES, true);
+        let m = t.memory();
+        let asked = std::cell::Cell::new(0);
+        let before = |bytes: usize| asked.set(asked.get() + bytes);
+        // Room is made for each spare committed, as much as it takes.
+        assert_eq!(m.keep_spares(before).unwrap(), SPARE_SLOTS);
+        assert_eq!(asked.get() as u64, t.bytes());
+        for group in 0..8 {
+            m.commit(group).unwrap();
+        }
+        // Every slot holds a group now: no spare can be committed, and no room is made for
+        // one (with memory short, room is reserve memory given back, to be committed again:
+        // every pass of the refill thread did so once the table was whole, 2026-11-30).
+        asked.set(0);
+        assert_eq!(m.keep_spares(before).unwrap(), 0);
+        assert_eq!(asked.get(), 0);
+    }
+
+    #[test]
     #[allow(clippy::cast_possible_truncation, reason = "a few groups of entries")]
     fn lockers_racing_groups_moved_between_slots_see_only_their_own_entries() {
         use super::super::table_memory::GROUP_PAGES;

@@ -428,10 +428,17 @@ impl TableMemory {
     /// those are for writers, `take_spare`). For the refill thread, and for a store without
     /// one (tests, bench); never the I/O path of a store with one.
     pub(super) fn commit(&self, group: usize) -> std::io::Result<()> {
+        self.commit_with(group, |_| ())
+    }
+
+    /// `commit`, calling `before` with the bytes of the memory it is about to fault in (not
+    /// at all if it faults in none).
+    fn commit_with(&self, group: usize, before: impl Fn(usize)) -> std::io::Result<()> {
         if self.is_committed_group(group) {
             return Ok(());
         }
         let Some(slots) = &self.slots else {
+            before(self.slot_bytes(group));
             self.commit_slot(group)?;
             if self.place_in(group, group) {
                 self.committed_bytes
@@ -439,7 +446,7 @@ impl TableMemory {
             }
             return Ok(());
         };
-        let Some(slot) = self.commit_free_slot(slots)? else {
+        let Some(slot) = self.commit_free_slot(slots, before)? else {
             // Every slot is held, spare or being committed: a spare is the one to take.
             self.take_spare(group);
             return Ok(());
@@ -454,11 +461,18 @@ impl TableMemory {
         Ok(())
     }
 
-    /// Commit a free slot, held (`SLOT_BUSY`) for the caller; `None` if no slot is free.
-    fn commit_free_slot(&self, slots: &Slots) -> std::io::Result<Option<usize>> {
+    /// Commit a free slot, held (`SLOT_BUSY`) for the caller, calling `before` with its bytes
+    /// first; `None` if no slot is free (and `before` is not called: it makes room for memory
+    /// about to be faulted in, which with memory short gives reserve memory back).
+    fn commit_free_slot(
+        &self,
+        slots: &Slots,
+        before: impl Fn(usize),
+    ) -> std::io::Result<Option<usize>> {
         let Some(slot) = slots.take(SLOT_FREE, SLOT_BUSY) else {
             return Ok(None);
         };
+        before(self.slot_bytes(slot));
         if let Err(error) = self.commit_slot(slot) {
             // Whatever was faulted in is given back when the slot is next given back; it
             // reads as zeros meanwhile.
@@ -476,16 +490,15 @@ impl TableMemory {
     }
 
     /// Commit spare slots until `SPARE_SLOTS` are ready (or no slot is free), calling
-    /// `before` with each one's bytes before its memory is faulted in; how many were. For the
-    /// refill thread.
+    /// `before` with each one's bytes before its memory is faulted in (never for a slot not
+    /// found); how many were. For the refill thread.
     pub(super) fn keep_spares(&self, before: impl Fn(usize)) -> std::io::Result<usize> {
         let Some(slots) = &self.slots else {
             return Ok(0);
         };
         let mut committed = 0;
         while slots.spares.load(Ordering::Relaxed) < SPARE_SLOTS {
-            before(self.slot_bytes(0));
-            let Some(slot) = self.commit_free_slot(slots)? else {
+            let Some(slot) = self.commit_free_slot(slots, &before)? else {
                 break;
             };
             Self::make_spare(slots, slot);
@@ -524,8 +537,7 @@ impl TableMemory {
             if self.groups[group].load(Ordering::Acquire) & STATE_MASK != WANTED {
                 continue;
             }
-            before(self.slot_bytes(group));
-            if let Err(error) = self.commit(group) {
+            if let Err(error) = self.commit_with(group, &before) {
                 // Asked for again next time: its writer is still waiting.
                 self.wanted.store(true, Ordering::Release);
                 return Err(error);
