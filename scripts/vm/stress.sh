@@ -54,6 +54,8 @@ failed_writes() {
 cpu_ticks() {
     cat /proc/[0-9]*/task/[0-9]*/stat 2>/dev/null | awk '
         $2 ~ /^\((trueno|ublk|kswapd)/ { t[$2] += $14 + $15 }
+        # The refill thread: its time in the kernel alone (commits, reclaim, giving back).
+        $2 == "(trueno-reserve)" { t["(sys:trueno-reserve)"] += $15 }
         END { for (n in t) print n, t[n] }'
     awk '/^cpu / { print "(idle)", $5 + $6 }' /proc/stat
 }
@@ -108,7 +110,7 @@ vmstat_now() {
 
 # stress_case NAME METHOD MIB: one stress-ng run with swap on; figures under NAME_METHOD_MIB.
 stress_case() {
-    local name=$1 method=$2 mib=$3 tag w0 w1 b0 c0 j0 l0 n0 k0 d0 g0 r0 s0 t0 h0 h1 a0 a1 rc wk st kills others delay bogo vfail
+    local name=$1 method=$2 mib=$3 tag w0 w1 b0 c0 j0 l0 x0 m0 n0 k0 d0 g0 r0 s0 t0 h0 h1 a0 a1 rc wk st kills others delay bogo vfail
     tag="${name}_$(echo "$method" | tr -c 'a-z0-9\n' _)_${mib}"
     dmesg -c >>/tmp/dmesg.kept
     # Where memory is as the case starts: a VM lost at a case's start (the OOM killer going on
@@ -126,6 +128,8 @@ stress_case() {
         c0=$(json_field reserve_split_chunks)
         j0=$(json_field reserve_joined_chunks)
         l0=$(json_field long_waited_writes)
+        x0=$(json_field reserve_stolen_bytes)
+        m0=$(json_field reserve_misses)
         n0=$(wc -l </run/trueno-ublk/ublkb0.log)
         echo "$tag: before: serving process RSS $(rss_kib "$(serving_pid 0)") kB"
     }
@@ -222,6 +226,10 @@ stress_case() {
         sfigure "${tag}_batch_span_grows" "$(($(json_field batch_span_grows) - b0))"
         sfigure "${tag}_reserve_split_chunks" "$(($(json_field reserve_split_chunks) - c0))"
         sfigure "${tag}_reserve_joined_chunks" "$(($(json_field reserve_joined_chunks) - j0))"
+        # Ready chunks given back to commit others while memory was short (`steal_for`), and
+        # chunks a write had to allocate itself: how much the reserve churned.
+        sfigure "${tag}_reserve_stolen_kB" "$((($(json_field reserve_stolen_bytes) - x0) / 1024))"
+        sfigure "${tag}_reserve_misses" "$(($(json_field reserve_misses) - m0))"
         # Writes that waited over a second for memory and were stored all the same, and the
         # longest wait of the device's life so far.
         sfigure "${tag}_long_waited_writes" "$(($(json_field long_waited_writes) - l0))"
