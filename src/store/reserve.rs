@@ -1256,23 +1256,35 @@ impl ChunkReserve {
 
     /// Before a commit for pool `k` while one may wait (`commits_may_wait`): give back the ready
     /// chunks that other pools nobody waits on (`wanted` has a bit per pool waited on) hold beyond
-    /// their share by `demand` alone (without `share`'s floor), as much as the commit takes. Why:
-    /// with memory short a commit waits in reclaim, and writes whose pool ran dry starved for a
-    /// second (then fail with ENOMEM) while the reserve held 1.7 MiB ready in the floors of the
-    /// sizes nobody wrote (the near-OOM stage of `scripts/vm-test.sh --stress`, 2026-11-25 04:28,
-    /// incompressible pages: every starved write was logged with its refill thread in `Committing`
-    /// for over a second and 1752 KiB held). Pages given back go to this CPU's free lists, where
-    /// the commit right after finds them: the reserve's memory moves to the size in demand instead
-    /// of waiting for reclaim.
+    /// their share, as much as the commit takes; for a size a taker waits on, beyond their share
+    /// by `demand` alone (without `share`'s floor). Why: with memory short a commit waits in
+    /// reclaim, and writes whose pool ran dry starved for a second (then fail with ENOMEM) while
+    /// the reserve held 1.7 MiB ready in the floors of the sizes nobody wrote (the near-OOM stage
+    /// of `scripts/vm-test.sh --stress`, 2026-11-25 04:28, incompressible pages: every starved
+    /// write was logged with its refill thread in `Committing` for over a second and 1752 KiB
+    /// held). Pages given back go to this CPU's free lists, where the commit right after finds
+    /// them: the reserve's memory moves to the size in demand instead of waiting for reclaim.
+    /// Why the floors only for a waiting taker: the next pass commits a floor again, so taking
+    /// floors for every commit gave back and committed the same memory pass after pass (about
+    /// 480 KiB a pass in the test below, each a hole punch and a commit for nothing; in the
+    /// VM's near-OOM stage, move-inv at 2 x 80 MiB, 2026-11-30: 1.6 GiB given back in the
+    /// case's 30 s and the refill thread at 14.7 CPU s, against 164 MiB and 8.5 s since).
     fn steal_for(&self, k: usize, wanted: u64, demand: &[u64], total: u64, target: u64) {
         let needed = if self.cold.pages() <= k && !self.one_at_a_time() {
             COMMIT_GROUP_BYTES
         } else {
             (k + 1) * PAGE_SIZE
         };
+        let waited_on = wanted & (1 << k) != 0;
         self.steal(needed, |j| {
-            (j != k && wanted & (1 << j) == 0)
-                .then(|| demand_share(demand.get(j).copied().unwrap_or(0), total, target))
+            let seen = demand.get(j).copied().unwrap_or(0);
+            (j != k && wanted & (1 << j) == 0).then(|| {
+                if waited_on {
+                    demand_share(seen, total, target)
+                } else {
+                    self.share(seen, total, target)
+                }
+            })
         });
     }
 
@@ -1680,6 +1692,31 @@ mod tests {
             reserve.arena.carved() - carved < refilled,
             "{} bytes carved for {refilled} refilled",
             reserve.arena.carved() - carved
+        );
+    }
+
+    #[test]
+    fn with_memory_short_a_size_nobody_writes_is_not_committed_only_to_be_given_back() {
+        let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, arena(), &[1, 1, 1, 1]);
+        reserve.set_memory_short(true);
+        reserve.refill();
+        // Writes take two-page chunks only, pass after pass, while memory stays short.
+        let mut stolen_per_pass = Vec::new();
+        for _ in 0..12 {
+            for _ in 0..64 {
+                drop(reserve.take(2, None).unwrap());
+            }
+            let before = reserve.stolen_bytes();
+            reserve.refill();
+            stolen_per_pass.push(reserve.stolen_bytes() - before);
+        }
+        // What the other sizes held beyond their floor moved to the size in demand in the
+        // first passes; after that nothing churns: a floor committed in one pass and given
+        // back in the next is a commit and a hole punch for nothing.
+        assert_eq!(
+            stolen_per_pass[6..].iter().sum::<u64>(),
+            0,
+            "given back per pass: {stolen_per_pass:?}"
         );
     }
 
