@@ -4,18 +4,18 @@
 # memory-return check on the daemon. stress-ng and its libraries come on a second disk
 # (/dev/vda, a tar archive) and are unpacked into RAM only for this stage.
 #
-# For each case (STRESS_CASES, default "move-inv:100": method and MiB per worker), 2 workers
-# run `stress-ng --vm 2 --vm-bytes 2xMIB --vm-method METHOD --vm-keep --verify -t STRESS_S`
-# (stress-ng divides --vm-bytes between its workers) in the "work" cgroup, while `vmtool
-# wakeup` there measures how late an ordinary process wakes up. Figures per device and case:
-# workers' bogo ops/s, failed swap writes, OOM kills (all, and of anything but the workers),
-# the longest wake-up delay, OOM kills the store asked for, the CPU seconds of the daemon's
-# threads, of kswapd and of idle CPUs over the run, and how often and how long tasks waited in
-# the kernel's reclaim throttles (`reclaim over the run`). Checks, per case, ublk against
-# zram in this VM: no verify failure, write errors 0 where zram's are 0, no OOM kill of
-# anything but the workers where zram killed only workers, wake-up delay at most zram's + 2 s;
-# bogo ops/s against zram's is printed (a NOTE when lower), not checked. A kernel panic or
-# hang ends the VM without a verdict (a failure).
+# For each case (STRESS_CASES, default "move-inv:100": method and MiB per worker), 2 workers run
+# `stress-ng --vm 2 --vm-bytes 2xMIB --vm-method METHOD --vm-keep --verify -t STRESS_S`
+# (stress-ng divides --vm-bytes between its workers) in the "work" cgroup, while `vmtool wakeup`
+# there measures how late an ordinary process wakes up. Figures per device and case: workers'
+# bogo ops/s, failed swap writes, OOM kills (all, and of anything but the workers), the longest
+# wake-up delay, OOM kills the store asked for, the chunk reserve's churn, the CPU seconds of
+# the daemon's threads (the refill thread's in the kernel apart), of kswapd and of idle CPUs
+# over the run, and how often and how long tasks waited in the kernel's reclaim throttles
+# (`reclaim over the run`). Checks, per case, ublk against zram in this VM: no verify failure,
+# write errors 0 where zram's are 0, no OOM kill of anything but the workers where zram killed
+# only workers, wake-up delay at most zram's + 2 s; bogo ops/s against zram's is printed (a NOTE
+# when lower), not checked. A kernel panic or hang ends the VM without a verdict (a failure).
 #
 # The daemon is three processes (supervisor, serving process, standby); its memory here is the
 # serving process's, the one `trueno-ublk list` names and whose RSS `stat` shows: it alone maps
@@ -226,8 +226,8 @@ stress_case() {
         sfigure "${tag}_batch_span_grows" "$(($(json_field batch_span_grows) - b0))"
         sfigure "${tag}_reserve_split_chunks" "$(($(json_field reserve_split_chunks) - c0))"
         sfigure "${tag}_reserve_joined_chunks" "$(($(json_field reserve_joined_chunks) - j0))"
-        # Ready chunks given back to commit others while memory was short (`steal_for`), and
-        # chunks a write had to allocate itself: how much the reserve churned.
+        # Ready chunks given back to commit others while memory was short (`steal_for`,
+        # `make_room_for`), and chunks a write had to allocate itself: how the reserve churned.
         sfigure "${tag}_reserve_stolen_kB" "$((($(json_field reserve_stolen_bytes) - x0) / 1024))"
         sfigure "${tag}_reserve_misses" "$(($(json_field reserve_misses) - m0))"
         # Writes that waited over a second for memory and were stored all the same, and the
