@@ -35,9 +35,23 @@ sfigure() {
     echo "FIGURE $1=$2" >>/tmp/stress.figures
 }
 
-# json_field NAME: the first number named NAME in `trueno-ublk stat --json --id 0`.
+# json_field NAME [FILE]: the first number named NAME in FILE (a `stat_snapshot`), or in
+# `trueno-ublk stat --json --id 0` now.
 json_field() {
-    trueno-ublk stat --json --id 0 | sed -n "s/.*\"$1\": *\([0-9]*\).*/\1/p" | head -n1
+    if [ -n "${2:-}" ]; then cat "$2"; else trueno-ublk stat --json --id 0; fi |
+        sed -n "s/.*\"$1\": *\([0-9]*\).*/\1/p" | head -n1
+}
+
+# stat_snapshot FILE: the device's counters now, for `json_field` and `stat_delta`: one
+# process started near OOM for all of them rather than one per counter.
+stat_snapshot() {
+    trueno-ublk stat --json --id 0 >"$1"
+}
+
+# stat_delta NAME [DIVISOR]: how much counter NAME grew from /tmp/stat.before to
+# /tmp/stat.after (stat_snapshot), divided by DIVISOR.
+stat_delta() {
+    echo $((($(json_field "$1" /tmp/stat.after) - $(json_field "$1" /tmp/stat.before)) / ${2:-1}))
 }
 
 # failed_writes NAME: swap writes the device failed so far.
@@ -110,7 +124,7 @@ vmstat_now() {
 
 # stress_case NAME METHOD MIB: one stress-ng run with swap on; figures under NAME_METHOD_MIB.
 stress_case() {
-    local name=$1 method=$2 mib=$3 tag w0 w1 b0 c0 j0 l0 x0 m0 n0 k0 d0 g0 r0 s0 t0 h0 h1 a0 a1 rc wk st kills others delay bogo vfail
+    local name=$1 method=$2 mib=$3 tag w0 w1 n0 h0 h1 a0 a1 rc wk st kills others delay bogo vfail
     tag="${name}_$(echo "$method" | tr -c 'a-z0-9\n' _)_${mib}"
     dmesg -c >>/tmp/dmesg.kept
     # Where memory is as the case starts: a VM lost at a case's start (the OOM killer going on
@@ -118,18 +132,7 @@ stress_case() {
     echo "$tag: before: $(swap_used); $(grep -E '^(MemFree|MemAvailable|Shmem|Unevictable|Mlocked|SwapCached):' /proc/meminfo | tr -s ' ' | tr '\n' ' ')"
     w0=$(failed_writes "$name")
     [ "$name" = zram ] || {
-        k0=$(json_field oom_kills_asked)
-        d0=$(json_field deferred)
-        g0=$(json_field reserve_given_back_past_refill_bytes)
-        r0=$(json_field reserve_refill_rousings)
-        s0=$(json_field table_spares_taken)
-        t0=$(json_field table_group_waits)
-        b0=$(json_field batch_span_grows)
-        c0=$(json_field reserve_split_chunks)
-        j0=$(json_field reserve_joined_chunks)
-        l0=$(json_field long_waited_writes)
-        x0=$(json_field reserve_stolen_bytes)
-        m0=$(json_field reserve_misses)
+        stat_snapshot /tmp/stat.before
         n0=$(wc -l </run/trueno-ublk/ublkb0.log)
         echo "$tag: before: serving process RSS $(rss_kib "$(serving_pid 0)") kB"
     }
@@ -217,23 +220,25 @@ stress_case() {
     sfigure "${tag}_direct_reclaim_throttled" "$((h1 - h0))"
     sfigure "${tag}_reclaim_throttle_s" "$(awk '{ for (i = 1; i <= NF; i++) { split($i, p, "/"); s += p[2] } } END { printf "%.1f", s + 0 }' /tmp/throttled)"
     [ "$name" = zram ] || {
-        sfigure "${tag}_oom_kills_asked" "$(($(json_field oom_kills_asked) - k0))"
-        sfigure "${tag}_deferred_writes" "$(($(json_field deferred) - d0))"
-        sfigure "${tag}_given_back_past_refill_kB" "$((($(json_field reserve_given_back_past_refill_bytes) - g0) / 1024))"
-        sfigure "${tag}_refill_rousings" "$(($(json_field reserve_refill_rousings) - r0))"
-        sfigure "${tag}_table_spares_taken" "$(($(json_field table_spares_taken) - s0))"
-        sfigure "${tag}_table_group_waits" "$(($(json_field table_group_waits) - t0))"
-        sfigure "${tag}_batch_span_grows" "$(($(json_field batch_span_grows) - b0))"
-        sfigure "${tag}_reserve_split_chunks" "$(($(json_field reserve_split_chunks) - c0))"
-        sfigure "${tag}_reserve_joined_chunks" "$(($(json_field reserve_joined_chunks) - j0))"
+        stat_snapshot /tmp/stat.after
+        sfigure "${tag}_oom_kills_asked" "$(stat_delta oom_kills_asked)"
+        sfigure "${tag}_deferred_writes" "$(stat_delta deferred)"
+        sfigure "${tag}_given_back_past_refill_kB" "$(stat_delta reserve_given_back_past_refill_bytes 1024)"
+        sfigure "${tag}_refill_rousings" "$(stat_delta reserve_refill_rousings)"
+        sfigure "${tag}_table_spares_taken" "$(stat_delta table_spares_taken)"
+        sfigure "${tag}_table_group_waits" "$(stat_delta table_group_waits)"
+        sfigure "${tag}_batch_span_grows" "$(stat_delta batch_span_grows)"
+        sfigure "${tag}_reserve_split_chunks" "$(stat_delta reserve_split_chunks)"
+        sfigure "${tag}_reserve_joined_chunks" "$(stat_delta reserve_joined_chunks)"
         # Ready chunks given back to commit others while memory was short (`steal_for`,
-        # `make_room_for`), and chunks a write had to allocate itself: how the reserve churned.
-        sfigure "${tag}_reserve_stolen_kB" "$((($(json_field reserve_stolen_bytes) - x0) / 1024))"
-        sfigure "${tag}_reserve_misses" "$(($(json_field reserve_misses) - m0))"
+        # `make_room_for`), and takes that found the reserve empty and waited for the refill
+        # thread: how the reserve churned.
+        sfigure "${tag}_reserve_stolen_kB" "$(stat_delta reserve_stolen_bytes 1024)"
+        sfigure "${tag}_reserve_misses" "$(stat_delta reserve_misses)"
         # Writes that waited over a second for memory and were stored all the same, and the
         # longest wait of the device's life so far.
-        sfigure "${tag}_long_waited_writes" "$(($(json_field long_waited_writes) - l0))"
-        sfigure "${tag}_longest_write_wait_ms_so_far" "$(json_field longest_write_wait_ms)"
+        sfigure "${tag}_long_waited_writes" "$(stat_delta long_waited_writes)"
+        sfigure "${tag}_longest_write_wait_ms_so_far" "$(json_field longest_write_wait_ms /tmp/stat.after)"
         sfigure "${tag}_cpu_daemon_s" "$(cpu_seconds /tmp/cpu.before /tmp/cpu.after '^[(](trueno|ublk)')"
     }
 }

@@ -85,7 +85,8 @@ pub struct StoreStats {
     /// Bytes of chunk memory held ready in the reserve (not in `mem_used`).
     #[serde(default)]
     pub reserve_bytes: u64,
-    /// Chunks allocated on the I/O path because the reserve was empty.
+    /// Takes of a chunk that found the reserve's pool of that size empty and waited for the
+    /// refill thread (the I/O path commits no memory itself while one runs).
     #[serde(default)]
     pub reserve_misses: u64,
     /// Bytes of ready chunks the reserve gave back, while memory was short, to refill a pool a
