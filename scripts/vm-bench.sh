@@ -27,7 +27,7 @@
 # little: compare only ratios taken in the same run. Environment: VM_FIO_RUNTIME_S [5] seconds
 # per fio job, VM_CPUS [2], VM_CPU (the guest's CPU model; default and why in
 # scripts/vm/boot.sh), VM_CREATE_ARGS (more options for trueno-ublk's `create`, e.g.
-# "--queues 2"). After each fio job on trueno-ublk the log has a "CPU" line: the CPU time
+# "--queues 2"). After each fio job the log has a "CPU" line: the vCPUs' idle time and the CPU time
 # (ticks) the daemon's threads have used so far, by thread name.
 set -euo pipefail
 

@@ -74,13 +74,16 @@ fio_job() {
 
 # cpu_report LABEL: CPU time (clock ticks, user + system) the daemon's threads have used so
 # far, by thread name: which of them a fio job kept busy (the queue thread, the flusher or the
-# compression pool, the reserve's refill thread).
+# compression pool, the reserve's refill thread); and the time every vCPU has idled so far
+# (`idle`, from /proc/stat), so that what neither the daemon nor idling took is fio's and the
+# kernel's.
 cpu_report() {
-    local stats
+    local stats idle
     stats=$(cat /proc/[0-9]*/task/[0-9]*/stat 2>/dev/null)
-    echo "$stats" | awk -v label="$1" '
-        $2 ~ /^\((trueno|ublk)/ { t[$2] += $14 + $15; any = 1 }
-        END { if (any) { printf "CPU %s:", label; for (n in t) printf " %s=%d", n, t[n]; print "" } }'
+    idle=$(awk '$1 == "cpu" { print $5; exit }' /proc/stat)
+    echo "$stats" | awk -v label="$1" -v idle="$idle" '
+        $2 ~ /^\((trueno|ublk)/ { t[$2] += $14 + $15 }
+        END { printf "CPU %s: idle=%d", label, idle; for (n in t) printf " %s=%d", n, t[n]; print "" }'
 }
 
 fio_table() { # NAME DEV
