@@ -25,7 +25,8 @@
 #
 # Prints a table of IOPS and of ratios against zram lz4. Under emulation absolute figures mean
 # little: compare only ratios taken in the same run. Environment: VM_FIO_RUNTIME_S [5] seconds
-# per fio job, VM_CPUS [2], VM_CPU (the guest's CPU model; default and why in
+# per fio job, VM_FIO_JOBS (only these fio jobs, e.g. "randread_4k_qd1 read_1m_qd4"; the
+# other rows print "-"), VM_CPUS [2], VM_CPU (the guest's CPU model; default and why in
 # scripts/vm/boot.sh), VM_CREATE_ARGS (more options for trueno-ublk's `create`, e.g.
 # "--queues 2"). After each fio job the log has a "CPU" line: the vCPUs' idle time and the CPU time
 # (ticks) the daemon's threads have used so far, by thread name.

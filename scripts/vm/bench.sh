@@ -7,7 +7,8 @@
 #   zstd, and for trueno-ublk with its defaults (LZ4) and with --algorithm zstd, each a fresh 1 GiB
 #   device: fio with O_DIRECT and io_uring on 60%-compressible buffers over the first 256 MiB
 #   (written first): 4 KiB random read and write at QD1 and QD32, 1 MiB sequential read and
-#   write at QD4, FIO_RUNTIME_S seconds each. FIGURE fio_<device>_<job>_iops=N.
+#   write at QD4, FIO_RUNTIME_S seconds each (FIO_JOBS: only the jobs it names). FIGURE
+#   fio_<device>_<job>_iops=N.
 #   With COMPARE_ROUNDS set (scripts/vm-bench.sh --compare BIN), instead: that many rounds of
 #   zram lz4, this build ("a") and the other build ("b", /usr/bin/trueno-ublk-b), both with
 #   their defaults, the two builds' order swapped each round. FIGURE fio_<device>_r<N>_<job>_iops.
@@ -74,13 +75,13 @@ fio_job() {
 
 # cpu_report LABEL: CPU time (clock ticks, user + system) the daemon's threads have used so
 # far, by thread name: which of them a fio job kept busy (the queue thread, the flusher or the
-# compression pool, the reserve's refill thread); and the time every vCPU has idled so far
-# (`idle`, from /proc/stat), so that what neither the daemon nor idling took is fio's and the
-# kernel's.
+# compression pool, the reserve's refill thread); and the time the vCPUs have idled so far,
+# waiting for I/O or not (`idle`: /proc/stat's idle and iowait), so that what neither the
+# daemon nor idling took is fio's and the kernel's.
 cpu_report() {
     local stats idle
     stats=$(cat /proc/[0-9]*/task/[0-9]*/stat 2>/dev/null)
-    idle=$(awk '$1 == "cpu" { print $5; exit }' /proc/stat)
+    idle=$(awk '$1 == "cpu" { print $5 + $6; exit }' /proc/stat)
     echo "$stats" | awk -v label="$1" -v idle="$idle" '
         $2 ~ /^\((trueno|ublk)/ { t[$2] += $14 + $15 }
         END { printf "CPU %s: idle=%d", label, idle; for (n in t) printf " %s=%d", n, t[n]; print "" }'
@@ -98,6 +99,10 @@ fio_table() { # NAME DEV
         "read_1m_qd4 read 1M 4" "write_1m_qd4 write 1M 4"; do
         # shellcheck disable=SC2086 # word splitting wanted
         set -- $spec
+        case " ${FIO_JOBS:-$1} " in
+        *" $1 "*) ;;
+        *) continue ;;
+        esac
         iops=$(fio_job "$1" "$dev" "$2" "$3" "$4")
         if [ -n "$iops" ] && [ "$iops" -gt 0 ]; then
             figure "fio_${name}_$1_iops" "$iops"
