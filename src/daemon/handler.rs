@@ -87,6 +87,14 @@ impl BlockHandler for StoreHandler {
         self.store.get().is_some_and(|store| !store.memory_short())
     }
 
+    /// A thread of the compression pool (rayon's global pool, which the daemon builds with
+    /// its threads readied for the I/O path): idle while only reads come, and a job queued
+    /// behind compression finds its read done and returns.
+    fn lend_thread(&self, job: Box<dyn FnOnce() + Send>) -> bool {
+        rayon::spawn(job);
+        true
+    }
+
     fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32> {
         match self.serve(request, data, Writes::Wait) {
             Handled::Done(result) => result,

@@ -538,7 +538,7 @@ impl Device {
                 .name(format!("ublk{id}-q{q_id}"))
                 .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
                 .spawn(move || {
-                    let exit = run_queue(setup, &*handler, &stop, &timing, wake, &go_rx, &ready_tx);
+                    let exit = run_queue(setup, &handler, &stop, &timing, wake, &go_rx, &ready_tx);
                     let _ = exited.send(q_id);
                     exit
                 })
@@ -719,7 +719,7 @@ impl Drop for Device {
 /// tag, serve until stopped. Returns the queue still open (see `QueueExit`).
 fn run_queue(
     setup: QueueSetup,
-    handler: &dyn BlockHandler,
+    handler: &Arc<dyn BlockHandler>,
     stop: &AtomicBool,
     timing: &IoTiming,
     wake: Arc<UnixStream>,

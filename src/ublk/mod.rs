@@ -1,7 +1,8 @@
 //! The ublk kernel protocol: UAPI definitions (`sys`), the control device (`ctrl`), request
-//! decoding (`io`), device parameters (`params`), the per-queue loop (`queue`), memory shared
-//! with the kernel (`mmap`) and one device's life cycle (`device`). Nothing here knows about
-//! compression: requests go to a `BlockHandler`.
+//! decoding (`io`), device parameters (`params`), the per-queue loop (`queue`) and its large
+//! reads served on two threads (`shared_read`), memory shared with the kernel (`mmap`) and
+//! one device's life cycle (`device`). Nothing here knows about compression: requests go to a
+//! `BlockHandler`.
 
 pub mod ctrl;
 pub mod device;
@@ -9,6 +10,7 @@ pub mod io;
 pub mod mmap;
 pub mod params;
 pub mod queue;
+mod shared_read;
 pub mod sys;
 pub mod timing;
 

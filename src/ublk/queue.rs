@@ -16,6 +16,7 @@ use super::ctrl::opcode_for;
 use super::io::{Op, Request};
 use super::mmap::{DescArray, IoBuffers};
 use super::params::BLOCK_SIZE;
+use super::shared_read::{self, LentBuffer, SharedRead};
 use super::sys::{self, IoCmd};
 use super::timing::IoTiming;
 use super::UblkError;
@@ -57,6 +58,15 @@ pub trait BlockHandler: Send + Sync {
     ) -> Handled {
         let _ = deferred_since;
         Handled::Done(self.handle(request, data))
+    }
+
+    /// Run `job` on a thread of the handler's, if it has one to lend: a READ larger than the
+    /// user-copy staging buffer is then served in pieces on two threads (see `shared_read`;
+    /// `job` calls `handle` there). The job may run late, even once its request is done; it
+    /// then finds nothing to do. False: no thread lent, the job dropped (the default).
+    fn lend_thread(&self, job: Box<dyn FnOnce() + Send>) -> bool {
+        drop(job);
+        false
     }
 }
 
@@ -123,8 +133,13 @@ enum DataPath {
     /// `UBLK_F_USER_COPY`: one staging buffer, since the thread serves one request at a time
     /// (a larger one a piece at a time). The thread reads a WRITE's data from the request
     /// (pread on the char device) and writes a READ's into it (pwrite) before committing the
-    /// tag: a system call more per piece, and `depth` times less locked memory.
-    UserCopy(IoBuffers),
+    /// tag: a system call more per piece, and `depth` times less locked memory. `lent`: the
+    /// buffer of the thread the handler lends for a READ larger than `staging` (see
+    /// `shared_read`); none where no request is.
+    UserCopy {
+        staging: IoBuffers,
+        lent: Option<LentBuffer>,
+    },
 }
 
 /// Bytes of the user-copy staging buffer: larger requests go through it a piece at a time
@@ -135,7 +150,13 @@ impl DataPath {
     fn new(setup: &QueueSetup) -> std::io::Result<Self> {
         let max_io = setup.max_io_bytes as usize;
         Ok(if setup.user_copy {
-            Self::UserCopy(IoBuffers::new(1, max_io.min(USER_COPY_STAGING_BYTES))?)
+            let staging = max_io.min(USER_COPY_STAGING_BYTES);
+            Self::UserCopy {
+                staging: IoBuffers::new(1, staging)?,
+                lent: (max_io > staging)
+                    .then(shared_read::lent_buffer)
+                    .transpose()?,
+            }
         } else {
             Self::TagBuffers(IoBuffers::new(setup.depth, max_io)?)
         })
@@ -145,7 +166,7 @@ impl DataPath {
     fn command_addr(&self, tag: u16) -> u64 {
         match self {
             Self::TagBuffers(buffers) => buffers.addr(tag),
-            Self::UserCopy(_) => 0,
+            Self::UserCopy { .. } => 0,
         }
     }
 }
@@ -325,7 +346,7 @@ impl Queue {
     /// wait's number of completions, go to `timing`.
     pub fn serve(
         &mut self,
-        handler: &dyn BlockHandler,
+        handler: &Arc<dyn BlockHandler>,
         stop: &AtomicBool,
         timing: &IoTiming,
     ) -> Result<(), UblkError> {
@@ -493,9 +514,12 @@ impl Queue {
     fn serve_part(
         &mut self,
         mut request: HeldRequest,
-        handler: &dyn BlockHandler,
+        handler: &Arc<dyn BlockHandler>,
         may_defer: bool,
     ) -> Progress {
+        if let Some(result) = self.serve_shared_read(&request, handler) {
+            return Progress::Served(result);
+        }
         loop {
             match self.serve_piece(&mut request, handler, may_defer) {
                 Err(errno) => return Progress::Served(errno),
@@ -509,13 +533,42 @@ impl Queue {
         }
     }
 
+    /// Serve a READ larger than the user-copy staging buffer on two threads (see
+    /// `shared_read`): its result, or `None` for any other request.
+    fn serve_shared_read(
+        &mut self,
+        request: &HeldRequest,
+        handler: &Arc<dyn BlockHandler>,
+    ) -> Option<i32> {
+        let DataPath::UserCopy {
+            staging,
+            lent: Some(lent),
+        } = &mut self.data
+        else {
+            return None;
+        };
+        let staging = staging.tag_mut(0);
+        let larger = usize::try_from(request.rest.len).map_or(true, |len| len > staging.len());
+        if request.rest.op != Op::Read || !larger || request.buffer_offset != 0 {
+            return None;
+        }
+        Some(SharedRead::serve(
+            handler,
+            &self.char_dev,
+            (self.setup.q_id, request.tag),
+            request.rest,
+            staging,
+            lent,
+        ))
+    }
+
     /// Serve the first piece of `request.rest` (all of it unless the staging buffer is
     /// smaller) and take what was served off it: all of the piece, or, deferred, part of it.
     /// `Err`: the negative errno the request fails with.
     fn serve_piece(
         &mut self,
         request: &mut HeldRequest,
-        handler: &dyn BlockHandler,
+        handler: &Arc<dyn BlockHandler>,
         may_defer: bool,
     ) -> Result<Piece, i32> {
         let (tag, q_id) = (request.tag, self.setup.q_id);
@@ -529,7 +582,7 @@ impl Queue {
                     .get_mut(request.buffer_offset..request.buffer_offset + rest_len),
                 None,
             ),
-            DataPath::UserCopy(staging) => {
+            DataPath::UserCopy { staging, .. } => {
                 let staging = staging.tag_mut(0);
                 let len = rest_len.min(staging.len());
                 (
