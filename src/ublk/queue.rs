@@ -143,8 +143,11 @@ enum DataPath {
 }
 
 /// Bytes of the user-copy staging buffer: larger requests go through it a piece at a time
-/// (a pread or pwrite each, far less than a request's round trip through the ring).
-const USER_COPY_STAGING_BYTES: usize = 64 << 10;
+/// (a pread or pwrite each, far less than a request's round trip through the ring). A
+/// shared read's piece (see `shared_read`): the staging buffer and the lent thread's
+/// together are the 64 KiB the one staging buffer was until 2026-12-01, since near OOM every
+/// locked KiB counts.
+const USER_COPY_STAGING_BYTES: usize = shared_read::PIECE_BYTES;
 
 impl DataPath {
     fn new(setup: &QueueSetup) -> std::io::Result<Self> {

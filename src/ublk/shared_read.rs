@@ -28,9 +28,9 @@ use super::mmap::IoBuffers;
 use super::queue::BlockHandler;
 use super::sys;
 
-/// Bytes of a piece, and of the lent thread's buffer: 8 pages, small enough that the two
-/// threads finish a 1 MiB read close together, large enough that a piece's pwrite costs
-/// little beside its decompression.
+/// Bytes of a piece, of the lent thread's buffer and of the queue's staging buffer: 8 pages,
+/// small enough that the two threads finish a 1 MiB read close together, large enough that a
+/// piece's pwrite costs little beside its decompression.
 pub(super) const PIECE_BYTES: usize = 32 << 10;
 
 /// The buffer a queue lends with its requests' pieces, made with the queue (so locked and
@@ -61,7 +61,7 @@ pub(super) struct SharedRead {
 
 impl SharedRead {
     /// Serve `request` (a READ of tag `tag`) on the calling queue thread, through `staging`
-    /// (at least `PIECE_BYTES`), and on a thread the handler lends, through `lent`; the
+    /// (`PIECE_BYTES`), and on a thread the handler lends, through `lent`; the
     /// result to commit: the bytes read, or the first piece's negative errno.
     pub(super) fn serve(
         handler: &Arc<dyn BlockHandler>,
@@ -256,7 +256,7 @@ mod tests {
         file.set_len(sys::user_copy_pos(1, 3, 0) + request.len)
             .expect("sparse temp file");
         let lent = lent_buffer().expect("lent buffer");
-        let mut staging = vec![0u8; 64 << 10];
+        let mut staging = vec![0u8; PIECE_BYTES];
         let result = SharedRead::serve(&dyn_handler, &file, (1, 3), request, &mut staging, &lent);
         let mut got = vec![0u8; usize::try_from(request.len).expect("a test's length")];
         file.read_exact_at(&mut got, sys::user_copy_pos(1, 3, 0))
