@@ -90,9 +90,8 @@ impl BlockHandler for StoreHandler {
     /// A thread of the compression pool (rayon's global pool, which the daemon builds with
     /// its threads readied for the I/O path): idle while only reads come, and a job queued
     /// behind compression finds its read done and returns.
-    fn lend_thread(&self, job: Box<dyn FnOnce() + Send>) -> bool {
+    fn lend_thread(&self, job: Box<dyn FnOnce() + Send>) {
         rayon::spawn(job);
-        true
     }
 
     fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32> {

@@ -63,10 +63,10 @@ pub trait BlockHandler: Send + Sync {
     /// Run `job` on a thread of the handler's, if it has one to lend: a READ larger than the
     /// user-copy staging buffer is then served in pieces on two threads (see `shared_read`;
     /// `job` calls `handle` there). The job may run late, even once its request is done; it
-    /// then finds nothing to do. False: no thread lent, the job dropped (the default).
-    fn lend_thread(&self, job: Box<dyn FnOnce() + Send>) -> bool {
+    /// then finds nothing to do. By default no thread is lent: the job is dropped and the
+    /// queue thread serves every piece.
+    fn lend_thread(&self, job: Box<dyn FnOnce() + Send>) {
         drop(job);
-        false
     }
 }
 
@@ -135,7 +135,7 @@ enum DataPath {
     /// (pread on the char device) and writes a READ's into it (pwrite) before committing the
     /// tag: a system call more per piece, and `depth` times less locked memory. `lent`: the
     /// buffer of the thread the handler lends for a READ larger than `staging` (see
-    /// `shared_read`); none where no request is.
+    /// `shared_read`); none where no request can be that large.
     UserCopy {
         staging: IoBuffers,
         lent: Option<LentBuffer>,

@@ -210,17 +210,13 @@ mod tests {
             Ok(())
         }
 
-        fn lend_thread(&self, job: Box<dyn FnOnce() + Send>) -> bool {
+        fn lend_thread(&self, job: Box<dyn FnOnce() + Send>) {
             match self.lend {
-                Lend::Never => false,
+                Lend::Never => drop(job),
                 Lend::Now => {
                     std::thread::spawn(job);
-                    true
                 }
-                Lend::Late => {
-                    self.late.lock().push(job);
-                    true
-                }
+                Lend::Late => self.late.lock().push(job),
             }
         }
     }
