@@ -543,6 +543,10 @@ impl Queue {
         request: &HeldRequest,
         handler: &Arc<dyn BlockHandler>,
     ) -> Option<i32> {
+        // Every request passes here: the op first, the cheapest test.
+        if request.rest.op != Op::Read || request.buffer_offset != 0 {
+            return None;
+        }
         let DataPath::UserCopy {
             staging,
             lent: Some(lent),
@@ -551,8 +555,7 @@ impl Queue {
             return None;
         };
         let staging = staging.tag_mut(0);
-        let larger = usize::try_from(request.rest.len).map_or(true, |len| len > staging.len());
-        if request.rest.op != Op::Read || !larger || request.buffer_offset != 0 {
+        if usize::try_from(request.rest.len).is_ok_and(|len| len <= staging.len()) {
             return None;
         }
         Some(SharedRead::serve(
