@@ -42,8 +42,8 @@ pub const DEFAULT_CONFIG_PATH: &str = "/etc/trueno-ublk.conf";
 /// zram-generator's default device size is min(RAM / 2, this).
 pub const DEFAULT_SIZE_CAP: u64 = 4 << 30;
 pub const DEFAULT_QUEUES: u16 = 1;
-/// Tags per queue: each holds a locked 64 KiB buffer, and one queue thread serves them in turn,
-/// so more tags mostly lock more memory.
+/// Tags per queue: one queue thread serves them in turn, so more tags add little but requests
+/// waiting on the daemon (and, without user copy, a locked 64 KiB buffer each).
 pub const DEFAULT_DEPTH: u16 = 32;
 /// New pages get LZ4 by default, the speed of the hot path; pages idle for
 /// `DEFAULT_RECOMPRESS_IDLE` are recompressed with zstd in the background
