@@ -33,20 +33,20 @@ const ADAPTIVE_ZSTD_ABOVE_BITS: f32 = 4.0;
 /// --input random.corpus --algorithm zstd --zstd-level 3 --recompress off --repeat 3` on 2
 /// cores: the codec alone compressed 1.61 GB/s with zstd:3 throughout and 3.95-4.27 GB/s with
 /// this rule, storing every page as itself either way). Random bytes sample at about 7.8,
-/// text at about 4.5. Near OOM that is the swap of incompressible memory,
-/// compressed with the recompression codec because memory is short (issue 16's move-inv
-/// cases).
+/// text at about 4.5. Near OOM that is the swap of incompressible memory, compressed with the
+/// recompression codec because memory is short (issue 16's move-inv cases).
 const ZSTD_FUTILE_ABOVE_BITS: f32 = 7.5;
 /// Bytes between the samples of `looks_random`: 5 shares no factor with the 2-, 4- and 8-byte
 /// fields of memory, so every byte lane is sampled. With `ENTROPY_SAMPLE_STRIDE`'s 4, an array
 /// of 32-bit numbers below 256 samples as its low bytes alone, random, where zstd stores it in
 /// a quarter.
 const RANDOMNESS_SAMPLE_STRIDE: usize = 5;
-/// `looks_random` first counts the distinct values of every `QUICK_LOOK_STRIDE`-th byte (63
+/// `looks_random` first counts the distinct values of every `QUICK_LOOK_STRIDE`-th byte (64
 /// of them, in every lane: 65 is odd) and samples the page's entropy only when at least
-/// `QUICK_LOOK_DISTINCT` differ: 63 random bytes hold about 56 distinct values (fewer than 48
+/// `QUICK_LOOK_DISTINCT` differ: 64 random bytes hold about 57 distinct values (fewer than 48
 /// about once in 3,000 pages), text and numbers far fewer, so a compressible page costs zstd
-/// a glance rather than a histogram (which made zstd:3 alone 8-16% slower on real pages).
+/// a glance rather than a histogram (with the histogram alone, zstd:3 ran 8-16% slower on
+/// real pages in two runs on a busy machine; with the glance, as fast as without either).
 const QUICK_LOOK_STRIDE: usize = 65;
 const QUICK_LOOK_DISTINCT: u32 = 48;
 // `C_LOG2_C` covers the counts of `ENTROPY_SAMPLES` samples: no larger a sample.
