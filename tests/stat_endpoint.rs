@@ -74,7 +74,7 @@ fn report(id: u32, orig_bytes: u64) -> DeviceReport {
         io: {
             // Reads: 98 in [1024, 2048) ns, 2 in [65536, 131072) ns; no writes.
             let timing = IoTiming::default();
-            for ns in std::iter::repeat(1500).take(98).chain([100_000, 100_000]) {
+            for ns in std::iter::repeat_n(1500, 98).chain([100_000, 100_000]) {
                 timing.record_request(Some(Op::Read), ns);
             }
             timing.snapshot()

@@ -84,7 +84,7 @@ impl Corpus {
         let mut file = File::open(path).map_err(io_error)?;
         let file_len = file.metadata().map_err(io_error)?.len();
         let len = max_bytes.map_or(file_len, |cap| cap.min(file_len));
-        if len == 0 || len % PAGE_SIZE as u64 != 0 {
+        if len == 0 || !len.is_multiple_of(PAGE_SIZE as u64) {
             return Err(BenchError::NotWholePages {
                 path: path.to_owned(),
                 len,

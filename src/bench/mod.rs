@@ -183,7 +183,7 @@ fn plan(args: &BenchOptions, corpus: &Corpus) -> Result<Plan, BenchError> {
     // A request never spans beyond the corpus, and the corpus is whole requests.
     let request_bytes = usize::try_from(args.request_size).unwrap_or(usize::MAX);
     let mut request_pages = (request_bytes / PAGE_SIZE).clamp(1, corpus.page_count());
-    while corpus.page_count() % request_pages != 0 {
+    while !corpus.page_count().is_multiple_of(request_pages) {
         request_pages -= 1;
     }
     let settings = crate::config::store_settings(&args.store)

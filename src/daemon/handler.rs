@@ -158,7 +158,7 @@ impl StoreHandler {
         Handled::Done(result.map_err(|error| {
             // Log the first errors and then every 1024th, so a full device cannot flood the log.
             let count = self.errors.fetch_add(1, Ordering::Relaxed);
-            if count < 16 || count % 1024 == 0 {
+            if count < 16 || count.is_multiple_of(1024) {
                 tracing::warn!(?request, %error, errors = count + 1, "request failed");
             }
             error.errno()

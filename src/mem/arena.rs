@@ -43,7 +43,7 @@ impl Arena {
         carved_offset: usize,
         tags_offset: usize,
     ) -> std::io::Result<Arc<Self>> {
-        if start % HOST_PAGE != 0 || len % HOST_PAGE != 0 {
+        if !start.is_multiple_of(HOST_PAGE) || !len.is_multiple_of(HOST_PAGE) {
             return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
         }
         Ok(Arc::new(Self {
@@ -167,7 +167,7 @@ impl Arena {
 
     /// Whether the arena bytes `[offset, offset + len)` (a chunk) are all in memory.
     pub fn in_memory(&self, offset: usize, len: usize) -> std::io::Result<bool> {
-        if !offset.checked_add(len).is_some_and(|end| end <= self.len) {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
         }
         self.segment.all_in_memory(self.start + offset, len)
@@ -270,7 +270,7 @@ impl ArenaChunk {
     /// The chunk as two: its first `len` bytes (whole pages, fewer than it has) and the rest,
     /// with their memory as it is. `Err` gives the chunk back whole.
     pub fn split(self, len: usize) -> Result<(ArenaChunk, ArenaChunk), ArenaChunk> {
-        if len == 0 || len >= self.byte_len() || len % HOST_PAGE != 0 {
+        if len == 0 || len >= self.byte_len() || !len.is_multiple_of(HOST_PAGE) {
             return Err(self);
         }
         let offset = self.page() * HOST_PAGE;

@@ -437,7 +437,11 @@ impl Segment {
 
     pub(super) fn check(&self, offset: usize, len: usize) -> std::io::Result<()> {
         match offset.checked_add(len) {
-            Some(end) if end <= self.len && offset % HOST_PAGE == 0 && len % HOST_PAGE == 0 => {
+            Some(end)
+                if end <= self.len
+                    && offset.is_multiple_of(HOST_PAGE)
+                    && len.is_multiple_of(HOST_PAGE) =>
+            {
                 Ok(())
             }
             _ => Err(std::io::Error::from_raw_os_error(libc::EINVAL)),
@@ -565,10 +569,10 @@ impl<T: AtomicWord> Words<T> {
         let bytes = count
             .checked_mul(size)
             .ok_or(std::io::ErrorKind::InvalidInput)?;
-        if offset % size != 0
-            || !offset
+        if !offset.is_multiple_of(size)
+            || offset
                 .checked_add(bytes)
-                .is_some_and(|end| end <= segment.len)
+                .is_none_or(|end| end > segment.len)
         {
             return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
         }

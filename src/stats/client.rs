@@ -147,7 +147,7 @@ pub fn collect(dir: &Path, only: Option<u32>) -> Result<Vec<Probe>, StatError> {
     let mut ids: Vec<u32> = entries
         .filter_map(|entry| entry.ok())
         .filter_map(|entry| socket_id(&entry.file_name().to_string_lossy()))
-        .filter(|id| only.map_or(true, |only| only == *id))
+        .filter(|id| only.is_none_or(|only| only == *id))
         .collect();
     ids.sort_unstable();
     let mut probes = Vec::with_capacity(ids.len());

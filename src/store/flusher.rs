@@ -47,7 +47,7 @@ impl FlusherHandle {
     pub(super) fn flusher_finished(&self) -> bool {
         self.thread
             .as_ref()
-            .map_or(true, std::thread::JoinHandle::is_finished)
+            .is_none_or(std::thread::JoinHandle::is_finished)
     }
 }
 

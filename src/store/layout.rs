@@ -436,7 +436,7 @@ impl Regions {
             version,
         };
         if shape.slots_per_batch > 1 << 20
-            || shape.arena_bytes % PAGE_SIZE != 0
+            || !shape.arena_bytes.is_multiple_of(PAGE_SIZE)
             || shape.offsets().total > segment.len()
         {
             return Err(layout_error(

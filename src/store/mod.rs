@@ -151,7 +151,7 @@ pub struct BatchedPageStore {
 
 /// Check `config` (for a store with a GPU codec if `has_gpu`); returns the device's pages.
 fn check_config(config: &StoreConfig, has_gpu: bool) -> Result<usize, StoreError> {
-    if config.size_bytes == 0 || config.size_bytes % PAGE_SIZE as u64 != 0 {
+    if config.size_bytes == 0 || !config.size_bytes.is_multiple_of(PAGE_SIZE as u64) {
         return Err(StoreError::Config(format!(
             "device size {} is not a positive multiple of {PAGE_SIZE} bytes",
             config.size_bytes
@@ -379,7 +379,7 @@ impl BatchedPageStore {
     /// page index.
     fn check_range(&self, offset: u64, len: u64) -> Result<u64, StoreError> {
         let page = PAGE_SIZE as u64;
-        if offset % page != 0 || len % page != 0 {
+        if !offset.is_multiple_of(page) || !len.is_multiple_of(page) {
             return Err(StoreError::Misaligned { offset, len });
         }
         match offset.checked_add(len) {

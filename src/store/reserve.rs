@@ -729,7 +729,7 @@ impl ChunkReserve {
     /// 3-page chunk, the refill thread in the commit of a 1-page one, 364 KiB ready).
     fn join_smaller(&self, k: usize) -> Option<ArenaChunk> {
         let pages = k + 1;
-        for part in (1..pages).rev().filter(|part| pages % part == 0) {
+        for part in (1..pages).rev().filter(|part| pages.is_multiple_of(*part)) {
             let parts = pages / part;
             let mut run: SmallVec<[ArenaChunk; MAX_JOINED_PARTS]> = {
                 let mut pool = self.pools[part - 1].lock();

@@ -596,7 +596,7 @@ fn discard_random_half(s: &BatchedPageStore, pages: u64, seed: u64) -> Vec<u64> 
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
-        if x % 2 == 0 {
+        if x.is_multiple_of(2) {
             s.discard(i * page, page).unwrap();
         } else {
             kept.push(i);
@@ -1515,7 +1515,7 @@ fn a_resumed_store_finds_the_table_groups_it_used_and_no_others() {
 /// A page of `i`: incompressible for even `i`, else text with 0 to 3,900 bytes of noise, so
 /// that its compressed copy may fall in any size class.
 fn mixed_page(i: u64) -> Box<Page> {
-    if i % 2 == 0 {
+    if i.is_multiple_of(2) {
         return noise(i);
     }
     let mut p = text(2 * i + 1);

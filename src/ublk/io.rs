@@ -92,7 +92,7 @@ impl Request {
             Some(end) if end <= dev_bytes => {}
             _ => return Err(RequestError::OutOfRange { offset, len }),
         }
-        if offset % block != 0 || len % block != 0 || len == 0 {
+        if !offset.is_multiple_of(block) || !len.is_multiple_of(block) || len == 0 {
             return Err(RequestError::Misaligned { offset, len, block });
         }
         if matches!(op, Op::Read | Op::Write) && len > max_io {

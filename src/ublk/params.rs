@@ -47,7 +47,7 @@ impl DeviceSpec {
     /// Check the spec before the kernel sees it, with messages a user can act on.
     pub fn validate(&self) -> Result<(), UblkError> {
         let bad = |what: String| Err(UblkError::InvalidSpec(what));
-        if self.size_bytes == 0 || self.size_bytes % BLOCK_SIZE != 0 {
+        if self.size_bytes == 0 || !self.size_bytes.is_multiple_of(BLOCK_SIZE) {
             return bad(format!(
                 "size {} is not a positive multiple of 4 KiB",
                 self.size_bytes
