@@ -64,9 +64,10 @@ fn bench_classify(c: &mut Criterion) {
     g.finish();
 }
 
-/// The checksum the store takes of every page it stores and checks on every read of one (XXH64
-/// in new stores, CRC32C in stores of layout version 3): its cost against `page_codec`'s
-/// figures for the same pages.
+/// The checksum the store takes of every page it stores and checks on every read of one (a new
+/// store takes the faster of the two where it is made, `PageChecksum::fastest_here`): its
+/// cost against `page_codec`'s figures for the same pages (256 of them, 1 MiB: in cache, as a
+/// page the store has just decompressed or is about to compress is).
 fn bench_checksum(c: &mut Criterion) {
     let pages = corpus(256);
     let mut g = c.benchmark_group("checksum");

@@ -137,6 +137,8 @@ pub struct BenchReport {
     pub pages: usize,
     pub bytes: u64,
     pub algorithm: String,
+    /// The store's page checksum (`crc32c` or `xxh64`: the faster where the bench runs).
+    pub checksum: String,
     pub backend: String,
     pub batched: bool,
     pub batch_threshold: usize,
@@ -204,8 +206,9 @@ impl BenchReport {
         );
         let _ = writeln!(
             out,
-            "store: {} algorithm, {} backend, {}, {} writer/reader threads, {}-byte requests",
+            "store: {} algorithm, {} checksums, {} backend, {}, {} writer/reader threads, {}-byte requests",
             self.algorithm,
+            self.checksum,
             self.backend,
             if self.batched {
                 format!(

@@ -477,7 +477,14 @@ fn open_store(
                  made it meanwhile?); not serving it"
             )))
         }
-        (Opened::Fresh, false) => Ok(store),
+        (Opened::Fresh, false) => {
+            tracing::info!(
+                id,
+                checksum = store.checksum().name(),
+                "made a new store (its page checksum is the faster one on this machine)"
+            );
+            Ok(store)
+        }
     }
 }
 

@@ -6,8 +6,8 @@
 //! | header (one page) | magic, layout version, device pages, slots per batch, arena size, the allocator's class fingerprint, the arena's carve cursor, the pid of the process using it, then each size class's live chunks (a hint, see `H_CLASS_CHUNKS`) |
 //! | table | one word per device page (see `table`); this and the next two are committed a group of pages at a time as the device is written (see `table_memory`) |
 //! | hints | one 16-bit idle hint per device page (see `table::Hint`); not crash-consistent, started afresh on resume |
-//! | checksums | the checksum of each stored page's data (`codec::PageChecksum`: XXH64's low half, or CRC32C in a store of version 3), written before its entry names the object |
-//! | group map | (version 5) the slot of the three regions above each group of entries is in (see `table_memory`); those regions then hold whole groups |
+//! | checksums | the checksum of each stored page's data (`codec::PageChecksum`: CRC32C in a store of version 3 or 6, XXH64's low half in one of version 4 or 5), written before its entry names the object |
+//! | group map | (versions 5 and 6) the slot of the three regions above each group of entries is in (see `table_memory`); those regions then hold whole groups |
 //! | slot indexes | the page index each pending slot holds |
 //! | slot pages | the pending batches' pages |
 //! | arena tags | a word per arena page (see `mem::Arena`) |
@@ -29,29 +29,37 @@ use super::{alloc, StoreError, PENDING_BATCHES};
 use crate::codec::{PageChecksum, PAGE_SIZE};
 use crate::mem::{Arena, PageSlots, Segment, Words};
 
-/// Version of this layout and of the meaning of its words, which new stores get. A binary
-/// refuses a segment of a version it does not read (`READ_VERSIONS`), and leaves it untouched
-/// for a binary that does. Version 5 places groups of the table in any slot (the group map),
-/// versions 3 and 4 group `g` in slot `g`; version 3 checksums pages with CRC32C, the others
-/// with XXH64 (their words mean the same otherwise). A store of an older version is resumed as
-/// it is, and keeps its layout and its version, so the binary that made it can still take it
-/// back.
-pub const LAYOUT_VERSION: u64 = 5;
-const READ_VERSIONS: [u64; 3] = [3, 4, LAYOUT_VERSION];
+/// Version of this layout and of the meaning of its words. A binary refuses a segment of a
+/// version it does not read (`READ_VERSIONS`), and leaves it untouched for a binary that does.
+/// Version 5 places groups of the table in any slot (the group map), versions 3 and 4 group
+/// `g` in slot `g`; version 6 is version 5 with CRC32C checksums. Versions 3 and 6 checksum
+/// pages with CRC32C, 4 and 5 with XXH64 (their words mean the same otherwise). A new store is
+/// version 6 where CRC32C is the faster checksum here and 5 where it is not (see
+/// `new_store_version`), so a store made where XXH64 wins can still be taken by a binary of
+/// before version 6. A store of an older version is resumed as it is, and keeps its layout and
+/// its version, so the binary that made it can still take it back.
+pub const LAYOUT_VERSION: u64 = 6;
+/// The version of a new store checksummed with XXH64 (see `LAYOUT_VERSION`).
+const XXH64_LAYOUT_VERSION: u64 = 5;
+const READ_VERSIONS: [u64; 4] = [3, 4, XXH64_LAYOUT_VERSION, LAYOUT_VERSION];
 
-/// The layout version of the stores this thread makes: `LAYOUT_VERSION`, but tests make
-/// stores of older versions to resume them.
+/// The layout version of the stores this thread makes: `LAYOUT_VERSION` where CRC32C is the
+/// faster checksum on this machine (`PageChecksum::fastest_here`), `XXH64_LAYOUT_VERSION`
+/// where XXH64 is; tests choose (`LAYOUT_FOR_TESTS`).
 pub(super) fn new_store_version() -> u64 {
     #[cfg(test)]
-    return OLDER_LAYOUT_FOR_TESTS.with(std::cell::Cell::get);
+    return LAYOUT_FOR_TESTS.with(std::cell::Cell::get);
     #[cfg(not(test))]
-    LAYOUT_VERSION
+    match PageChecksum::fastest_here() {
+        PageChecksum::Crc32c => LAYOUT_VERSION,
+        PageChecksum::Xxh64 => XXH64_LAYOUT_VERSION,
+    }
 }
 
 #[cfg(test)]
 thread_local! {
     /// See `new_store_version`.
-    pub(super) static OLDER_LAYOUT_FOR_TESTS: std::cell::Cell<u64> =
+    pub(super) static LAYOUT_FOR_TESTS: std::cell::Cell<u64> =
         const { std::cell::Cell::new(LAYOUT_VERSION) };
 }
 
@@ -62,7 +70,7 @@ fn maps_groups(version: u64) -> bool {
 
 /// The page checksum of a store of layout `version` (one of `READ_VERSIONS`).
 fn checksum_of_version(version: u64) -> PageChecksum {
-    if version == 3 {
+    if version == 3 || version == LAYOUT_VERSION {
         PageChecksum::Crc32c
     } else {
         PageChecksum::Xxh64

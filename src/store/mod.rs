@@ -777,6 +777,11 @@ impl BatchedPageStore {
         }
     }
 
+    /// How this store checksums its pages' data (by its layout version).
+    pub fn checksum(&self) -> PageChecksum {
+        self.checksum
+    }
+
     pub fn stats(&self) -> StoreStats {
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);

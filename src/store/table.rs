@@ -561,7 +561,7 @@ mod tests {
         laid_out_table(pages, false)
     }
 
-    /// A table of `pages` entries as a store of layout version 5 lays it out (whole groups,
+    /// A table of `pages` entries as a store of layout version 5 or 6 lays it out (whole groups,
     /// placed by a group map: see `table_memory`) if `mapped`, else as versions 3 and 4 do;
     /// every group absent.
     fn laid_out_table(pages: usize, mapped: bool) -> PageTable {

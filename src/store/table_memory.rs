@@ -22,7 +22,7 @@
 //! zeroed page (empty entries), the reader sees the group absent and lets go; that page stays
 //! until the group is committed and given back again.
 //!
-//! Where a group's memory lies: in a store of layout version 5 any *slot* of the table's
+//! Where a group's memory lies: in a store of layout version 5 or 6 any *slot* of the table's
 //! regions (a group's worth of entries, hints and checksums) may hold any group, and a small
 //! map in the segment says which (`Slots`); the refill thread keeps `SPARE_SLOTS` slots
 //! committed and empty, and a writer that reaches a group with no memory takes one at once,
@@ -36,7 +36,7 @@
 //! slot as a spare (if fewer are kept) rather than to the system. In a store of version 3 or
 //! 4, group `g` is slot `g` (the layout those binaries made), and nothing is spare.
 //!
-//! A resumed store of version 5 finds its groups in the map, commits each one's slot (a
+//! A resumed store of version 5 or 6 finds its groups in the map, commits each one's slot (a
 //! process may have died committing it), keeps up to `SPARE_SLOTS` other slots with memory as
 //! spares (every entry empty) and gives back the memory of the rest. One
 //! of version 3 or 4 finds its committed groups by asking which of their pages are in memory
@@ -62,7 +62,7 @@ use crate::mem::{Segment, Words};
 pub(super) const GROUP_PAGES: usize = 2048;
 
 /// Slots the refill thread keeps committed and empty for writers reaching new groups (a store
-/// of layout version 5): 112 KiB. Groups asked for ahead of writes (see `admission`) cover a
+/// of layout version 5 or 6): 112 KiB. Groups asked for ahead of writes (see `admission`) cover a
 /// swap storm while memory is plentiful; the spares cover writes that outrun them, or reach a
 /// group when memory is short (then nothing is asked for ahead), and the refill thread, woken
 /// by each one taken, replaces it in its next pass.
@@ -138,7 +138,7 @@ pub(super) struct Region {
     pub(super) width: usize,
 }
 
-/// Where groups' memory may lie, in a store of layout version 5 (see the module's comment).
+/// Where groups' memory may lie, in a store of layout version 5 or 6 (see the module's comment).
 pub(super) struct Slots {
     /// Per group: its slot plus one, 0 for none. Written while `placing` is held, before the
     /// group's word names the slot and after it no longer does: what a resumed store reads.

@@ -777,18 +777,67 @@ fn a_store_of_another_layout_version_is_refused_and_left_untouched() {
     crate::mem::Segment::remove_shared(key).unwrap();
 }
 
+/// A new store is version 6, checksummed with CRC32C, where that is the faster checksum, and
+/// version 5, with XXH64, where it is not (`PageChecksum::fastest_here`): each is resumed with
+/// its own checksum and keeps its version, whatever a new store would get.
+#[test]
+fn stores_of_versions_5_and_6_are_resumed_with_their_own_checksums() {
+    let config = layout_test_config;
+    for (version, checksum, key_base, other) in [
+        (5, PageChecksum::Xxh64, 0x7b00_0000, layout::LAYOUT_VERSION),
+        (6, PageChecksum::Crc32c, 0x7a00_0000, 5),
+    ] {
+        layout::LAYOUT_FOR_TESTS.with(|v| v.set(version));
+        let (key, backing) = shared_store_holding_16_pages(key_base, |s, _| {
+            assert_eq!(s.checksum, checksum, "a new store of version {version}");
+        });
+        layout::LAYOUT_FOR_TESTS.with(|v| v.set(other));
+        let segment = crate::mem::Segment::attach_shared(key).unwrap().unwrap();
+        // Header word 1 is the layout version; the checksums follow the header page, the
+        // table's group (4 pages) and its hints (a page).
+        let header = segment.words(0, 2).unwrap();
+        let checksums = segment.words32(6 * PAGE_SIZE, 64).unwrap();
+        assert_eq!(header[1].load(Ordering::Relaxed), version);
+        for i in 0..16usize {
+            assert_eq!(
+                checksums[i].load(Ordering::Relaxed),
+                checksum.of(&text(i as u64)),
+                "version {version}, page {i}"
+            );
+        }
+        let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
+        assert_eq!(opened, Opened::Resumed { pages: 16, lost: 0 });
+        assert_eq!(s.checksum, checksum, "version {version} resumed");
+        let mut buf = vec![0u8; PAGE_SIZE];
+        for i in 0..16u64 {
+            s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+            assert_eq!(&buf[..], &text(i)[..], "version {version}, page {i}");
+        }
+        assert_eq!(s.stats().checksum_failures, 0);
+        assert_eq!(
+            header[1].load(Ordering::Relaxed),
+            version,
+            "the version stays"
+        );
+        drop(s);
+        drop((header, checksums, segment));
+        crate::mem::Segment::remove_shared(key).unwrap();
+    }
+    layout::LAYOUT_FOR_TESTS.with(|v| v.set(layout::LAYOUT_VERSION));
+}
+
 /// A store of layout version 3 (what binaries before version 4 made: CRC32C checksums, the
 /// table's groups each in its own place, as in version 4) is resumed with its pages and keeps
 /// its checksum, its layout and its version, so that the binary that made it could take it
-/// back; new stores are version 5, checksummed with XXH64.
+/// back; new stores are version 6 or 5 (see the next test).
 #[test]
 fn a_store_of_layout_version_3_is_resumed_with_crc32c_and_kept_at_3() {
     let config = layout_test_config;
-    layout::OLDER_LAYOUT_FOR_TESTS.with(|version| version.set(4));
+    layout::LAYOUT_FOR_TESTS.with(|version| version.set(4));
     let (key, backing) = shared_store_holding_16_pages(0x7d00_0000, |s, _| {
         assert_eq!(s.checksum, PageChecksum::Xxh64);
     });
-    layout::OLDER_LAYOUT_FOR_TESTS.with(|version| version.set(layout::LAYOUT_VERSION));
+    layout::LAYOUT_FOR_TESTS.with(|version| version.set(layout::LAYOUT_VERSION));
     let segment = crate::mem::Segment::attach_shared(key).unwrap().unwrap();
     // Header word 1 is the layout version; the checksums of 64 pages are the fourth page
     // (after the header, the table and the hints: a page each, see `layout`).
