@@ -572,13 +572,21 @@ fn serve(
         // process stores pages, and is looked at again every ping), the page tables of the
         // store's memory (see `AttachedStore`), and pages for the kernel, given back just
         // before the takeover.
-        let mut attached: Option<crate::store::AttachedStore> = None;
+        let attach = || {
+            crate::store::AttachedStore::attach(id).unwrap_or_else(|error| {
+                tracing::debug!(%error, "standby: cannot attach the device's store yet");
+                None
+            })
+        };
+        let mut attached = attach();
+        // Not ready for a store this build cannot resume (a `reload` to an older build, say):
+        // ending here keeps the serving process serving (see `supervise`).
+        if let Some(store) = &attached {
+            store.check_this_binary_reads()?;
+        }
         let mut keep_ready = || {
             if !attached.as_ref().is_some_and(|store| store.is_current()) {
-                attached = crate::store::AttachedStore::attach(id).unwrap_or_else(|error| {
-                    tracing::debug!(%error, "standby: cannot attach the device's store yet");
-                    None
-                });
+                attached = attach();
             }
             let store_heap = attached.as_mut().map_or(0, |store| {
                 if let Err(error) = store.make_page_tables() {

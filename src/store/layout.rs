@@ -46,7 +46,7 @@ const READ_VERSIONS: [u64; 4] = [3, 4, XXH64_LAYOUT_VERSION, LAYOUT_VERSION];
 /// The layout version of the stores this thread makes: `LAYOUT_VERSION` where CRC32C is the
 /// faster checksum on this machine (`PageChecksum::fastest_here`), `XXH64_LAYOUT_VERSION`
 /// where XXH64 is; tests choose (`LAYOUT_FOR_TESTS`).
-pub(super) fn new_store_version() -> u64 {
+fn new_store_version() -> u64 {
     #[cfg(test)]
     return LAYOUT_FOR_TESTS.with(std::cell::Cell::get);
     #[cfg(not(test))]
@@ -174,7 +174,11 @@ pub struct AttachedStore {
 impl AttachedStore {
     /// Attach device `device_id`'s store; `None` if it has none.
     pub fn attach(device_id: u32) -> Result<Option<Self>, StoreError> {
-        let key = device_key(device_id)?;
+        Self::attach_key(device_key(device_id)?)
+    }
+
+    /// Attach the store in shared memory under `key`; `None` if there is none.
+    pub(super) fn attach_key(key: i32) -> Result<Option<Self>, StoreError> {
         let attaching = memory_error("attaching the store's shared memory");
         let Some(segment) = Segment::attach_shared(key).map_err(attaching)? else {
             return Ok(None);
@@ -200,6 +204,23 @@ impl AttachedStore {
         let header = self.segment.words(0, HEADER_WORDS).ok()?;
         let word = |i: usize| header[i].load(Ordering::Acquire);
         (word(H_MAGIC) == MAGIC && READ_VERSIONS.contains(&word(H_VERSION))).then_some(header)
+    }
+
+    /// Whether this binary can resume the store, as far as the build that made it matters:
+    /// the error a resume would end with for a store of a layout version or of size classes
+    /// this binary does not read. `Ok` for a store still being made. A standby checks this
+    /// before it says it is ready, so that a `reload` to a build that cannot take the store
+    /// over leaves the running process serving rather than the device without one.
+    pub fn check_this_binary_reads(&self) -> Result<(), StoreError> {
+        let Ok(header) = self.segment.words(0, HEADER_WORDS) else {
+            // The resume maps it again, and says what failed.
+            return Ok(());
+        };
+        let word = |i: usize| header[i].load(Ordering::Acquire);
+        if word(H_MAGIC) != MAGIC {
+            return Ok(());
+        }
+        check_this_binary_reads(self.key, word(H_VERSION), word(H_CLASSES))
     }
 
     /// What the header says about the heap a resume needs; `None` for a store this binary
@@ -251,8 +272,21 @@ pub(super) struct Shape {
     pub(super) slots_per_batch: usize,
     pub(super) arena_bytes: usize,
     pub(super) class_fingerprint: u64,
-    /// The layout version (`LAYOUT_VERSION` for a new store).
+    /// The layout version: a resumed store's own; a new store's is chosen when it is made
+    /// (`of_new_store`).
     pub(super) version: u64,
+}
+
+impl Shape {
+    /// This shape for a store about to be made, with the layout version it gets here (see
+    /// `new_store_version`). Only then: the choice times both checksums, which a resume (a
+    /// takeover, with the device waiting) must not spend time and code pages on.
+    fn of_new_store(self) -> Self {
+        Self {
+            version: new_store_version(),
+            ..self
+        }
+    }
 }
 
 /// Byte offsets of the regions.
@@ -355,6 +389,7 @@ impl Regions {
     pub(super) fn open(backing: Backing, shape: Shape) -> Result<Self, StoreError> {
         let (key, lock) = match backing {
             Backing::Private => {
+                let shape = shape.of_new_store();
                 let segment = Segment::private(shape.offsets().total)
                     .map_err(memory_error("reserving the store's memory"))?;
                 return Self::fresh(&segment, shape);
@@ -367,6 +402,7 @@ impl Regions {
         {
             return Self::resume(&segment, shape, key);
         }
+        let shape = shape.of_new_store();
         let segment = Segment::create_shared(key, shape.offsets().total, lock).map_err(
             memory_error("creating the store's shared memory (a SysV segment, locked in memory)"),
         )?;
@@ -400,32 +436,19 @@ impl Regions {
             .words(0, HEADER_WORDS)
             .map_err(memory_error("mapping the store's header"))?;
         let word = |i: usize| header[i].load(Ordering::Acquire);
-        let layout_error = |what: String| {
-            StoreError::Layout(format!(
-                "the shared memory of this device (SysV key {key:#x}) {what}; it was left \
-                 untouched: start the trueno-ublk that made it, or `trueno-ublk delete` the \
-                 device (its pages are lost then)"
-            ))
-        };
         if word(H_MAGIC) != MAGIC {
-            return Err(layout_error("is not a trueno-ublk store".into()));
+            return Err(layout_error(key, "is not a trueno-ublk store"));
         }
         let version = word(H_VERSION);
-        if !READ_VERSIONS.contains(&version) {
-            return Err(layout_error(format!(
-                "has layout version {version}, and this binary reads versions {READ_VERSIONS:?}"
-            )));
-        }
+        check_this_binary_reads(key, version, word(H_CLASSES))?;
         if word(H_PAGES) != wanted.pages as u64 {
-            return Err(layout_error(format!(
-                "holds {} pages, not the {} of the size asked for",
-                word(H_PAGES),
-                wanted.pages
-            )));
-        }
-        if word(H_CLASSES) != wanted.class_fingerprint {
             return Err(layout_error(
-                "packs compressed pages in other size classes than this binary".into(),
+                key,
+                &format!(
+                    "holds {} pages, not the {} of the size asked for",
+                    word(H_PAGES),
+                    wanted.pages
+                ),
             ));
         }
         let owner = word(H_OWNER);
@@ -448,7 +471,8 @@ impl Regions {
             || shape.offsets().total > segment.len()
         {
             return Err(layout_error(
-                "has a header that does not fit the segment".into(),
+                key,
+                "has a header that does not fit the segment",
             ));
         }
         drop(header);
@@ -531,6 +555,36 @@ impl Regions {
             checksum: checksum_of_version(shape.version),
         })
     }
+}
+
+/// The error of a store in shared memory under `key` that this process does not resume
+/// because it `what`, and what the user can do.
+fn layout_error(key: i32, what: &str) -> StoreError {
+    StoreError::Layout(format!(
+        "the shared memory of this device (SysV key {key:#x}) {what}; it was left untouched: \
+         start the trueno-ublk that made it, or `trueno-ublk delete` the device (its pages are \
+         lost then)"
+    ))
+}
+
+/// Whether this binary reads a store of layout `version` whose size classes have fingerprint
+/// `classes`: what a store made by another build may differ in.
+fn check_this_binary_reads(key: i32, version: u64, classes: u64) -> Result<(), StoreError> {
+    if !READ_VERSIONS.contains(&version) {
+        return Err(layout_error(
+            key,
+            &format!(
+                "has layout version {version}, and this binary reads versions {READ_VERSIONS:?}"
+            ),
+        ));
+    }
+    if classes != alloc::class_fingerprint() {
+        return Err(layout_error(
+            key,
+            "packs compressed pages in other size classes than this binary",
+        ));
+    }
+    Ok(())
 }
 
 /// Whether `pid` is a live process running the same program as this one (so not a recycled

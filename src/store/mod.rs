@@ -274,7 +274,8 @@ impl BatchedPageStore {
             slots_per_batch: batch_pages,
             arena_bytes: usize::try_from(arena_bytes).unwrap_or(usize::MAX),
             class_fingerprint: alloc::class_fingerprint(),
-            version: layout::new_store_version(),
+            // A resumed store keeps its own; a new one gets its own when it is made.
+            version: layout::LAYOUT_VERSION,
         })?;
         // A resumed store keeps the batch size it was made with.
         let slots = regions.shape.slots_per_batch;

@@ -762,6 +762,26 @@ fn a_store_of_another_layout_version_is_refused_and_left_untouched() {
         "{message}"
     );
     assert!(before == snapshot(), "the refused open changed the store");
+    // A standby of this binary finds that out before it says it is ready.
+    let attached = layout::AttachedStore::attach_key(key).unwrap().unwrap();
+    let err = attached.check_this_binary_reads().unwrap_err();
+    assert!(
+        err.to_string() == message,
+        "the standby's error is the resume's: {err}"
+    );
+    // Header word 5 is the size classes' fingerprint.
+    metadata[1].store(layout::LAYOUT_VERSION, Ordering::Relaxed);
+    let classes = metadata[5].load(Ordering::Relaxed);
+    metadata[5].store(classes ^ 1, Ordering::Relaxed);
+    let err = attached.check_this_binary_reads().unwrap_err();
+    assert!(err.to_string().contains("size classes"), "{err}");
+    metadata[5].store(classes, Ordering::Relaxed);
+    attached.check_this_binary_reads().unwrap();
+    // A store still being made (no magic yet) is not refused.
+    let magic = metadata[0].swap(0, Ordering::Relaxed);
+    attached.check_this_binary_reads().unwrap();
+    metadata[0].store(magic, Ordering::Relaxed);
+    drop(attached);
 
     metadata[1].store(layout::LAYOUT_VERSION, Ordering::Relaxed);
     let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
