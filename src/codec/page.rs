@@ -88,12 +88,14 @@ pub fn classify(page: &Page) -> PageClass {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PageChecksum {
     /// CRC32C (the Castagnoli polynomial of iSCSI and ext4), folded with the CPU's carry-less
-    /// multiplies (PCLMULQDQ, AVX-512's VPCLMULQDQ) where it has them: 75 ns a page on this
-    /// project's machine against XXH64's 209 (2026-12-02, cache-hot pages, as the store's are).
+    /// multiplies (PCLMULQDQ, AVX-512's VPCLMULQDQ) where it has them: 0.097 µs a page on
+    /// this project's machine against XXH64's 0.217 (`cargo bench --bench codec -- checksum`,
+    /// 2026-12-02: pages in cache, as the store's are).
     Crc32c,
     /// The low 32 bits of XXH64: plain 64-bit arithmetic, so as fast emulated as the rest.
-    /// Where the CPU's instructions are emulated (qemu's TCG, the VM tests) CRC32C took 19.7
-    /// µs a page, more than decompressing it, and XXH64 0.9 µs (2026-12-02).
+    /// Where the CPU's instructions are emulated (qemu's TCG, the VM tests) CRC32C took 23.3
+    /// µs a page, more than decompressing it, and XXH64 1.05 µs (the same bench under
+    /// `qemu-x86_64 -cpu max,erms=off,fsrm=off`, 2026-12-02).
     Xxh64,
 }
 
