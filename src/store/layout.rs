@@ -251,7 +251,6 @@ impl AttachedStore {
             pages,
             slots_per_batch,
             arena_bytes,
-            class_fingerprint: 0,
             version: header[H_VERSION].load(Ordering::Acquire),
         };
         let used = shape
@@ -271,7 +270,6 @@ pub(super) struct Shape {
     pub(super) pages: usize,
     pub(super) slots_per_batch: usize,
     pub(super) arena_bytes: usize,
-    pub(super) class_fingerprint: u64,
     /// The layout version: a resumed store's own; a new store's is chosen when it is made
     /// (`of_new_store`).
     pub(super) version: u64,
@@ -417,7 +415,7 @@ impl Regions {
             (H_PAGES, shape.pages as u64),
             (H_SLOTS, shape.slots_per_batch as u64),
             (H_ARENA, shape.arena_bytes as u64),
-            (H_CLASSES, shape.class_fingerprint),
+            (H_CLASSES, alloc::class_fingerprint()),
             (H_CARVED, 0),
             (H_OWNER, u64::from(std::process::id())),
         ] {
@@ -463,7 +461,6 @@ impl Regions {
             pages: wanted.pages,
             slots_per_batch: usize::try_from(word(H_SLOTS)).unwrap_or(usize::MAX),
             arena_bytes: usize::try_from(word(H_ARENA)).unwrap_or(usize::MAX),
-            class_fingerprint: wanted.class_fingerprint,
             version,
         };
         if shape.slots_per_batch > 1 << 20

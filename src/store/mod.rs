@@ -273,7 +273,6 @@ impl BatchedPageStore {
             pages,
             slots_per_batch: batch_pages,
             arena_bytes: usize::try_from(arena_bytes).unwrap_or(usize::MAX),
-            class_fingerprint: alloc::class_fingerprint(),
             // A resumed store keeps its own; a new one gets its own when it is made.
             version: layout::LAYOUT_VERSION,
         })?;
