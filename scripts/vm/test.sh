@@ -972,6 +972,13 @@ swap_run() {
         trueno-ublk compact --id 0 >/tmp/compact.out 2>&1
         check "$name: trueno-ublk compact --id 0 ($(cat /tmp/compact.out))" \
             grep -q '^/dev/ublkb0: compacted: ' /tmp/compact.out
+        # The checksum the store took where it was made, and the layout version that says
+        # which (src/store/layout.rs): 5 with XXH64, 6 with CRC32C.
+        local kind
+        kind="$(ublk_json_count layout_version):$(trueno-ublk stat --json 2>/dev/null |
+            sed -n 's/.*"checksum": *"\([a-z0-9]*\)".*/\1/p' | head -n1)"
+        check "$name: stat --json names the store's layout version and checksum ($kind)" \
+            eval '[ "$kind" = 5:xxh64 ] || [ "$kind" = 6:crc32c ]'
     fi
     t0=$(now)
     check "$name: swapoff $dev" $UL/swapoff "$dev"

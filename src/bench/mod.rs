@@ -500,7 +500,6 @@ pub fn measure(
         codec: codec_run,
         zram,
     } = last;
-    let checksum = store.checksum();
     let best_of =
         |figure: fn(&RunFigures) -> Option<f64>| runs.iter().filter_map(figure).fold(0.0, f64::max);
     let write_gbps = best_of(|r| Some(r.write_gbps));
@@ -575,7 +574,6 @@ pub fn measure(
         pages,
         bytes: bytes as u64,
         algorithm: format!("{:?}", config.algorithm),
-        checksum: checksum.name().to_string(),
         backend: config
             .forced_backend
             .map_or_else(|| "auto".to_string(), |b| format!("{b:?}")),

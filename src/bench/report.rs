@@ -137,8 +137,6 @@ pub struct BenchReport {
     pub pages: usize,
     pub bytes: u64,
     pub algorithm: String,
-    /// The store's page checksum (`crc32c` or `xxh64`: the faster where the bench runs).
-    pub checksum: String,
     pub backend: String,
     pub batched: bool,
     pub batch_threshold: usize,
@@ -208,7 +206,7 @@ impl BenchReport {
             out,
             "store: {} algorithm, {} checksums, {} backend, {}, {} writer/reader threads, {}-byte requests",
             self.algorithm,
-            self.checksum,
+            self.stats.checksum,
             self.backend,
             if self.batched {
                 format!(

@@ -14,6 +14,14 @@ use crate::codec::{Backend, Encoding};
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct StoreStats {
     pub disk_size: u64,
+    /// The version of the store's memory layout (`store::layout`); 0 from a daemon that
+    /// predates this field.
+    #[serde(default)]
+    pub layout_version: u64,
+    /// How stored pages are checksummed (`crc32c` or `xxh64`, by the layout version); empty
+    /// from a daemon that predates this field.
+    #[serde(default)]
+    pub checksum: String,
     /// Bytes of pages written and held (same-filled pages included), like zram's orig_data_size.
     pub orig_bytes: u64,
     /// Bytes of compressed data held, like zram's compr_data_size (raw pages count 4 KiB).

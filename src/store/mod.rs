@@ -112,6 +112,9 @@ pub struct BatchedPageStore {
     compressor: Compressor,
     /// How pages' data is checksummed (by the store's layout version).
     checksum: PageChecksum,
+    /// The version of the store's memory layout (`layout::READ_VERSIONS`): its own when
+    /// resumed.
+    layout_version: u64,
     /// New pages' compressor while memory is short (see `set_memory_short`); `None`: always
     /// `compressor`.
     short_memory_compressor: Option<Compressor>,
@@ -317,6 +320,7 @@ impl BatchedPageStore {
         let store = Self {
             compressor: config.compressor(gpu),
             checksum: regions.checksum,
+            layout_version: regions.shape.version,
             short_memory_compressor: config.short_memory_compressor(),
             memory_short: AtomicBool::new(false),
             table: PageTable::new(
@@ -788,6 +792,8 @@ impl BatchedPageStore {
         let pending = get(&c.pending_pages);
         StoreStats {
             disk_size: self.config.size_bytes,
+            layout_version: self.layout_version,
+            checksum: self.checksum.name().to_string(),
             orig_bytes: get(&c.pages_held) * PAGE_SIZE as u64,
             compr_bytes: get(&c.compr_bytes),
             mem_used: self.alloc.chunk_bytes() + pending * PAGE_SIZE as u64,

@@ -833,7 +833,13 @@ fn stores_of_versions_5_and_6_are_resumed_with_their_own_checksums() {
             s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
             assert_eq!(&buf[..], &text(i)[..], "version {version}, page {i}");
         }
-        assert_eq!(s.stats().checksum_failures, 0);
+        let stats = s.stats();
+        assert_eq!(stats.checksum_failures, 0);
+        assert_eq!(
+            (stats.layout_version, stats.checksum.as_str()),
+            (version, checksum.name()),
+            "what stat shows of a resumed store of version {version}"
+        );
         assert_eq!(
             header[1].load(Ordering::Relaxed),
             version,
