@@ -69,7 +69,7 @@ fn maps_groups(version: u64) -> bool {
 }
 
 /// The page checksum of a store of layout `version` (one of `READ_VERSIONS`).
-fn checksum_of_version(version: u64) -> PageChecksum {
+pub(super) fn checksum_of_version(version: u64) -> PageChecksum {
     if version == 3 || version == LAYOUT_VERSION {
         PageChecksum::Crc32c
     } else {
@@ -200,10 +200,17 @@ impl AttachedStore {
         self.segment.is_shared_under(self.key)
     }
 
-    fn header(&self) -> Option<Words<AtomicU64>> {
+    /// The header of a store made whole (its magic set last); `None` while one is being
+    /// made, or if the header cannot be mapped (the resume maps it again, and says what failed).
+    fn made_header(&self) -> Option<Words<AtomicU64>> {
         let header = self.segment.words(0, HEADER_WORDS).ok()?;
-        let word = |i: usize| header[i].load(Ordering::Acquire);
-        (word(H_MAGIC) == MAGIC && READ_VERSIONS.contains(&word(H_VERSION))).then_some(header)
+        (header[H_MAGIC].load(Ordering::Acquire) == MAGIC).then_some(header)
+    }
+
+    /// The header of a store of a layout version this binary reads (see `made_header`).
+    fn header(&self) -> Option<Words<AtomicU64>> {
+        self.made_header()
+            .filter(|header| READ_VERSIONS.contains(&header[H_VERSION].load(Ordering::Acquire)))
     }
 
     /// Whether this binary can resume the store, as far as the build that made it matters:
@@ -212,14 +219,10 @@ impl AttachedStore {
     /// before it says it is ready, so that a `reload` to a build that cannot take the store
     /// over leaves the running process serving rather than the device without one.
     pub fn check_this_binary_reads(&self) -> Result<(), StoreError> {
-        let Ok(header) = self.segment.words(0, HEADER_WORDS) else {
-            // The resume maps it again, and says what failed.
+        let Some(header) = self.made_header() else {
             return Ok(());
         };
         let word = |i: usize| header[i].load(Ordering::Acquire);
-        if word(H_MAGIC) != MAGIC {
-            return Ok(());
-        }
         check_this_binary_reads(self.key, word(H_VERSION), word(H_CLASSES))
     }
 
@@ -364,8 +367,6 @@ pub(super) struct Regions {
     /// The header's words from `H_CLASS_CHUNKS` on.
     pub(super) class_chunks: Words<AtomicU64>,
     pub(super) resumed: bool,
-    /// How this store checksums its pages (by its layout version).
-    pub(super) checksum: PageChecksum,
 }
 
 impl Regions {
@@ -549,7 +550,6 @@ impl Regions {
             ))?,
             class_chunks: view(segment.words(H_CLASS_CHUNKS * 8, alloc::MAX_CLASSES))?,
             resumed,
-            checksum: checksum_of_version(shape.version),
         })
     }
 }

@@ -110,7 +110,8 @@ pub struct BatchedPageStore {
     table: PageTable,
     alloc: ZsAllocator,
     compressor: Compressor,
-    /// How pages' data is checksummed (by the store's layout version).
+    /// How pages' data is checksummed: `layout_version`'s checksum, kept at hand for every
+    /// page stored and read.
     checksum: PageChecksum,
     /// The version of the store's memory layout (`layout::READ_VERSIONS`): its own when
     /// resumed.
@@ -319,7 +320,7 @@ impl BatchedPageStore {
         }
         let store = Self {
             compressor: config.compressor(gpu),
-            checksum: regions.checksum,
+            checksum: layout::checksum_of_version(regions.shape.version),
             layout_version: regions.shape.version,
             short_memory_compressor: config.short_memory_compressor(),
             memory_short: AtomicBool::new(false),
