@@ -269,60 +269,21 @@ impl Standby {
     pub fn resume(self) -> Result<Device, UblkError> {
         let Standby { go, mut device } = self;
         let id = device.id();
-        // START_USER_RECOVERY is EBUSY until the old daemon's `/dev/ublkcN` is released, which
-        // the kernel does once the last of its io_uring commands is gone.
         let started = Instant::now();
-        let deadline = started + QUIESCE_WAIT;
-        let mut busy_tries = 0u32;
-        loop {
-            match device.control.start_user_recovery(id) {
-                Ok(()) => break,
-                Err(UblkError::Command {
-                    errno: libc::EBUSY, ..
-                }) if Instant::now() < deadline => {
-                    busy_tries += 1;
-                    if busy_tries == SLOW_RELEASE_TRIES {
-                        tracing::warn!(
-                            id,
-                            waited_ms = started.elapsed().as_millis(),
-                            "the kernel has not yet released the old daemon's {}: the device stays quiesced until it does",
-                            char_path(id)
-                        );
-                    }
-                    std::thread::sleep(POLL);
-                }
-                Err(UblkError::Command {
-                    errno: libc::EBUSY, ..
-                }) => {
-                    return Err(UblkError::CannotResume {
-                        id,
-                        reason: format!(
-                            "the kernel still holds its old daemon's {} after {} s \
-                             (START_USER_RECOVERY: busy); check `trueno-ublk list` and retry",
-                            char_path(id),
-                            QUIESCE_WAIT.as_secs()
-                        ),
-                    })
-                }
-                Err(UblkError::Command {
-                    errno: libc::EINVAL,
-                    ..
-                }) => {
-                    return Err(UblkError::CannotResume {
-                        id,
-                        reason: format!(
-                            "the kernel refuses to start a recovery (START_USER_RECOVERY: \
-                             invalid argument): a daemon died while resuming it, before its \
-                             queues were ready, and this kernel cannot resume it after that; \
-                             `trueno-ublk delete --id {id} --lose-pages` removes it"
-                        ),
-                    })
-                }
-                Err(error) => return Err(error),
+        let opened = device
+            .start_user_recovery(started)
+            .and_then(|busy_tries| Ok((busy_tries, open_char_dev(id)?)));
+        let (busy_tries, char_dev) = match opened {
+            Ok(opened) => opened,
+            Err(error) => {
+                // The queue threads wait for `go` before anything else, and `device`'s drop
+                // joins them: `go` goes first (the destructuring above would drop it last).
+                drop(go);
+                return Err(error);
             }
-        }
+        };
+        let char_dev = Arc::new(char_dev);
         let recovery_started = Instant::now();
-        let char_dev = Arc::new(open_char_dev(id)?);
         device.fetch_all(go, &char_dev)?;
         let fetched = Instant::now();
         device.control.end_user_recovery(id, std::process::id())?;
@@ -552,6 +513,62 @@ impl Device {
         let go = Go { senders, ready };
         go.wait_all(queues, |r| matches!(r, QueueReady::Prepared))?;
         Ok(go)
+    }
+
+    /// START_USER_RECOVERY, retried while the kernel still holds the old daemon's char device
+    /// (EBUSY until the last of its io_uring commands is gone) for up to `QUIESCE_WAIT` from
+    /// `started`; the tries that found it busy.
+    fn start_user_recovery(&mut self, started: Instant) -> Result<u32, UblkError> {
+        let id = self.id();
+        let deadline = started + QUIESCE_WAIT;
+        let mut busy_tries = 0u32;
+        loop {
+            match self.control.start_user_recovery(id) {
+                Ok(()) => return Ok(busy_tries),
+                Err(UblkError::Command {
+                    errno: libc::EBUSY, ..
+                }) if Instant::now() < deadline => {
+                    busy_tries += 1;
+                    if busy_tries == SLOW_RELEASE_TRIES {
+                        tracing::warn!(
+                            id,
+                            waited_ms = started.elapsed().as_millis(),
+                            "the kernel has not yet released the old daemon's {}: the device stays quiesced until it does",
+                            char_path(id)
+                        );
+                    }
+                    std::thread::sleep(POLL);
+                }
+                Err(UblkError::Command {
+                    errno: libc::EBUSY, ..
+                }) => {
+                    return Err(UblkError::CannotResume {
+                        id,
+                        reason: format!(
+                            "the kernel still holds its old daemon's {} after {} s \
+                             (START_USER_RECOVERY: busy); check `trueno-ublk list` and retry",
+                            char_path(id),
+                            QUIESCE_WAIT.as_secs()
+                        ),
+                    })
+                }
+                Err(UblkError::Command {
+                    errno: libc::EINVAL,
+                    ..
+                }) => {
+                    return Err(UblkError::CannotResume {
+                        id,
+                        reason: format!(
+                            "the kernel refuses to start a recovery (START_USER_RECOVERY: \
+                             invalid argument): a daemon died while resuming it, before its \
+                             queues were ready, and this kernel cannot resume it after that; \
+                             `trueno-ublk delete --id {id} --lose-pages` removes it"
+                        ),
+                    })
+                }
+                Err(error) => return Err(error),
+            }
+        }
     }
 
     /// Hand every queue thread the char device and wait until all have fetched their tags.
