@@ -3,6 +3,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
+use std::time::Duration;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
@@ -10,6 +11,9 @@ use super::sys::{self, CtrlCmd, CtrlDevInfo, Params};
 use super::UblkError;
 
 pub const CONTROL_PATH: &str = "/dev/ublk-control";
+/// How long a control command's submit or wait that failed for a passing reason pauses before
+/// it tries again.
+const RETRY: Duration = Duration::from_millis(1);
 
 /// An open control device.
 pub struct Control {
@@ -115,29 +119,54 @@ impl Control {
             .cmd(sys::command_bytes(&cmd))
             .build()
             .user_data(u64::from(op));
+        // An entry left unsent by a failed submit (below) points at a buffer long gone: it
+        // must never go out with this command.
+        if !self.ring.submission().is_empty() {
+            return Err(UblkError::Io {
+                what: "sending a control command (an earlier one failed before the kernel took it; open the control device again)",
+                source: std::io::ErrorKind::InvalidInput.into(),
+            });
+        }
         // SAFETY: the command points at `buffer` (or nothing); `buffer` is mutably borrowed for
-        // this whole call and the call waits for the command's completion before returning, so
+        // this whole call, and the call returns only once the command's completion is in or
+        // the kernel never took it (an entry that stays queued is never sent: see above), so
         // the kernel never sees a dangling address.
         unsafe { self.ring.submission().push(&entry) }.map_err(|_| UblkError::Io {
             what: "queueing a control command",
             source: std::io::ErrorKind::OutOfMemory.into(),
         })?;
-        loop {
-            match self.ring.submit_and_wait(1) {
-                Ok(_) => break,
-                Err(error) if error.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(source) => {
+        // Wait for the completion however long it takes: until it is in, the kernel may still
+        // write `buffer` (the 6.12 driver runs control commands in io_uring's workers). A
+        // signal can end io_uring_enter's wait after the command was sent; the call then
+        // returns the count sent, not EINTR, with no completion yet.
+        let mut failing = false;
+        let cqe = loop {
+            if let Some(cqe) = self.ring.completion().next() {
+                break cqe;
+            }
+            let Err(source) = self.ring.submit_and_wait(1) else {
+                continue;
+            };
+            match source.raw_os_error() {
+                Some(libc::EINTR) => {}
+                // No memory for the request yet: it stays queued; again shortly.
+                Some(libc::EAGAIN | libc::EBUSY | libc::ENOMEM) => std::thread::sleep(RETRY),
+                _ if !self.ring.submission().is_empty() => {
                     return Err(UblkError::Io {
                         what: "submitting a control command",
                         source,
                     })
                 }
+                _ => {
+                    // Sent: the kernel holds `buffer` until the completion comes.
+                    if !failing {
+                        tracing::error!(%source, dev_id, "waiting for a control command's completion failed; waiting on");
+                        failing = true;
+                    }
+                    std::thread::sleep(RETRY);
+                }
             }
-        }
-        let cqe = self.ring.completion().next().ok_or(UblkError::Io {
-            what: "reading a control completion",
-            source: std::io::ErrorKind::UnexpectedEof.into(),
-        })?;
+        };
         let res = cqe.result();
         if res < 0 {
             return Err(UblkError::command(encoded_op, dev_id, -res));
