@@ -226,15 +226,48 @@ pub enum CreateRole {
 
 /// `trueno-ublk create`.
 pub fn create(options: &DeviceOptions, role: CreateRole) -> Result<(), DaemonError> {
-    let settings = config::resolve(options).map_err(|e| DaemonError::Settings(e.to_string()))?;
+    let mut settings =
+        config::resolve(options).map_err(|e| DaemonError::Settings(e.to_string()))?;
+    let size_kept = keep_existing_size(&mut settings);
     check_size_against_ram(settings.size_bytes)?;
     device_spec(&settings).validate()?;
     match role {
         CreateRole::Detach => start_detached(&settings),
         CreateRole::Supervise => run_supervisor(&settings),
-        CreateRole::Serve => run_serving_process(settings, false),
-        CreateRole::Standby => run_serving_process(settings, true),
+        CreateRole::Serve => run_serving_process(settings, false, size_kept),
+        CreateRole::Standby => run_serving_process(settings, true, size_kept),
     }
+}
+
+/// A device's size as the kernel has it, where the settings asked for another.
+#[derive(Clone, Copy, Debug)]
+struct SizeKept {
+    asked: u64,
+    device: u64,
+}
+
+/// A device that exists already is served with the size the kernel has for it, whatever the
+/// settings say now. Why: every serving process, standby and restart reads the config file
+/// afresh, and a device's size cannot change while it exists; an edited `size` (or `ram / 2`
+/// after the machine's RAM changed) made the next takeover fail with the device's swap
+/// waiting on it. The new size takes effect when the device is made again (`swapoff`, then
+/// stopping the unit or `delete`). `Some` when the settings asked for another size.
+fn keep_existing_size(settings: &mut DeviceSettings) -> Option<SizeKept> {
+    let id = settings.id?;
+    if !Path::new(&char_class_path(id)).exists() {
+        return None;
+    }
+    // If the kernel cannot say, the resume itself reports why (`Standby::wait_resumable`).
+    let params = crate::ublk::Control::open()
+        .and_then(|mut control| control.params(id))
+        .ok()?;
+    let device = params.basic.dev_sectors << 9;
+    if device == 0 {
+        // Added a moment ago and its parameters not set yet: not a device to resume.
+        return None;
+    }
+    let asked = std::mem::replace(&mut settings.size_bytes, device);
+    (asked != device).then_some(SizeKept { asked, device })
 }
 
 /// The supervisor's life: start serving processes until one exits (see `supervise`).
@@ -258,9 +291,21 @@ fn run_supervisor(settings: &DeviceSettings) -> Result<(), DaemonError> {
 
 /// The serving process's life: serve the device until asked to stop or until it is stopped
 /// from outside; readiness and failure go to the supervisor.
-fn run_serving_process(settings: DeviceSettings, standby: bool) -> Result<(), DaemonError> {
+fn run_serving_process(
+    settings: DeviceSettings,
+    standby: bool,
+    size_kept: Option<SizeKept>,
+) -> Result<(), DaemonError> {
     let started = Instant::now();
     let _log_writer = init_logging();
+    if let Some(SizeKept { asked, device }) = size_kept {
+        tracing::warn!(
+            device = block_path(settings.id.unwrap_or_default()),
+            size = %human_size(device),
+            asked = %human_size(asked),
+            "the device keeps its size while it exists; the size asked for (the config file's `size`, or --size) takes effect when it is made again (swapoff, then stop the unit or `trueno-ublk delete`)"
+        );
+    }
     // Started as /proc/self/exe; `pidof trueno-ublk` and `list`'s checks go by this name.
     let _ = crate::os::set_process_name(c"trueno-ublk");
     if let Some(supervisor) = std::env::var(supervise::SUPERVISOR_ENV)
