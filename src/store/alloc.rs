@@ -802,7 +802,9 @@ impl ZsAllocator {
         f: impl FnOnce(&[u8]) -> R,
     ) -> Option<R> {
         let class = &self.classes[self.class_index(len)];
-        if handle.obj() >= class.objs_per_chunk {
+        // A length beyond its class's objects (a table word broken, or not from this build)
+        // would read into the next object or past the chunk.
+        if handle.obj() >= class.objs_per_chunk || len > class.obj_size {
             return None;
         }
         // The id under the directory's lock: `provision` renumbers chunks under its write lock.
@@ -936,11 +938,12 @@ impl ZsAllocator {
 
     /// Take the object of `len` bytes at `handle` as live (a stored entry of the resumed
     /// table). False if it cannot be: outside the carved arena, overlapping a chunk of another
-    /// class or at another start, or an object some other entry already holds.
+    /// class or at another start, longer than its class's objects, or an object some other
+    /// entry already holds.
     pub(super) fn adopt(&self, handle: Handle, len: usize, occupancy: &mut Occupancy) -> bool {
         let class_idx = self.class_index(len);
         let class = &self.classes[class_idx];
-        if handle.obj() >= class.objs_per_chunk {
+        if handle.obj() >= class.objs_per_chunk || len > class.obj_size {
             return false;
         }
         let first = handle.page();
