@@ -568,7 +568,9 @@ impl ZsAllocator {
                             .store(class.obj_size, Ordering::Relaxed);
                         self.reserve.note_waiting_for_room();
                         let stall = Stall::new();
-                        while !has_room(&st) {
+                        // Until the refill thread ends (a shutdown's last flush): then the
+                        // push below grows the list itself, as without one.
+                        while !has_room(&st) && self.reserve.refill_running() {
                             drop(st);
                             let waited = stall.waited(&self.reserve);
                             if give_up.is_some_and(|give_up| give_up(waited)) {
@@ -1296,6 +1298,28 @@ mod tests {
         // Once the lists get room, it stores.
         a.reserve.pretend_refill_running(false);
         let handle = a.store(&[5u8; 1000]).unwrap();
+        assert_eq!(
+            a.with_object(handle, 1000, <[u8]>::to_vec).unwrap(),
+            vec![5u8; 1000]
+        );
+    }
+
+    #[test]
+    fn a_wait_for_room_ends_with_the_refill_thread() {
+        // A taker with no give-up rule (the flusher's last install at a shutdown) waits for
+        // the refill thread to make room in a fresh class's lists; once that thread has
+        // ended, nothing else would, and it waited for good.
+        let a = Arc::new(ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None));
+        a.reserve.pretend_refill_running(true);
+        let ender = {
+            let a = Arc::clone(&a);
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                a.reserve.pretend_refill_running(false);
+            })
+        };
+        let handle = a.store(&[5u8; 1000]).unwrap();
+        ender.join().unwrap();
         assert_eq!(
             a.with_object(handle, 1000, <[u8]>::to_vec).unwrap(),
             vec![5u8; 1000]
