@@ -10,7 +10,8 @@
 #      trueno-ublk@0 are active; /proc/swaps and `swapon --show` name /dev/ublkb0 with the
 #      configured priority; no other swap unit acts on its own for it; writeback throttling
 #      is off; `list` and `stat` work; the units' boot journal has no warning or error.
-#   2. Under pressure (a program holds more than the available memory, with every word
+#   2. The config file's size edited (the device keeps its own through everything below).
+#      Under pressure (a program holds more than the available memory, with every word
 #      verified): `delete --id 0` is refused at once; kill -9 of the serving process (the
 #      supervisor's standby takes the device over; the unit's main process stays);
 #      `systemctl reload trueno-ublk@0` (a standby of the binary on disk takes the device
@@ -21,7 +22,8 @@
 #      (systemd restarts it, and the start resumes the device); the program then verifies
 #      every word once more. The pause of each is a figure.
 #   3. The stop the README gives (swap unit, then the daemon: the device is deleted), a fresh
-#      start of the swap unit (a new device gets a new signature), a second pressure run.
+#      start of the swap unit (a new device, of the edited size, gets a new signature), a
+#      second pressure run.
 # The test runs with MemorySwapMax=0 (its unit), so that its own pages never wait for a
 # device that waits for its daemon; the pressure programs run in a scope of their own.
 #   4. Poweroff while pages (PID 1's and journald's among them) are still swapped out.
@@ -61,6 +63,7 @@ vmstat_of() { awk -v k="$1" '$1 == k { print $2 }' /proc/vmstat; }
 swap_prio() { awk -v d="$DEV" '$1 == d { print $5 }' /proc/swaps; }
 swap_used_kib() { awk -v d="$DEV" '$1 == d { print $4 }' /proc/swaps; }
 avail_mib() { awk '/^MemAvailable:/ { print int($2 / 1024) }' /proc/meminfo; }
+device_bytes() { echo $(($(cat /sys/block/ublkb$ID/size 2>/dev/null || echo 0) * 512)); }
 vmswap_kib() { awk '/^VmSwap:/ { print $2 }' "/proc/$1/status" 2>/dev/null || echo 0; }
 main_pid() { systemctl show -p MainPID --value trueno-ublk@$ID.service; }
 # serving_pid: the live process serving the device (`list`), empty if none.
@@ -203,6 +206,13 @@ check "PID 1's memory is kept out of swap (init.scope memory.swap.max $(cat /sys
     [ "$(cat /sys/fs/cgroup/init.scope/memory.swap.max 2>/dev/null)" = 0 ]
 
 # --- 2. delete and restart under pressure ---------------------------------------------------
+# The config file's size edited while the device serves (`ram / 2` to `ram`): every
+# takeover and restart below reads the file afresh and must resume the device with the
+# size it has; the new size takes effect when the device is made again (section 3).
+size0=$(device_bytes)
+sed -i 's|^size = ram / 2$|size = ram|' /etc/trueno-ublk.conf
+check "the config file's size edited while $DEV serves ($(grep '^size' /etc/trueno-ublk.conf), the device $size0 bytes)" \
+    grep -q '^size = ram$' /etc/trueno-ublk.conf
 swap_kib=$(awk -v d="$DEV" '$1 == d { print $3 }' /proc/swaps)
 fill=$(($(avail_mib) + 64))
 section "pressure 1: $fill MiB (available $(avail_mib) MiB, swap $((swap_kib / 1024)) MiB)"
@@ -306,6 +316,10 @@ if [ -e /tmp/hold ]; then
         fail "kill -9 of every process of trueno-ublk@$ID: not resumed ($(systemctl is-active trueno-ublk@$ID.service); $(trueno-ublk list | tail -n +2))"
     fi
     check "... with a new supervisor ($(main_pid), was $main0)" [ "$(main_pid)" != "$main0" ]
+    check "$DEV kept its size ($(device_bytes) bytes, was $size0) through the takeovers and restarts after the config file's edit" \
+        [ "$(device_bytes)" = "$size0" ]
+    check "... and the daemon said so ($(journal_units | grep -c 'keeps its size') lines)" \
+        eval "journal_units | grep -q 'the device keeps its size while it exists'"
     journal_units | grep -E 'handed over|resumed|died|takes the device|Scheduled restart' | tail -n 12
     check "the kernel is alive and $DEV still reads" \
         eval "dd if=$DEV of=/dev/null bs=4096 count=1 iflag=direct status=none"
@@ -332,6 +346,8 @@ check "systemctl start dev-ublkb$ID.swap (daemon, mkswap, swapon)" systemctl sta
 echo "start took $(($(date +%s) - t0)) s"
 check "... swap is on again with priority $PRIO" [ "$(swap_prio)" = "$PRIO" ]
 check "... trueno-ublk@$ID is active again" systemctl -q is-active trueno-ublk@$ID.service
+check "... the new device has the config file's new size ($(device_bytes) bytes, was $size0)" \
+    [ "$(device_bytes)" -gt "$size0" ]
 fill=$(($(avail_mib) + 32))
 section "pressure 2: $fill MiB (available $(avail_mib) MiB)"
 pressure_start "$fill" 0
