@@ -60,16 +60,25 @@ with_systemd() {
 
 if [ "$uninstall" -eq 1 ]; then
     if with_systemd; then
-        # The swap units and the daemons in one transaction: each daemon's stop is ordered
-        # after its swap unit's swapoff. A daemon whose device is still in use (swapoff
-        # failed) hands it over instead of deleting it: its device and pages stay.
-        mapfile -t active < <(systemctl list-units --plain --no-legend --state=active \
-            'dev-ublkb*.swap' 'trueno-ublk-swap@*.service' 'trueno-ublk-mkswap@*.service' \
-            'trueno-ublk@*.service' | awk '{print $1}')
-        if [ "${#active[@]}" -gt 0 ]; then
-            echo "stopping ${active[*]}"
-            systemctl stop "${active[@]}" ||
-                echo "install.sh: not everything stopped (see systemctl status above); what is still in use stays" >&2
+        # The swap units first, the daemons only once every swapoff worked: a daemon whose
+        # device still holds swap hands it over and exits, and the swap would then wait for a
+        # daemon that this uninstall removes.
+        active_units() {
+            systemctl list-units --plain --no-legend --state=active "$@" | awk '{print $1}'
+        }
+        mapfile -t swaps < <(active_units 'dev-ublkb*.swap' 'trueno-ublk-swap@*.service')
+        if [ "${#swaps[@]}" -gt 0 ]; then
+            echo "stopping ${swaps[*]}"
+            systemctl stop "${swaps[@]}" || true
+        fi
+        if grep -q '^/dev/ublkb' /proc/swaps; then
+            echo "install.sh: swap is still on a trueno-ublk device (see /proc/swaps and systemctl status above); nothing stopped or removed: run swapoff on it, then --uninstall again" >&2
+            exit 1
+        fi
+        mapfile -t daemons < <(active_units 'trueno-ublk-mkswap@*.service' 'trueno-ublk@*.service')
+        if [ "${#daemons[@]}" -gt 0 ]; then
+            echo "stopping ${daemons[*]}"
+            systemctl stop "${daemons[@]}" || true
         fi
         systemctl disable "${units[@]}" "${old_units[@]}" >/dev/null 2>&1 || true
     fi
