@@ -72,7 +72,7 @@ pub struct StoreArgs {
     /// memory is short]
     #[arg(long, value_parser = choice::<AlgorithmChoice>())]
     pub algorithm: Option<AlgorithmChoice>,
-    /// zstd level when the algorithm is zstd or adaptive [default: 1]
+    /// zstd level when the algorithm is zstd (adaptive always uses level 1) [default: 1]
     #[arg(long)]
     pub zstd_level: Option<i32>,
     /// Batch backend [default: auto]
