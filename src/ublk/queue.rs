@@ -183,6 +183,8 @@ const DEFERRED_POLL: types::Timespec = types::Timespec::new().nsec(2_000_000);
 /// How long the loop watches the ring for the next request after serving some, before it
 /// sleeps in it (see `Queue::poll_briefly`).
 const POLL_WINDOW: std::time::Duration = std::time::Duration::from_micros(50);
+/// How long the queue pauses before it submits again when the kernel had no memory for it.
+const SUBMIT_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
 /// `user_data` of the wake-up poll: above every tag, so never mistaken for one.
 const WAKE: u64 = 1 << 32;
 /// `user_data` of the NOPs that warm the ring's request cache (`QueueParts::prepare`).
@@ -371,7 +373,18 @@ impl Queue {
             };
             match self.ring.submitter().submit_with_args(1, args) {
                 Ok(_) => {}
-                Err(error) if matches!(error.raw_os_error(), Some(libc::ETIME | libc::EINTR)) => {}
+                // EBUSY: completions wait to be reaped first, which the loop does below.
+                Err(error)
+                    if matches!(
+                        error.raw_os_error(),
+                        Some(libc::ETIME | libc::EINTR | libc::EBUSY)
+                    ) => {}
+                // No memory for the kernel's request structures now (memory short): the
+                // commands stay queued and go out with the next try. Ending the queue here
+                // would abort every request it holds.
+                Err(error) if matches!(error.raw_os_error(), Some(libc::EAGAIN | libc::ENOMEM)) => {
+                    std::thread::sleep(SUBMIT_RETRY);
+                }
                 Err(source) => {
                     return Err(UblkError::Io {
                         what: "waiting for I/O",
@@ -408,13 +421,25 @@ impl Queue {
                     continue;
                 }
                 if res != sys::UBLK_IO_RES_OK || tag >= self.setup.depth {
+                    // The driver refused a command of ours: a request it carried the answer
+                    // of is still ours, and nothing here would ever answer it again (the
+                    // request timeout only restarts its timer while the daemon lives). End
+                    // the queue: the kernel then fails what the queue holds, or, with user
+                    // recovery, keeps it for the next daemon.
                     tracing::error!(
                         q = self.setup.q_id,
                         tag,
                         res,
-                        "I/O command failed; tag retired"
+                        "I/O command failed; ending the queue"
                     );
-                    continue;
+                    return Err(UblkError::Io {
+                        what: "an I/O command (the driver refused it)",
+                        source: std::io::Error::from_raw_os_error(if res < 0 {
+                            res.saturating_neg()
+                        } else {
+                            libc::EIO
+                        }),
+                    });
                 }
                 let request = match self.decode(tag) {
                     Ok(request) => request,
