@@ -340,6 +340,20 @@ enum QueueReady {
     Failed(String),
 }
 
+/// Tells the device that a queue thread ended, however it ends (a panic included): the daemon
+/// watches for that, and a queue that ended unseen would leave it serving a device whose
+/// requests nobody answers.
+struct SaysExited {
+    exited: Sender<u16>,
+    q_id: u16,
+}
+
+impl Drop for SaysExited {
+    fn drop(&mut self) {
+        let _ = self.exited.send(self.q_id);
+    }
+}
+
 /// Starts each queue thread's fetches: the char device, and a channel per thread for it.
 struct Go {
     senders: Vec<Sender<Arc<File>>>,
@@ -499,9 +513,8 @@ impl Device {
                 .name(format!("ublk{id}-q{q_id}"))
                 .stack_size(crate::mem::IO_THREAD_STACK_BYTES)
                 .spawn(move || {
-                    let exit = run_queue(setup, &handler, &stop, &timing, wake, &go_rx, &ready_tx);
-                    let _ = exited.send(q_id);
-                    exit
+                    let _exited = SaysExited { exited, q_id };
+                    run_queue(setup, &handler, &stop, &timing, wake, &go_rx, &ready_tx)
                 })
                 .map_err(|source| UblkError::Io {
                     what: "starting a queue thread",
@@ -510,6 +523,9 @@ impl Device {
             self.queues.push(thread);
             senders.push(go_tx);
         }
+        // Only the threads' clones from here on: a thread that ends before it reports (a
+        // panic) then ends the wait below instead of leaving it waiting for good.
+        drop(ready_tx);
         let go = Go { senders, ready };
         go.wait_all(queues, |r| matches!(r, QueueReady::Prepared))?;
         Ok(go)
