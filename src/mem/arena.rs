@@ -80,12 +80,13 @@ impl Arena {
     }
 
     /// Hand out `count` adjacent chunks of `chunk_bytes` each, committed. `None` once the
-    /// arena is used up.
+    /// arena is used up. A commit that fails (no memory) leaves the chunks carved but given
+    /// back to the system: `CarveFailed` hands them over, for the caller to commit later.
     pub fn carve(
         self: &Arc<Self>,
         chunk_bytes: usize,
         count: usize,
-    ) -> std::io::Result<Option<Vec<ArenaChunk>>> {
+    ) -> Result<Option<Vec<ArenaChunk>>, CarveFailed> {
         let total = (chunk_bytes * count) as u64;
         let start = self.carved[0].fetch_add(total, Ordering::AcqRel);
         let end = start.saturating_add(total);
@@ -96,12 +97,28 @@ impl Arena {
         // Below `len`, so it fits a usize.
         let start = usize::try_from(start).unwrap_or(usize::MAX);
         let total = chunk_bytes * count;
-        self.commit_tags(start, start + total)?;
-        self.segment.commit(self.start + start, total)?;
-        (0..count)
+        let chunks = (0..count)
             .map(|i| self.chunk_at(start + i * chunk_bytes, chunk_bytes))
             .collect::<std::io::Result<Vec<_>>>()
-            .map(Some)
+            .map_err(|error| CarveFailed {
+                error,
+                chunks: Vec::new(),
+            })?;
+        let committed = self
+            .commit_tags(start, start + total)
+            .and_then(|()| self.segment.commit(self.start + start, total));
+        match committed {
+            Ok(()) => Ok(Some(chunks)),
+            Err(error) => {
+                // Other takers carved past them already: the range stays carved, its pages
+                // given back (those the failed commit faulted in are locked memory).
+                let mut chunks = chunks;
+                if let Err(undo) = ArenaChunk::decommit_all(&mut chunks) {
+                    tracing::warn!(%undo, "giving back a carve whose commit failed");
+                }
+                Err(CarveFailed { error, chunks })
+            }
+        }
     }
 
     /// The chunk of `len` bytes at arena offset `offset` (inside the carved part), as it is:
@@ -177,6 +194,14 @@ impl Arena {
     pub fn tag(&self, page: usize) -> Option<&AtomicU32> {
         self.tags.get(page)
     }
+}
+
+/// A carve whose commit failed: why, and the chunks carved (not committed; none when the
+/// range could not even be made into chunks).
+#[derive(Debug)]
+pub struct CarveFailed {
+    pub error: std::io::Error,
+    pub chunks: Vec<ArenaChunk>,
 }
 
 /// One chunk of the arena: like a `Box<[u8]>` whose memory is a range of the arena (read

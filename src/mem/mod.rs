@@ -23,7 +23,7 @@ mod lists;
 mod segment;
 mod throttle;
 
-pub use arena::{Arena, ArenaChunk};
+pub use arena::{Arena, ArenaChunk, CarveFailed};
 pub use lists::{
     empty_list, faulted_in_list, growth_in_place, out_of_memory, Growth, ListAlloc, ListVec,
 };

@@ -29,7 +29,7 @@ use smallvec::SmallVec;
 use super::cold::ColdPages;
 use super::nanos;
 use crate::codec::PAGE_SIZE;
-use crate::mem::{Arena, ArenaChunk, ThrottledThread};
+use crate::mem::{Arena, ArenaChunk, CarveFailed, ThrottledThread};
 
 /// The latest ready chunks of a pool a taker looks at for a run to join (`join_smaller`): a
 /// bound on its work under the pool's lock, on the stack.
@@ -40,6 +40,9 @@ const MAX_JOINED_PARTS: usize = 8;
 
 /// How often the refill thread looks even when nobody woke it.
 const REFILL_PERIOD: Duration = Duration::from_millis(50);
+/// How long a taker with no refill thread to wait for tries again a commit the system
+/// refuses (see `ChunkReserve::take`).
+const COMMIT_RETRY_FOR: Duration = Duration::from_secs(10);
 /// Room kept in each pool's lists for chunks given back on the I/O path or committed by the
 /// refill thread (see `provision`); more than one commit group holds.
 const POOL_SLACK: usize = 1024;
@@ -622,16 +625,39 @@ impl ChunkReserve {
                 self.refilled.wait_for(&mut guard, REFILL_PERIOD);
             }
         }
-        // Another taker of this size may pop what this one committed: commit again then.
+        // Another taker of this size may pop what this one committed: commit again then. A
+        // commit the system refuses (no memory for now: a takeover's first flush, before the
+        // refill thread runs, or a shutdown's last one) is tried again, with what other sizes
+        // hold tried in between, for `COMMIT_RETRY_FOR` or until `give_up` says so; only an
+        // arena used up ends it at once. Before, such a refusal failed the page it was for.
+        let started = Instant::now();
         loop {
             let committed = self.commit_more(k, usize::MAX);
-            if let Some(chunk) = self.pop_committed(k, true) {
+            if let Some(chunk) = self
+                .pop_committed(k, true)
+                .or_else(|| self.split_larger(k))
+                .or_else(|| self.join_smaller(k))
+            {
                 return Ok(chunk);
             }
-            if !committed {
-                tracing::error!(pages, "no chunk could be committed (page arena used up?)");
+            if committed {
+                continue;
+            }
+            let used_up = self.arena.carved() + pages * PAGE_SIZE > self.arena.len();
+            let waited = started.elapsed();
+            if used_up || waited >= COMMIT_RETRY_FOR {
+                tracing::error!(
+                    pages,
+                    used_up,
+                    waited_ms = waited.as_millis(),
+                    "no chunk could be committed"
+                );
                 return Err(Shortage::ArenaFull);
             }
+            if give_up.is_some_and(|give_up| give_up(waited)) {
+                return Err(Shortage::Starved { waited });
+            }
+            std::thread::sleep(REFILL_PERIOD);
         }
     }
 
@@ -1031,12 +1057,18 @@ impl ChunkReserve {
             match self
                 .cold
                 .cover(carved_pages)
-                .and_then(|()| self.arena.carve(chunk_bytes, count))
+                .map(|()| self.arena.carve(chunk_bytes, count))
             {
-                Ok(Some(chunks)) => Ok(chunks.into_iter().collect()),
-                Ok(None) => {
+                Ok(Ok(Some(chunks))) => Ok(chunks.into_iter().collect()),
+                Ok(Ok(None)) => {
                     self.refill_state.note_commit(0, 0);
                     return false;
+                }
+                Ok(Err(CarveFailed { error, chunks })) => {
+                    // Carved, and given back by the carve: cold, for a later commit to try
+                    // again (left out, they were arena lost until the next resume).
+                    self.make_cold(&chunks);
+                    Err(error)
                 }
                 Err(error) => Err(error),
             }
@@ -1044,7 +1076,11 @@ impl ChunkReserve {
             match ArenaChunk::recommit_all(&mut cold) {
                 Ok(()) => Ok(cold),
                 Err(error) => {
-                    // Still cold; a later commit tries them again.
+                    // Still cold; a later commit tries them again. What the failed commit
+                    // did fault in goes back first: cold chunks hold no memory.
+                    if let Err(undo) = ArenaChunk::decommit_all(&mut cold) {
+                        tracing::warn!(%undo, "giving back chunks whose commit failed");
+                    }
                     self.make_cold(&cold);
                     Err(error)
                 }
