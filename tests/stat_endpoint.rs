@@ -256,9 +256,14 @@ fn stale_socket_is_reported_then_replaced() {
     let json = render(&probes, StatFormat::Json);
     let value: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(value["unreachable"][0]["id"], 2);
-    // Only the stale one: still not an error.
-    let text = stat_text(&dir, &args(Some(2), false, false)).unwrap();
-    assert!(text.starts_with("no running trueno-ublk devices\nublkb2: stale socket"));
+    // Only the stale one, asked for by its id: an error that says why (a check of that one
+    // device must fail), as for a device with no socket at all.
+    let error = stat_text(&dir, &args(Some(2), false, false)).unwrap_err();
+    assert!(
+        matches!(error, StatError::Unreachable { id: 2, .. })
+            && error.to_string().contains("stale socket"),
+        "{error}"
+    );
 
     // A new daemon for id 2 removes the stale socket and serves.
     let _new = serve_in(&dir, 2, || report(2, 8192)).unwrap();

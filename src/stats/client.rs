@@ -261,12 +261,22 @@ pub fn compact(
 /// What `trueno-ublk stat` prints: the reports of the sockets in `dir` (every device, or only
 /// `only`, which must be there), rendered as `format`.
 pub fn report_text(dir: &Path, only: Option<u32>, format: StatFormat) -> Result<String, StatError> {
-    let probes = collect(dir, only)?;
-    if let (Some(id), true) = (only, probes.is_empty()) {
-        return Err(StatError::NoSuchDevice {
-            id,
-            dir: dir.to_path_buf(),
-        });
+    let mut probes = collect(dir, only)?;
+    if let Some(id) = only {
+        // The one device asked for: a daemon that does not answer is an error (exit status
+        // 1), as no daemon at all is, so that a check of one device fails when it should.
+        match probes.pop() {
+            None => {
+                return Err(StatError::NoSuchDevice {
+                    id,
+                    dir: dir.to_path_buf(),
+                })
+            }
+            Some(Probe::Unreachable { id, reason, .. }) => {
+                return Err(StatError::Unreachable { id, reason })
+            }
+            Some(live) => probes.push(live),
+        }
     }
     Ok(render(&probes, format))
 }
