@@ -273,15 +273,42 @@ mod tests {
         let end = start + mapping_len(entries * 8);
         // (The kernel may merge it with a neighbouring mapping of the same kind.)
         let held = mapping_at(start).filter(|&(_, to)| to >= end);
-        let Some((_, to)) = held else {
-            panic!("mapped, its reservation too: {held:?}");
-        };
+        assert!(held.is_some(), "mapped, its reservation too: {held:?}");
+        // Other tests' threads may map something into the freed range at once (placed from the
+        // top down, it even ends where this one ended): this mapping is marked so that no
+        // other can be taken for a piece of it left behind.
+        // SAFETY: `start..end` is the list's mapping, held until the drop below; MADV_DONTFORK
+        // changes only what a fork would inherit.
+        let marked =
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTFORK) };
+        assert_eq!(marked, 0, "{}", std::io::Error::last_os_error());
+        assert!(marked_dont_fork(start) && marked_dont_fork(end - 1));
         drop(list);
-        // Other tests' threads may map something into the freed range at once: what must be
-        // gone is every piece of this mapping, each of which would still end where it ended.
-        let ours = |address: usize| mapping_at(address).is_some_and(|(_, until)| until == to);
-        assert!(!ours(start), "unmapped when dropped");
-        assert!(!ours(end - 1), "its reservation too");
+        assert!(!marked_dont_fork(start), "unmapped when dropped");
+        assert!(!marked_dont_fork(end - 1), "its reservation too");
+    }
+
+    /// Whether the mapping at `address` is marked MADV_DONTFORK (`dc` in `/proc/self/smaps`).
+    fn marked_dont_fork(address: usize) -> bool {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for line in smaps.lines() {
+            if let Some(flags) = line.strip_prefix("VmFlags:") {
+                if inside {
+                    return flags.split_whitespace().any(|flag| flag == "dc");
+                }
+            } else if let Some((start, end)) = line
+                .split_whitespace()
+                .next()
+                .and_then(|range| range.split_once('-'))
+            {
+                let parse = |hex: &str| usize::from_str_radix(hex, 16).ok();
+                if let (Some(start), Some(end)) = (parse(start), parse(end)) {
+                    inside = start <= address && address < end;
+                }
+            }
+        }
+        false
     }
 
     #[test]
