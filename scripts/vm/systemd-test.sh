@@ -13,7 +13,8 @@
 #   2. The config file's size edited (the device keeps its own through everything below).
 #      Under pressure (a program holds more than the available memory, with every word
 #      verified): `delete --id 0` is refused at once; kill -9 of the serving process (the
-#      supervisor's standby takes the device over; the unit's main process stays);
+#      supervisor's standby takes the device over; the unit's main process stays); SIGTERM
+#      to the serving process alone (it hands the device over; the standby takes it over);
 #      `systemctl reload trueno-ublk@0` (a standby of the binary on disk takes the device
 #      over from the serving process; the main process stays); `systemctl restart
 #      trueno-ublk@0` (ExecStop reads PID 1's swapped-out pages back, the daemon hands the
@@ -234,6 +235,7 @@ if [ -e /tmp/hold ]; then
     check "a standby is ready beside the serving process" \
         wait_for 30 eval "journal_units | grep -q 'standby ready'"
     serving0=$(settled_serving_pid)
+    standbys=$(journal_units | grep -c 'standby ready')
     t0=$(now)
     kill -9 "$serving0"
     if wait_for 30 live_other_than "$serving0"; then
@@ -243,6 +245,26 @@ if [ -e /tmp/hold ]; then
     else
         fail "kill -9 of the serving process $serving0: nobody resumed $DEV ($(trueno-ublk list | tail -n +2))"
     fi
+    check "... the unit's main process (the supervisor, $main0) stayed" [ "$(main_pid)" = "$main0" ]
+    check "... and the unit stayed active" systemctl -q is-active trueno-ublk@$ID.service
+    # a1. SIGTERM to the serving process alone (a stray kill, or a `delete` that found the
+    #     device unused just before a swapon): it hands the device over and exits 0; the
+    #     supervisor's standby takes it over (before, the supervisor took exit 0 for a
+    #     deletion and ended, leaving swap on a device nobody served).
+    check "a new standby is ready after the takeover" \
+        wait_for 30 eval "[ \"\$(journal_units | grep -c 'standby ready')\" -gt $standbys ]"
+    serving0=$(settled_serving_pid)
+    t0=$(now)
+    kill -TERM "$serving0"
+    if wait_for 30 live_other_than "$serving0"; then
+        took=$(since "$t0")
+        ok "SIGTERM to the serving process $serving0 alone: pid $(serving_pid) resumed $DEV $took s later"
+        figure systemd_term_serving_to_live_s "$took"
+    else
+        fail "SIGTERM to the serving process $serving0 alone: nobody resumed $DEV ($(trueno-ublk list | tail -n +2))"
+    fi
+    check "... the supervisor said it took the device over" \
+        eval "journal_units | grep -q 'ended on its own and left its device'"
     check "... the unit's main process (the supervisor, $main0) stayed" [ "$(main_pid)" = "$main0" ]
     check "... and the unit stayed active" systemctl -q is-active trueno-ublk@$ID.service
     # a2. systemctl reload (SIGHUP to the supervisor): a standby of the binary on disk is

@@ -131,6 +131,11 @@ impl Restarts {
     }
 }
 
+/// Whether ublk device `id` exists (added, not deleted).
+fn device_exists(id: u32) -> bool {
+    Path::new(&crate::ublk::device::char_class_path(id)).exists()
+}
+
 /// Wait `delay`, or less if SIGTERM or SIGINT comes: then true.
 fn wait_or_stop(
     wake: &UnixStream,
@@ -398,7 +403,18 @@ pub(super) fn supervise(
             standby_due = None;
             if standby.is_none() && incoming.is_none() && !stopping {
                 if let Some(command) = standby_command.as_mut() {
-                    standby = Some(ServingProcess::spawn(command)?);
+                    // A start that fails (no memory or tasks for a fork, say) is tried again
+                    // later: the serving process serves on meanwhile.
+                    match ServingProcess::spawn(command) {
+                        Ok(process) => standby = Some(process),
+                        Err(error) => {
+                            tracing::error!(%error, "cannot start a standby; trying again later");
+                            restarts.record(Instant::now());
+                            standby_due = Some(
+                                Instant::now() + restarts.delay(Instant::now()).max(FIRST_BACKOFF),
+                            );
+                        }
+                    }
                 }
             }
         }
@@ -455,7 +471,7 @@ pub(super) fn supervise(
         else {
             continue;
         };
-        match (status.code(), status.signal()) {
+        let signal = match (status.code(), status.signal()) {
             (Some(0), _) if handing_over && standby.is_some() => {
                 handing_over = false;
                 if let Some(process) = standby.take() {
@@ -467,6 +483,21 @@ pub(super) fn supervise(
                     );
                     serving = process;
                 }
+                continue;
+            }
+            // Ended without being asked to stop, its device still there: handed over to
+            // nobody (a `delete` that found it unused while a swapon came, a SIGTERM sent to it
+            // alone, a reload whose new standby died meanwhile) or failed once live (a queue
+            // that panicked). The device waits, quiesced, perhaps with swap on it, and no
+            // service manager would restart an exit 0: taken over as after a death.
+            (code, signal) if !stopping && ready && device.is_some_and(device_exists) => {
+                tracing::error!(
+                    pid = serving.child.id(),
+                    code = code.unwrap_or(0),
+                    signal = signal.unwrap_or(0),
+                    "the serving process ended on its own and left its device; it is taken over as after a death"
+                );
+                signal
             }
             (Some(0), _) => break Ok(()),
             (Some(code), _) => {
@@ -479,59 +510,71 @@ pub(super) fn supervise(
                     "the serving process was killed by signal {signal} while stopping"
                 )))
             }
-            (_, signal) => {
-                // A death while handing over for a reload ends the same way: the new build's
-                // standby takes the device over.
-                handing_over = false;
-                let dead = serving.child.id();
-                restarts.record(Instant::now());
-                // During a reload the new build's standby is the only one: it takes over,
-                // and the next ones are of its binary.
-                if standby.is_none() && incoming.is_some() {
-                    if let Ok(path) = &installed {
-                        program = path.clone();
-                        (serving_command, standby_command) =
-                            child_commands(&program, learnt_id, device);
-                    }
-                }
-                serving = match standby.take().or_else(|| incoming.take()) {
-                    Some(process) => {
-                        // It takes over as soon as it has its ring ready; if it is still
-                        // making it, as soon as that is done.
-                        let _ = process.channel.send(TAKEOVER.as_bytes());
-                        tracing::warn!(
-                            pid = dead,
-                            signal = signal.unwrap_or(0),
-                            standby = process.child.id(),
-                            "the serving process died; the standby takes the device over"
-                        );
-                        process
-                    }
-                    None => {
-                        tracing::warn!(
-                            pid = dead,
-                            signal = signal.unwrap_or(0),
-                            "the serving process died and no standby is ready; starting a new one to resume the device"
-                        );
-                        let delay = restarts.delay(Instant::now());
-                        if !delay.is_zero() {
-                            tracing::warn!(
-                                ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
-                                "the serving process keeps dying; waiting before the next start"
-                            );
-                            if wait_or_stop(&wake_rx, &mut signals, delay) {
-                                break Err(DaemonError::Daemon(
-                                    "stopped while no process served the device: it stays \
-                                     quiesced with its pages until the next start"
-                                        .into(),
-                                ));
-                            }
-                        }
-                        ServingProcess::spawn(&mut serving_command)?
-                    }
-                };
+            (_, signal) => signal,
+        };
+        // A death while handing over for a reload ends the same way: the new build's standby
+        // takes the device over.
+        handing_over = false;
+        let dead = serving.child.id();
+        restarts.record(Instant::now());
+        // During a reload the new build's standby is the only one: it takes over, and the
+        // next ones are of its binary.
+        if standby.is_none() && incoming.is_some() {
+            if let Ok(path) = &installed {
+                program = path.clone();
+                (serving_command, standby_command) = child_commands(&program, learnt_id, device);
             }
         }
+        if let Some(process) = standby.take().or_else(|| incoming.take()) {
+            // It takes over as soon as it has its ring ready; if it is still making it, as
+            // soon as that is done.
+            let _ = process.channel.send(TAKEOVER.as_bytes());
+            tracing::warn!(
+                pid = dead,
+                signal = signal.unwrap_or(0),
+                standby = process.child.id(),
+                "the serving process died; the standby takes the device over"
+            );
+            serving = process;
+            continue;
+        }
+        tracing::warn!(
+            pid = dead,
+            signal = signal.unwrap_or(0),
+            "the serving process died and no standby is ready; starting a new one to resume the device"
+        );
+        // Started again however often the start fails (no memory or tasks for a fork, say):
+        // while no process serves the device, its I/O waits.
+        let started = loop {
+            let delay = restarts.delay(Instant::now());
+            if !delay.is_zero() {
+                tracing::warn!(
+                    ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                    "the serving process keeps dying; waiting before the next start"
+                );
+                notifier.send(
+                    "STATUS=no process serves the device: its serving processes keep ending (see the log); trying again",
+                );
+                if wait_or_stop(&wake_rx, &mut signals, delay) {
+                    break None;
+                }
+            }
+            match ServingProcess::spawn(&mut serving_command) {
+                Ok(process) => break Some(process),
+                Err(error) => {
+                    tracing::error!(%error, "cannot start a serving process; trying again");
+                    restarts.record(Instant::now());
+                }
+            }
+        };
+        let Some(process) = started else {
+            break Err(DaemonError::Daemon(
+                "stopped while no process served the device: it stays quiesced with its pages \
+                 until the next start"
+                    .into(),
+            ));
+        };
+        serving = process;
     };
     if let Some(standby) = standby.take() {
         standby.dismiss();
