@@ -705,7 +705,8 @@ fn serve(
             .map_err(io_error("starting the flusher"))
     };
     let gpu_codec = gpu.clone().map(|g| g as Arc<dyn BatchCodec>);
-    // A standby's slot-free probe, attached before its takeover.
+    // A standby's slot-free probe, attached before its takeover and given to the handler
+    // before the device is live again.
     let mut probe_ahead = None;
     let (device, store, flusher, found, store_opened, live, anon_live) = match target {
         Target::Fresh(added) => {
@@ -736,8 +737,15 @@ fn serve(
             standby.wait_resumable(settings.size_bytes)?;
             let found = Instant::now();
             let store = open_store(store_config, gpu_codec, id, Opening::Resume(ahead.store))?;
-            probe_ahead = ahead.slot_frees;
             handler.set_store(store.clone());
+            // While the device is quiesced: every free the probe reports from here on is one
+            // that no write served by the old daemon can have followed, so the reports
+            // withdrawn now (`slot_frees::attach`) are all that is dropped; given after the
+            // device went live, the frees between that and the attach were dropped as well.
+            probe_ahead = ahead.slot_frees.map(|probe| {
+                let pages = settings.size_bytes / crate::codec::PAGE_SIZE as u64;
+                slot_frees::attach(id, pages, &handler, Some(probe))
+            });
             let store_opened = Instant::now();
             let device = standby.resume()?;
             let live = Instant::now();
@@ -789,12 +797,14 @@ fn serve(
     // not wait on a device that is waiting for us. This thread frees the reported pages
     // between signals, holding pages' locks the queue threads may wait for: so it is made an
     // I/O thread like them.
-    let slot_free_probe = if settings.slot_free_probe {
+    let slot_free_probe = if let Some(attached) = probe_ahead {
+        attached
+    } else if settings.slot_free_probe {
         slot_frees::attach(
             id,
             settings.size_bytes / crate::codec::PAGE_SIZE as u64,
             &handler,
-            probe_ahead,
+            None,
         )
     } else {
         Err("turned off (slot-free-probe = no, or --no-slot-free-probe)".to_string())
