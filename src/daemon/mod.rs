@@ -959,9 +959,29 @@ fn serve(
         }
     };
     notifier.send("STOPPING=1");
+    let mut action = action;
+    // The device found unused is claimed until it is stopped: a swapon (or mount) since the
+    // decision makes it in use, and it is handed over as such a device is; one after it
+    // would see its I/O fail once the device stops.
+    let claim = match action {
+        StopAction::Delete => match crate::blockdev::open_exclusive(Path::new(&path)) {
+            Err(error) if error.raw_os_error() == Some(libc::EBUSY) && survives => {
+                tracing::warn!(device = path, "stopping: the device was taken into use since it was found unused; handing it over instead");
+                action = StopAction::HandOver;
+                None
+            }
+            claim => claim.ok(),
+        },
+        StopAction::HandOver => None,
+    };
     let stopped = match action {
-        StopAction::Delete => device.shutdown(),
-        StopAction::HandOver => device.hand_over(),
+        StopAction::Delete => device.shutdown_holding(claim),
+        StopAction::HandOver => {
+            // The frees reported since the last poll, while the device still serves: the
+            // next daemon drops what was reported before its takeover.
+            handler.free_reported_slots();
+            device.hand_over()
+        }
     };
     signal_handle.close();
     let _ = signal_thread.join();

@@ -634,9 +634,16 @@ impl Device {
     }
 
     /// STOP_DEV, join the queue threads, DEL_DEV.
-    pub fn shutdown(mut self) -> Result<(), UblkError> {
+    pub fn shutdown(self) -> Result<(), UblkError> {
+        self.shutdown_holding(None)
+    }
+
+    /// `shutdown`, holding `claim` (the block device opened with `O_EXCL`, see
+    /// `crate::blockdev`) until the device is stopped: no swapon or mount can take the device
+    /// between the caller's finding it unused and STOP_DEV, which would fail their I/O.
+    pub fn shutdown_holding(mut self, claim: Option<File>) -> Result<(), UblkError> {
         self.finished = true;
-        self.delete()
+        self.delete(claim)
     }
 
     /// Stop serving without stopping the device: the queue threads end (the kernel cancels
@@ -706,7 +713,7 @@ impl Device {
         queue_error.map_or(Ok(()), Err)
     }
 
-    fn delete(&mut self) -> Result<(), UblkError> {
+    fn delete(&mut self, claim: Option<File>) -> Result<(), UblkError> {
         let id = self.info.dev_id;
         let stopped = match self.control.stop_dev(id) {
             // Already stopped, e.g. by `trueno-ublk delete` from another process.
@@ -716,6 +723,8 @@ impl Device {
             }) => Ok(()),
             other => other,
         };
+        // Stopped: the disk is gone, and DEL_DEV waits for its last opener.
+        drop(claim);
         let queues = self.end_queues();
         // DEL_DEV waits for the char device to be closed: `end_queues` dropped our handle.
         let deleted = match self.control.del_dev(id) {
@@ -742,7 +751,7 @@ impl Drop for Device {
             if let Err(error) = self.end_queues() {
                 tracing::error!(id, %error, "ending the queues of a device left to the next daemon failed");
             }
-        } else if let Err(error) = self.delete() {
+        } else if let Err(error) = self.delete(None) {
             tracing::error!(id, %error, "tearing the device down failed");
         }
     }
