@@ -155,6 +155,21 @@ pub fn set_parent_death_signal(signal: nix::sys::signal::Signal) -> nix::Result<
     nix::sys::prctl::set_pdeathsig(signal)
 }
 
+/// Whether `pid` is a live process running the same program as this one (so not a recycled
+/// pid of something else).
+pub fn same_program_alive(pid: i32) -> bool {
+    // A zombie has exited (its memory is gone) but keeps its comm until its parent reaps
+    // it, which an orphan's init may never do (the VM test's busybox init does not).
+    if process_exited(pid) {
+        return false;
+    }
+    let comm = |p: &str| std::fs::read_to_string(format!("/proc/{p}/comm")).ok();
+    match (comm(&pid.to_string()), comm("self")) {
+        (Some(theirs), Some(ours)) => theirs == ours,
+        _ => false,
+    }
+}
+
 /// Whether process `pid` has ended: no such process, or only its zombie is left (an orphan's
 /// zombie may wait long for a parent that never reaps it). A pid of 0 or less names none.
 pub fn process_exited(pid: i32) -> bool {

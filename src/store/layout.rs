@@ -452,11 +452,26 @@ impl Regions {
         }
         let owner = word(H_OWNER);
         if let Some(pid) = i32::try_from(owner).ok().filter(|&p| p > 0) {
-            if pid != i32::try_from(std::process::id()).unwrap_or(0) && same_program_alive(pid) {
+            if pid != i32::try_from(std::process::id()).unwrap_or(0)
+                && crate::os::same_program_alive(pid)
+            {
                 return Err(StoreError::Config(format!(
                     "the shared memory of this device is in use by process {pid}"
                 )));
             }
+        }
+        // Taken in one step with the look above: two processes resuming at once (a `create
+        // --id N` by hand racing the unit's restart) both found the owner gone, and both then
+        // rebuilt the allocator over the same memory.
+        let me = u64::from(std::process::id());
+        if header[H_OWNER]
+            .compare_exchange(owner, me, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return Err(StoreError::Config(format!(
+                "the shared memory of this device was taken by process {} just now",
+                word(H_OWNER)
+            )));
         }
         let shape = Shape {
             pages: wanted.pages,
@@ -582,19 +597,4 @@ fn check_this_binary_reads(key: i32, version: u64, classes: u64) -> Result<(), S
         ));
     }
     Ok(())
-}
-
-/// Whether `pid` is a live process running the same program as this one (so not a recycled
-/// pid of something else).
-fn same_program_alive(pid: i32) -> bool {
-    // A zombie has exited (its memory is gone) but keeps its comm until its parent reaps
-    // it, which an orphan's init may never do (the VM test's busybox init does not).
-    if crate::os::process_exited(pid) {
-        return false;
-    }
-    let comm = |p: &str| std::fs::read_to_string(format!("/proc/{p}/comm")).ok();
-    match (comm(&pid.to_string()), comm("self")) {
-        (Some(theirs), Some(ours)) => theirs == ours,
-        _ => false,
-    }
 }

@@ -199,7 +199,9 @@ impl Standby {
                 }) => return Err(UblkError::NoSuchDevice(id)),
                 other => other?,
             };
-            let old_daemon_gone = crate::os::process_exited(info.ublksrv_pid);
+            // Gone also when its pid now names another program: after a stop with swap on,
+            // the kernel keeps the old daemon's pid, which any process may get since.
+            let old_daemon_gone = !crate::os::same_program_alive(info.ublksrv_pid);
             match info.state {
                 sys::UBLK_S_DEV_DEAD => {
                     let reason = if std::path::Path::new(&char_class_path(id)).exists() {
