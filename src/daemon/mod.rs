@@ -542,6 +542,11 @@ fn serve(
     started: Instant,
     standby: bool,
 ) -> Result<(), DaemonError> {
+    // Signals first, so a SIGTERM during start-up is not lost (nor kills the process with the
+    // default action, which the supervisor took for a failed stop).
+    let mut signals =
+        signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2])
+            .map_err(io_error("installing signal handlers"))?;
     // The daemon serves swap, so none of its own memory may ever need swap to come back:
     // lock what is mapped now and every page faulted in later. What the I/O path uses is
     // written, and so faulted in and locked, when it is set up (page table, pending batches,
@@ -575,10 +580,6 @@ fn serve(
             ))
         })?;
 
-    // Signals first, so a SIGTERM during start-up is not lost.
-    let mut signals =
-        signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2])
-            .map_err(io_error("installing signal handlers"))?;
     let (gpu, gpu_state) = crate::gpu::open_for_store(algorithm, settings.store.forced_backend)?;
     tracing::info!(gpu = gpu_state, "GPU backend");
     let mut store_config = settings.store_config(gpu.is_some(), config::ram_bytes().unwrap_or(0));
