@@ -735,7 +735,19 @@ fn serve(
             )
         }
         Target::Resume(mut standby, ahead) => {
-            standby.wait_resumable(settings.size_bytes)?;
+            match standby.wait_resumable(settings.size_bytes) {
+                // Deleted meanwhile (`trueno-ublk delete` while no process served it): nothing
+                // to serve, and an exit 0 tells the supervisor (and a service manager's
+                // restart policy) so, where a failure would have a new, empty device made.
+                Err(UblkError::NoSuchDevice(_)) => {
+                    tracing::info!(
+                        id,
+                        "the device was deleted before it could be resumed: nothing to serve"
+                    );
+                    return Ok(());
+                }
+                waited => waited?,
+            }
             let found = Instant::now();
             let store = open_store(store_config, gpu_codec, id, Opening::Resume(ahead.store))?;
             handler.set_store(store.clone());
