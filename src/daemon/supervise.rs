@@ -197,8 +197,9 @@ impl ServingProcess {
     }
 }
 
-/// Supervise serving processes for the device of `settings` until one exits: 0 when it
-/// exited 0 (the device was deleted, or handed over), a failure otherwise.
+/// Supervise serving processes for the device of `settings` until the device is gone or the
+/// supervisor is told to stop: 0 when the last one exited 0 (the device was deleted, or handed
+/// over on a stop), a failure otherwise.
 pub(super) fn supervise(
     settings: &DeviceSettings,
     notifier: &Notifier,
@@ -576,8 +577,8 @@ pub(super) fn supervise(
         };
         serving = process;
     };
-    if let Some(standby) = standby.take() {
-        standby.dismiss();
+    for process in [standby.take(), incoming.take()].into_iter().flatten() {
+        process.dismiss();
     }
     result
 }
