@@ -82,6 +82,23 @@ settled_serving_pid() {
     wait_for 10 eval '[ -n "$(serving_pid)" ]'
     serving_pid
 }
+# resumed_after PID T0 WAIT_S WHAT FIGURE: within WAIT_S, a process other than PID serves the
+# device; "ok: WHAT: pid P resumed ... N s later" (N since T0, also as FIGURE), else FAIL.
+resumed_after() {
+    local took
+    if wait_for "$3" live_other_than "$1"; then
+        took=$(since "$2")
+        ok "$4: pid $(serving_pid) resumed $DEV $took s later"
+        figure "$5" "$took"
+    else
+        fail "$4: nobody resumed $DEV ($(trueno-ublk list | tail -n +2))"
+    fi
+}
+# supervisor_stayed MAINPID: the unit's main process is still MAINPID, and the unit active.
+supervisor_stayed() {
+    check "... the unit's main process (the supervisor, $1) stayed" [ "$(main_pid)" = "$1" ]
+    check "... and the unit stayed active" systemctl -q is-active trueno-ublk@$ID.service
+}
 now() { cut -d' ' -f1 /proc/uptime; }
 since() { awk -v a="$(now)" -v b="$1" 'BEGIN { printf "%.2f", a - b }'; }
 journal_units() { journalctl -b --no-pager -o short-monotonic -u 'trueno-ublk*' -u "dev-ublkb$ID.swap" "$@"; }
@@ -238,15 +255,8 @@ if [ -e /tmp/hold ]; then
     standbys=$(journal_units | grep -c 'standby ready')
     t0=$(now)
     kill -9 "$serving0"
-    if wait_for 30 live_other_than "$serving0"; then
-        took=$(since "$t0")
-        ok "kill -9 of the serving process $serving0: pid $(serving_pid) resumed $DEV $took s later"
-        figure systemd_kill_serving_to_live_s "$took"
-    else
-        fail "kill -9 of the serving process $serving0: nobody resumed $DEV ($(trueno-ublk list | tail -n +2))"
-    fi
-    check "... the unit's main process (the supervisor, $main0) stayed" [ "$(main_pid)" = "$main0" ]
-    check "... and the unit stayed active" systemctl -q is-active trueno-ublk@$ID.service
+    resumed_after "$serving0" "$t0" 30 "kill -9 of the serving process $serving0" systemd_kill_serving_to_live_s
+    supervisor_stayed "$main0"
     # a1. SIGTERM to the serving process alone (a stray kill, or a `delete` that found the
     #     device unused just before a swapon): it hands the device over and exits 0; the
     #     supervisor's standby takes it over (before, the supervisor took exit 0 for a
@@ -256,17 +266,10 @@ if [ -e /tmp/hold ]; then
     serving0=$(settled_serving_pid)
     t0=$(now)
     kill -TERM "$serving0"
-    if wait_for 30 live_other_than "$serving0"; then
-        took=$(since "$t0")
-        ok "SIGTERM to the serving process $serving0 alone: pid $(serving_pid) resumed $DEV $took s later"
-        figure systemd_term_serving_to_live_s "$took"
-    else
-        fail "SIGTERM to the serving process $serving0 alone: nobody resumed $DEV ($(trueno-ublk list | tail -n +2))"
-    fi
+    resumed_after "$serving0" "$t0" 30 "SIGTERM to the serving process $serving0 alone" systemd_term_serving_to_live_s
     check "... the supervisor said it took the device over" \
         eval "journal_units | grep -q 'ended on its own and left its device'"
-    check "... the unit's main process (the supervisor, $main0) stayed" [ "$(main_pid)" = "$main0" ]
-    check "... and the unit stayed active" systemctl -q is-active trueno-ublk@$ID.service
+    supervisor_stayed "$main0"
     # a2. systemctl reload (SIGHUP to the supervisor): a standby of the binary on disk is
     #     readied while the serving process serves on, then takes the device over from it.
     serving0=$(settled_serving_pid)
@@ -274,17 +277,10 @@ if [ -e /tmp/hold ]; then
     timeout 60 systemctl reload trueno-ublk@$ID.service
     rc=$?
     check "systemctl reload trueno-ublk@$ID with swap on: exit 0 (exit $rc)" [ "$rc" -eq 0 ]
-    if wait_for 60 live_other_than "$serving0"; then
-        took=$(since "$t0")
-        ok "... pid $(serving_pid) took $DEV over from $serving0 $took s after the reload"
-        figure systemd_reload_to_live_s "$took"
-    else
-        fail "... nobody took $DEV over from $serving0 ($(trueno-ublk list | tail -n +2))"
-    fi
+    resumed_after "$serving0" "$t0" 60 "... the reload's standby took over from $serving0" systemd_reload_to_live_s
     check "... the old serving process handed the device over for the reload" \
         eval "journal_units | grep -q 'reload: handing the device over'"
-    check "... the unit's main process (the supervisor, $main0) stayed" [ "$(main_pid)" = "$main0" ]
-    check "... and the unit stayed active" systemctl -q is-active trueno-ublk@$ID.service
+    supervisor_stayed "$main0"
     # b. systemctl restart: the daemon hands the device over, the new one resumes it. First
     #    the unit's ExecStop reads PID 1's swapped-out pages back (`trueno-ublk fault-in`).
     #    PID 1 paged out first, as reclaim may do it: what is charged to init.scope
