@@ -631,8 +631,9 @@ impl ChunkReserve {
         // hold tried in between, for `COMMIT_RETRY_FOR` or until `give_up` says so; only an
         // arena used up ends it at once. Before, such a refusal failed the page it was for.
         let started = Instant::now();
+        let mut wanted = usize::MAX;
         loop {
-            let committed = self.commit_more(k, usize::MAX);
+            let committed = self.commit_more(k, wanted);
             if let Some(chunk) = self
                 .pop_committed(k, true)
                 .or_else(|| self.split_larger(k))
@@ -641,6 +642,11 @@ impl ChunkReserve {
                 return Ok(chunk);
             }
             if committed {
+                continue;
+            }
+            if wanted != 1 {
+                // A group may not fit where one chunk still does: one at a time from here on.
+                wanted = 1;
                 continue;
             }
             let used_up = self.arena.carved() + pages * PAGE_SIZE > self.arena.len();
@@ -1565,6 +1571,22 @@ mod tests {
 
     fn arena() -> Arc<Arena> {
         Arena::private(64 << 20).unwrap()
+    }
+
+    #[test]
+    fn without_a_refill_thread_the_arena_is_taken_to_its_last_chunk() {
+        // 70 pages: a commit group of one-page chunks (64) fits once, a second does not; the
+        // six pages left are taken one at a time, and then the arena is used up at once.
+        let reserve = ChunkReserve::new(0, Arena::private(70 * PAGE_SIZE).unwrap(), &[1, 1]);
+        let taken: Vec<ArenaChunk> = (0..70).map(|_| reserve.take(1, None).unwrap()).collect();
+        assert_eq!(taken.len(), 70);
+        let asked = Instant::now();
+        assert!(matches!(reserve.take(1, None), Err(Shortage::ArenaFull)));
+        assert!(
+            asked.elapsed() < COMMIT_RETRY_FOR / 2,
+            "{:?}",
+            asked.elapsed()
+        );
     }
 
     #[test]
