@@ -491,14 +491,13 @@ pub(super) fn supervise(
             // alone, a reload whose new standby died meanwhile) or failed once live (a queue
             // that panicked). The device waits, quiesced, perhaps with swap on it, and no
             // service manager would restart an exit 0: taken over as after a death.
-            (code, signal) if !stopping && ready && device.is_some_and(device_exists) => {
+            (Some(code), _) if !stopping && ready && device.is_some_and(device_exists) => {
                 tracing::error!(
                     pid = serving.child.id(),
-                    code = code.unwrap_or(0),
-                    signal = signal.unwrap_or(0),
+                    code,
                     "the serving process ended on its own and left its device; it is taken over as after a death"
                 );
-                signal
+                None
             }
             (Some(0), _) => break Ok(()),
             (Some(code), _) => {
