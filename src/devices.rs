@@ -11,7 +11,7 @@ use nix::unistd::Pid;
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::ublk::device::{block_path, char_class_path, state_name};
+use crate::ublk::device::{block_path, char_class_path, device_exists, state_name};
 use crate::ublk::{Control, UblkError};
 
 const UBLK_CHAR_CLASS: &str = "/sys/class/ublk-char";
@@ -132,10 +132,7 @@ fn daemon_alive(pid: i32) -> bool {
 pub fn device_row(control: &mut Control, id: u32) -> Result<DeviceRow, UblkError> {
     let info = control.dev_info(id)?;
     // A device whose parameters were never set has none to report.
-    let size = control
-        .params(id)
-        .map(|p| p.basic.dev_sectors << 9)
-        .unwrap_or(0);
+    let size = control.device_bytes(id).unwrap_or(0);
     Ok(DeviceRow {
         id,
         path: block_path(id),
@@ -246,7 +243,7 @@ pub fn delete(
     let mut control = Control::open()?;
     let ids = match id {
         Some(id) => {
-            if !Path::new(&char_class_path(id)).exists() {
+            if !device_exists(id) {
                 return Err(UblkError::NoSuchDevice(id).into());
             }
             vec![id]

@@ -38,7 +38,7 @@ use crate::store::{
     remove_shared, store_thread_codecs, Backing, BatchedPageStore, Opened, StoreError, StoreThread,
     StoreThreads,
 };
-use crate::ublk::device::{block_path, char_class_path};
+use crate::ublk::device::{block_path, device_exists};
 use crate::ublk::{AddedDevice, Device, DeviceSpec, Standby, UblkError};
 use crate::units::human_size;
 use detach::{start_detached, Notifier};
@@ -254,14 +254,13 @@ struct SizeKept {
 /// stopping the unit or `delete`). `Some` when the settings asked for another size.
 fn keep_existing_size(settings: &mut DeviceSettings) -> Option<SizeKept> {
     let id = settings.id?;
-    if !Path::new(&char_class_path(id)).exists() {
+    if !device_exists(id) {
         return None;
     }
     // If the kernel cannot say, the resume itself reports why (`Standby::wait_resumable`).
-    let params = crate::ublk::Control::open()
-        .and_then(|mut control| control.params(id))
+    let device = crate::ublk::Control::open()
+        .and_then(|mut control| control.device_bytes(id))
         .ok()?;
-    let device = params.basic.dev_sectors << 9;
     if device == 0 {
         // Added a moment ago and its parameters not set yet: not a device to resume.
         return None;
@@ -390,7 +389,7 @@ fn find_target(
     handler: Arc<dyn crate::ublk::BlockHandler>,
 ) -> Result<Target, DaemonError> {
     if let Some(id) = settings.id {
-        if Path::new(&char_class_path(id)).exists() {
+        if device_exists(id) {
             return Ok(Target::Resume(
                 Device::standby(id, handler)?,
                 Box::default(),

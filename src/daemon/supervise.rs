@@ -131,11 +131,6 @@ impl Restarts {
     }
 }
 
-/// Whether ublk device `id` exists (added, not deleted).
-fn device_exists(id: u32) -> bool {
-    Path::new(&crate::ublk::device::char_class_path(id)).exists()
-}
-
 /// Wait `delay`, or less if SIGTERM or SIGINT comes: then true.
 fn wait_or_stop(
     wake: &UnixStream,
@@ -491,7 +486,9 @@ pub(super) fn supervise(
             // alone, a reload whose new standby died meanwhile) or failed once live (a queue
             // that panicked). The device waits, quiesced, perhaps with swap on it, and no
             // service manager would restart an exit 0: taken over as after a death.
-            (Some(code), _) if !stopping && ready && device.is_some_and(device_exists) => {
+            (Some(code), _)
+                if !stopping && ready && device.is_some_and(crate::ublk::device::device_exists) =>
+            {
                 tracing::error!(
                     pid = serving.child.id(),
                     code,

@@ -258,6 +258,11 @@ impl Control {
         self.command(sys::UBLK_U_CMD_GET_PARAMS, dev_id, Some(&mut params), 0)?;
         Ok(params)
     }
+
+    /// The device's size in bytes, from its parameters (GET_PARAMS).
+    pub fn device_bytes(&mut self, dev_id: u32) -> Result<u64, UblkError> {
+        Ok(self.params(dev_id)?.basic.dev_sectors << 9)
+    }
 }
 
 #[cfg(test)]

@@ -87,6 +87,11 @@ pub fn char_class_path(dev_id: u32) -> String {
     format!("/sys/class/ublk-char/ublkc{dev_id}")
 }
 
+/// Whether device `dev_id` exists (added, not deleted): its `char_class_path` is there.
+pub fn device_exists(dev_id: u32) -> bool {
+    std::path::Path::new(&char_class_path(dev_id)).exists()
+}
+
 /// A device added (ADD_DEV, SET_PARAMS) but not started: its id is known, no handler is
 /// needed yet. Dropping it deletes the device.
 pub struct AddedDevice {
@@ -204,7 +209,7 @@ impl Standby {
             let old_daemon_gone = !crate::os::same_program_alive(info.ublksrv_pid);
             match info.state {
                 sys::UBLK_S_DEV_DEAD => {
-                    let reason = if std::path::Path::new(&char_class_path(id)).exists() {
+                    let reason = if device_exists(id) {
                         format!(
                             "it is stopped (its block device is gone): delete it \
                              (`trueno-ublk delete --id {id}`) and create it again"
@@ -225,7 +230,7 @@ impl Standby {
                     return Err(UblkError::IdInUse(id));
                 }
                 sys::UBLK_S_DEV_QUIESCED if old_daemon_gone => {
-                    let device_bytes = control.params(id)?.basic.dev_sectors << 9;
+                    let device_bytes = control.device_bytes(id)?;
                     if device_bytes != size_bytes {
                         return Err(UblkError::CannotResume {
                             id,
@@ -386,7 +391,7 @@ impl Device {
             ) => {
                 // A deleted device keeps its id while its disk is held open; it has no char
                 // device any more.
-                let deleted = !std::path::Path::new(&char_class_path(id)).exists()
+                let deleted = !device_exists(id)
                     && control
                         .dev_info(id)
                         .is_ok_and(|info| info.state == sys::UBLK_S_DEV_DEAD);
@@ -447,7 +452,7 @@ impl Device {
                 },
             );
         }
-        let size_bytes = control.params(id)?.basic.dev_sectors << 9;
+        let size_bytes = control.device_bytes(id)?;
         let mut device = Device::new(control, info, size_bytes, true, wake);
         let go = device.spawn_queues(handler)?;
         Ok(Standby { go, device })
