@@ -324,7 +324,7 @@ fn swapoff(path: &str) -> Result<(), DevicesError> {
 fn delete_one(control: &mut Control, id: u32, served: bool) -> Result<(), DevicesError> {
     let path = block_path(id);
     let pid = control.dev_info(id)?.ublksrv_pid;
-    if served && is_our_daemon(pid) {
+    if served && crate::os::same_program_alive(pid) {
         let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
         if wait_until_gone(id, DAEMON_STOP_TIMEOUT) {
             return Ok(());
@@ -386,13 +386,6 @@ fn del_dev_bounded(control: &mut Control, id: u32) -> Result<(), DevicesError> {
             seconds: DELETE_TIMEOUT.as_secs(),
         })
     }
-}
-
-/// Whether `pid` is alive and is a trueno-ublk process (pids get reused).
-fn is_our_daemon(pid: i32) -> bool {
-    daemon_alive(pid)
-        && std::fs::read_to_string(format!("/proc/{pid}/comm"))
-            .is_ok_and(|comm| comm.trim() == "trueno-ublk")
 }
 
 fn wait_until_gone(id: u32, timeout: Duration) -> bool {

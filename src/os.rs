@@ -155,19 +155,45 @@ pub fn set_parent_death_signal(signal: nix::sys::signal::Signal) -> nix::Result<
     nix::sys::prctl::set_pdeathsig(signal)
 }
 
-/// Whether `pid` is a live process running the same program as this one (so not a recycled
-/// pid of something else).
+/// The name every process of the daemon gives itself (`set_process_name`), whatever its
+/// binary is called: `pidof trueno-ublk`, and `same_program_alive`, go by it.
+pub const DAEMON_NAME: &std::ffi::CStr = c"trueno-ublk";
+
+/// Whether `pid` is a live daemon process (named `DAEMON_NAME`) of the same user as this
+/// process (so not a recycled pid of something else). The user counts because a name does
+/// not: any user may call a process of theirs "trueno-ublk", and one that got an old
+/// daemon's pid (which the kernel keeps for a device that waits for its next daemon) would
+/// otherwise hold that device's takeover off.
 pub fn same_program_alive(pid: i32) -> bool {
     // A zombie has exited (its memory is gone) but keeps its comm until its parent reaps
     // it, which an orphan's init may never do (the VM test's busybox init does not).
     if process_exited(pid) {
         return false;
     }
-    let comm = |p: &str| std::fs::read_to_string(format!("/proc/{p}/comm")).ok();
-    match (comm(&pid.to_string()), comm("self")) {
-        (Some(theirs), Some(ours)) => theirs == ours,
+    let read = |p: &str, file: &str| std::fs::read_to_string(format!("/proc/{p}/{file}")).ok();
+    let named_as_daemon = read(&pid.to_string(), "comm").is_some_and(|comm| {
+        DAEMON_NAME
+            .to_str()
+            .is_ok_and(|name| comm.trim_end() == name)
+    });
+    let same_user = match (read(&pid.to_string(), "status"), read("self", "status")) {
+        (Some(theirs), Some(ours)) => {
+            effective_uid(&theirs).is_some_and(|uid| effective_uid(&ours) == Some(uid))
+        }
         _ => false,
-    }
+    };
+    named_as_daemon && same_user
+}
+
+/// The effective user id in a `/proc/PID/status` text (its `Uid:` line: real, effective,
+/// saved, file system). Unlike the owner of `/proc/PID`, which is root for a process that
+/// made itself non-dumpable, this is the process's own.
+fn effective_uid(status: &str) -> Option<&str> {
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .nth(1)
 }
 
 /// Whether process `pid` has ended: no such process, or only its zombie is left (an orphan's
@@ -296,6 +322,24 @@ mod tests {
         assert!(!process_exited(i32::try_from(std::process::id()).unwrap()));
         assert!(process_exited(0));
         assert!(process_exited(-1));
+    }
+
+    #[test]
+    fn a_daemon_is_known_by_its_name_and_user() {
+        let status = "Name:\ttrueno-ublk\nUid:\t1000\t0\t0\t0\nGid:\t0\t0\t0\t0\n";
+        assert_eq!(effective_uid(status), Some("0"));
+        assert_eq!(effective_uid("Name:\tx\n"), None);
+        // The test binary is not called trueno-ublk; pid 1 is no daemon either.
+        assert!(!same_program_alive(
+            i32::try_from(std::process::id()).unwrap()
+        ));
+        assert!(!same_program_alive(1));
+        // A thread named so is (its /proc/TID is read as a process's).
+        let named = std::thread::spawn(|| {
+            set_process_name(DAEMON_NAME).unwrap();
+            same_program_alive(nix::unistd::gettid().as_raw())
+        });
+        assert!(named.join().unwrap());
     }
 
     #[test]

@@ -306,7 +306,7 @@ fn run_serving_process(
         );
     }
     // Started as /proc/self/exe; `pidof trueno-ublk` and `list`'s checks go by this name.
-    let _ = crate::os::set_process_name(c"trueno-ublk");
+    let _ = crate::os::set_process_name(crate::os::DAEMON_NAME);
     if let Some(supervisor) = std::env::var(supervise::SUPERVISOR_ENV)
         .ok()
         .and_then(|pid| pid.parse::<i32>().ok())

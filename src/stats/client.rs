@@ -100,8 +100,8 @@ pub fn reload(
         .find_map(|line| line.strip_prefix("PPid:"))
         .and_then(|pid| pid.trim().parse::<u32>().ok())
         .ok_or_else(|| no_supervisor(": no parent in its /proc status".into()))?;
-    let comm = fs::read_to_string(format!("/proc/{parent}/comm")).unwrap_or_default();
-    if comm.trim() != "trueno-ublk" {
+    if !i32::try_from(parent).is_ok_and(crate::os::same_program_alive) {
+        let comm = fs::read_to_string(format!("/proc/{parent}/comm")).unwrap_or_default();
         return Err(no_supervisor(format!(
             " (its parent {parent} is `{}`)",
             comm.trim()
