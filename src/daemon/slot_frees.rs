@@ -14,7 +14,10 @@ use crate::slotfree::SlotFreeProbe;
 /// bitmap; after a takeover at the watermark that failed with ENOMEM in the VM). What it
 /// reports before `attach` gives it to a handler is forgotten there.
 pub(super) fn attach_ahead(id: u32, pages: u64) -> Result<SlotFreeProbe, String> {
-    let (major, minor) = block_device_number(id)?;
+    attach_to(block_device_number(id)?, pages)
+}
+
+fn attach_to((major, minor): (u32, u32), pages: u64) -> Result<SlotFreeProbe, String> {
     SlotFreeProbe::attach(major, minor, pages).map_err(|error| error.to_string())
 }
 
@@ -27,9 +30,13 @@ pub(super) fn attach(
     handler: &StoreHandler,
     ahead: Option<SlotFreeProbe>,
 ) -> Result<Arc<SlotFreeProbe>, String> {
+    // One attached ahead watches the device number the device had then: a device deleted
+    // and made again since, under the same id, may have another, and the old one may be
+    // another swap device's by now (whose frees would then empty this store's pages).
+    let current = block_device_number(id)?;
     let probe = match ahead {
-        Some(probe) => probe,
-        None => attach_ahead(id, pages)?,
+        Some(probe) if probe.device() == current => probe,
+        _ => attach_to(current, pages)?,
     };
     let probe = Arc::new(probe);
     handler.set_slot_frees(probe.clone());

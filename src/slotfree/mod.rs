@@ -119,6 +119,8 @@ pub struct SlotFreeProbe {
     _map: std::os::fd::OwnedFd,
     /// The kernel function it is attached to (one of `btf::FREE_FUNCTIONS`).
     function: &'static str,
+    /// `(major, minor)` of the block device whose swap slots it reports.
+    device: (u32, u32),
     /// The count when the bitmap was last looked through.
     seen_calls: AtomicU64,
     slots: AtomicU64,
@@ -156,9 +158,15 @@ impl SlotFreeProbe {
             _program: program,
             _map: map,
             function: layout.function,
+            device: (major, minor),
             seen_calls: AtomicU64::new(0),
             slots: AtomicU64::new(0),
         })
+    }
+
+    /// `(major, minor)` of the block device it watches.
+    pub fn device(&self) -> (u32, u32) {
+        self.device
     }
 
     fn bitmap(&self) -> FreedBits<'_> {
