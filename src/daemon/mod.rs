@@ -226,16 +226,77 @@ pub enum CreateRole {
 
 /// `trueno-ublk create`.
 pub fn create(options: &DeviceOptions, role: CreateRole) -> Result<(), DaemonError> {
-    let mut settings =
-        config::resolve(options).map_err(|e| DaemonError::Settings(e.to_string()))?;
-    let size_kept = keep_existing_size(&mut settings);
+    let (mut settings, config_ignored) = resolve_settings(options)?;
+    let kept = KeptForResume {
+        size: keep_existing_size(&mut settings),
+        config_ignored,
+    };
     check_size_against_ram(settings.size_bytes)?;
     device_spec(&settings).validate()?;
     match role {
         CreateRole::Detach => start_detached(&settings),
         CreateRole::Supervise => run_supervisor(&settings),
-        CreateRole::Serve => run_serving_process(settings, false, size_kept),
-        CreateRole::Standby => run_serving_process(settings, true, size_kept),
+        CreateRole::Serve => run_serving_process(settings, false, &kept),
+        CreateRole::Standby => run_serving_process(settings, true, &kept),
+    }
+}
+
+/// The settings `options` and their config file give. A config file that no longer reads
+/// (an edit with a typo, then a restart, a reload or a crash of the serving process) must not
+/// keep a device that exists from being served: someone's swap may wait on it, every swap-in
+/// stuck until the file is mended. Such a device is served with the command line's settings
+/// and the defaults instead, and the error is logged (`KeptForResume`); a new device is
+/// refused, with the error.
+fn resolve_settings(
+    options: &DeviceOptions,
+) -> Result<(DeviceSettings, Option<String>), DaemonError> {
+    let error = match config::resolve(options) {
+        Ok(settings) => return Ok((settings, None)),
+        Err(error) => error.to_string(),
+    };
+    if options.config.is_none() || !options.id.is_some_and(device_exists) {
+        return Err(DaemonError::Settings(error));
+    }
+    let without_file = DeviceOptions {
+        config: None,
+        ..options.clone()
+    };
+    match config::resolve(&without_file) {
+        Ok(settings) => Ok((settings, Some(error))),
+        Err(_) => Err(DaemonError::Settings(error)),
+    }
+}
+
+/// Where the settings of a device that exists already are not what was asked for.
+#[derive(Debug, Default)]
+struct KeptForResume {
+    size: Option<SizeKept>,
+    /// The config file's error, when the file was left out (`resolve_settings`).
+    config_ignored: Option<String>,
+}
+
+impl KeptForResume {
+    fn log(&self, id: Option<u32>) {
+        let device = block_path(id.unwrap_or_default());
+        if let Some(error) = &self.config_ignored {
+            tracing::error!(
+                device,
+                %error,
+                "the config file does not read: the device, which exists, is served with the command line's settings and the defaults; mend the file, then `systemctl reload trueno-ublk@N` to apply it"
+            );
+        }
+        if let Some(SizeKept {
+            asked,
+            device: bytes,
+        }) = self.size
+        {
+            tracing::warn!(
+                device,
+                size = %human_size(bytes),
+                asked = %human_size(asked),
+                "the device keeps its size while it exists; the size asked for (the config file's `size`, or --size) takes effect when it is made again (swapoff, then stop the unit or `trueno-ublk delete`)"
+            );
+        }
     }
 }
 
@@ -293,18 +354,11 @@ fn run_supervisor(settings: &DeviceSettings) -> Result<(), DaemonError> {
 fn run_serving_process(
     settings: DeviceSettings,
     standby: bool,
-    size_kept: Option<SizeKept>,
+    kept: &KeptForResume,
 ) -> Result<(), DaemonError> {
     let started = Instant::now();
     let _log_writer = init_logging();
-    if let Some(SizeKept { asked, device }) = size_kept {
-        tracing::warn!(
-            device = block_path(settings.id.unwrap_or_default()),
-            size = %human_size(device),
-            asked = %human_size(asked),
-            "the device keeps its size while it exists; the size asked for (the config file's `size`, or --size) takes effect when it is made again (swapoff, then stop the unit or `trueno-ublk delete`)"
-        );
-    }
+    kept.log(settings.id);
     // Started as /proc/self/exe; `pidof trueno-ublk` and `list`'s checks go by this name.
     let _ = crate::os::set_process_name(crate::os::DAEMON_NAME);
     if let Some(supervisor) = std::env::var(supervise::SUPERVISOR_ENV)
