@@ -118,6 +118,12 @@ ln -s ../trueno-test.service "$OVER/etc/systemd/system/multi-user.target.wants/t
 ln -s /dev/null "$OVER/etc/systemd/system/serial-getty@ttyS0.service"
 ln -s /dev/null "$OVER/etc/systemd/system/getty@tty1.service"
 echo trueno-vm >"$OVER/etc/hostname"
+# /tmp on a tmpfs, as Debian 13 and Fedora have it by default (bookworm ships the unit, off):
+# tmp.mount comes After=swap.target and Before=local-fs.target, so a unit of ours ordered
+# after local-fs.target (or with PrivateTmp=) would make an ordering cycle with the swap.
+mkdir -p "$OVER/etc/systemd/system/local-fs.target.wants"
+ln -s /usr/share/systemd/tmp.mount "$OVER/etc/systemd/system/tmp.mount"
+ln -s ../tmp.mount "$OVER/etc/systemd/system/local-fs.target.wants/tmp.mount"
 
 INITRD="$VM_DIR/systemd-initrd.cpio"
 {

@@ -167,6 +167,11 @@ pressure_finish() { # NAME
 section "boot: kernel $(uname -r), systemd $(systemctl --version | head -n1 | cut -d' ' -f2), $(grep MemTotal /proc/meminfo | tr -s ' ')"
 systemctl is-system-running
 systemd-analyze time 2>/dev/null | head -n1
+journalctl -b --no-pager -q | grep -iE 'ordering cycle|break ordering' >/tmp/cycles.log
+cat /tmp/cycles.log
+check "systemd found no ordering cycle at boot ($(wc -l </tmp/cycles.log) lines)" [ ! -s /tmp/cycles.log ]
+check "/tmp is a tmpfs of tmp.mount, as in Debian 13 ($(systemctl is-active tmp.mount), $(findmnt -no FSTYPE /tmp))" \
+    eval "systemctl -q is-active tmp.mount && [ \"\$(findmnt -no FSTYPE /tmp)\" = tmpfs ]"
 check "trueno-ublk-generator wrote dev-ublkb$ID.swap" test -f /run/systemd/generator/dev-ublkb$ID.swap
 check "... and linked it into swap.target.wants" test -L /run/systemd/generator/swap.target.wants/dev-ublkb$ID.swap
 for unit in trueno-ublk@$ID.service trueno-ublk-mkswap@$ID.service dev-ublkb$ID.swap; do
@@ -321,7 +326,11 @@ if [ -e /tmp/hold ]; then
     check "... dev-ublkb$ID.swap is still active" systemctl -q is-active dev-ublkb$ID.swap
     check "... trueno-ublk-mkswap@$ID did not run again" \
         [ "$(journalctl -b --no-pager -q -u trueno-ublk-mkswap@$ID.service | grep -c 'Setting up swapspace')" -le 1 ]
-    # c. kill -9 of every process of the unit: systemd restarts it, the start resumes.
+    # c. kill -9 of every process of the unit: systemd restarts it, the start resumes. With
+    #    the config file broken first (an edit with a typo): the device exists, in use, and
+    #    is resumed anyway (the command line's settings and the defaults), the error logged;
+    #    before, every start failed on the file and swap waited until it was mended.
+    echo 'depth = lots' >>/etc/trueno-ublk.conf
     main0=$(main_pid)
     serving0=$(settled_serving_pid)
     t0=$(now)
@@ -334,6 +343,9 @@ if [ -e /tmp/hold ]; then
         fail "kill -9 of every process of trueno-ublk@$ID: not resumed ($(systemctl is-active trueno-ublk@$ID.service); $(trueno-ublk list | tail -n +2))"
     fi
     check "... with a new supervisor ($(main_pid), was $main0)" [ "$(main_pid)" != "$main0" ]
+    check "... the config file's error was logged, the device served without the file ($(journal_units | grep -c 'config file does not read') lines)" \
+        eval "journal_units | grep -q 'the config file does not read.*depth'"
+    sed -i '/^depth = lots$/d' /etc/trueno-ublk.conf
     check "$DEV kept its size ($(device_bytes) bytes, was $size0) through the takeovers and restarts after the config file's edit" \
         [ "$(device_bytes)" = "$size0" ]
     check "... and the daemon said so ($(journal_units | grep -c 'keeps its size') lines)" \
