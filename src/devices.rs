@@ -58,14 +58,13 @@ pub enum DevicesError {
     #[error(
         "{path} is in use and no daemon serves it (state {state}): its I/O waits, and swapoff \
          would wait too. Resume it (`systemctl start trueno-ublk@{id}`, or `trueno-ublk create \
-         --id {id} --size {size}` with its other options), then delete it; or delete it anyway \
-         with --lose-pages (I/O waiting on it fails: processes with pages on it may die)"
+         --id {id}` with its other options; it keeps its size), then delete it; or delete it \
+         anyway with --lose-pages (I/O waiting on it fails: processes with pages on it may die)"
     )]
     NoDaemon {
         path: String,
         id: u32,
         state: &'static str,
-        size: String,
     },
     #[error(
         "/proc/swaps still lists `{name}`: the device's block device was deleted while it was \
@@ -187,7 +186,6 @@ struct Usage {
     /// A live daemon serves it.
     served: bool,
     state: &'static str,
-    size: u64,
 }
 
 fn usage(control: &mut Control, id: u32) -> Result<Usage, DevicesError> {
@@ -200,7 +198,6 @@ fn usage(control: &mut Control, id: u32) -> Result<Usage, DevicesError> {
         deleted_swap: deleted_swap_name(&swaps, id),
         served: row.state == "live" && row.daemon_alive,
         state: row.state,
-        size: row.size,
         path,
     })
 }
@@ -213,19 +210,23 @@ fn check_delete(usage: &Usage, id: u32, force: bool, lose_pages: bool) -> Result
             return Err(DevicesError::DeletedSwap { name: name.clone() });
         }
     }
-    if !usage.claimed || lose_pages {
+    if !usage.claimed {
         return Ok(());
     }
     if !usage.served {
+        if lose_pages {
+            return Ok(());
+        }
         // swapoff would read every page back from a device nobody serves: it would wait
         // until one does, unkillably. Resuming it first keeps every page.
         return Err(DevicesError::NoDaemon {
             path: path.clone(),
             id,
             state: usage.state,
-            size: crate::units::human_size(usage.size),
         });
     }
+    // --lose-pages is for a device nobody serves; one that is served is swapped off first,
+    // which --force asks for.
     if !force {
         return Err(DevicesError::InUse { path: path.clone() });
     }
@@ -452,14 +453,13 @@ mod tests {
             deleted_swap: deleted.then(|| "/dev/ublkb3 (deleted)".into()),
             served,
             state: if served { "live" } else { "quiesced" },
-            size: 1 << 30,
         }
     }
 
     #[test]
     fn delete_refuses_what_would_lose_pages_unless_told() {
         type Case = ((bool, bool, bool), (bool, bool), Result<(), &'static str>);
-        let cases: [Case; 12] = [
+        let cases: [Case; 14] = [
             // (claimed, served, deleted swap), (force, lose_pages) -> allowed or the refusal
             ((false, true, false), (false, false), Ok(())),
             ((false, false, false), (false, false), Ok(())),
@@ -473,6 +473,9 @@ mod tests {
             ((false, false, true), (true, false), Ok(())),
             ((false, false, true), (false, true), Ok(())),
             ((true, true, true), (true, false), Ok(())),
+            // --lose-pages does not stand for --force where a daemon serves the device.
+            ((true, true, false), (false, true), Err("in use")),
+            ((true, true, false), (true, true), Ok(())),
         ];
         for ((claimed, served, deleted), (force, lose), want) in cases {
             let got = check_delete(&usage(claimed, served, deleted), 3, force, lose);
