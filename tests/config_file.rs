@@ -47,6 +47,19 @@ fn example_config_parses_and_means_the_defaults() {
         let from_nothing = resolve_with(&args, &ConfigFile::default(), ram).unwrap();
         assert_eq!(from_example, from_nothing, "ram {ram}");
     }
+    // An administrator who changes one value gets that change alone: the example's other
+    // lines still mean the defaults (recompression's default is off for zstd, say).
+    for algorithm in ["zstd", "adaptive"] {
+        let text = text.replace(
+            "\nalgorithm = lz4\n",
+            &format!("\nalgorithm = {algorithm}\n"),
+        );
+        let file = parse(&text, Path::new("edited.conf")).unwrap();
+        let from_example = resolve_with(&args, &file, GIB).unwrap();
+        let args = create_args(&["--id", "0", "--algorithm", algorithm]);
+        let from_nothing = resolve_with(&args, &ConfigFile::default(), GIB).unwrap();
+        assert_eq!(from_example, from_nothing, "algorithm = {algorithm}");
+    }
 }
 
 #[test]
