@@ -75,11 +75,54 @@ TimeoutSec=10min
     )
 }
 
-/// Write the units for `file` into `dir` (systemd's "normal" generator directory).
-pub fn generate(file: &ConfigFile, config: &Path, dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+/// The devices of `swap_devices` whose daemon can start: a section the daemon would refuse (a
+/// value out of range, a recompression that cannot save anything) gets no swap unit, and a
+/// message, rather than one that holds the boot up waiting for a device that never comes
+/// (systemd's device timeout, 90 s). A device that exists already keeps its unit: its daemon
+/// serves it without the file (`daemon::create`), and the unit orders swapoff before the
+/// daemon's stop.
+fn startable_swap_devices(file: &ConfigFile, config: &Path) -> Vec<(u32, u16)> {
+    let ram_bytes = match config::ram_bytes() {
+        Ok(bytes) => bytes,
+        Err(error) => {
+            eprintln!("{GENERATOR_NAME}: {error}; the sections are not checked");
+            return swap_devices(file);
+        }
+    };
+    let mut devices = swap_devices(file);
+    devices.retain(|&(id, _)| {
+        let options = config::DeviceOptions {
+            id: Some(id),
+            config: Some(config.to_path_buf()),
+            ..Default::default()
+        };
+        let Err(error) = config::resolve_with(&options, file, ram_bytes) else {
+            return true;
+        };
+        let exists = crate::ublk::device::device_exists(id);
+        eprintln!(
+            "{GENERATOR_NAME}: {error}; {}",
+            if exists {
+                "the device exists: its swap unit is kept"
+            } else {
+                "no swap unit written for this device"
+            }
+        );
+        exists
+    });
+    devices
+}
+
+/// Write the swap units of `devices` (`(id, priority)`) into `dir` (systemd's "normal"
+/// generator directory).
+pub fn generate(
+    devices: &[(u32, u16)],
+    config: &Path,
+    dir: &Path,
+) -> std::io::Result<Vec<PathBuf>> {
     let mut written = Vec::new();
     let wants = dir.join("swap.target.wants");
-    for (id, priority) in swap_devices(file) {
+    for &(id, priority) in devices {
         let name = format!("dev-ublkb{id}.swap");
         let path = dir.join(&name);
         let mut unit = std::fs::File::create(&path)?;
@@ -115,7 +158,11 @@ pub fn main() -> i32 {
             return 1;
         }
     };
-    match generate(&file, &config_path, &dir) {
+    match generate(
+        &startable_swap_devices(&file, &config_path),
+        &config_path,
+        &dir,
+    ) {
         Ok(_) => 0,
         Err(error) => {
             eprintln!(
@@ -142,6 +189,22 @@ mod tests {
     }
 
     #[test]
+    fn a_section_the_daemon_would_refuse_gets_no_swap_unit() {
+        // Both parse, but recompressing with zstd at a level no higher than the pages' own
+        // cannot make them smaller: refused when the daemon starts. Ids no device has here.
+        let text = "[ublkb1040001]\nswap = yes\nalgorithm = zstd\nzstd-level = 9\n\
+                    recompress = zstd:3\n\
+                    [ublkb1040002]\nswap = yes\nalgorithm = zstd\nrecompress = zstd:1\n\
+                    [ublkb1040003]\nswap = yes\n";
+        let file = config::parse(text, Path::new("t.conf")).unwrap();
+        assert_eq!(swap_devices(&file).len(), 3);
+        assert_eq!(
+            startable_swap_devices(&file, Path::new("t.conf")),
+            vec![(1_040_003, DEFAULT_SWAP_PRIORITY)]
+        );
+    }
+
+    #[test]
     fn generated_units_and_links() {
         let dir = std::env::temp_dir().join(format!("trueno-ublk-gen-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -150,8 +213,9 @@ mod tests {
             config::parse("[ublkb3]\nswap = yes\nswap-priority = 42\n", Path::new("c")).unwrap();
         // Twice: a daemon-reload runs generators into a fresh directory, but a rerun into
         // the same one must not fail on the existing link.
-        generate(&file, Path::new("/etc/trueno-ublk.conf"), &dir).unwrap();
-        let written = generate(&file, Path::new("/etc/trueno-ublk.conf"), &dir).unwrap();
+        let devices = swap_devices(&file);
+        generate(&devices, Path::new("/etc/trueno-ublk.conf"), &dir).unwrap();
+        let written = generate(&devices, Path::new("/etc/trueno-ublk.conf"), &dir).unwrap();
         assert_eq!(written, vec![dir.join("dev-ublkb3.swap")]);
         let unit = std::fs::read_to_string(dir.join("dev-ublkb3.swap")).unwrap();
         assert!(unit.contains("\nWhat=/dev/ublkb3\n"));
