@@ -27,6 +27,8 @@ pub use arena::{Arena, ArenaChunk, CarveFailed};
 pub use lists::{
     empty_list, faulted_in_list, growth_in_place, out_of_memory, Growth, ListAlloc, ListVec,
 };
+#[cfg(test)]
+pub(crate) use segment::give_shared_to_user;
 pub use segment::{PageSlots, Segment, SlotRead, SlotWrite, Words};
 pub use throttle::{free_memory_is_back, ThrottledThread};
 

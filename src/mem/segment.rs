@@ -539,6 +539,21 @@ fn stat(id: libc::c_int) -> std::io::Result<libc::shmid_ds> {
     Ok(unsafe { ds.assume_init() })
 }
 
+/// Make the SysV segment `key` another user's (`uid`), as if that user had made it: tests of
+/// what a local user's segment under a device's key does. Needs CAP_SYS_ADMIN (or being its
+/// owner) and, for `uid` other than one's own, CAP_SYS_ADMIN.
+#[cfg(test)]
+pub(crate) fn give_shared_to_user(key: i32, uid: libc::uid_t) -> std::io::Result<()> {
+    // SAFETY: shmget takes no pointers.
+    let id = unsafe { libc::shmget(key, 0, 0) };
+    cvt(id)?;
+    let mut ds = stat(id)?;
+    ds.shm_perm.uid = uid;
+    // SAFETY: IPC_SET reads one shmid_ds from the buffer we own.
+    cvt(unsafe { libc::shmctl(id, libc::IPC_SET, &mut ds) })?;
+    Ok(())
+}
+
 fn remove_id(id: libc::c_int) {
     // SAFETY: IPC_RMID takes no buffer.
     let _ = unsafe { libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()) };

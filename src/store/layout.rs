@@ -121,7 +121,68 @@ pub enum Opened {
     Resumed { pages: u64, lost: u64 },
 }
 
-/// The SysV key of device `id`'s store.
+/// Where a shared store made under another key than its own is recorded (`recorded_key`):
+/// the daemons' run directory, root's only.
+const KEY_RECORD_DIR: &str = "/run/trueno-ublk";
+
+#[cfg(test)]
+thread_local! {
+    /// Tests record keys in a directory of their own.
+    pub(super) static KEY_RECORD_DIR_FOR_TESTS: std::cell::RefCell<Option<std::path::PathBuf>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// The file that records the key a shared store whose own key is `own_key` was made under
+/// instead (see `open_shared`).
+fn key_record(own_key: i32) -> std::path::PathBuf {
+    #[cfg(test)]
+    if let Some(dir) = KEY_RECORD_DIR_FOR_TESTS.with(|dir| dir.borrow().clone()) {
+        return dir.join(format!("shm-{own_key:#x}.key"));
+    }
+    std::path::Path::new(KEY_RECORD_DIR).join(format!("shm-{own_key:#x}.key"))
+}
+
+/// The key the store whose own key is `own_key` was made under instead, if it was.
+fn recorded_key(own_key: i32) -> Option<i32> {
+    std::fs::read_to_string(key_record(own_key))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+        .filter(|&key| key > 0 && key != own_key)
+}
+
+/// The key a shared store whose own key is `own_key` is under: that, or the one recorded.
+fn current_key(own_key: i32) -> i32 {
+    recorded_key(own_key).unwrap_or(own_key)
+}
+
+/// A new random key for the shared store whose own key is `own_key`, recorded before any
+/// segment is made under it (so that a segment never exists that `remove_shared` cannot find).
+fn record_new_key(own_key: i32, attempt: u32) -> std::io::Result<i32> {
+    use std::hash::{BuildHasher, Hasher};
+    use std::os::unix::fs::DirBuilderExt;
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(attempt);
+    // 31 bits, never 0 (IPC_PRIVATE) nor the store's own key.
+    let key = i32::try_from(hasher.finish() & 0x7fff_ffff)
+        .unwrap_or(1)
+        .max(1);
+    let key = if key == own_key { key ^ 1 } else { key };
+    let path = key_record(own_key);
+    let dir = path.parent().unwrap_or(std::path::Path::new("/"));
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    let staged = path.with_extension("key.new");
+    std::fs::write(&staged, format!("{key}\n"))?;
+    std::fs::rename(&staged, &path)?;
+    Ok(key)
+}
+
+/// The SysV key of device `id`'s store, its own (see `open_shared` for the key it may be
+/// under instead).
 fn device_key(id: u32) -> Result<i32, StoreError> {
     if id > MAX_DEVICE_ID {
         return Err(StoreError::Config(format!(
@@ -141,13 +202,31 @@ pub(super) fn memory_error(what: &str) -> impl FnOnce(std::io::Error) -> StoreEr
 
 /// Free device `device_id`'s shared store (once no process maps it). False if it had none.
 pub fn remove_shared(device_id: u32) -> Result<bool, StoreError> {
-    Segment::remove_shared(device_key(device_id)?)
-        .map_err(memory_error("removing the store's shared memory"))
+    remove_shared_under(device_key(device_id)?)
+}
+
+/// Free the shared store whose own key is `own_key`: the segment under the key recorded for
+/// it, the record, and whatever segment is under its own key (another user's, there to keep
+/// it from being made, goes too: freeing it needs CAP_SYS_ADMIN, which the daemon has).
+pub(super) fn remove_shared_under(own_key: i32) -> Result<bool, StoreError> {
+    let removing = || memory_error("removing the store's shared memory");
+    let mut removed = false;
+    if let Some(key) = recorded_key(own_key) {
+        removed |= Segment::remove_shared(key).map_err(removing())?;
+    }
+    match std::fs::remove_file(key_record(own_key)) {
+        Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+            return Err(removing()(error))
+        }
+        _ => {}
+    }
+    removed |= Segment::remove_shared(own_key).map_err(removing())?;
+    Ok(removed)
 }
 
 /// Whether device `device_id` has a shared store.
 pub fn shared_exists(device_id: u32) -> bool {
-    device_key(device_id).is_ok_and(Segment::shared_exists)
+    device_key(device_id).is_ok_and(|key| Segment::shared_exists(current_key(key)))
 }
 
 /// What a store's header says about the memory a resume of it needs.
@@ -174,7 +253,7 @@ pub struct AttachedStore {
 impl AttachedStore {
     /// Attach device `device_id`'s store; `None` if it has none.
     pub fn attach(device_id: u32) -> Result<Option<Self>, StoreError> {
-        Self::attach_key(device_key(device_id)?)
+        Self::attach_key(current_key(device_key(device_id)?))
     }
 
     /// Attach the store in shared memory under `key`; `None` if there is none.
@@ -396,16 +475,51 @@ impl Regions {
             Backing::Shared { device_id } => (device_key(device_id)?, true),
             Backing::SharedUnlocked { key } => (key, false),
         };
-        if let Some(segment) = Segment::attach_shared(key)
-            .map_err(memory_error("attaching the store's shared memory"))?
-        {
-            return Self::resume(&segment, shape, key);
-        }
+        Self::open_shared(key, lock, shape)
+    }
+
+    /// Resume the shared store whose own key is `own_key`, or make it. SysV keys are one
+    /// namespace for every user, and a device's own key is known to all: a local user who
+    /// makes a segment under it first (in the moment between a daemon freeing a deleted
+    /// device's memory and making the new one's) would keep every new device from starting.
+    /// So where its own key is another's, the store is made under a random key instead,
+    /// recorded in a file only root can write (`key_record`), which every later look for
+    /// the store reads first.
+    fn open_shared(own_key: i32, lock: bool, shape: Shape) -> Result<Self, StoreError> {
+        let key = current_key(own_key);
+        let taken = match Segment::attach_shared(key) {
+            Ok(Some(segment)) => return Self::resume(&segment, shape, key),
+            Ok(None) => false,
+            // Another user's (`attach_shared` refuses it): not one to resume, nor to use.
+            Err(error) if error.kind() == std::io::ErrorKind::PermissionDenied => true,
+            Err(error) => return Err(memory_error("attaching the store's shared memory")(error)),
+        };
         let shape = shape.of_new_store();
-        let segment = Segment::create_shared(key, shape.offsets().total, lock).map_err(
-            memory_error("creating the store's shared memory (a SysV segment, locked in memory)"),
-        )?;
-        Self::fresh(&segment, shape)
+        let len = shape.offsets().total;
+        let creating = || {
+            memory_error("creating the store's shared memory (a SysV segment, locked in memory)")
+        };
+        let mut created = if taken {
+            Err(std::io::ErrorKind::AlreadyExists.into())
+        } else {
+            Segment::create_shared(key, len, lock)
+        };
+        let mut attempt = 0;
+        while matches!(&created, Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists)
+            && attempt < 8
+        {
+            attempt += 1;
+            let new_key = record_new_key(own_key, attempt).map_err(memory_error(
+                "recording the key of the store's shared memory",
+            ))?;
+            tracing::warn!(
+                own_key = format_args!("{own_key:#x}"),
+                key = format_args!("{new_key:#x}"),
+                "another user's shared memory has the key of this device's store: the store is made under another key"
+            );
+            created = Segment::create_shared(new_key, len, lock);
+        }
+        Self::fresh(&created.map_err(creating())?, shape)
     }
 
     fn fresh(segment: &Arc<Segment>, shape: Shape) -> Result<Self, StoreError> {

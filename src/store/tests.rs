@@ -732,6 +732,51 @@ fn shared_store_holding_16_pages(
     (key, backing)
 }
 
+/// A local user who makes a segment under a store's own SysV key first (device keys are
+/// known to all) does not keep the store from being made: it is made under a random key,
+/// recorded where the next look for it reads first; removing it frees that segment, the
+/// record, and the other user's segment.
+#[test]
+fn a_store_whose_own_key_another_user_holds_is_made_under_a_recorded_key() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: making a segment another user's needs root");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("trueno-key-records-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    layout::KEY_RECORD_DIR_FOR_TESTS.with(|records| *records.borrow_mut() = Some(dir.clone()));
+    let (own_key, backing) = fresh_shared_backing(0x7900_0000);
+    drop(crate::mem::Segment::create_shared(own_key, PAGE_SIZE, false).unwrap());
+    crate::mem::give_shared_to_user(own_key, 65534).unwrap();
+    let record = dir.join(format!("shm-{own_key:#x}.key"));
+    {
+        let (s, opened) = BatchedPageStore::open(layout_test_config(), None, backing).unwrap();
+        assert_eq!(opened, Opened::Fresh);
+        s.write(0, &text(7)[..]).unwrap();
+        s.flush_pending().unwrap();
+    }
+    let key: i32 = std::fs::read_to_string(&record)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_ne!(key, own_key);
+    assert!(crate::mem::Segment::shared_exists(key));
+    {
+        let (s, opened) = BatchedPageStore::open(layout_test_config(), None, backing).unwrap();
+        assert_eq!(opened, Opened::Resumed { pages: 1, lost: 0 });
+        let mut buf = vec![0u8; PAGE_SIZE];
+        s.read(0, &mut buf).unwrap();
+        assert_eq!(&buf[..], &text(7)[..]);
+    }
+    assert!(layout::remove_shared_under(own_key).unwrap());
+    assert!(!crate::mem::Segment::shared_exists(key));
+    assert!(!crate::mem::Segment::shared_exists(own_key));
+    assert!(!record.exists());
+    layout::KEY_RECORD_DIR_FOR_TESTS.with(|records| *records.borrow_mut() = None);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// An upgrade that cannot read the store leaves it as it was: a store whose header names
 /// another layout version is refused with a message that says what to do, its header and
 /// page metadata do not change, and a binary of the store's own version then resumes every
