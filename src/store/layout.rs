@@ -80,6 +80,8 @@ const MAGIC: u64 = u64::from_le_bytes(*b"trueublk");
 /// SysV keys of device stores: this plus the device id (ublk ids are below 2^20).
 const DEVICE_KEY_BASE: i32 = 0x7400_0000;
 const MAX_DEVICE_ID: u32 = (1 << 20) - 1;
+/// The bits of a device key that are its id.
+const DEVICE_ID_MASK: i32 = (1 << 20) - 1;
 
 /// Header words.
 const H_MAGIC: usize = 0;
@@ -159,16 +161,22 @@ fn current_key(own_key: i32) -> i32 {
 
 /// A new random key for the shared store whose own key is `own_key`, recorded before any
 /// segment is made under it (so that a segment never exists that `remove_shared` cannot find).
-fn record_new_key(own_key: i32, attempt: u32) -> std::io::Result<i32> {
+pub(super) fn record_new_key(own_key: i32, attempt: u32) -> std::io::Result<i32> {
     use std::hash::{BuildHasher, Hasher};
     use std::os::unix::fs::DirBuilderExt;
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u32(attempt);
-    // 31 bits, never 0 (IPC_PRIVATE) nor the store's own key.
-    let key = i32::try_from(hasher.finish() & 0x7fff_ffff)
-        .unwrap_or(1)
-        .max(1);
-    let key = if key == own_key { key ^ 1 } else { key };
+    // 31 bits, never 0 (IPC_PRIVATE) nor any device's own key (another device's would be
+    // freed as that device's when it is made).
+    let mut draw = 0u32;
+    let key = loop {
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_u32(attempt);
+        hasher.write_u32(draw);
+        draw += 1;
+        let key = i32::try_from(hasher.finish() & 0x7fff_ffff).unwrap_or(0);
+        if key != 0 && key != own_key && key & !DEVICE_ID_MASK != DEVICE_KEY_BASE {
+            break key;
+        }
+    };
     let path = key_record(own_key);
     let dir = path.parent().unwrap_or(std::path::Path::new("/"));
     std::fs::DirBuilder::new()
@@ -179,6 +187,12 @@ fn record_new_key(own_key: i32, attempt: u32) -> std::io::Result<i32> {
     std::fs::write(&staged, format!("{key}\n"))?;
     std::fs::rename(&staged, &path)?;
     Ok(key)
+}
+
+/// Whether the SysV segment `key` is another user's (`Segment::attach_shared` refuses it).
+fn foreign(key: i32) -> bool {
+    matches!(Segment::attach_shared(key),
+        Err(error) if error.kind() == std::io::ErrorKind::PermissionDenied)
 }
 
 /// The SysV key of device `id`'s store, its own (see `open_shared` for the key it may be
@@ -502,7 +516,18 @@ impl Regions {
         let mut created = if taken {
             Err(std::io::ErrorKind::AlreadyExists.into())
         } else {
-            Segment::create_shared(key, len, lock)
+            match Segment::create_shared(key, len, lock) {
+                // Only another user's segment sends the store elsewhere. One of ours made
+                // under the key since the look above (two processes opening the store at
+                // once) fails this open, as it always did: a second store, and a record
+                // pointing away from the first, would leave one of them unreachable.
+                Err(error)
+                    if error.kind() == std::io::ErrorKind::AlreadyExists && !foreign(key) =>
+                {
+                    return Err(creating()(error));
+                }
+                created => created,
+            }
         };
         let mut attempt = 0;
         while matches!(&created, Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists)

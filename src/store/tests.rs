@@ -769,6 +769,12 @@ fn a_store_whose_own_key_another_user_holds_is_made_under_a_recorded_key() {
         s.read(0, &mut buf).unwrap();
         assert_eq!(&buf[..], &text(7)[..]);
     }
+    // No drawn key is a device's own (that device's creation would free it as its own).
+    for attempt in 0..500 {
+        let drawn = layout::record_new_key(own_key, attempt).unwrap();
+        assert!(drawn > 0 && drawn & !0xf_ffff != 0x7400_0000, "{drawn:#x}");
+    }
+    std::fs::write(&record, format!("{key}\n")).unwrap();
     assert!(layout::remove_shared_under(own_key).unwrap());
     assert!(!crate::mem::Segment::shared_exists(key));
     assert!(!crate::mem::Segment::shared_exists(own_key));
