@@ -89,8 +89,15 @@ impl SharedRead {
             error: AtomicI32::new(0),
             queue_thread: std::thread::current(),
         });
-        let (helper, buffer) = (shared.clone(), lent.clone());
-        handler.lend_thread(Box::new(move || helper.serve_lent(&buffer)));
+        // The lent thread's job holds the read weakly: one that starts after the read was
+        // answered (its pool busy) finds it gone, and one still queued keeps neither the
+        // char device (whose last close DEL_DEV waits for) nor the handler.
+        let (helper, buffer) = (Arc::downgrade(&shared), lent.clone());
+        handler.lend_thread(Box::new(move || {
+            if let Some(shared) = helper.upgrade() {
+                shared.serve_lent(&buffer);
+            }
+        }));
         shared.take_pieces(staging);
         // Every piece is taken; wait for the one the lent thread may still be serving.
         while shared.lent_busy.load(Ordering::SeqCst) {
@@ -295,6 +302,9 @@ mod tests {
         };
         let (result, _, handler) = serve(handler, request, "late");
         assert_eq!(result, 1 << 20);
+        // The queued job holds nothing of the read: not the handler (nor the char device,
+        // whose last close a DEL_DEV waits for).
+        assert_eq!(Arc::strong_count(&handler), 1);
         let jobs = std::mem::take(&mut *handler.late.lock());
         assert_eq!(jobs.len(), 1);
         // Its file is gone: a piece it served now would fail and be logged, never silently
