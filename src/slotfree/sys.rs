@@ -172,7 +172,15 @@ pub fn load_kprobe_program(
 /// Run `program` at the entry of the kernel function `function` (a kprobe through perf);
 /// it stays attached until the returned descriptor is closed.
 pub fn attach_kprobe(function: &str, program: &OwnedFd) -> std::io::Result<OwnedFd> {
-    let pmu: u32 = std::fs::read_to_string(KPROBE_PMU_TYPE)?
+    // Absent where the kernel has no kprobe events (CONFIG_KPROBE_EVENTS): say so, rather
+    // than an ENOENT that reads like the function's.
+    let pmu: u32 = std::fs::read_to_string(KPROBE_PMU_TYPE)
+        .map_err(|error| {
+            std::io::Error::new(
+                error.kind(),
+                format!("{KPROBE_PMU_TYPE}: {error} (a kernel without kprobe events)"),
+            )
+        })?
         .trim()
         .parse()
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, KPROBE_PMU_TYPE))?;
