@@ -275,8 +275,20 @@ if [ -e /tmp/hold ]; then
     check "... the supervisor said it took the device over" \
         eval "journal_units | grep -q 'ended on its own and left its device'"
     supervisor_stayed "$main0"
-    # a2. systemctl reload (SIGHUP to the supervisor): a standby of the binary on disk is
+    # a2. A reload with the config file broken (a typo): refused, the running build serves
+    #     on with its settings (where a takeover or restart serves without the file, c).
+    serving0=$(settled_serving_pid)
+    standbys=$(journal_units | grep -c 'standby ready')
+    echo 'depth = lots' >>/etc/trueno-ublk.conf
+    systemctl reload trueno-ublk@$ID.service
+    check "a reload with the config file broken fails, saying why" \
+        wait_for 60 eval "journal_units | grep -q 'reload failed: the standby of the binary on disk ended'"
+    check "... and $serving0 still serves $DEV ($(serving_pid))" [ "$(serving_pid)" = "$serving0" ]
+    sed -i '/^depth = lots$/d' /etc/trueno-ublk.conf
+    # a3. systemctl reload (SIGHUP to the supervisor): a standby of the binary on disk is
     #     readied while the serving process serves on, then takes the device over from it.
+    check "a standby is ready again after the failed reload" \
+        wait_for 30 eval "[ \"\$(journal_units | grep -c 'standby ready')\" -gt $standbys ]"
     serving0=$(settled_serving_pid)
     t0=$(now)
     timeout 60 systemctl reload trueno-ublk@$ID.service

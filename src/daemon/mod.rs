@@ -246,7 +246,8 @@ pub fn create(options: &DeviceOptions, role: CreateRole) -> Result<(), DaemonErr
 /// keep a device that exists from being served: someone's swap may wait on it, every swap-in
 /// stuck until the file is mended. Such a device is served with the command line's settings
 /// and the defaults instead, and the error is logged (`KeptForResume`); a new device is
-/// refused, with the error.
+/// refused, with the error, and so is a reload (its standby fails, and the running build
+/// serves on with its settings).
 fn resolve_settings(
     options: &DeviceOptions,
 ) -> Result<(DeviceSettings, Option<String>), DaemonError> {
@@ -254,7 +255,8 @@ fn resolve_settings(
         Ok(settings) => return Ok((settings, None)),
         Err(error) => error.to_string(),
     };
-    if options.config.is_none() || !options.id.is_some_and(device_exists) {
+    let reload = std::env::var_os(supervise::RELOAD_ENV).is_some();
+    if reload || options.config.is_none() || !options.id.is_some_and(device_exists) {
         return Err(DaemonError::Settings(error));
     }
     let without_file = DeviceOptions {

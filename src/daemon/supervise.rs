@@ -54,6 +54,12 @@ use crate::config::DeviceSettings;
 /// Tells the serving process who its supervisor is (its parent's pid), so that it can tell
 /// whether that parent is still there when it starts.
 pub(super) const SUPERVISOR_ENV: &str = "TRUENO_UBLK_SUPERVISOR";
+
+/// Set for a reload's standby: a config file that does not read fails it (the running build
+/// serves on, with its settings), where other serving processes of a device that exists
+/// serve without the file (`super::resolve_settings`). An environment variable, not an
+/// argument: the binary on disk may be of another build, and an older one ignores it.
+pub(super) const RELOAD_ENV: &str = "TRUENO_UBLK_RELOAD";
 /// Processes started at once after deaths by a signal within `RESTART_WINDOW`; after more
 /// deaths, each start waits twice as long as the one before (from `FIRST_BACKOFF` up to
 /// `MAX_BACKOFF`): something kills every new process (a bug that crashes it on resume, say),
@@ -335,7 +341,7 @@ pub(super) fn supervise(
                         }
                         standby_due = None;
                         // A failed start fails the reload, never the supervisor.
-                        incoming = ServingProcess::spawn(&mut child_command(path, learnt_id, true))
+                        incoming = ServingProcess::spawn(child_command(path, learnt_id, true).env(RELOAD_ENV, "1"))
                             .map_err(|error| tracing::error!(%error, "reload failed: cannot start the binary on disk; the device is still served by the running build"))
                             .ok();
                         if incoming.is_none() {
