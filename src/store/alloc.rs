@@ -755,31 +755,47 @@ impl ZsAllocator {
     pub(super) fn plan_evacuation(&self) -> usize {
         let mut marked = 0;
         for class in self.classes.iter() {
-            let mut st = class.state.lock();
-            if st.evacuating > 0 || st.chunks == 0 {
-                continue;
+            // Nothing is allocated, nor sorted, under the class's lock, which every take and
+            // free of an object waits for (and the daemon's heap is locked: an allocation
+            // faults its pages in, and may wait in reclaim): the candidates are copied into
+            // room made before, and sorted after.
+            let ids = {
+                let st = class.state.lock();
+                if st.evacuating > 0 || evacuation_slack(&st, class.objs_per_chunk) == 0 {
+                    continue;
+                }
+                st.usage.len()
+            };
+            let mut candidates: Vec<(u32, u32)> = Vec::with_capacity(ids);
+            {
+                let st = class.state.lock();
+                let live = st.usage.iter().enumerate().filter_map(|(id, u)| {
+                    u.as_ref()
+                        .filter(|u| !u.evacuating)
+                        .map(|u| (u.used, id as u32))
+                });
+                candidates.extend(live.take(ids));
             }
-            let needed = st.objects.div_ceil(class.objs_per_chunk);
-            let slack = st.chunks - needed.min(st.chunks);
-            if slack == 0 || slack * COMPACT_SLACK_DIVISOR < st.chunks {
-                continue;
-            }
-            // The sparsest chunks, fewest objects first. Sorting a few thousand ids takes
-            // well under a millisecond; the class is rarely this fragmented.
-            let mut candidates: Vec<(u32, u32)> = st
-                .usage
-                .iter()
-                .enumerate()
-                .filter_map(|(id, u)| u.as_ref().map(|u| (u.used, id as u32)))
-                .collect();
+            // The sparsest chunks, fewest objects first.
             candidates.sort_unstable();
+            let mut st = class.state.lock();
+            let slack = evacuation_slack(&st, class.objs_per_chunk);
+            if st.evacuating > 0 || slack == 0 {
+                continue;
+            }
             let ClassState {
                 usage,
                 partial,
                 evacuating,
                 ..
             } = &mut *st;
-            for &(_, id) in candidates.iter().take(slack.min(MAX_EVACUATING_PER_PLAN)) {
+            let mut taken = 0;
+            for &(_, id) in &candidates {
+                if taken == slack.min(MAX_EVACUATING_PER_PLAN) {
+                    break;
+                }
+                // Freed (or reused) since the copy: marking one is never wrong, only less
+                // useful, but a freed id has nothing to mark.
                 let Some(Some(u)) = usage.get_mut(id as usize) else {
                     continue;
                 };
@@ -789,10 +805,48 @@ impl ZsAllocator {
                 }
                 *evacuating += 1;
                 class.evacuating.fetch_add(1, Ordering::Relaxed);
-                marked += 1;
+                taken += 1;
             }
+            marked += taken;
         }
         marked
+    }
+
+    /// Take every chunk marked evacuating back into use, its free objects for new ones: for
+    /// a compaction that stopped early, and while memory is short (a marked chunk takes no
+    /// new object, and the sparsest chunks have the most room: new pages would need new
+    /// chunks, from memory the system does not have). Returns the chunks unmarked.
+    pub(super) fn abandon_evacuation(&self) -> usize {
+        let mut unmarked = 0;
+        for class in self.classes.iter() {
+            if class.evacuating.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let mut st = class.state.lock();
+            let ClassState {
+                usage,
+                partial,
+                evacuating,
+                ..
+            } = &mut *st;
+            for id in 0..usage.len() {
+                let Some(Some(u)) = usage.get_mut(id) else {
+                    continue;
+                };
+                if !u.evacuating {
+                    continue;
+                }
+                u.evacuating = false;
+                *evacuating -= 1;
+                class.evacuating.fetch_sub(1, Ordering::Relaxed);
+                unmarked += 1;
+                if (u.used as usize) < class.objs_per_chunk && u.partial_pos.is_none() {
+                    u.partial_pos = Some(partial.len() as u32);
+                    partial.push(id as u32);
+                }
+            }
+        }
+        unmarked
     }
 
     /// Run `f` on the first `len` bytes of the object, under its chunk's read lock.
@@ -1102,6 +1156,21 @@ fn has_room(st: &ClassState) -> bool {
     !st.free_ids.is_empty() || st.usage.len() < st.usage.capacity()
 }
 
+/// How many more chunks the class of `st` holds than its objects need, when that is worth
+/// compacting (at least 1/`COMPACT_SLACK_DIVISOR` of its chunks); else 0.
+fn evacuation_slack(st: &ClassState, objs_per_chunk: usize) -> usize {
+    if st.chunks == 0 {
+        return 0;
+    }
+    let needed = st.objects.div_ceil(objs_per_chunk);
+    let slack = st.chunks - needed.min(st.chunks);
+    if slack * COMPACT_SLACK_DIVISOR < st.chunks {
+        0
+    } else {
+        slack
+    }
+}
+
 /// Remove the entry at `pos` of `partial` (swap-remove), fixing the moved chunk's position.
 fn remove_partial(partial: &mut ListVec<u32>, usage: &mut [Option<ChunkUsage>], pos: u32) {
     partial.swap_remove(pos as usize);
@@ -1199,6 +1268,32 @@ mod tests {
             a.store(&[2u8; 1000]);
         }
         assert_eq!(a.chunk_bytes(), used);
+    }
+
+    #[test]
+    fn abandoned_evacuations_take_new_objects_again() {
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None);
+        let live: Vec<Handle> = (0..2000).map(|_| a.store(&[3u8; 1000]).unwrap()).collect();
+        for h in live
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % 4 != 0)
+            .map(|(_, h)| h)
+        {
+            a.free(*h, 1000);
+        }
+        let marked = a.plan_evacuation();
+        assert!(marked > 0);
+        assert_eq!(a.abandon_evacuation(), marked);
+        assert!(!a.class_evacuating(1000) && a.evacuating_chunks() == 0);
+        // Their free objects take new ones: no chunk more for as many as were freed.
+        let chunk_bytes = a.chunk_bytes();
+        for _ in 0..1000 {
+            a.store(&[4u8; 1000]).unwrap();
+        }
+        assert_eq!(a.chunk_bytes(), chunk_bytes);
+        assert_eq!(a.abandon_evacuation(), 0);
+        assert!(a.plan_evacuation() > 0, "planned again later");
     }
 
     #[test]

@@ -140,7 +140,14 @@ impl BatchedPageStore {
         tick: Duration,
         scratch: &mut Scratch,
     ) {
-        self.alloc.plan_evacuation();
+        // While the system has no memory to give, chunks stay in use for new objects
+        // (compaction would mark the sparsest, which have the most room, and new pages would
+        // need new chunks): a later pass plans again.
+        if self.alloc.reserve.starving() {
+            self.alloc.abandon_evacuation();
+        } else {
+            self.alloc.plan_evacuation();
+        }
         let mut backlog = 0u64;
         let mut slice = Slice::start();
         for index in 0..self.table.len() {
@@ -241,6 +248,11 @@ impl BatchedPageStore {
             if self.alloc.reserve.starving() {
                 break;
             }
+        }
+        if self.alloc.reserve.starving() || self.stopping() {
+            // Stopped early: the chunks still marked take new objects again (see
+            // `recompress_pass`); the recompressor, or the next compaction, plans anew.
+            self.alloc.abandon_evacuation();
         }
         done.chunk_bytes_after = self.alloc.chunk_bytes();
         add(&self.counters.compactions, 1);
