@@ -113,6 +113,21 @@ fn startable_swap_devices(file: &ConfigFile, config: &Path) -> Vec<(u32, u16)> {
     devices
 }
 
+/// `(id, priority)` of every swap area on a `/dev/ublkbN` in `swaps` (/proc/swaps's text).
+fn ublk_swaps_on(swaps: &str) -> Vec<(u32, u16)> {
+    swaps
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let id = fields.first()?.strip_prefix("/dev/ublkb")?.parse().ok()?;
+            // Negative where swapon gave none; the priority only matters to a swapon.
+            let priority = fields.get(4)?.parse::<i32>().ok()?;
+            Some((id, u16::try_from(priority).unwrap_or(DEFAULT_SWAP_PRIORITY)))
+        })
+        .collect()
+}
+
 /// Write the swap units of `devices` (`(id, priority)`) into `dir` (systemd's "normal"
 /// generator directory).
 pub fn generate(
@@ -151,18 +166,29 @@ pub fn main() -> i32 {
     };
     let config_path = std::env::var_os("TRUENO_UBLK_CONFIG")
         .map_or_else(|| PathBuf::from(DEFAULT_CONFIG_PATH), PathBuf::from);
-    let file = match config::load(&config_path) {
-        Ok(file) => file,
+    let devices = match config::load(&config_path) {
+        Ok(file) => startable_swap_devices(&file, &config_path),
         Err(error) => {
-            eprintln!("{GENERATOR_NAME}: {error}; no swap units written");
-            return 1;
+            // The swap areas on ublk devices that are on keep their units (a daemon-reload
+            // after an edit with a typo): without, the unit systemd makes from /proc/swaps
+            // is not ordered before the daemon's stop, and at poweroff swapoff would wait
+            // on a device whose daemon has handed it over.
+            let on = ublk_swaps_on(&std::fs::read_to_string("/proc/swaps").unwrap_or_default());
+            eprintln!(
+                "{GENERATOR_NAME}: {error}; no swap units written{}",
+                if on.is_empty() {
+                    String::new()
+                } else {
+                    format!(" but for the ublk swap areas that are on ({})", on.len())
+                }
+            );
+            if on.is_empty() {
+                return 1;
+            }
+            on
         }
     };
-    match generate(
-        &startable_swap_devices(&file, &config_path),
-        &config_path,
-        &dir,
-    ) {
+    match generate(&devices, &config_path, &dir) {
         Ok(_) => 0,
         Err(error) => {
             eprintln!(
@@ -185,6 +211,19 @@ mod tests {
         assert_eq!(
             swap_devices(&file),
             vec![(0, DEFAULT_SWAP_PRIORITY), (2, 7)]
+        );
+    }
+
+    #[test]
+    fn ublk_swap_areas_that_are_on_are_read_from_proc_swaps() {
+        let swaps = "Filename\tType\tSize\tUsed\tPriority\n\
+                     /dev/ublkb0                             partition\t374800\t0\t100\n\
+                     /dev/zram0                              partition\t1000\t0\t5\n\
+                     /dev/ublkb3                             partition\t1000\t0\t-2\n\
+                     /dev/ublkb4\\040(deleted)               partition\t1000\t0\t7\n";
+        assert_eq!(
+            ublk_swaps_on(swaps),
+            vec![(0, 100), (3, DEFAULT_SWAP_PRIORITY)]
         );
     }
 
