@@ -86,7 +86,7 @@ if [ "${1:-}" = --store ]; then
                 c = v["store_" b[i] "_codec_compress_gbps"]; z = v["store_" b[i] "_zram_write_gbps"]
                 printf "%-8s %12s %12s %14s %16s %12s %14s\n", b[i], w, r, c, z, (z > 0 ? sprintf("%.2f", w / z) : "-"), (z > 0 ? sprintf("%.2f", c / z) : "-")
             }
-            print "(GB/s; auto: every vCPU compresses, simd: one; zram: one stream)"
+            print "(GB/s; auto: every vCPU compresses, simd: one; zram: a stream per vCPU)"
         }'
     exit 0
 fi

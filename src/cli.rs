@@ -277,9 +277,11 @@ pub struct BenchArgs {
     /// lzo-rle is the kernel's default)
     #[arg(long, default_value = bench::DEFAULT_ZRAM_ALGORITHM)]
     pub zram_algorithm: String,
-    /// Parallel O_DIRECT streams for zram (1 = one dd)
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
-    pub zram_streams: u16,
+    /// Parallel O_DIRECT streams for zram (1 = one dd); zram compresses in the thread that
+    /// writes, so each stream is a core's worth [default: as many as the store's writer
+    /// threads (--threads)]
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub zram_streams: Option<u16>,
     #[command(flatten)]
     pub store: StoreArgs,
 }

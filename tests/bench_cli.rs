@@ -66,7 +66,7 @@ fn bench_parses_its_flags_and_the_store_options() {
     assert_eq!(args.seed, 9);
     assert_eq!(args.repeat, 3);
     assert!(args.json && args.compare_zram);
-    assert_eq!(args.zram_streams, 2);
+    assert_eq!(args.zram_streams, Some(2));
     assert_eq!(args.zram_algorithm, "lzo-rle");
     assert_eq!(args.store.algorithm, Some(AlgorithmChoice::Adaptive));
     assert_eq!(args.store.backend, Some(BackendChoice::SimdParallel));

@@ -17,7 +17,8 @@
 #   (vmtool pressure), every word checked. FIGURE storm_<device>_seconds=S.
 # MODE=bench-store (1 GiB VM): `trueno-ublk bench --compare-zram` on the built-in mix, with
 #   the default backend (every vCPU) and with one core (--backend simd): the store, the codec
-#   alone and kernel zram (lz4, one stream) under the same emulation, no ublk involved.
+#   alone and kernel zram (lz4, as many streams as the store has writer threads: one per vCPU)
+#   under the same emulation, no ublk involved.
 #   FIGURE store_<backend>_<write|read|codec_compress|zram_write>_gbps=G.
 
 . /test/env

@@ -70,8 +70,10 @@ pub struct BenchOptions {
     pub seed: u64,
     /// Also run kernel zram (lz4) on the same pages.
     pub compare_zram: bool,
-    /// Parallel O_DIRECT streams for zram.
-    pub zram_streams: u16,
+    /// Parallel O_DIRECT streams for zram; `None`: as many as the store's writer threads
+    /// (zram compresses in the writing thread: one stream would give it one core where the
+    /// store has them all).
+    pub zram_streams: Option<u16>,
     /// zram's compression algorithm.
     pub zram_algorithm: String,
     pub store: StoreOptions,
@@ -89,7 +91,7 @@ impl Default for BenchOptions {
             repeat: 1,
             seed: DEFAULT_SEED,
             compare_zram: false,
-            zram_streams: 1,
+            zram_streams: None,
             zram_algorithm: DEFAULT_ZRAM_ALGORITHM.to_string(),
             store: StoreOptions::default(),
         }
@@ -157,6 +159,12 @@ fn page_number(page: usize) -> u32 {
 /// Bytes per second in GB/s (10^9 bytes).
 pub fn gbps(bytes: usize, elapsed: Duration) -> f64 {
     bytes as f64 / elapsed.as_secs_f64().max(1e-9) / 1e9
+}
+
+/// Memory the store holds for pages: theirs, and the chunk reserve's committed memory (which
+/// zram, allocating as it stores, has no like of).
+fn held_for_pages(stats: &StoreStats) -> u64 {
+    stats.mem_used + stats.reserve_bytes
 }
 
 pub(crate) fn ratio(numerator: u64, denominator: u64) -> f64 {
@@ -240,6 +248,11 @@ fn store_pass(
 ) -> Result<StorePass, BenchError> {
     let bytes = corpus.bytes().len();
     let request_bytes = plan.request_bytes;
+    progress.phase("store write", bytes as u64);
+    // From before the store is made: making it fills the chunk reserve (committing up to
+    // `reserve_bytes` of memory, page by page), which zram's writes pay as they go.
+    let cpu_mark = cpu::CpuMark::now();
+    let start = Instant::now();
     let store = BatchedPageStore::new(plan.config.clone(), plan.gpu.clone()).map_err(|source| {
         BenchError::Store {
             phase: "setup",
@@ -247,10 +260,6 @@ fn store_pass(
         }
     })?;
     let flusher = store.start_flusher(|_| ()).map_err(BenchError::Flusher)?;
-
-    progress.phase("store write", bytes as u64);
-    let cpu_mark = cpu::CpuMark::now();
-    let start = Instant::now();
     write_requests(
         &store,
         plan.threads,
@@ -442,7 +451,7 @@ fn round(
         Some(zram::compare(
             corpus,
             scratch,
-            usize::from(args.zram_streams),
+            args.zram_streams.map_or(plan.threads, usize::from),
             &args.zram_algorithm,
             progress,
         )?)
@@ -504,10 +513,10 @@ pub fn measure(
         |figure: fn(&RunFigures) -> Option<f64>| runs.iter().filter_map(figure).fold(0.0, f64::max);
     let write_gbps = best_of(|r| Some(r.write_gbps));
     let read_gbps = best_of(|r| Some(r.read_gbps));
-    let mem_ratio_hot = ratio(stats.orig_bytes, stats.mem_used);
+    let mem_ratio_hot = ratio(stats.orig_bytes, held_for_pages(&stats));
     let settled = settle(&plan, &store, progress);
     let settled_stats = settled.as_ref().map_or(&stats, |s| &s.stats);
-    let mem_ratio = ratio(settled_stats.orig_bytes, settled_stats.mem_used);
+    let mem_ratio = ratio(settled_stats.orig_bytes, held_for_pages(settled_stats));
     let codec = CodecReport {
         backend: format!("{:?}", codec_run.backend),
         batch_pages: codec_run.batch_pages,
@@ -535,12 +544,16 @@ pub fn measure(
             &mut scratch,
             progress,
         )?;
-        let after_ratio = ratio(after.orig_bytes, after.mem_used);
+        let after_ratio = ratio(after.orig_bytes, held_for_pages(&after));
         Some(OverwriteReport {
             passes: args.overwrites,
             write_gbps: gbps(bytes * args.overwrites as usize, time),
             mem_ratio: after_ratio,
-            mem_ratio_change_pct: (after_ratio / mem_ratio_hot - 1.0) * 100.0,
+            mem_ratio_change_pct: if mem_ratio_hot > 0.0 {
+                (after_ratio / mem_ratio_hot - 1.0) * 100.0
+            } else {
+                0.0
+            },
             stats: after,
         })
     } else {
@@ -592,7 +605,7 @@ pub fn measure(
         mem_ratio_hot,
         mem_ratio_all_in: ratio(
             settled_stats.orig_bytes,
-            settled_stats.mem_used
+            held_for_pages(settled_stats)
                 + settled_stats.metadata_bytes
                 + settled_stats.batch_buffer_bytes,
         ),

@@ -147,7 +147,8 @@ pub struct BenchReport {
     pub repeat: usize,
     /// The machine's 1, 5 and 15 minute load averages when the run started.
     pub load_average: [f64; 3],
-    /// Corpus bytes / time from the first write until `flush_pending` returned (GB = 10^9 B).
+    /// Corpus bytes / time from making the store (which fills its chunk reserve) until
+    /// `flush_pending` returned (GB = 10^9 B).
     pub write_gbps: f64,
     /// Corpus bytes / time to read every page back.
     pub read_gbps: f64,
@@ -155,12 +156,14 @@ pub struct BenchReport {
     pub runs: Vec<RunFigures>,
     /// orig / compressed bytes, settled.
     pub ratio: f64,
-    /// orig bytes / memory holding pages, settled: once the recompressor has dealt with every
-    /// page (the same as `mem_ratio_hot` without recompression).
+    /// orig bytes / memory held for pages (theirs and the chunk reserve's), settled: once the
+    /// recompressor has dealt with every page (the same as `mem_ratio_hot` without
+    /// recompression, but for the reserve, which shrinks once writes stop).
     pub mem_ratio: f64,
-    /// orig bytes / memory holding pages right after the writes and the flush.
+    /// orig bytes / memory held for pages (theirs and the chunk reserve's) right after the
+    /// writes and the flush.
     pub mem_ratio_hot: f64,
-    /// orig bytes / (memory holding pages + metadata + pending-batch buffers), settled.
+    /// orig bytes / (memory held for pages + metadata + pending-batch buffers), settled.
     pub mem_ratio_all_in: f64,
     /// Metadata bytes (page table, idle hints, allocator bookkeeping) per page of the device.
     pub metadata_bytes_per_page: f64,
@@ -261,7 +264,7 @@ impl BenchReport {
         }
         let _ = writeln!(
             out,
-            "  ratio {:>7.3} (orig/compressed)   memory ratio {:.3} (orig/memory used, as zram's mem_used_total){}",
+            "  ratio {:>7.3} (orig/compressed)   memory ratio {:.3} (orig/memory held for pages and the chunk reserve, as zram's mem_used_total){}",
             self.ratio,
             self.mem_ratio,
             if self.settle.is_some() {
