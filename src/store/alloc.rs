@@ -106,6 +106,32 @@ impl Handle {
     }
 }
 
+/// How long background work waits for a chunk when no write waits for one: a commit of the
+/// refill thread's, or its own without one (a takeover's first moments, a shutdown's last),
+/// that the system grants at once; never the reserve's last quarter (kept for writes that
+/// waited, from `LAST_RESORT_AFTER` on) nor a wait in reclaim that holds a hand-over up.
+const BACKGROUND_PATIENCE: std::time::Duration = std::time::Duration::from_millis(20);
+
+fn background_patience(waited: std::time::Duration) -> bool {
+    waited >= BACKGROUND_PATIENCE
+}
+
+/// A `give_up` for a taker that never waits.
+fn give_up_at_once(_waited: std::time::Duration) -> bool {
+    true
+}
+
+/// Who takes an object, and so how a new chunk for it is waited for.
+#[derive(Clone, Copy)]
+enum Taker<'a> {
+    /// The I/O path (a write, a flush): waits for the refill thread until `give_up` says so
+    /// (`None`: never gives up), as `ChunkReserve::take`.
+    Io(Option<&'a dyn Fn(std::time::Duration) -> bool>),
+    /// Background work: a ready chunk (`ChunkReserve::take_ready`), else, while no write
+    /// waits for one, a wait of `BACKGROUND_PATIENCE` at most.
+    Background,
+}
+
 /// Bookkeeping of one chunk, kept under its class's mutex.
 #[derive(Debug)]
 struct ChunkUsage {
@@ -524,9 +550,20 @@ impl ZsAllocator {
         bytes: &[u8],
         give_up: Option<&dyn Fn(std::time::Duration) -> bool>,
     ) -> Result<Handle, Shortage> {
+        self.store_as(bytes, Taker::Io(give_up))
+    }
+
+    /// `store` for background work (the recompressor, compaction): `None` where a new chunk
+    /// would have to be waited for while writes wait for one, or for longer than
+    /// `BACKGROUND_PATIENCE` (see `Taker::Background`).
+    pub(super) fn store_in_background(&self, bytes: &[u8]) -> Option<Handle> {
+        self.store_as(bytes, Taker::Background).ok()
+    }
+
+    fn store_as(&self, bytes: &[u8], taker: Taker<'_>) -> Result<Handle, Shortage> {
         let class_idx = self.class_index(bytes.len());
         let class = &self.classes[class_idx];
-        let (dir, chunk, obj) = self.take_object(class_idx, give_up)?;
+        let (dir, chunk, obj) = self.take_object(class_idx, taker)?;
         let Some(Some(lock)) = dir.get(chunk as usize) else {
             return Err(Shortage::ArenaFull);
         };
@@ -545,7 +582,7 @@ impl ZsAllocator {
     fn take_object(
         &self,
         class_idx: usize,
-        give_up: Option<&dyn Fn(std::time::Duration) -> bool>,
+        taker: Taker<'_>,
     ) -> Result<(ChunkDirectory<'_>, u32, u16), Shortage> {
         let class = &self.classes[class_idx];
         let mut st = class.state.lock();
@@ -558,7 +595,24 @@ impl ZsAllocator {
                     // free memory the refill may be waiting for (seen in the VM: a discard
                     // stuck behind a flush that waited for the refill).
                     drop(st);
-                    let data = self.reserve.take(class.chunk_bytes / PAGE_SIZE, give_up)?;
+                    let pages = class.chunk_bytes / PAGE_SIZE;
+                    let (data, give_up) = match taker {
+                        Taker::Io(give_up) => (self.reserve.take(pages, give_up)?, give_up),
+                        Taker::Background => {
+                            let data = match self.reserve.take_ready(pages) {
+                                Some(data) => data,
+                                // Writes wait for memory: none for background work.
+                                None if self.reserve.starving() => {
+                                    return Err(Shortage::Starved {
+                                        waited: std::time::Duration::ZERO,
+                                    })
+                                }
+                                None => self.reserve.take(pages, Some(&background_patience))?,
+                            };
+                            // Never waits for room (below).
+                            (data, Some(&give_up_at_once as &dyn Fn(_) -> bool))
+                        }
+                    };
                     st = class.state.lock();
                     // No push here may grow a list (see `provision`): wait for the refill
                     // thread to make room, as for the chunk itself, and give up as a taker
@@ -1396,6 +1450,38 @@ mod tests {
         assert_eq!(
             a.with_object(handle, 1000, <[u8]>::to_vec).unwrap(),
             vec![5u8; 1000]
+        );
+    }
+
+    #[test]
+    fn background_work_never_waits_for_a_chunk() {
+        // A refill thread that commits nothing: background work gets no chunk, within its
+        // patience, and is no longer counted as starving once it gives up; while a write
+        // waits for a chunk, none at once. An object in a chunk that has room is stored as
+        // ever.
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None);
+        a.reserve.pretend_refill_running(true);
+        let started = std::time::Instant::now();
+        assert_eq!(a.store_in_background(&[6u8; 1000]), None);
+        assert!(started.elapsed() < std::time::Duration::from_secs(1));
+        assert!(!a.reserve.starving());
+        a.reserve.note_waiting();
+        let started = std::time::Instant::now();
+        assert_eq!(a.store_in_background(&[6u8; 1000]), None);
+        assert!(started.elapsed() < BACKGROUND_PATIENCE);
+        a.reserve.note_served();
+        assert_eq!(a.chunk_bytes(), 0);
+        a.reserve.pretend_refill_running(false);
+        let first = a.store(&[6u8; 1000]).unwrap();
+        a.reserve.pretend_refill_running(true);
+        let second = a.store_in_background(&[7u8; 1000]).unwrap();
+        assert_eq!(
+            a.with_object(first, 1000, <[u8]>::to_vec).unwrap(),
+            vec![6u8; 1000]
+        );
+        assert_eq!(
+            a.with_object(second, 1000, <[u8]>::to_vec).unwrap(),
+            vec![7u8; 1000]
         );
     }
 

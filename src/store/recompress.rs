@@ -324,7 +324,10 @@ impl BatchedPageStore {
             )
         };
         // Evacuating chunks take no new objects: this lands in another one.
-        let Some(new_handle) = self.alloc.store(&scratch.compressed[..claim.len]) else {
+        let Some(new_handle) = self
+            .alloc
+            .store_in_background(&scratch.compressed[..claim.len])
+        else {
             return Some(Outcome::Dropped);
         };
         let moved = {
@@ -435,7 +438,7 @@ impl BatchedPageStore {
             return Outcome::Rejected;
         };
         // The new object first, outside every lock; then the entry flips to it.
-        let Some(new_handle) = self.alloc.store(&scratch.out[..new_len]) else {
+        let Some(new_handle) = self.alloc.store_in_background(&scratch.out[..new_len]) else {
             return Outcome::Dropped;
         };
         let new = PageState::Stored {

@@ -569,6 +569,24 @@ impl ChunkReserve {
         self.note_served();
     }
 
+    /// A chunk of `pages` pages if one is ready now, for background work (the recompressor,
+    /// compaction): without waiting, or counting as a waiter (which would put the store's
+    /// writes under the starvation rule), or taking a pool's last quarter (kept for writes
+    /// that waited), or committing memory. `None` when none is ready; the refill thread is
+    /// asked for one.
+    pub(super) fn take_ready(&self, pages: usize) -> Option<ArenaChunk> {
+        let k = pages - 1;
+        let chunk = self
+            .pop_committed(k, false)
+            .or_else(|| self.split_larger(k))
+            .or_else(|| self.join_smaller(k));
+        if chunk.is_none() && self.enabled() {
+            self.wanted.fetch_or(1 << k, Ordering::Relaxed);
+            self.wake_refill();
+        }
+        chunk
+    }
+
     /// A chunk of `pages` pages: from the reserve, or committed now if the reserve has none.
     /// A taker that waits for the refill thread asks `give_up` how long it has waited (see
     /// `Stall`) at least every `REFILL_PERIOD`, and gives up when told to (the starvation rule
