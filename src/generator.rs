@@ -76,7 +76,8 @@ TimeoutSec=10min
 }
 
 /// The devices of `swap_devices` whose daemon can start: a section the daemon would refuse (a
-/// value out of range, a recompression that cannot save anything) gets no swap unit, and a
+/// value out of range, a recompression that cannot save anything, a size beyond 32 times
+/// RAM) gets no swap unit, and a
 /// message, rather than one that holds the boot up waiting for a device that never comes
 /// (systemd's device timeout, 90 s). A device that exists already keeps its unit: its daemon
 /// serves it without the file (`daemon::create`), and the unit orders swapoff before the
@@ -96,7 +97,12 @@ fn startable_swap_devices(file: &ConfigFile, config: &Path) -> Vec<(u32, u16)> {
             config: Some(config.to_path_buf()),
             ..Default::default()
         };
-        let Err(error) = config::resolve_with(&options, file, ram_bytes) else {
+        let startable = config::resolve_with(&options, file, ram_bytes)
+            .map_err(|error| error.to_string())
+            .and_then(|settings| {
+                crate::daemon::check_startable(&settings).map_err(|error| error.to_string())
+            });
+        let Err(error) = startable else {
             return true;
         };
         let exists = crate::ublk::device::device_exists(id);
@@ -234,9 +240,10 @@ mod tests {
         let text = "[ublkb1040001]\nswap = yes\nalgorithm = zstd\nzstd-level = 9\n\
                     recompress = zstd:3\n\
                     [ublkb1040002]\nswap = yes\nalgorithm = zstd\nrecompress = zstd:1\n\
-                    [ublkb1040003]\nswap = yes\n";
+                    [ublkb1040003]\nswap = yes\n\
+                    [ublkb1040004]\nswap = yes\nsize = 512T\n";
         let file = config::parse(text, Path::new("t.conf")).unwrap();
-        assert_eq!(swap_devices(&file).len(), 3);
+        assert_eq!(swap_devices(&file).len(), 4);
         assert_eq!(
             startable_swap_devices(&file, Path::new("t.conf")),
             vec![(1_040_003, DEFAULT_SWAP_PRIORITY)]

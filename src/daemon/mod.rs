@@ -198,6 +198,15 @@ fn decide_stop(request: StopRequest, path: &str, survives_daemon: bool) -> Optio
     action
 }
 
+/// Refuse settings no device can be made with (a size beyond what RAM can index, queues or
+/// depth the driver refuses), before anything is set up; the generator asks too, so that a
+/// section with them gets no swap unit that would wait at boot for a device that never comes.
+pub fn check_startable(settings: &DeviceSettings) -> Result<(), DaemonError> {
+    check_size_against_ram(settings.size_bytes)?;
+    device_spec(settings).validate()?;
+    Ok(())
+}
+
 /// The ublk side of the settings.
 fn device_spec(settings: &DeviceSettings) -> DeviceSpec {
     DeviceSpec {
@@ -231,8 +240,7 @@ pub fn create(options: &DeviceOptions, role: CreateRole) -> Result<(), DaemonErr
         size: keep_existing_size(&mut settings),
         config_ignored,
     };
-    check_size_against_ram(settings.size_bytes)?;
-    device_spec(&settings).validate()?;
+    check_startable(&settings)?;
     match role {
         CreateRole::Detach => start_detached(&settings),
         CreateRole::Supervise => run_supervisor(&settings),
