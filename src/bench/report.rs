@@ -156,14 +156,16 @@ pub struct BenchReport {
     pub runs: Vec<RunFigures>,
     /// orig / compressed bytes, settled.
     pub ratio: f64,
-    /// orig bytes / memory held for pages (theirs and the chunk reserve's), settled: once the
-    /// recompressor has dealt with every page (the same as `mem_ratio_hot` without
-    /// recompression, but for the reserve, which shrinks once writes stop).
+    /// orig bytes / memory holding pages, settled: once the recompressor has dealt with every
+    /// page (the same as `mem_ratio_hot` without recompression).
     pub mem_ratio: f64,
-    /// orig bytes / memory held for pages (theirs and the chunk reserve's) right after the
-    /// writes and the flush.
+    /// orig bytes / memory holding pages right after the writes and the flush.
     pub mem_ratio_hot: f64,
-    /// orig bytes / (memory held for pages + metadata + pending-batch buffers), settled.
+    /// orig bytes / (memory holding pages + the chunk reserve's committed memory) right after
+    /// the writes and the flush: what the store held then (zram has no reserve).
+    pub mem_ratio_hot_with_reserve: f64,
+    /// orig bytes / (memory holding pages + the chunk reserve + metadata + pending-batch
+    /// buffers), settled.
     pub mem_ratio_all_in: f64,
     /// Metadata bytes (page table, idle hints, allocator bookkeeping) per page of the device.
     pub metadata_bytes_per_page: f64,
@@ -264,18 +266,20 @@ impl BenchReport {
         }
         let _ = writeln!(
             out,
-            "  ratio {:>7.3} (orig/compressed)   memory ratio {:.3} (orig/memory held for pages and the chunk reserve, as zram's mem_used_total){}",
+            "  ratio {:>7.3} (orig/compressed)   memory ratio {:.3} (orig/memory used, as zram's mem_used_total){}; {:.3} right after the writes with the chunk reserve then held ({} MiB)",
             self.ratio,
             self.mem_ratio,
             if self.settle.is_some() {
                 format!(", settled; {:.3} right after the writes", self.mem_ratio_hot)
             } else {
                 String::new()
-            }
+            },
+            self.mem_ratio_hot_with_reserve,
+            self.stats.reserve_bytes >> 20
         );
         let _ = writeln!(
             out,
-            "  with page table and batch buffers: memory ratio {:.3}, metadata {:.1} B/page",
+            "  with the chunk reserve, page table and batch buffers: memory ratio {:.3}, metadata {:.1} B/page",
             self.mem_ratio_all_in, self.metadata_bytes_per_page
         );
         let _ = writeln!(
