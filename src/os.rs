@@ -170,18 +170,15 @@ pub fn same_program_alive(pid: i32) -> bool {
     if process_exited(pid) {
         return false;
     }
-    let read = |p: &str, file: &str| std::fs::read_to_string(format!("/proc/{p}/{file}")).ok();
-    let named_as_daemon = read(&pid.to_string(), "comm").is_some_and(|comm| {
+    let read = |file: &str| std::fs::read_to_string(format!("/proc/{pid}/{file}")).ok();
+    let named_as_daemon = read("comm").is_some_and(|comm| {
         DAEMON_NAME
             .to_str()
             .is_ok_and(|name| comm.trim_end() == name)
     });
-    let same_user = match (read(&pid.to_string(), "status"), read("self", "status")) {
-        (Some(theirs), Some(ours)) => {
-            effective_uid(&theirs).is_some_and(|uid| effective_uid(&ours) == Some(uid))
-        }
-        _ => false,
-    };
+    let ours = nix::unistd::geteuid().to_string();
+    let same_user =
+        read("status").is_some_and(|theirs| effective_uid(&theirs) == Some(ours.as_str()));
     named_as_daemon && same_user
 }
 

@@ -137,11 +137,12 @@ thread_local! {
 /// The file that records the key a shared store whose own key is `own_key` was made under
 /// instead (see `open_shared`).
 fn key_record(own_key: i32) -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(KEY_RECORD_DIR);
     #[cfg(test)]
-    if let Some(dir) = KEY_RECORD_DIR_FOR_TESTS.with(|dir| dir.borrow().clone()) {
-        return dir.join(format!("shm-{own_key:#x}.key"));
-    }
-    std::path::Path::new(KEY_RECORD_DIR).join(format!("shm-{own_key:#x}.key"))
+    let dir = KEY_RECORD_DIR_FOR_TESTS
+        .with(|dir| dir.borrow().clone())
+        .unwrap_or(dir);
+    dir.join(format!("shm-{own_key:#x}.key"))
 }
 
 /// The key the store whose own key is `own_key` was made under instead, if it was.
