@@ -43,7 +43,7 @@ bindir="$prefix/bin"
 docdir="$prefix/share/doc/trueno-ublk"
 config=/etc/trueno-ublk.conf
 modules_load=/etc/modules-load.d/trueno-ublk.conf
-units=(trueno-ublk@.service trueno-ublk-mkswap@.service)
+units=(trueno-ublk@.service trueno-ublk-mkswap@.service trueno-ublk-failed@.service)
 # Installed by earlier versions (a oneshot that ran swapon itself); removed on uninstall.
 old_units=(trueno-ublk-swap@.service)
 example="$repo/systemd/trueno-ublk.conf.example"
@@ -86,8 +86,8 @@ if [ "$uninstall" -eq 1 ]; then
     if [ -d "$destdir/etc/systemd/system" ]; then
         find "$destdir/etc/systemd/system" -path '*.wants/trueno-ublk*@*.service' -type l -print -delete
     fi
-    for file in "$bindir/trueno-ublk" "$generator" "$unitdir/${units[0]}" "$unitdir/${units[1]}" \
-        "$unitdir/${old_units[0]}" "$modules_load" \
+    for file in "$bindir/trueno-ublk" "$generator" "${units[@]/#/$unitdir/}" \
+        "${old_units[@]/#/$unitdir/}" "$modules_load" \
         "$docdir/trueno-ublk.conf.example" "$docdir/README.md" "$docdir/docs/measurements.md"; do
         if [ -e "$destdir$file" ] || [ -L "$destdir$file" ]; then
             rm -f "$destdir$file"

@@ -4,7 +4,8 @@
 # swap enabled as README.md says, booted on the same 6.12 kernel with systemd as PID 1.
 # scripts/vm/systemd-test.sh runs inside (after multi-user.target) and powers the VM off
 # with pages still swapped out; this script then reads the console log of the whole boot
-# and shutdown.
+# and shutdown. The same image is then booted once more with ublk_drv kept out
+# (module_blacklist=), where the swap unit must fail at once rather than hold the boot.
 #
 #   scripts/vm/systemd-stage.sh KDIR BIN VMTOOL
 #     KDIR    the extracted kernel (vmlinuz, ublk_drv.ko) of scripts/vm-test.sh
@@ -136,30 +137,49 @@ rm -f "$VM_DIR/trueno-ublk.stripped"
 log "initramfs $(du -h "$INITRD" | cut -f1) (Debian $SUITE + systemd, trueno-ublk installed by install.sh), kernel $KVER"
 
 # --- 3. Boot -------------------------------------------------------------------------------
+# boot_systemd CONSOLE RESULT [KERNEL_ARGS...]: boot the image (once more if the guest kernel
+# died in its own boot), its console and test results (ttyS1) into files; sets VM_S and QEMU_RC.
+boot_systemd() {
+    local console=$1 result=$2 attempt qemu_pid tail_pid vm_start
+    shift 2
+    for attempt in 1 2; do
+        : >"$console"
+        : >"$result"
+        log "booting systemd${*:+ ($*)}: ${RAM_MIB} MiB RAM, $CPUS vCPUs, TCG, CPU $(tcg_cpu) (limit ${TIMEOUT_S} s)"
+        vm_start=$SECONDS
+        QEMU_RC=0
+        timeout --kill-after=10 "$TIMEOUT_S" qemu-system-x86_64 \
+            -nodefaults -no-user-config -accel tcg,thread=multi -cpu "$(tcg_cpu)" -smp "$CPUS" -m "${RAM_MIB}M" \
+            -kernel "$KDIR/vmlinuz" -initrd "$INITRD" \
+            -append "console=ttyS0 rdinit=/init rootfstype=ramfs panic=-1 loglevel=4 systemd.show_status=1${*:+ $*}" \
+            -nic none -display none -no-reboot \
+            -chardev file,id=console,path="$console" -serial chardev:console \
+            -chardev file,id=result,path="$result" -serial chardev:result \
+            </dev/null >"$VM_DIR/systemd-qemu.log" 2>&1 &
+        qemu_pid=$!
+        tail -n +1 -s 0.5 --pid "$qemu_pid" -F "$result" 2>/dev/null | sed -u 's/\r$//' &
+        tail_pid=$!
+        wait "$qemu_pid" || QEMU_RC=$?
+        wait "$tail_pid" 2>/dev/null || true
+        VM_S=$((SECONDS - vm_start))
+        boot_again "$attempt" "$console" "$result" || break
+    done
+}
 CONSOLE="$VM_DIR/systemd-console.log"
 RESULT="$VM_DIR/systemd-result.log"
-for attempt in 1 2; do
-: >"$CONSOLE"
-: >"$RESULT"
-log "booting systemd: ${RAM_MIB} MiB RAM, $CPUS vCPUs, TCG, CPU $(tcg_cpu) (limit ${TIMEOUT_S} s)"
-VM_START=$SECONDS
-QEMU_RC=0
-timeout --kill-after=10 "$TIMEOUT_S" qemu-system-x86_64 \
-    -nodefaults -no-user-config -accel tcg,thread=multi -cpu "$(tcg_cpu)" -smp "$CPUS" -m "${RAM_MIB}M" \
-    -kernel "$KDIR/vmlinuz" -initrd "$INITRD" \
-    -append "console=ttyS0 rdinit=/init rootfstype=ramfs panic=-1 loglevel=4 systemd.show_status=1" \
-    -nic none -display none -no-reboot \
-    -chardev file,id=console,path="$CONSOLE" -serial chardev:console \
-    -chardev file,id=result,path="$RESULT" -serial chardev:result \
-    </dev/null >"$VM_DIR/systemd-qemu.log" 2>&1 &
-QEMU_PID=$!
-tail -n +1 -s 0.5 --pid "$QEMU_PID" -F "$RESULT" 2>/dev/null | sed -u 's/\r$//' &
-TAIL_PID=$!
-wait "$QEMU_PID" || QEMU_RC=$?
-wait "$TAIL_PID" 2>/dev/null || true
-VM_S=$((SECONDS - VM_START))
-boot_again "$attempt" "$CONSOLE" "$RESULT" || break
-done
+boot_systemd "$CONSOLE" "$RESULT"
+# The same image on a kernel that may not load ublk_drv: the daemon fails for good, and the
+# swap unit must fail at once rather than hold the boot for the 90 s device timeout
+# (systemd-test.sh, section 0).
+NO_DRIVER_CONSOLE="$VM_DIR/systemd-no-driver-console.log"
+NO_DRIVER_RESULT="$VM_DIR/systemd-no-driver-result.log"
+MAIN_VM_S=$VM_S
+MAIN_QEMU_RC=$QEMU_RC
+boot_systemd "$NO_DRIVER_CONSOLE" "$NO_DRIVER_RESULT" module_blacklist=ublk_drv trueno.test=no-driver
+NO_DRIVER_VM_S=$VM_S
+NO_DRIVER_QEMU_RC=$QEMU_RC
+VM_S=$MAIN_VM_S
+QEMU_RC=$MAIN_QEMU_RC
 rm -f "$INITRD"
 
 # --- 4. Verdict, with the shutdown in the console log ----------------------------------------
@@ -193,12 +213,25 @@ stopped_line=$(grep -n 'OK  \] Stopped trueno-ublk@0' "$CONSOLE.txt" | tail -n1 
 host_check "at poweroff swapoff of /dev/ublkb0 finished (line ${swapoff_line:-none}) before the daemon's stop began (line ${stop_line:-none})" \
     [ "${swapoff_line:-999999}" -lt "${stop_line:-0}" ]
 host_check "at poweroff the daemon then stopped cleanly (line ${stopped_line:-none})" [ "${stopped_line:-0}" -gt "${stop_line:-999999}" ]
+# The boot without the driver: its own verdict, and a console free of the same faults.
+tr -d '\r' <"$NO_DRIVER_CONSOLE" | sed 's/\x1b\[[0-9;]*[A-Za-z]//g' >"$NO_DRIVER_CONSOLE.txt"
+no_driver_results=$(tr -d '\r' <"$NO_DRIVER_RESULT")
+echo
+echo "=== the boot without ublk_drv ($NO_DRIVER_RESULT; console $NO_DRIVER_CONSOLE)"
+grep -E '^(ok|FAIL):' <<<"$no_driver_results" || true
+host_check "without ublk_drv: the in-VM checks passed (qemu exit $NO_DRIVER_QEMU_RC, ${NO_DRIVER_VM_S} s)" \
+    grep -q '^VMTEST RESULT: PASS$' <<<"$no_driver_results"
+bad=$(grep -E -e 'Kernel panic|Attempted to kill init|BUG:|Oops:|general protection|Call Trace' \
+    "$NO_DRIVER_CONSOLE.txt" || true)
+host_check "without ublk_drv: no panic or Oops, and the VM powered off by itself" \
+    eval '[ -z "$bad" ] && grep -q "reboot: Power down" "$NO_DRIVER_CONSOLE.txt"'
 results=$(tr -d '\r' <"$RESULT")
 in_vm_fails=$(grep -c '^FAIL' <<<"$results" || true)
 echo
 echo "================ trueno-ublk VM test (real systemd): figures ================"
 sed -n 's/^FIGURE //p' <<<"$results" | while IFS='=' read -r k v; do printf '  %-34s %s\n' "$k" "$v"; done
 echo "  vm wall time                       ${VM_S} s (qemu exit $QEMU_RC)"
+echo "  vm wall time without ublk_drv      ${NO_DRIVER_VM_S} s (qemu exit $NO_DRIVER_QEMU_RC)"
 echo "  whole stage                        $((SECONDS - START_S)) s"
 if grep -q '^VMTEST RESULT: PASS$' <<<"$results" && [ "$in_vm_fails" -eq 0 ] && [ "$fails" -eq 0 ]; then
     echo "================ systemd stage: PASS ================"

@@ -28,6 +28,8 @@
 # The test runs with MemorySwapMax=0 (its unit), so that its own pages never wait for a
 # device that waits for its daemon; the pressure programs run in a scope of their own.
 #   4. Poweroff while pages (PID 1's and journald's among them) are still swapped out.
+# On the stage's second boot (ublk_drv kept out) only section 0 runs: the daemon fails for
+# good and the swap unit fails at once, without holding the boot.
 # shellcheck disable=SC2317,SC2119,SC2120 # functions run through check; journal_units takes optional options
 set -u
 exec >/dev/ttyS1 2>&1
@@ -162,6 +164,32 @@ pressure_finish() { # NAME
     figure "systemd_${1}_seconds" "$(($(date +%s) - PRESSURE_T0))"
     figure "systemd_${1}_pswpout" "$(($(vmstat_of pswpout) - PRESSURE_OUT0))"
 }
+
+# --- 0. a boot whose kernel cannot load ublk_drv (systemd-stage.sh's second boot) ------------
+# The daemon fails for good; trueno-ublk-failed@0 (its OnFailure=) must fail the swap unit and
+# trueno-ublk-mkswap@0, which wait for a device that will not come, so that the boot goes on
+# at once rather than after systemd's 90 s device timeout.
+if grep -qw 'trueno.test=no-driver' /proc/cmdline; then
+    section "boot without ublk_drv (module_blacklist): kernel $(uname -r)"
+    up=$(now)
+    systemd-analyze time 2>/dev/null | head -n1
+    check "multi-user.target came ${up} s after the kernel started (under 60 s: not held by the 90 s device timeout)" \
+        awk -v t="$up" 'BEGIN { exit !(t < 60) }'
+    check "/dev/ublk-control is absent (the driver was kept out)" [ ! -e /dev/ublk-control ]
+    check "trueno-ublk@$ID failed ($(systemctl show -p ActiveState,Result --value trueno-ublk@$ID.service | tr '\n' ' '))" \
+        systemctl -q is-failed trueno-ublk@$ID.service
+    check "... saying what to do (modprobe ublk_drv)" eval "journal_units | grep -q 'modprobe ublk_drv'"
+    check "trueno-ublk-failed@$ID ran" eval "journalctl -b --no-pager -u trueno-ublk-failed@$ID.service | grep -q 'Finished\|Deactivated'"
+    # A start job failed by a dependency leaves its unit inactive, not failed.
+    check "the start of dev-ublkb$ID.swap failed (its state: $(systemctl is-active dev-ublkb$ID.swap))" \
+        eval "journalctl -b --no-pager | grep -q 'Dependency failed for dev-ublkb$ID.swap'"
+    check "... as did trueno-ublk-mkswap@$ID's" \
+        eval "journalctl -b --no-pager | grep -q 'Dependency failed for trueno-ublk-mkswap@$ID'"
+    systemctl list-jobs --no-pager
+    check "no job is left but this test's own" eval "[ \"\$(systemctl list-jobs --no-legend | grep -vc trueno-test.service)\" = 0 ]"
+    journal_units | tail -n 20
+    finish
+fi
 
 # --- 1. boot --------------------------------------------------------------------------------
 section "boot: kernel $(uname -r), systemd $(systemctl --version | head -n1 | cut -d' ' -f2), $(grep MemTotal /proc/meminfo | tr -s ' ')"
