@@ -48,6 +48,7 @@ fn install_keeps_config_and_uninstall_removes_everything() {
     assert!(ok, "{log}");
     let want: Vec<PathBuf> = [
         "etc/modules-load.d/trueno-ublk.conf",
+        "etc/systemd/system/trueno-ublk-failed@.service",
         "etc/systemd/system/trueno-ublk-mkswap@.service",
         "etc/systemd/system/trueno-ublk@.service",
         "etc/trueno-ublk.conf",
