@@ -390,9 +390,9 @@ impl PageTable {
         let places =
             TableMemory::place(word, indexes.start)..TableMemory::place(word, indexes.end - 1) + 1;
         // No writer has it pinned, and none can pin it now: only they make an empty entry
-        // anything else, so once every entry is locked and empty it stays so (unlocked again
-        // before it is given up: lockers wait while it is retiring, and a slot kept as a
-        // spare must read as empty and unlocked).
+        // anything else, so once every entry is locked and empty it stays so (locked until
+        // its slot is punched, or unlocked first where the slot is kept as a spare: see
+        // `TableMemory::give_back`; lockers wait while it is retiring).
         let mut locked = places.start;
         let mut empty = true;
         while locked < places.end {
@@ -404,8 +404,7 @@ impl PageTable {
             }
         }
         if empty {
-            self.unlock_empty(places);
-            return match self.memory.give_back(group) {
+            return match self.memory.give_back(group, || self.unlock_empty(places)) {
                 Ok(()) => Ok(true),
                 Err(error) => {
                     // What was punched reads as empty and unlocked.
@@ -497,7 +496,7 @@ impl PageTable {
                         if self.memory.still(group, placed) {
                             break (at, cur);
                         }
-                        // Given back (which waits for this lock), or given back and placed in
+                        // Retiring (which waits for this lock), or given back and placed in
                         // another slot, since the look above: this entry may be another
                         // group's now. Let go and look again.
                         entry.store(cur, Ordering::Release);

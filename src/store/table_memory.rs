@@ -577,7 +577,7 @@ impl TableMemory {
     }
 
     /// Start giving `group` back: committed, pinned by no writer. Then the caller locks and
-    /// checks its entries and, all empty, unlocks them and calls `give_back`, or `keep`.
+    /// checks its entries and, all empty, calls `give_back`, or `keep`.
     pub(super) fn begin_retire(&self, group: usize) -> bool {
         let word = &self.groups[group];
         let current = word.load(Ordering::Acquire);
@@ -593,18 +593,29 @@ impl TableMemory {
                 .is_ok()
     }
 
-    /// Give `group` (retiring, its entries empty and unlocked) up: absent after, its slot's
-    /// memory back to the system, or kept as a spare while fewer than `SPARE_SLOTS` are. On
-    /// an error it stays retiring, and what was punched reads as zeros (the caller `keep`s
-    /// it).
-    pub(super) fn give_back(&self, group: usize) -> std::io::Result<()> {
+    /// Give `group` (retiring, its entries empty and still locked by the caller) up: absent
+    /// after, its slot's memory back to the system, or kept as a spare while fewer than
+    /// `SPARE_SLOTS` are. `unlock` unlocks the entries; it runs unless the slot is punched,
+    /// which leaves them reading as zeros, empty and unlocked. Why punched while locked: a
+    /// locker that read the group as committed before it began retiring may still take an
+    /// entry's lock; taken on the old page, that lock would vanish with the punch, and the
+    /// locker would go on to let "go" of an entry of whatever group the slot holds by then,
+    /// writing the word it saw over that group's. On an error it stays retiring, its entries
+    /// unlocked and what was punched reading as zeros (the caller `keep`s it).
+    pub(super) fn give_back(&self, group: usize, unlock: impl FnOnce()) -> std::io::Result<()> {
         let slot = Self::slot_of(self.word(group));
         let spare = self
             .slots
             .as_ref()
             .is_some_and(|slots| slots.spares.load(Ordering::Relaxed) < SPARE_SLOTS);
-        if !spare {
-            self.decommit_slot(slot)?;
+        if spare {
+            // A spare must read as empty and unlocked when it is placed again.
+            unlock();
+        } else {
+            if let Err(error) = self.decommit_slot(slot) {
+                unlock();
+                return Err(error);
+            }
             self.committed_bytes
                 .fetch_sub(self.slot_bytes(slot) as u64, Ordering::Relaxed);
         }
