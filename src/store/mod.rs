@@ -143,6 +143,12 @@ pub struct BatchedPageStore {
     shut_down: AtomicBool,
     /// A compaction asked for (`start_compaction`) is running.
     compacting: AtomicBool,
+    /// Held by whoever claims a page to move or recompress it (`recompress`), from the claim
+    /// to the install: the recompressor and a compaction asked for. Why one at a time: a claim
+    /// is known by the entry's word and hint alone, and a write then a flush can make both
+    /// what they were (the freed object taken again), so a second claimant's claim could
+    /// pass for the first one's, which would then install the page's old data over the new.
+    background_move: Mutex<()>,
     epoch: Instant,
     /// The epoch pages' idle hints are stamped with (see `table::Hint`).
     idle_clock: IdleClock,
@@ -357,6 +363,7 @@ impl BatchedPageStore {
             fail_fast_until: AtomicU64::new(0),
             shut_down: AtomicBool::new(false),
             compacting: AtomicBool::new(false),
+            background_move: Mutex::new(()),
             epoch: Instant::now(),
             idle_clock: IdleClock::default(),
             counters: Counters::default(),

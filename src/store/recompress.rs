@@ -290,6 +290,7 @@ impl BatchedPageStore {
         config: &RecompressConfig,
         scratch: &mut Scratch,
     ) -> Outcome {
+        let _one_mover = self.background_move.lock();
         match self.claim(index, scratch) {
             Ok(claim) => self.finish(claim, config, scratch),
             Err(outcome) => outcome,
@@ -299,6 +300,7 @@ impl BatchedPageStore {
     /// Move page `index`'s object out of its chunk if that chunk is evacuating; `None` if it
     /// is not (or the page holds no stored object any more).
     fn move_page(&self, index: u64, scratch: &mut Scratch) -> Option<Outcome> {
+        let _one_mover = self.background_move.lock();
         let claim = {
             let entry = self.table.lock(index)?;
             let PageState::Stored {
