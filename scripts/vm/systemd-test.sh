@@ -20,8 +20,10 @@
 #      trueno-ublk@0` (ExecStop reads PID 1's swapped-out pages back, the daemon hands the
 #      device over, the new one resumes it: swap stays on, no new mkswap); kill -9 of every
 #      process of the unit
-#      (systemd restarts it, and the start resumes the device); the program then verifies
-#      every word once more. The pause of each is a figure.
+#      (systemd restarts it, and the start resumes the device); kill -9 of the supervisor
+#      alone (the serving process hands the device over, ExecStop reads nothing, systemd
+#      restarts the unit); the program then verifies every word once more. The pause of each
+#      is a figure.
 #   3. The stop the README gives (swap unit, then the daemon: the device is deleted), a fresh
 #      start of the swap unit (a new device, of the edited size, gets a new signature), a
 #      second pressure run.
@@ -386,6 +388,26 @@ if [ -e /tmp/hold ]; then
     check "... the config file's error was logged, the device served without the file ($(journal_units | grep -c 'config file does not read') lines)" \
         eval "journal_units | grep -q 'the config file does not read.*depth'"
     sed -i '/^depth = lots$/d' /etc/trueno-ublk.conf
+    # d. kill -9 of the supervisor alone (the unit's main process): the serving process, told
+    #    by its parent-death signal, hands the device over; systemd runs the stop (ExecStop
+    #    reads no page of PID 1 then: $MAINPID is unset, and a read reaching the device being
+    #    handed over would wait for the very restart) and restarts the unit, which resumes it.
+    main0=$(main_pid)
+    serving0=$(settled_serving_pid)
+    fault_ins0=$(journal_units | grep -c 'pid 1: ')
+    t0=$(now)
+    kill -9 "$main0"
+    if wait_for 60 eval "live_other_than \"$serving0\" && systemctl -q is-active trueno-ublk@$ID.service && [ \"\$(main_pid)\" != \"$main0\" ]"; then
+        took=$(since "$t0")
+        ok "kill -9 of the supervisor $main0 alone: systemd restarted the unit and pid $(serving_pid) resumed $DEV $took s later"
+        figure systemd_kill_supervisor_to_live_s "$took"
+    else
+        fail "kill -9 of the supervisor $main0 alone: not resumed ($(systemctl is-active trueno-ublk@$ID.service); $(trueno-ublk list | tail -n +2))"
+    fi
+    check "... the serving process handed the device over when its supervisor died" \
+        eval "journal_units | grep -q 'the supervisor is gone: handing the device over'"
+    check "... and ExecStop read no page of PID 1 meanwhile ($(journal_units | grep -c 'pid 1: ') fault-in lines, $fault_ins0 before)" \
+        [ "$(journal_units | grep -c 'pid 1: ')" = "$fault_ins0" ]
     check "$DEV kept its size ($(device_bytes) bytes, was $size0) through the takeovers and restarts after the config file's edit" \
         [ "$(device_bytes)" = "$size0" ]
     check "... and the daemon said so ($(journal_units | grep -c 'keeps its size') lines)" \
