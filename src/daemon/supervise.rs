@@ -255,6 +255,12 @@ pub(super) fn supervise(
     // the device over (`handing_over`), which it then takes over.
     let mut incoming: Option<ServingProcess> = None;
     let mut handing_over = false;
+    // The serving process died during a reload and the new build's standby, not yet ready,
+    // took the device over: the children become the binary on disk once it serves (its
+    // READY=1), not before. A build that cannot serve the store (one that cannot read its
+    // layout, say) fails that takeover, and the next start must then be of this binary,
+    // which can: switched at once, every restart would be of the failing build, for good.
+    let mut switch_when_served = false;
     // When to make the next standby: once the device is live, later while backing off.
     let mut standby_due: Option<Instant> = None;
     let mut ready = false;
@@ -365,6 +371,14 @@ pub(super) fn supervise(
                 continue;
             }
             let path = message.status.unwrap_or_default();
+            if std::mem::take(&mut switch_when_served) {
+                if let Ok(installed) = &installed {
+                    tracing::info!(binary = %installed.display(), "reload: the new build serves the device; its binary runs the next processes");
+                    program = installed.clone();
+                    (serving_command, standby_command) =
+                        child_commands(&program, learnt_id, device);
+                }
+            }
             if !ready {
                 ready = true;
                 if device.is_none() {
@@ -521,13 +535,9 @@ pub(super) fn supervise(
         let dead = serving.child.id();
         restarts.record(Instant::now());
         // During a reload the new build's standby is the only one: it takes over, and the
-        // next ones are of its binary.
-        if standby.is_none() && incoming.is_some() {
-            if let Ok(path) = &installed {
-                program = path.clone();
-                (serving_command, standby_command) = child_commands(&program, learnt_id, device);
-            }
-        }
+        // next ones are of its binary once it serves (`switch_when_served`). One that died
+        // before it served leaves this binary in place.
+        switch_when_served = standby.is_none() && incoming.is_some();
         if let Some(process) = standby.take().or_else(|| incoming.take()) {
             // It takes over as soon as it has its ring ready; if it is still making it, as
             // soon as that is done.
