@@ -470,8 +470,12 @@ impl PageTable {
     /// committed (the entry is empty, and has no memory to lock). While its group is being
     /// given back (`retire`), waits to see whether it is.
     pub(super) fn lock(&self, index: u64) -> Option<EntryGuard<'_>> {
-        // An index past the table (impossible: requests are range-checked) fails the lookup.
+        // An index past the table (impossible for requests, which are range-checked, but a
+        // pending slot's index is read from shared memory) fails the lookup.
         let index = usize::try_from(index).unwrap_or(usize::MAX);
+        if index >= self.pages {
+            return None;
+        }
         let group = TableMemory::group_of(index as u64);
         let mut spins = 0u32;
         let (at, word) = loop {
