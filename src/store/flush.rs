@@ -82,8 +82,14 @@ impl BatchedPageStore {
                     "compressing a batch panicked; storing its pages uncompressed"
                 );
                 for (i, s) in part.iter().enumerate() {
-                    if !resolved[i].load(Ordering::Acquire) {
+                    if resolved[i].load(Ordering::Acquire) {
+                        continue;
+                    }
+                    let installed = catch_unwind(AssertUnwindSafe(|| {
                         self.install(b, first + i, s, Encoding::Raw, &s.page[..]);
+                    }));
+                    if installed.is_err() {
+                        self.lose_pending(b, first + i, s);
                     }
                 }
             }
@@ -195,6 +201,14 @@ impl BatchedPageStore {
         encoding: Encoding,
         bytes: &[u8],
     ) {
+        #[cfg(test)]
+        if self
+            .install_panics
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            panic!("install bug (test)");
+        }
         let index = pending.index;
         let page_checksum = self.checksum.of(&pending.page);
         let handle = self.alloc.store(bytes);
@@ -228,6 +242,24 @@ impl BatchedPageStore {
         };
         if let (false, Some(handle)) = (installed, handle) {
             self.alloc.free(handle, usize::from(len));
+        }
+        sub(&self.counters.pending_pages, 1);
+        sub(&self.reserved_bytes, PAGE_SIZE as u64);
+    }
+}
+
+impl BatchedPageStore {
+    /// A pending page that could not be stored even raw (installing it panicked twice): its
+    /// entry, if it still points at the slot, becomes `Lost` (its reads fail with EIO), as
+    /// the batch is reopened after this flush and an entry left pointing into it would read
+    /// whatever page fills the slot next, without an error.
+    fn lose_pending(&self, batch: usize, slot: usize, pending: &PendingSlot<'_>) {
+        let index = pending.index;
+        tracing::error!(page = index, "storing a pending page panicked twice: lost");
+        let expected = PageState::pending(batch, slot);
+        if let Some(mut entry) = self.table.lock(index).filter(|e| e.state() == expected) {
+            entry.replace(PageState::Lost);
+            self.counters.transition(expected, PageState::Lost);
         }
         sub(&self.counters.pending_pages, 1);
         sub(&self.reserved_bytes, PAGE_SIZE as u64);

@@ -149,6 +149,9 @@ pub struct BatchedPageStore {
     /// what they were (the freed object taken again), so a second claimant's claim could
     /// pass for the first one's, which would then install the page's old data over the new.
     background_move: Mutex<()>,
+    /// Test hook: this many of the next `flush::install` calls panic (an allocator bug, say).
+    #[cfg(test)]
+    install_panics: AtomicUsize,
     epoch: Instant,
     /// The epoch pages' idle hints are stamped with (see `table::Hint`).
     idle_clock: IdleClock,
@@ -364,6 +367,8 @@ impl BatchedPageStore {
             shut_down: AtomicBool::new(false),
             compacting: AtomicBool::new(false),
             background_move: Mutex::new(()),
+            #[cfg(test)]
+            install_panics: AtomicUsize::new(0),
             epoch: Instant::now(),
             idle_clock: IdleClock::default(),
             counters: Counters::default(),

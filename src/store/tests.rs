@@ -150,6 +150,48 @@ fn a_panicking_codec_loses_no_page_and_the_batch_is_reused_safely() {
     assert_eq!(s.reserved_bytes.load(Ordering::Relaxed), 0);
 }
 
+#[test]
+fn a_page_whose_raw_install_panics_too_is_lost_not_read_from_the_reused_batch() {
+    const PAGES: usize = 16;
+    let pages = PAGES as u64;
+    let mut c =
+        crate::config::StoreSettings::default().store_config(4 * pages * PAGE_SIZE as u64, false);
+    c.algorithm = Algorithm::Lz4;
+    c.batch_threshold = PAGES;
+    c.forced_backend = Some(Backend::Gpu);
+    let codec = Arc::new(PanickingCodec {
+        calls: std::sync::atomic::AtomicUsize::new(0),
+        calls_before: 0,
+    });
+    let s = BatchedPageStore::new(c, Some(codec as Arc<dyn BatchCodec>)).unwrap();
+    // The codec panics, and so does storing the first page raw: it is lost, the rest stored.
+    s.install_panics.store(1, Ordering::Release);
+    for i in 0..pages {
+        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    // The batches are reused by other pages: the lost page reads none of them.
+    for round in 1..4u64 {
+        for i in 0..pages {
+            let index = round * pages + i;
+            s.write(index * PAGE_SIZE as u64, &text(index)[..]).unwrap();
+        }
+        s.flush_pending().unwrap();
+    }
+    let st = s.stats();
+    assert_eq!((st.pending_pages, st.pages_stored), (0, 4 * pages - 1));
+    let mut buf = vec![0u8; PAGE_SIZE];
+    let lost: Vec<u64> = (0..pages)
+        .filter(|&i| s.read(i * PAGE_SIZE as u64, &mut buf).is_err())
+        .collect();
+    assert_eq!(lost.len(), 1, "exactly one page lost: {lost:?}");
+    for index in (0..4 * pages).filter(|i| !lost.contains(i)) {
+        s.read(index * PAGE_SIZE as u64, &mut buf).unwrap();
+        assert_eq!(&buf[..], &text(index)[..], "page {index}");
+    }
+    assert_eq!(s.reserved_bytes.load(Ordering::Relaxed), 0);
+}
+
 /// Incompressible: xorshift bytes.
 fn noise(seed: u64) -> Box<Page> {
     let mut p = Box::new([0u8; PAGE_SIZE]);
