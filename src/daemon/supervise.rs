@@ -137,11 +137,13 @@ impl Restarts {
     }
 }
 
-/// Wait `delay`, or less if SIGTERM or SIGINT comes: then true.
+/// Wait `delay`, or less if SIGTERM or SIGINT comes: then true. A SIGHUP (a reload) seen
+/// meanwhile sets `reload_asked`.
 fn wait_or_stop(
     wake: &UnixStream,
     signals: &mut signal_hook::iterator::Signals,
     delay: Duration,
+    reload_asked: &mut bool,
 ) -> bool {
     let deadline = Instant::now() + delay;
     let mut buffer = [0u8; 64];
@@ -157,10 +159,12 @@ fn wait_or_stop(
         let timeout = PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX);
         let _ = poll(&mut fds, timeout);
         while std::io::Read::read(&mut &*wake, &mut buffer).is_ok_and(|n| n > 0) {}
-        if signals
-            .pending()
-            .any(|signal| signal == SIGTERM || signal == SIGINT)
-        {
+        let mut stop = false;
+        for signal in signals.pending() {
+            stop |= signal == SIGTERM || signal == SIGINT;
+            *reload_asked |= signal == SIGHUP;
+        }
+        if stop {
             return true;
         }
     }
@@ -568,8 +572,25 @@ pub(super) fn supervise(
                 notifier.send(
                     "STATUS=no process serves the device: its serving processes keep ending (see the log); trying again",
                 );
-                if wait_or_stop(&wake_rx, &mut signals, delay) {
+                let mut reload_asked = false;
+                if wait_or_stop(&wake_rx, &mut signals, delay, &mut reload_asked) {
                     break None;
+                }
+                // A reload while no process serves has nothing to hand over; what it asks
+                // for is the binary on disk (a fixed build, say), which the next start runs.
+                if reload_asked {
+                    match &installed {
+                        Ok(path) => {
+                            tracing::info!(binary = %path.display(), "reload while no process serves the device: the next start runs the binary on disk");
+                            program = path.clone();
+                            (serving_command, standby_command) =
+                                child_commands(&program, learnt_id, device);
+                            switch_when_served = false;
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "reload (SIGHUP) ignored: cannot tell which binary this is")
+                        }
+                    }
                 }
             }
             match ServingProcess::spawn(&mut serving_command) {
