@@ -498,13 +498,10 @@ fn wait_for_takeover(
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(errno) => return Err(io_error("waiting for the supervisor")(errno.into())),
         }
-        // SIGHUP and SIGUSR2 (a compaction, see `serve`) say nothing to a standby.
-        if signals
-            .pending()
-            .any(|signal| signal != SIGHUP && signal != SIGUSR2)
-        {
-            return Ok(false);
-        }
+        // The channel before the signals: a stop that comes right after the supervisor told
+        // this standby to take over (the serving process died just before) is for the device
+        // it now serves, which must be stopped (or handed over) as any other, not left
+        // quiesced. The signal stays pending for the serving loop.
         if fds[0]
             .revents()
             .is_some_and(|events| events.contains(nix::poll::PollFlags::POLLIN))
@@ -516,6 +513,13 @@ fn wait_for_takeover(
             if message.lines().any(|line| line == detach::TAKEOVER) {
                 return Ok(true);
             }
+        }
+        // SIGHUP and SIGUSR2 (a compaction, see `serve`) say nothing to a standby.
+        if signals
+            .pending()
+            .any(|signal| signal != SIGHUP && signal != SIGUSR2)
+        {
+            return Ok(false);
         }
     }
 }
