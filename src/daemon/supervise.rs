@@ -67,6 +67,10 @@ pub(super) const RELOAD_ENV: &str = "TRUENO_UBLK_RELOAD";
 /// device over at once whatever the count (that costs next to nothing); what waits is the
 /// start of the next process. Never given up: while no process serves the device, its I/O
 /// waits, so the supervisor keeps trying.
+/// How long a reload's standby may take to be ready before the reload fails: meanwhile the
+/// device has no standby (the reload dismissed it) and further reloads are refused. A standby
+/// is ready in about a second, several under emulation.
+const RELOAD_READY_LIMIT: Duration = Duration::from_secs(60);
 const QUICK_RESTARTS: usize = 5;
 const RESTART_WINDOW: Duration = Duration::from_secs(60);
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
@@ -258,6 +262,8 @@ pub(super) fn supervise(
     // serves on; once ready it replaces the standby and the serving process is asked to hand
     // the device over (`handing_over`), which it then takes over.
     let mut incoming: Option<ServingProcess> = None;
+    // When the reload fails if `incoming` is not ready by then (`RELOAD_READY_LIMIT`).
+    let mut incoming_deadline: Option<Instant> = None;
     let mut handing_over = false;
     // The serving process died during a reload and the new build's standby, not yet ready,
     // took the device over: the children become the binary on disk once it serves (its
@@ -292,8 +298,15 @@ pub(super) fn supervise(
                     PollFlags::POLLIN,
                 ),
             ];
-            let timeout = standby_due.map_or(PollTimeout::NONE, |due| {
-                PollTimeout::try_from(due.saturating_duration_since(Instant::now()))
+            let wake_at = match (
+                standby_due,
+                incoming_deadline.filter(|_| incoming.is_some()),
+            ) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let timeout = wake_at.map_or(PollTimeout::NONE, |at| {
+                PollTimeout::try_from(at.saturating_duration_since(Instant::now()))
                     .unwrap_or(PollTimeout::MAX)
             });
             match poll(&mut fds, timeout) {
@@ -357,6 +370,7 @@ pub(super) fn supervise(
                         if incoming.is_none() {
                             standby_due = Some(Instant::now());
                         }
+                        incoming_deadline = Some(Instant::now() + RELOAD_READY_LIMIT);
                     }
                     (None, Ok(_), None) => {}
                 }
@@ -466,6 +480,16 @@ pub(super) fn supervise(
             } else if let Ok(Some(status)) = process.child.try_wait() {
                 tracing::error!(pid = process.child.id(), %status, "reload failed: the standby of the binary on disk ended before it was ready (its log says why); the device is still served by the running build");
                 incoming = None;
+                standby_due = Some(Instant::now());
+            } else if incoming_deadline.is_some_and(|deadline| deadline <= Instant::now()) {
+                tracing::error!(
+                    pid = process.child.id(),
+                    limit_s = RELOAD_READY_LIMIT.as_secs(),
+                    "reload failed: the standby of the binary on disk was not ready in time (its log may say why); the device is still served by the running build"
+                );
+                if let Some(process) = incoming.take() {
+                    process.dismiss();
+                }
                 standby_due = Some(Instant::now());
             }
         }
