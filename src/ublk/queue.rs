@@ -185,6 +185,9 @@ const DEFERRED_POLL: types::Timespec = types::Timespec::new().nsec(2_000_000);
 const POLL_WINDOW: std::time::Duration = std::time::Duration::from_micros(50);
 /// How long the queue pauses before it submits again when the kernel had no memory for it.
 const SUBMIT_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
+/// How long setting a queue up waits out a kernel with no memory for its fetches (see
+/// `Queue::fetch_all`) before it fails.
+const FETCH_SUBMIT_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 /// `user_data` of the wake-up poll: above every tag, so never mistaken for one.
 const WAKE: u64 = 1 << 32;
 /// `user_data` of the NOPs that warm the ring's request cache (`QueueParts::prepare`).
@@ -314,7 +317,30 @@ impl Queue {
             what: "queueing the wake-up poll",
             source: std::io::ErrorKind::OutOfMemory.into(),
         })?;
-        queue.ring.submit().map_err(io("submitting FETCH_REQ"))?;
+        // Every fetch must enter the kernel. No memory for its request structures now is
+        // waited out, as `serve` does: at a takeover (after START_USER_RECOVERY) memory is
+        // at its scarcest, and a queue that gave up there would leave the device with no
+        // daemon that can ever take it over (6.12 refuses the next recovery).
+        let started = Instant::now();
+        while !queue.ring.submission().is_empty() {
+            match queue.ring.submit() {
+                Ok(_) => {}
+                Err(error)
+                    if matches!(
+                        error.raw_os_error(),
+                        Some(libc::EAGAIN | libc::ENOMEM | libc::EINTR)
+                    ) && started.elapsed() < FETCH_SUBMIT_PATIENCE =>
+                {
+                    std::thread::sleep(SUBMIT_RETRY);
+                }
+                Err(source) => {
+                    return Err(UblkError::Io {
+                        what: "submitting FETCH_REQ",
+                        source,
+                    })
+                }
+            }
+        }
         Ok(queue)
     }
 
