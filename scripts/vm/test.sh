@@ -1179,6 +1179,14 @@ if [ "$MODE" = full ]; then
         swap_run ublk $DEV ublk_inspect
         trueno-ublk stat
     fi
+    # A detached daemon whose supervisor dies: nothing would start another, so the serving
+    # process serves on (under a service manager it hands the device over for the restart);
+    # its standby ends. `delete` then stops it as any other.
+    kill -9 "$SUPERVISOR"
+    check "kill -9 of the detached supervisor ($SUPERVISOR): its standby ($STANDBY) ends" wait_until 10 eval "! alive $STANDBY"
+    check "... and the serving process ($DAEMON) serves on" eval "sleep 1; dev_live_with 0 $DAEMON"
+    check "... saying so" grep -q 'the supervisor is gone and nothing will start another' /run/trueno-ublk/ublkb0.log
+    check "... and $DEV still reads" dd if=$DEV of=/dev/null bs=4096 count=1 iflag=direct status=none
     check "trueno-ublk delete --id 0" trueno-ublk delete --id 0
     check "$DEV is gone" wait_until 10 not test -e $DEV
     check "the daemon exited (supervisor, serving process and standby)" wait_until 10 eval "! alive $DAEMON && ! alive $SUPERVISOR && ! alive $STANDBY"

@@ -52,6 +52,11 @@ use harden::{
 pub const RUN_DIR: &str = stats::SOCKET_DIR;
 /// Environment variable telling a started daemon that it was detached by `create`.
 const DETACHED_ENV: &str = "TRUENO_UBLK_DETACHED_LOG";
+/// Set by the supervisor for its children when a service manager restarts it should it die
+/// (it runs in the foreground under one: systemd's unit, `Type=notify`). Without it (a
+/// detached `create`, or one in a terminal), a serving process whose supervisor died serves
+/// on: a device it handed over would wait for a daemon that nothing starts.
+const MANAGED_ENV: &str = "TRUENO_UBLK_MANAGED";
 
 /// Log lines waiting for the writer thread before new ones are dropped.
 const LOG_BACKLOG_LINES: usize = 1024;
@@ -972,6 +977,10 @@ fn serve(
                     Ok(SIGHUP) if notifier.handover_asked() => StopRequest::Replace,
                     Ok(SIGHUP) => {
                         tracing::info!("SIGHUP ignored (no hand-over asked for)");
+                        continue;
+                    }
+                    Ok(SIGUSR1) if std::env::var_os(MANAGED_ENV).is_none() => {
+                        tracing::warn!(device = path, "the supervisor is gone and nothing will start another (no service manager): serving on, without a standby; `trueno-ublk delete --id {id}` stops the device");
                         continue;
                     }
                     Ok(SIGUSR1) => StopRequest::SupervisorGone,

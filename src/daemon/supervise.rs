@@ -60,6 +60,10 @@ pub(super) const SUPERVISOR_ENV: &str = "TRUENO_UBLK_SUPERVISOR";
 /// serve without the file (`super::resolve_settings`). An environment variable, not an
 /// argument: the binary on disk may be of another build, and an older one ignores it.
 pub(super) const RELOAD_ENV: &str = "TRUENO_UBLK_RELOAD";
+/// How long a reload's standby may take to be ready before the reload fails: meanwhile the
+/// device has no standby (the reload dismissed it) and further reloads are refused. A standby
+/// is ready in about a second, several under emulation.
+const RELOAD_READY_LIMIT: Duration = Duration::from_secs(60);
 /// Processes started at once after deaths by a signal within `RESTART_WINDOW`; after more
 /// deaths, each start waits twice as long as the one before (from `FIRST_BACKOFF` up to
 /// `MAX_BACKOFF`): something kills every new process (a bug that crashes it on resume, say),
@@ -67,10 +71,6 @@ pub(super) const RELOAD_ENV: &str = "TRUENO_UBLK_RELOAD";
 /// device over at once whatever the count (that costs next to nothing); what waits is the
 /// start of the next process. Never given up: while no process serves the device, its I/O
 /// waits, so the supervisor keeps trying.
-/// How long a reload's standby may take to be ready before the reload fails: meanwhile the
-/// device has no standby (the reload dismissed it) and further reloads are refused. A standby
-/// is ready in about a second, several under emulation.
-const RELOAD_READY_LIMIT: Duration = Duration::from_secs(60);
 const QUICK_RESTARTS: usize = 5;
 const RESTART_WINDOW: Duration = Duration::from_secs(60);
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
@@ -655,6 +655,15 @@ fn child_command(program: &Path, learnt_id: Option<u32>, standby: bool) -> Comma
     }
     if let Some(id) = learnt_id {
         command.arg("--id").arg(id.to_string());
+    }
+    // A service manager restarts this supervisor should it die: under one, in the foreground
+    // (a detached one reports to `create` through a socket of its own).
+    if std::env::var_os("NOTIFY_SOCKET").is_some()
+        && std::env::var_os(super::DETACHED_ENV).is_none()
+    {
+        command.env(super::MANAGED_ENV, "1");
+    } else {
+        command.env_remove(super::MANAGED_ENV);
     }
     command
         .env_remove("NOTIFY_SOCKET")
