@@ -113,20 +113,26 @@ impl BatchCodec for PanickingCodec {
     }
 }
 
+/// A store of room for four batches of `pages` pages, whose batch codec (taken for a GPU)
+/// panics after `calls_before` calls.
+fn store_with_panicking_codec(pages: usize, calls_before: usize) -> Arc<BatchedPageStore> {
+    let mut c =
+        crate::config::StoreSettings::default().store_config(4 * (pages * PAGE_SIZE) as u64, false);
+    c.algorithm = Algorithm::Lz4;
+    c.batch_threshold = pages;
+    c.forced_backend = Some(Backend::Gpu);
+    let codec = Arc::new(PanickingCodec {
+        calls: std::sync::atomic::AtomicUsize::new(0),
+        calls_before,
+    });
+    BatchedPageStore::new(c, Some(codec as Arc<dyn BatchCodec>)).unwrap()
+}
+
 #[test]
 fn a_panicking_codec_loses_no_page_and_the_batch_is_reused_safely() {
     const PAGES: usize = 64;
     let pages = PAGES as u64;
-    let mut c =
-        crate::config::StoreSettings::default().store_config(4 * pages * PAGE_SIZE as u64, false);
-    c.algorithm = Algorithm::Lz4;
-    c.batch_threshold = PAGES;
-    c.forced_backend = Some(Backend::Gpu);
-    let codec = Arc::new(PanickingCodec {
-        calls: std::sync::atomic::AtomicUsize::new(0),
-        calls_before: 1,
-    });
-    let s = BatchedPageStore::new(c, Some(codec as Arc<dyn BatchCodec>)).unwrap();
+    let s = store_with_panicking_codec(PAGES, 1);
     // Four batches: the first compresses, the others panic in the codec; batches are reused.
     for round in 0..4u64 {
         for i in 0..pages {
@@ -154,16 +160,7 @@ fn a_panicking_codec_loses_no_page_and_the_batch_is_reused_safely() {
 fn a_page_whose_raw_install_panics_too_is_lost_not_read_from_the_reused_batch() {
     const PAGES: usize = 16;
     let pages = PAGES as u64;
-    let mut c =
-        crate::config::StoreSettings::default().store_config(4 * pages * PAGE_SIZE as u64, false);
-    c.algorithm = Algorithm::Lz4;
-    c.batch_threshold = PAGES;
-    c.forced_backend = Some(Backend::Gpu);
-    let codec = Arc::new(PanickingCodec {
-        calls: std::sync::atomic::AtomicUsize::new(0),
-        calls_before: 0,
-    });
-    let s = BatchedPageStore::new(c, Some(codec as Arc<dyn BatchCodec>)).unwrap();
+    let s = store_with_panicking_codec(PAGES, 0);
     // The codec panics, and so does storing the first page raw: it is lost, the rest stored.
     s.install_panics.store(1, Ordering::Release);
     for i in 0..pages {
