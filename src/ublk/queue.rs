@@ -324,7 +324,14 @@ impl Queue {
         let started = Instant::now();
         while !queue.ring.submission().is_empty() {
             match queue.ring.submit() {
-                Ok(_) => {}
+                // All of them, or some, taken: the rest (if any) go with the next try.
+                Ok(_) if started.elapsed() < FETCH_SUBMIT_PATIENCE => {}
+                Ok(_) => {
+                    return Err(UblkError::Io {
+                        what: "submitting FETCH_REQ",
+                        source: std::io::ErrorKind::TimedOut.into(),
+                    })
+                }
                 Err(error)
                     if matches!(
                         error.raw_os_error(),
