@@ -88,12 +88,16 @@ impl Arena {
         count: usize,
     ) -> Result<Option<Vec<ArenaChunk>>, CarveFailed> {
         let total = (chunk_bytes * count) as u64;
-        let start = self.carved[0].fetch_add(total, Ordering::AcqRel);
-        let end = start.saturating_add(total);
-        if end > self.len as u64 {
-            self.carved[0].fetch_sub(total, Ordering::AcqRel);
+        // Advanced only when the carve fits: an add undone after a failed fit let the cursor
+        // move back below a range another taker had carved meanwhile (the same pages handed
+        // out twice), and a kill between the two left the cursor past the end for good.
+        let len = self.len as u64;
+        let carved = self.carved[0].fetch_update(Ordering::AcqRel, Ordering::Acquire, |start| {
+            start.checked_add(total).filter(|&end| end <= len)
+        });
+        let Ok(start) = carved else {
             return Ok(None);
-        }
+        };
         // Below `len`, so it fits a usize.
         let start = usize::try_from(start).unwrap_or(usize::MAX);
         let total = chunk_bytes * count;
@@ -433,6 +437,43 @@ mod tests {
             );
         }
         assert_eq!(carved, pages / group * group);
+    }
+
+    #[test]
+    fn takers_racing_for_an_arena_s_last_pages_never_get_the_same_page() {
+        // Groups that no longer fit and single pages carved at once: a failed fit must not
+        // move the cursor back under a page another taker was given meanwhile.
+        const PAGES: usize = 40;
+        for _ in 0..300 {
+            let arena = Arena::private(PAGES * HOST_PAGE).unwrap();
+            let barrier = std::sync::Barrier::new(4);
+            let mut pages: Vec<usize> = std::thread::scope(|scope| {
+                let takers: Vec<_> = (0..4)
+                    .map(|taker| {
+                        let (arena, barrier) = (&arena, &barrier);
+                        scope.spawn(move || {
+                            barrier.wait();
+                            let mut pages = Vec::new();
+                            let mut group = if taker % 2 == 0 { 16 } else { 1 };
+                            loop {
+                                match arena.carve(HOST_PAGE, group).unwrap() {
+                                    Some(chunks) => pages.extend(chunks.iter().map(|c| c.page())),
+                                    None if group > 1 => group = 1,
+                                    None => return pages,
+                                }
+                            }
+                        })
+                    })
+                    .collect();
+                takers
+                    .into_iter()
+                    .flat_map(|taker| taker.join().unwrap())
+                    .collect()
+            });
+            pages.sort_unstable();
+            assert_eq!(pages, (0..PAGES).collect::<Vec<_>>(), "every page once");
+            assert_eq!(arena.carved(), PAGES * HOST_PAGE);
+        }
     }
 
     #[test]

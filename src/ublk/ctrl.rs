@@ -102,8 +102,12 @@ impl Control {
             clippy::cast_possible_truncation,
             reason = "the payloads are the kernel's structs, at most a few hundred bytes"
         )]
-        let (addr, len) = match &buffer {
-            Some(value) => (*value as *const T as u64, std::mem::size_of::<T>() as u16),
+        // From the `&mut` itself, not a shared reborrow: the kernel writes through it.
+        let (addr, len) = match buffer {
+            Some(value) => (
+                std::ptr::from_mut(value) as u64,
+                std::mem::size_of::<T>() as u16,
+            ),
             None => (0, 0),
         };
         let cmd = CtrlCmd {
