@@ -590,7 +590,10 @@ impl ChunkReserve {
     /// A chunk of `pages` pages: from the reserve, or committed now if the reserve has none.
     /// A taker that waits for the refill thread asks `give_up` how long it has waited (see
     /// `Stall`) at least every `REFILL_PERIOD`, and gives up when told to (the starvation rule
-    /// of `admission`; `None`: never gives up).
+    /// of `admission`; `None`: never gives up waiting for it). A taker with no refill thread
+    /// to wait for commits itself, and fails (`ArenaFull`) once the system has refused that
+    /// for `COMMIT_RETRY_FOR`: then nothing in reach frees memory (a limit on the daemon's own
+    /// cgroup), and failing a page is better than a device that never serves again.
     pub(super) fn take(
         &self,
         pages: usize,
@@ -1112,16 +1115,31 @@ impl ChunkReserve {
         };
         self.refill_state.note_commit(0, 0);
         match committed {
-            Ok(chunks) => {
+            Ok(mut chunks) => {
                 self.commits.fetch_add(1, Ordering::Relaxed);
                 let since_epoch = self.refill_state.epoch.elapsed().as_nanos();
                 self.last_commit_ns.store(
                     u64::try_from(since_epoch).unwrap_or(u64::MAX).max(1),
                     Ordering::Release,
                 );
-                self.held_bytes
-                    .fetch_add((chunks.len() * chunk_bytes) as u64, Ordering::Relaxed);
-                self.pools[k].lock().ready.extend(chunks);
+                // Room made before the lock, under which no list grows (the refill thread
+                // provisioned it before its commit, but frees given back meanwhile may have
+                // filled it); whatever still finds none goes back cold.
+                Self::make_room(&self.pools[k], |p| &mut p.ready, chunks.len(), GROUP_CHUNKS);
+                {
+                    let mut pool = self.pools[k].lock();
+                    let room = pool.ready.capacity() - pool.ready.len();
+                    let kept = chunks.len().min(room);
+                    self.held_bytes
+                        .fetch_add((kept * chunk_bytes) as u64, Ordering::Relaxed);
+                    pool.ready.extend(chunks.drain(..kept));
+                }
+                if !chunks.is_empty() {
+                    if let Err(error) = ArenaChunk::decommit_all(&mut chunks) {
+                        tracing::warn!(%error, "giving back committed chunks with no room in the reserve");
+                    }
+                    self.make_cold(&chunks);
+                }
                 true
             }
             Err(error) => {
@@ -1141,29 +1159,37 @@ impl ChunkReserve {
 
     /// Keep room in each pool's `ready` and `surplus` lists for `POOL_SLACK` more chunks, so
     /// that giving a chunk back on the I/O path never grows a list there: growing it could
-    /// fault in fresh heap pages under memory pressure. New lists are allocated and faulted in
-    /// here, outside the pool's lock.
+    /// fault in fresh heap pages under memory pressure.
     fn provision(pool: &Mutex<Pool>) {
+        Self::make_room(pool, |p| &mut p.ready, POOL_SLACK / 2, POOL_SLACK);
+        Self::make_room(pool, |p| &mut p.surplus, POOL_SLACK / 2, POOL_SLACK);
+    }
+
+    /// Room in one of `pool`'s lists for `at_least` more chunks: where it has less, a new list
+    /// with room for `slack` more than it holds, allocated and faulted in here, outside the
+    /// pool's lock; only the move of the entries happens under it.
+    fn make_room(
+        pool: &Mutex<Pool>,
+        list: fn(&mut Pool) -> &mut Vec<ArenaChunk>,
+        at_least: usize,
+        slack: usize,
+    ) {
         let spare = |list: &Vec<ArenaChunk>| list.capacity() - list.len();
-        let lists: [fn(&mut Pool) -> &mut Vec<ArenaChunk>; 2] =
-            [|p| &mut p.ready, |p| &mut p.surplus];
-        for list in lists {
-            let len = {
-                let mut pool = pool.lock();
-                let list = list(&mut pool);
-                if spare(list) >= POOL_SLACK / 2 {
-                    continue;
-                }
-                list.len()
-            };
-            let mut fresh = crate::mem::faulted_in_vec(len + POOL_SLACK);
+        let len = {
             let mut pool = pool.lock();
             let list = list(&mut pool);
-            // Moved only if it still fits: nothing may allocate under the pool lock.
-            if spare(list) < POOL_SLACK / 2 && list.len() <= fresh.capacity() {
-                fresh.append(list);
-                std::mem::swap(list, &mut fresh);
+            if spare(list) >= at_least {
+                return;
             }
+            list.len()
+        };
+        let mut fresh = crate::mem::faulted_in_vec(len + slack.max(at_least));
+        let mut pool = pool.lock();
+        let list = list(&mut pool);
+        // Moved only if it still fits: nothing may allocate under the pool lock.
+        if spare(list) < at_least && list.len() <= fresh.capacity() {
+            fresh.append(list);
+            std::mem::swap(list, &mut fresh);
         }
     }
 
