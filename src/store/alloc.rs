@@ -538,8 +538,11 @@ impl ZsAllocator {
         }
     }
 
-    /// Copy `bytes` (1 to `PAGE_SIZE` of them) into a new object; `None` only if the arena's
-    /// address space is used up, which its size rules out (see `BatchedPageStore::open`).
+    /// Copy `bytes` (1 to `PAGE_SIZE` of them) into a new object; `None` if the arena's
+    /// address space is used up, which its size rules out (see `BatchedPageStore::open`), or
+    /// if, with no refill thread to wait for, the system refused every commit for
+    /// `COMMIT_RETRY_FOR` (a memory limit on the daemon's cgroup that nothing can be
+    /// killed for: see `ChunkReserve::take`).
     pub(super) fn store(&self, bytes: &[u8]) -> Option<Handle> {
         self.store_within(bytes, None).ok()
     }

@@ -224,8 +224,9 @@ impl BatchedPageStore {
                         len,
                         encoding,
                     },
-                    // Cannot happen (see `ZsAllocator::store`); the batch is reopened after
-                    // this, so the entry must not keep pointing at the slot.
+                    // The system refused memory for long (see `ZsAllocator::store`); the
+                    // batch is reopened after this, so the entry must not keep pointing at
+                    // the slot.
                     None => {
                         tracing::error!(page = index, "no memory to store a pending page: lost");
                         PageState::Lost
