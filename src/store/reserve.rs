@@ -61,6 +61,25 @@ const QUIET_TARGET_MAX_BYTES: u64 = 512 << 10;
 /// A reserve in use holds up to this fraction of its target beyond it before giving chunks
 /// back (see `trim_above`).
 const TRIM_SLACK_DIVISOR: u64 = 8;
+/// Marks the refill thread running while it lives, and stopped even if it unwinds: takers
+/// that wait for it (a flush never gives up) commit for themselves then.
+struct RefillRunning<'a>(&'a ChunkReserve);
+
+impl<'a> RefillRunning<'a> {
+    fn start(reserve: &'a ChunkReserve) -> Self {
+        reserve.refill_running.store(true, Ordering::Release);
+        RefillRunning(reserve)
+    }
+}
+
+impl Drop for RefillRunning<'_> {
+    fn drop(&mut self) {
+        self.0.refill_running.store(false, Ordering::Release);
+        let _guard = self.0.wake_lock.lock();
+        self.0.refilled.notify_all();
+    }
+}
+
 /// Chunks emptied by a run of frees outside the I/O path that are given back together (see
 /// `FreedTogether`): 4 MiB of one-page chunks, the pages a killed program's incompressible
 /// data leaves, in room of 16 KiB kept for it.
@@ -631,7 +650,8 @@ impl ChunkReserve {
                     self.served(k);
                     return Ok(chunk);
                 }
-                if self.stop.load(Ordering::Acquire) {
+                // Stopped, or the refill thread ended (it unwound): commit here instead.
+                if self.stop.load(Ordering::Acquire) || !self.refill_running() {
                     self.served(k);
                     break;
                 }
@@ -1587,7 +1607,7 @@ impl ChunkReserve {
     /// grows its bookkeeping there).
     pub(super) fn run_refill(&self, also: impl Fn()) {
         let _registered = self.refill_thread.register();
-        self.refill_running.store(true, Ordering::Release);
+        let _running = RefillRunning::start(self);
         while !self.stop.load(Ordering::Acquire) {
             also();
             self.refill_and(&also);
@@ -1598,7 +1618,6 @@ impl ChunkReserve {
                 self.wake.wait_for(&mut guard, REFILL_PERIOD);
             }
         }
-        self.refill_running.store(false, Ordering::Release);
     }
 
     pub(super) fn stop(&self) {
@@ -1657,6 +1676,40 @@ mod tests {
         }
         reserve.stop();
         refill.join().unwrap();
+    }
+
+    #[test]
+    fn a_taker_waiting_for_a_refill_thread_that_unwinds_commits_for_itself() {
+        let reserve = Arc::new(ChunkReserve::new(8 * PAGE_SIZE as u64, arena(), &[1]));
+        let (waiting_tx, waiting_rx) = std::sync::mpsc::channel::<()>();
+        let waiting_rx = std::sync::Mutex::new(waiting_rx);
+        let refill = {
+            let reserve = Arc::clone(&reserve);
+            std::thread::spawn(move || {
+                // Dies on its first round, once a taker waits for it (a bug in the thread).
+                reserve.run_refill(|| {
+                    waiting_rx.lock().unwrap().recv().unwrap();
+                    panic!("refill bug (test)");
+                })
+            })
+        };
+        while !reserve.refill_running() {
+            std::thread::yield_now();
+        }
+        let (taken_tx, taken_rx) = std::sync::mpsc::channel();
+        {
+            let reserve = Arc::clone(&reserve);
+            std::thread::spawn(move || taken_tx.send(reserve.take(1, None).map(|c| c.len())));
+        }
+        while !reserve.starving() {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        waiting_tx.send(()).unwrap();
+        assert!(refill.join().is_err(), "the refill thread unwound");
+        assert!(!reserve.refill_running());
+        // (A taker left waiting for good is left behind by the failed test.)
+        let taken = taken_rx.recv_timeout(Duration::from_secs(20));
+        assert_eq!(taken, Ok(Ok(PAGE_SIZE)), "the taker was served");
     }
 
     #[test]
