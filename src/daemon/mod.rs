@@ -1074,8 +1074,18 @@ fn serve(
     };
     signal_handle.close();
     let _ = signal_thread.join();
-    store.shutdown();
-    drop(flusher);
+    match action {
+        StopAction::Delete => {
+            store.shutdown();
+            drop(flusher);
+        }
+        // Not flushed, nor its threads joined: the next daemon waits for this process to be
+        // gone, and a flush with the device quiesced can wait in reclaim for as long as the
+        // refill thread does (swap-outs to this device wait for the next daemon). What is
+        // pending the next daemon installs, as after a kill -9 (the store is kept consistent
+        // at every step for that); the threads end with the process.
+        StopAction::HandOver => std::mem::forget(flusher),
+    }
     stopped?;
     match action {
         StopAction::Delete => {
