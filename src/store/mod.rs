@@ -538,21 +538,23 @@ impl BatchedPageStore {
         // entry as it was (the write was never acknowledged).
         batch.fill(slot, index, page);
         add(&self.counters.pending_pages, 1);
-        if let Err(error) = self.set_state(index, PageState::pending(reserved.batch_index, slot)) {
-            // The slot is flushed all the same (and its counts and reservation settled there,
-            // its entry not pointing at it): keep the reservation the caller gives back.
-            add(&self.reserved_bytes, PAGE_SIZE as u64);
-            return Err(error);
-        }
+        // Whatever becomes of the entry: the slot is flushed all the same, and a batch with
+        // no first write's time waits to fill before it is.
         if slot == 0 {
             batch.note_first_write(self.now_ns());
         }
         let wake = slot == 0 || slot + 1 == batch.limit();
+        let set = self.set_state(index, PageState::pending(reserved.batch_index, slot));
+        if set.is_err() {
+            // The slot is flushed all the same (and its counts and reservation settled there,
+            // its entry not pointing at it): keep the reservation the caller gives back.
+            add(&self.reserved_bytes, PAGE_SIZE as u64);
+        }
         drop(reserved);
         if wake {
             self.wake_flusher();
         }
-        Ok(true)
+        set.map(|()| true)
     }
 
     /// Set a page's state (it was written now); frees what it held before.
