@@ -45,13 +45,26 @@ const STALE_AFTER: Duration = Duration::from_secs(1);
 
 /// How the store asks the kernel's OOM killer to kill a task, given by whoever opens the store:
 /// the daemon writes `f` to `/proc/sysrq-trigger`, opened at its start (under memory pressure
-/// opening it could wait in reclaim). The store only decides when.
+/// opening it could wait in reclaim). The store only decides when. With it, whether the system
+/// as a whole is out of memory: a store starved while the system has free memory is held back
+/// by something a kill elsewhere does not mend (a memory limit on the daemon's own cgroup, a
+/// refill thread stalled for another reason), and the kernel's OOM killer kills whatever
+/// scores worst, whether memory is short or not.
 #[derive(Clone)]
-pub struct OomKiller(Arc<dyn Fn() -> std::io::Result<()> + Send + Sync>);
+pub struct OomKiller {
+    ask: Arc<dyn Fn() -> std::io::Result<()> + Send + Sync>,
+    system_out_of_memory: Arc<dyn Fn() -> bool + Send + Sync>,
+}
 
 impl OomKiller {
-    pub fn new(ask: impl Fn() -> std::io::Result<()> + Send + Sync + 'static) -> Self {
-        Self(Arc::new(ask))
+    pub fn new(
+        system_out_of_memory: impl Fn() -> bool + Send + Sync + 'static,
+        ask: impl Fn() -> std::io::Result<()> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            ask: Arc::new(ask),
+            system_out_of_memory: Arc::new(system_out_of_memory),
+        }
     }
 }
 
@@ -123,8 +136,9 @@ impl OomNudge {
     }
 
     /// A writer starves (see `admission`) at `now_ns` on the store's clock: ask for an OOM kill
-    /// if swapping frees nothing and none was asked for within `NUDGE_INTERVAL`. True if one
-    /// was asked for now. Asking only queues the kill (sysrq runs it in a kernel work item).
+    /// if swapping frees nothing, the system is out of memory and none was asked for within
+    /// `NUDGE_INTERVAL`. True if one was asked for now. Asking only queues the kill (sysrq runs
+    /// it in a kernel work item).
     pub(super) fn nudge(&self, now_ns: u64, waited: Duration) -> bool {
         let Some(killer) = &self.killer else {
             return false;
@@ -147,7 +161,15 @@ impl OomNudge {
             return false; // another writer asks now
         }
         let waited_ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX);
-        match (killer.0)() {
+        if !(killer.system_out_of_memory)() {
+            // Once per interval at most, as an ask would be.
+            tracing::warn!(
+                waited_ms,
+                "no memory for the store while the system has free memory (a memory limit on the daemon's own cgroup, or a refill thread stalled for another reason): no OOM kill asked for; starved writes fail"
+            );
+            return false;
+        }
+        match (killer.ask)() {
             Ok(()) => {
                 self.asked_ns.store(now_ns.max(1), Ordering::Relaxed);
                 tracing::warn!(
@@ -175,14 +197,33 @@ impl OomNudge {
 mod tests {
     use super::*;
 
-    fn counting() -> (OomKiller, Arc<AtomicU64>) {
+    /// A killer that counts its asks, on a system out of memory or not.
+    fn counting_on(system_out_of_memory: bool) -> (OomKiller, Arc<AtomicU64>) {
         let asked = Arc::new(AtomicU64::new(0));
         let count = Arc::clone(&asked);
-        let killer = OomKiller::new(move || {
-            count.fetch_add(1, Ordering::Relaxed);
-            Ok(())
-        });
+        let killer = OomKiller::new(
+            move || system_out_of_memory,
+            move || {
+                count.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            },
+        );
         (killer, asked)
+    }
+
+    fn counting() -> (OomKiller, Arc<AtomicU64>) {
+        counting_on(true)
+    }
+
+    #[test]
+    fn asks_for_nothing_while_the_system_has_free_memory() {
+        let (killer, asked) = counting_on(false);
+        let nudge = OomNudge::new(Some(killer));
+        nudge.note_compressed(0, RECENT_PAGES, RECENT_PAGES);
+        assert!(nudge.swap_frees_nothing(1, Duration::ZERO));
+        assert!(!nudge.nudge(1, Duration::ZERO));
+        assert_eq!(asked.load(Ordering::Relaxed), 0);
+        assert!(!nudge.asked_within(2, Duration::from_secs(1)));
     }
 
     #[test]
@@ -230,9 +271,10 @@ mod tests {
 
     #[test]
     fn a_failed_ask_is_not_counted() {
-        let nudge = OomNudge::new(Some(OomKiller::new(|| {
-            Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied))
-        })));
+        let nudge = OomNudge::new(Some(OomKiller::new(
+            || true,
+            || Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied)),
+        )));
         nudge.note_compressed(0, RECENT_PAGES, RECENT_PAGES);
         assert!(!nudge.nudge(0, Duration::ZERO));
     }

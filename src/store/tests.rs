@@ -1069,19 +1069,24 @@ fn memory_follows_the_data_after_a_discard() {
     drop(flusher);
 }
 
-/// A store whose OOM killer only counts, holding `pages` pages made by `page`, flushed.
+/// A store whose OOM killer only counts, holding `pages` pages made by `page`, flushed, on a
+/// system that is out of memory or not.
 fn starving_store(
     pages: u64,
     page: fn(u64) -> Box<Page>,
+    system_out_of_memory: bool,
 ) -> (Arc<BatchedPageStore>, Arc<AtomicU64>) {
     let asked = Arc::new(AtomicU64::new(0));
     let count = Arc::clone(&asked);
     let mut c =
         crate::config::StoreSettings::default().store_config(pages * PAGE_SIZE as u64, false);
-    c.oom_killer = Some(OomKiller::new(move || {
-        count.fetch_add(1, Ordering::Relaxed);
-        Ok(())
-    }));
+    c.oom_killer = Some(OomKiller::new(
+        move || system_out_of_memory,
+        move || {
+            count.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        },
+    ));
     let s = store(c);
     for i in 0..pages {
         s.write(i * PAGE_SIZE as u64, &page(i)[..]).unwrap();
@@ -1094,7 +1099,7 @@ fn starving_store(
 fn a_starving_writer_asks_for_an_oom_kill_only_when_pages_do_not_compress() {
     use std::time::Duration;
     let ms = Duration::from_millis;
-    let (s, asked) = starving_store(64, noise);
+    let (s, asked) = starving_store(64, noise, true);
     // Nobody waits for the refill thread: memory comes, however slowly.
     assert!(!s.gives_up(ms(5000)));
     assert_eq!(asked.load(Ordering::Relaxed), 0);
@@ -1122,11 +1127,22 @@ fn a_starving_writer_asks_for_an_oom_kill_only_when_pages_do_not_compress() {
 
     // Pages that compress: swapping frees memory, a starving store is only slow, and a
     // writer waits longer before it gives up.
-    let (s, asked) = starving_store(64, text);
+    let (s, asked) = starving_store(64, text, true);
     s.alloc.reserve.note_waiting();
     assert!(!s.gives_up(ms(1000)));
     assert!(!s.gives_up(ms(4900)));
     assert!(s.gives_up(ms(5000)));
+    assert_eq!(asked.load(Ordering::Relaxed), 0);
+    assert_eq!(s.stats().oom_kills_asked, 0);
+    s.alloc.reserve.note_served();
+
+    // Pages that do not compress, but the system has free memory (a limit on the daemon's
+    // own cgroup): no kill, which could not mend it; the write gives up as when no kill is
+    // under way.
+    let (s, asked) = starving_store(64, noise, false);
+    s.alloc.reserve.note_waiting();
+    assert!(!s.gives_up(ms(300)));
+    assert!(s.gives_up(ms(1000)));
     assert_eq!(asked.load(Ordering::Relaxed), 0);
     assert_eq!(s.stats().oom_kills_asked, 0);
     s.alloc.reserve.note_served();
