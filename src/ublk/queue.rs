@@ -185,9 +185,10 @@ const DEFERRED_POLL: types::Timespec = types::Timespec::new().nsec(2_000_000);
 const POLL_WINDOW: std::time::Duration = std::time::Duration::from_micros(50);
 /// How long the queue pauses before it submits again when the kernel had no memory for it.
 const SUBMIT_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
-/// How long setting a queue up waits out a kernel with no memory for its fetches (see
-/// `Queue::fetch_all`) before it fails.
-const FETCH_SUBMIT_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long `Queue::submit_all` waits out a kernel with no memory for the commands it
+/// submits (a queue's fetches when it is set up, its last commits when it stops) before it
+/// fails.
+const SUBMIT_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 /// `user_data` of the wake-up poll: above every tag, so never mistaken for one.
 const WAKE: u64 = 1 << 32;
 /// `user_data` of the NOPs that warm the ring's request cache (`QueueParts::prepare`).
@@ -218,14 +219,22 @@ impl QueueParts {
         // it picks the completions up at its next wait, all at once. Safe because the thread
         // that waits on the ring is the one that submitted its commands (Linux 5.19, older
         // than every ublk driver).
-        let ring = IoUring::builder()
-            .setup_coop_taskrun()
-            .setup_taskrun_flag()
-            .build((u32::from(setup.depth) + 1).next_power_of_two())
-            .map_err(io("creating a queue io_uring"))?;
-        let mut parts = Self { setup, ring, data };
+        let new_ring = || {
+            IoUring::builder()
+                .setup_coop_taskrun()
+                .setup_taskrun_flag()
+                .build((u32::from(setup.depth) + 1).next_power_of_two())
+                .map_err(io("creating a queue io_uring"))
+        };
+        let mut parts = Self {
+            setup,
+            ring: new_ring()?,
+            data,
+        };
         if let Err(error) = parts.warm_request_cache() {
             tracing::warn!(q = setup.q_id, %error, "could not warm the queue ring's request cache: a resume under memory pressure may wait in reclaim");
+            // NOPs the failed warm-up left queued would take the slots of the fetches.
+            parts.ring = new_ring()?;
         }
         Ok(parts)
     }
@@ -321,14 +330,21 @@ impl Queue {
         // waited out, as `serve` does: at a takeover (after START_USER_RECOVERY) memory is
         // at its scarcest, and a queue that gave up there would leave the device with no
         // daemon that can ever take it over (6.12 refuses the next recovery).
+        queue.submit_all("submitting FETCH_REQ")?;
+        Ok(queue)
+    }
+
+    /// Submit every queued entry, waiting out a kernel with no memory for their requests
+    /// (EAGAIN/ENOMEM, or only some taken) for up to `SUBMIT_PATIENCE`.
+    fn submit_all(&mut self, what: &'static str) -> Result<(), UblkError> {
         let started = Instant::now();
-        while !queue.ring.submission().is_empty() {
-            match queue.ring.submit() {
+        while !self.ring.submission().is_empty() {
+            match self.ring.submit() {
                 // All of them, or some, taken: the rest (if any) go with the next try.
-                Ok(_) if started.elapsed() < FETCH_SUBMIT_PATIENCE => {}
+                Ok(_) if started.elapsed() < SUBMIT_PATIENCE => {}
                 Ok(_) => {
                     return Err(UblkError::Io {
-                        what: "submitting FETCH_REQ",
+                        what,
                         source: std::io::ErrorKind::TimedOut.into(),
                     })
                 }
@@ -336,19 +352,14 @@ impl Queue {
                     if matches!(
                         error.raw_os_error(),
                         Some(libc::EAGAIN | libc::ENOMEM | libc::EINTR)
-                    ) && started.elapsed() < FETCH_SUBMIT_PATIENCE =>
+                    ) && started.elapsed() < SUBMIT_PATIENCE =>
                 {
                     std::thread::sleep(SUBMIT_RETRY);
                 }
-                Err(source) => {
-                    return Err(UblkError::Io {
-                        what: "submitting FETCH_REQ",
-                        source,
-                    })
-                }
+                Err(source) => return Err(UblkError::Io { what, source }),
             }
         }
-        Ok(queue)
+        Ok(())
     }
 
     fn push_command(&mut self, encoded_op: u32, tag: u16, result: i32) -> Result<(), UblkError> {
@@ -508,10 +519,7 @@ impl Queue {
                 // were, only a request timeout would quiesce the device.) Deferred requests
                 // were served to the end above, waiting as long as the handler's rule lets
                 // them.
-                self.ring.submit().map_err(|source| UblkError::Io {
-                    what: "committing the last requests",
-                    source,
-                })?;
+                self.submit_all("committing the last requests")?;
                 break;
             }
         }
