@@ -151,6 +151,10 @@ pub struct CreateArgs {
     /// moving the data with pread/pwrite on the char device (UBLK_F_USER_COPY, Linux 6.5+)
     #[arg(long)]
     pub no_user_copy: bool,
+    /// Never ask the kernel's OOM killer to act when writes starve for memory while swapped
+    /// pages do not compress (writes then fail with ENOMEM)
+    #[arg(long)]
+    pub no_oom_kill: bool,
     #[command(flatten)]
     pub store: StoreArgs,
 }
@@ -166,6 +170,7 @@ impl CreateArgs {
             store: self.store.options(),
             no_slot_free_probe: self.no_slot_free_probe,
             no_user_copy: self.no_user_copy,
+            no_oom_kill: self.no_oom_kill,
         }
     }
 }

@@ -653,11 +653,12 @@ fn swapon_uses_the_configured_priority_with_discard() {
 #[test]
 fn device_switches_are_on_unless_the_file_or_the_command_line_turns_them_off() {
     type Switch = fn(&DeviceSettings) -> bool;
-    let switches: [(&str, &str, Switch); 2] = [
+    let switches: [(&str, &str, Switch); 3] = [
         ("slot-free-probe", "--no-slot-free-probe", |s| {
             s.slot_free_probe
         }),
         ("user-copy", "--no-user-copy", |s| s.user_copy),
+        ("oom-kill", "--no-oom-kill", |s| s.oom_kill),
     ];
     for (key, flag, switch) in switches {
         let off_in_file = conf(&format!("[ublkb0]\n{key} = no\n"));

@@ -1121,13 +1121,17 @@ if [ "$MODE" = full ]; then
         echo "$n $bad" >/tmp/bg.result
     ) &
     bg=$!
-    trueno-ublk create --size 256M >/tmp/create2.out 2>&1
+    trueno-ublk create --size 256M --no-oom-kill >/tmp/create2.out 2>&1
     rc=$?
     cat /tmp/create2.out
     DEV2=$(grep -o '/dev/ublkb[0-9]*' /tmp/create2.out | head -n1)
     if [ "$rc" -eq 0 ] && [ -n "$DEV2" ] && [ "$DEV2" != $DEV ] && [ -b "$DEV2" ]; then
         ok "a second device $DEV2 came up while $DEV is in use"
         ID2=${DEV2#/dev/ublkb}
+        check "$DEV2 (--no-oom-kill): its daemon says it never asks for an OOM kill" \
+            grep -q "oom-kill = no" "/run/trueno-ublk/ublkb$ID2.log"
+        check "... where the first device's can ask" \
+            not grep -q "oom-kill = no\|cannot open /proc/sysrq-trigger" /run/trueno-ublk/ublkb0.log
         check "$DEV2: O_DIRECT write" pat_write dev2 "$DEV2" $MIB $((100 * MIB)) $((4 * MIB))
         check "$DEV2: read back matches" pat_read dev2
         trueno-ublk list | tee /tmp/list.out

@@ -47,6 +47,8 @@ pub struct DeviceSection {
     pub slot_free_probe: Option<Setting<bool>>,
     /// `user-copy = no`: a buffer per tag instead of pread/pwrite on the char device.
     pub user_copy: Option<Setting<bool>>,
+    /// `oom-kill = no`: a store starved near OOM never asks the kernel's OOM killer to act.
+    pub oom_kill: Option<Setting<bool>>,
 }
 
 /// A parsed configuration file.
@@ -168,6 +170,7 @@ pub const KEYS: &[&str] = &[
     "swap",
     "slot-free-probe",
     "user-copy",
+    "oom-kill",
 ];
 
 enum KeyProblem {
@@ -236,6 +239,7 @@ fn set_key(
         "swap" => store(&mut section.swap, parse_bool(value), line),
         "slot-free-probe" => store(&mut section.slot_free_probe, parse_bool(value), line),
         "user-copy" => store(&mut section.user_copy, parse_bool(value), line),
+        "oom-kill" => store(&mut section.oom_kill, parse_bool(value), line),
         _ => Err(KeyProblem::Unknown),
     }
 }

@@ -292,6 +292,8 @@ pub struct DeviceOptions {
     pub no_slot_free_probe: bool,
     /// `--no-user-copy`.
     pub no_user_copy: bool,
+    /// `--no-oom-kill`.
+    pub no_oom_kill: bool,
 }
 
 /// Page-store settings after merging, ready to become a `store::StoreConfig`.
@@ -421,6 +423,8 @@ pub struct DeviceSettings {
     /// Move request data with pread/pwrite on the char device (`UBLK_F_USER_COPY`) where the
     /// driver offers it, rather than through a buffer per tag.
     pub user_copy: bool,
+    /// Let a store starved near OOM ask the kernel's OOM killer to act (see `store::oom`).
+    pub oom_kill: bool,
 }
 
 impl Default for StoreSettings {
@@ -515,6 +519,7 @@ pub fn resolve_with(
         swap_priority: pick(None, section.swap_priority, DEFAULT_SWAP_PRIORITY),
         slot_free_probe: switch_on(args.no_slot_free_probe, section.slot_free_probe),
         user_copy: switch_on(args.no_user_copy, section.user_copy),
+        oom_kill: switch_on(args.no_oom_kill, section.oom_kill),
     })
 }
 

@@ -656,14 +656,19 @@ fn serve(
     tracing::info!(gpu = gpu_state, "GPU backend");
     let mut store_config = settings.store_config(gpu.is_some(), config::ram_bytes().unwrap_or(0));
     // Opened now, for a standby too: when the store needs it, memory is short.
-    store_config.oom_killer = match crate::os::oom_kill_trigger() {
-        Ok(ask) => Some(crate::store::OomKiller::new(
-            || !crate::mem::free_memory_is_back(),
-            ask,
-        )),
-        Err(error) => {
-            tracing::warn!(%error, "cannot open /proc/sysrq-trigger: when writes starve for memory and pages do not compress, the store cannot ask the kernel's OOM killer to act");
-            None
+    store_config.oom_killer = if !settings.oom_kill {
+        tracing::info!("oom-kill = no (or --no-oom-kill): when writes starve for memory and pages do not compress, they fail without asking the kernel's OOM killer to act");
+        None
+    } else {
+        match crate::os::oom_kill_trigger() {
+            Ok(ask) => Some(crate::store::OomKiller::new(
+                || !crate::mem::free_memory_is_back(),
+                ask,
+            )),
+            Err(error) => {
+                tracing::warn!(%error, "cannot open /proc/sysrq-trigger: when writes starve for memory and pages do not compress, the store cannot ask the kernel's OOM killer to act");
+                None
+            }
         }
     };
     let handler = Arc::new(StoreHandler::new(thread_algorithm));
