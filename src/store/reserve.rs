@@ -61,25 +61,6 @@ const QUIET_TARGET_MAX_BYTES: u64 = 512 << 10;
 /// A reserve in use holds up to this fraction of its target beyond it before giving chunks
 /// back (see `trim_above`).
 const TRIM_SLACK_DIVISOR: u64 = 8;
-/// Marks the refill thread running while it lives, and stopped even if it unwinds: takers
-/// that wait for it (a flush never gives up) commit for themselves then.
-struct RefillRunning<'a>(&'a ChunkReserve);
-
-impl<'a> RefillRunning<'a> {
-    fn start(reserve: &'a ChunkReserve) -> Self {
-        reserve.refill_running.store(true, Ordering::Release);
-        RefillRunning(reserve)
-    }
-}
-
-impl Drop for RefillRunning<'_> {
-    fn drop(&mut self) {
-        self.0.refill_running.store(false, Ordering::Release);
-        let _guard = self.0.wake_lock.lock();
-        self.0.refilled.notify_all();
-    }
-}
-
 /// Chunks emptied by a run of frees outside the I/O path that are given back together (see
 /// `FreedTogether`): 4 MiB of one-page chunks, the pages a killed program's incompressible
 /// data leaves, in room of 16 KiB kept for it.
@@ -269,6 +250,25 @@ fn push_with_room(list: &mut Vec<ArenaChunk>, chunk: ArenaChunk) -> Result<(), A
     }
     list.push(chunk);
     Ok(())
+}
+
+/// Marks the refill thread running while it lives, and stopped even if it unwinds: takers
+/// that wait for it (a flush never gives up) commit for themselves then.
+struct RefillRunning<'a>(&'a ChunkReserve);
+
+impl<'a> RefillRunning<'a> {
+    fn start(reserve: &'a ChunkReserve) -> Self {
+        reserve.refill_running.store(true, Ordering::Release);
+        RefillRunning(reserve)
+    }
+}
+
+impl Drop for RefillRunning<'_> {
+    fn drop(&mut self) {
+        self.0.refill_running.store(false, Ordering::Release);
+        let _guard = self.0.wake_lock.lock();
+        self.0.refilled.notify_all();
+    }
 }
 
 /// Chunks emptied by a run of frees outside the I/O path (the slots swap reported freed: a
