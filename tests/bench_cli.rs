@@ -166,8 +166,11 @@ fn built_in_mix_is_deterministic_and_shaped_like_memory() {
 
 #[test]
 fn corpus_files_load_as_whole_pages() {
-    let dir = std::env::temp_dir().join(format!("trueno-bench-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::Builder::new()
+        .prefix("trueno-bench-test-")
+        .tempdir()
+        .unwrap();
+    let dir = scratch.path();
     let path = dir.join("three.corpus");
     let mut bytes = vec![0u8; 3 * PAGE_SIZE];
     bytes[PAGE_SIZE..2 * PAGE_SIZE].fill(7);
@@ -199,7 +202,6 @@ fn corpus_files_load_as_whole_pages() {
         load_corpus(&args.options()),
         Err(BenchError::Corpus { .. })
     ));
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! The boot configuration: parsing, errors that name the key and line, and the merge
 //! command line > config file > default.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -29,12 +29,12 @@ fn conf(text: &str) -> ConfigFile {
     parse(text, Path::new("test.conf")).expect("valid config")
 }
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("trueno-ublk-config-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A scratch directory, removed when the test ends, passed or failed.
+fn temp_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("trueno-ublk-config-{name}-"))
+        .tempdir()
+        .unwrap()
 }
 
 #[test]
@@ -485,7 +485,8 @@ fn merged_values_out_of_range_are_errors() {
 
 #[test]
 fn missing_file_means_defaults_and_config_needs_an_id() {
-    let dir = temp_dir("missing");
+    let scratch = temp_dir("missing");
+    let dir = scratch.path();
     let path = dir.join("absent.conf");
     let file = config::load(&path).unwrap();
     assert!(file.devices.is_empty());
@@ -519,7 +520,6 @@ fn missing_file_means_defaults_and_config_needs_an_id() {
         config::resolve(&args).unwrap_err(),
         ConfigError::Read { .. }
     ));
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -600,7 +600,8 @@ fn swapon_uses_the_configured_priority_with_discard() {
         trueno_ublk::swap::swapon_command(3, 42),
         ["swapon", "-d", "-p", "42", "/dev/ublkb3"]
     );
-    let dir = temp_dir("swapon");
+    let scratch = temp_dir("swapon");
+    let dir = scratch.path();
     let path = dir.join("trueno-ublk.conf");
     std::fs::write(&path, "[ublkb0]\nswap-priority = 42\n[ublkb1]\nsize = 1G\n").unwrap();
     let run = |args: &[&str]| {
@@ -647,7 +648,6 @@ fn swapon_uses_the_configured_priority_with_discard() {
         "{err}"
     );
     assert_eq!(err.lines().count(), 1, "{err}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

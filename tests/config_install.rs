@@ -36,8 +36,11 @@ fn files_under(root: &Path) -> Vec<PathBuf> {
 
 #[test]
 fn install_keeps_config_and_uninstall_removes_everything() {
-    let dest = std::env::temp_dir().join(format!("trueno-ublk-install-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dest);
+    let scratch = tempfile::Builder::new()
+        .prefix("trueno-ublk-install-")
+        .tempdir()
+        .unwrap();
+    let dest = scratch.path().join("root");
     let example = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/systemd/trueno-ublk.conf.example"
@@ -149,5 +152,4 @@ fn install_keeps_config_and_uninstall_removes_everything() {
     let (ok, log) = install(&dest, &["--bogus"]);
     assert!(!ok);
     assert!(log.contains("unknown option"), "{log}");
-    std::fs::remove_dir_all(&dest).unwrap();
 }

@@ -19,10 +19,15 @@ use trueno_ublk::stats::{
 use trueno_ublk::store::StoreStats;
 use trueno_ublk::ublk::{IoTiming, Op};
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tu-stat-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+/// A directory for the sockets, not yet made (the server makes it), inside a scratch directory
+/// removed when the test ends, passed or failed.
+fn temp_dir(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let root = tempfile::Builder::new()
+        .prefix(&format!("tu-stat-{name}-"))
+        .tempdir()
+        .unwrap();
+    let dir = root.path().join("run");
+    (root, dir)
 }
 
 fn report(id: u32, orig_bytes: u64) -> DeviceReport {
@@ -104,7 +109,7 @@ fn stat_text(dir: &Path, args: &StatArgs) -> Result<String, StatError> {
 
 #[test]
 fn server_answers_live_reports_and_cleans_up() {
-    let dir = temp_dir("live");
+    let (_root, dir) = temp_dir("live");
     let written = Arc::new(AtomicU64::new(4096));
     let counter = Arc::clone(&written);
     let server = serve_in(&dir, 0, move || report(0, counter.load(Ordering::Relaxed))).unwrap();
@@ -134,12 +139,11 @@ fn server_answers_live_reports_and_cleans_up() {
     drop(server);
     assert!(!path.exists(), "socket left behind");
     assert!(collect(&dir, None).unwrap().is_empty());
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn table_json_and_raw_output() {
-    let dir = temp_dir("render");
+    let (_root, dir) = temp_dir("render");
     let _zero = serve_in(&dir, 0, || report(0, 3 << 30)).unwrap();
     let _seven = serve_in(&dir, 7, || report(7, 0)).unwrap();
 
@@ -208,12 +212,11 @@ fn table_json_and_raw_output() {
     assert_eq!(devices[0]["comp_ratio"], (3u64 << 30) as f64 / total as f64);
     assert_eq!(devices[1]["comp_ratio"], serde_json::Value::Null);
     assert!(value["unreachable"].as_array().unwrap().is_empty());
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn no_devices_is_said_and_not_an_error() {
-    let dir = temp_dir("none");
+    let (_root, dir) = temp_dir("none");
     // No directory at all (no daemon ever ran).
     let text = stat_text(&dir, &args(None, false, false)).unwrap();
     assert_eq!(text, "no running trueno-ublk devices\n");
@@ -230,12 +233,11 @@ fn no_devices_is_said_and_not_an_error() {
     let error = stat_text(&dir, &args(Some(3), false, false)).unwrap_err();
     assert!(matches!(error, StatError::NoSuchDevice { id: 3, .. }));
     assert!(error.to_string().contains("ublkb3"));
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn stale_socket_is_reported_then_replaced() {
-    let dir = temp_dir("stale");
+    let (_root, dir) = temp_dir("stale");
     std::fs::create_dir_all(&dir).unwrap();
     let path = socket_path(&dir, 2);
     // A daemon that died: its socket file stays, nobody listens.
@@ -269,12 +271,11 @@ fn stale_socket_is_reported_then_replaced() {
     let _new = serve_in(&dir, 2, || report(2, 8192)).unwrap();
     let probes = collect(&dir, Some(2)).unwrap();
     assert!(matches!(probes[..], [Probe::Live(ref r)] if r.store.orig_bytes == 8192));
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn a_live_socket_is_not_taken_over() {
-    let dir = temp_dir("taken");
+    let (_root, dir) = temp_dir("taken");
     let first = serve_in(&dir, 0, || report(0, 4096)).unwrap();
     let error = serve_in(&dir, 0, || report(0, 0))
         .err()
@@ -290,12 +291,11 @@ fn a_live_socket_is_not_taken_over() {
     assert!(error.to_string().contains("not a socket"), "{error}");
     assert_eq!(std::fs::read(socket_path(&dir, 5)).unwrap(), b"data");
     drop(first);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn garbage_and_wrong_answers_are_reported() {
-    let dir = temp_dir("garbage");
+    let (_root, dir) = temp_dir("garbage");
     std::fs::create_dir_all(&dir).unwrap();
     let garbage = UnixListener::bind(socket_path(&dir, 0)).unwrap();
     let wrong = UnixListener::bind(socket_path(&dir, 1)).unwrap();
@@ -319,7 +319,6 @@ fn garbage_and_wrong_answers_are_reported() {
         .collect();
     assert!(reasons[0].contains("unreadable answer"), "{reasons:?}");
     assert!(reasons[1].contains("ublkb9"), "{reasons:?}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -392,7 +391,7 @@ fn report_from_device_settings() {
 fn compact_signals_the_daemon_and_waits_for_its_count() {
     use std::sync::atomic::AtomicBool;
     use std::time::Duration;
-    let dir = temp_dir("compact");
+    let (_root, dir) = temp_dir("compact");
     let asked = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGUSR2, Arc::clone(&asked)).unwrap();
     let seen = Arc::clone(&asked);
@@ -438,7 +437,7 @@ fn compact_signals_the_daemon_and_waits_for_its_count() {
 #[test]
 fn reload_signals_only_a_trueno_ublk_supervisor() {
     use std::time::Duration;
-    let dir = temp_dir("reload");
+    let (_root, dir) = temp_dir("reload");
     let mut child = std::process::Command::new("sleep")
         .arg("30")
         .spawn()
