@@ -52,6 +52,17 @@ impl RequestError {
     }
 }
 
+/// What a request completes with when its handler failed with `errno`: that errno, or EIO for
+/// a value that is not a negative errno (0 or more would read as bytes done: a write the
+/// kernel requeues, a piece of a read left as a hole in data reported whole).
+pub(crate) fn failure_result(errno: i32) -> i32 {
+    if errno < 0 {
+        errno
+    } else {
+        -libc::EIO
+    }
+}
+
 impl Request {
     /// Decode `desc` and check it against a device of `dev_bytes` bytes with `block`-byte
     /// logical blocks and a `max_io`-byte buffer per tag.

@@ -13,7 +13,7 @@ use std::time::Instant;
 use io_uring::{opcode, types, IoUring};
 
 use super::ctrl::opcode_for;
-use super::io::{Op, Request};
+use super::io::{failure_result, Op, Request};
 use super::mmap::{DescArray, IoBuffers};
 use super::params::BLOCK_SIZE;
 use super::shared_read::{self, LentBuffer, SharedRead};
@@ -595,7 +595,7 @@ impl Queue {
                 Ok(_) if request.rest.len == 0 => return Progress::Served(request.served),
                 Ok(Piece::Whole) => {}
                 Ok(Piece::Deferred) => {
-                    request.deferred_since.get_or_insert(request.arrived);
+                    request.deferred_since.get_or_insert_with(Instant::now);
                     return Progress::Deferred(request);
                 }
             }
@@ -691,7 +691,7 @@ impl Queue {
         }));
         let (done_bytes, end) = match handled {
             Ok(Handled::Done(Ok(()))) => (piece.len, Piece::Whole),
-            Ok(Handled::Done(Err(errno))) => return Err(errno),
+            Ok(Handled::Done(Err(errno))) => return Err(failure_result(errno)),
             Ok(Handled::Deferred { done_bytes }) => (done_bytes.min(piece.len), Piece::Deferred),
             Err(_) => {
                 tracing::error!(

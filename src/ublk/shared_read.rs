@@ -23,7 +23,7 @@ use std::thread::Thread;
 
 use parking_lot::Mutex;
 
-use super::io::Request;
+use super::io::{failure_result, Request};
 use super::mmap::IoBuffers;
 use super::queue::BlockHandler;
 use super::sys;
@@ -155,7 +155,7 @@ impl SharedRead {
         };
         match catch_unwind(AssertUnwindSafe(|| self.handler.handle(&part, data))) {
             Ok(Ok(())) => {}
-            Ok(Err(errno)) => return Err(errno),
+            Ok(Err(errno)) => return Err(failure_result(errno)),
             Err(_) => {
                 tracing::error!(q = self.q_id, tag = self.tag, request = ?part, "handler panicked; request failed with EIO");
                 return Err(-libc::EIO);
@@ -184,11 +184,12 @@ mod tests {
     use super::*;
     use crate::ublk::Op;
 
-    /// Reads as each byte's device offset (mod 251), fails a read at `fail_at`; lends a
+    /// Reads as each byte's device offset (mod 251), fails a read at `fail_at` with the value
+    /// it gives; lends a
     /// thread as `lend` says.
     struct Pattern {
         lend: Lend,
-        fail_at: Option<u64>,
+        fail_at: Option<(u64, i32)>,
         late: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
     }
 
@@ -205,11 +206,10 @@ mod tests {
 
         fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32> {
             let end = request.offset + request.len;
-            if self
-                .fail_at
-                .is_some_and(|at| (request.offset..end).contains(&at))
-            {
-                return Err(-libc::EIO);
+            if let Some((at, error)) = self.fail_at {
+                if (request.offset..end).contains(&at) {
+                    return Err(error);
+                }
             }
             for (i, byte) in data.iter_mut().enumerate() {
                 *byte = ((request.offset + i as u64) % 251) as u8;
@@ -314,17 +314,25 @@ mod tests {
         }
     }
 
+    /// A handler's failure that is not a negative errno (0, a count) fails the read with EIO:
+    /// taken as given, 0 let the other pieces finish and the read pass whole with a hole.
     #[test]
     fn a_failed_piece_fails_the_read_with_its_errno() {
         for lend in [Lend::Never, Lend::Now] {
-            let request = read(1 << 20, 1 << 20);
-            let handler = Pattern {
-                lend,
-                fail_at: Some((1 << 20) + (700 << 10)),
-                late: Mutex::new(Vec::new()),
-            };
-            let (result, _, _) = serve(handler, request, "fail");
-            assert_eq!(result, -libc::EIO);
+            for (error, result_wanted) in [
+                (-libc::ENOMEM, -libc::ENOMEM),
+                (0, -libc::EIO),
+                (4096, -libc::EIO),
+            ] {
+                let request = read(1 << 20, 1 << 20);
+                let handler = Pattern {
+                    lend,
+                    fail_at: Some(((1 << 20) + (700 << 10), error)),
+                    late: Mutex::new(Vec::new()),
+                };
+                let (result, _, _) = serve(handler, request, "fail");
+                assert_eq!(result, result_wanted, "handler failed with {error}");
+            }
         }
     }
 }
