@@ -2,7 +2,9 @@
 //! instruction (kill -9, a crash) or handed over. What it left is whole entry by entry (each
 //! change is one atomic store); everything else is rebuilt here, before the store serves:
 //!
-//! - lock bits left by dead threads are cleared;
+//! - lock bits left by dead threads are cleared, and a stored page whose entry was locked gets
+//!   the checksum of the data its entry names (the dead thread may have set the checksum of
+//!   an overwrite it had not yet named: `--no-batched` writes a stored page in place);
 //! - the allocator's bookkeeping is rebuilt from the stored entries, and carved memory no
 //!   entry holds (objects copied in before an entry named them, chunks in the reserve) goes
 //!   back to the system;
@@ -16,7 +18,7 @@
 use super::counters::add;
 use super::table::PageState;
 use super::{BatchedPageStore, Opened, StoreError};
-use crate::codec::{compress_page, Encoding, PAGE_SIZE};
+use crate::codec::{compress_page, decompress_page, Encoding, PAGE_SIZE};
 
 /// Lost pages named one by one in the log; the rest are counted.
 const LOST_PAGES_LOGGED: u64 = 16;
@@ -39,10 +41,11 @@ impl BatchedPageStore {
         tracing::debug!(groups, "page table groups committed");
         let mut occupancy = self.alloc.begin_rebuild().map_err(memory)?;
         let mut pending = Vec::new();
+        let mut checksum_unsure = Vec::new();
         let (mut held, mut lost) = (0u64, 0u64);
         // Entries of groups not committed are empty (and have no memory to read).
         for index in (0..self.table.len()).filter(|&i| self.table.is_committed(i)) {
-            let found = self.table.recover(index);
+            let (found, was_locked) = self.table.recover(index);
             let state = match found {
                 PageState::Pending { batch, slot } => {
                     let names_this_page = self
@@ -65,6 +68,9 @@ impl BatchedPageStore {
                         && (encoding != Encoding::Raw || usize::from(len) == PAGE_SIZE)
                         && self.alloc.adopt(handle, usize::from(len), &mut occupancy);
                     if whole {
+                        if was_locked {
+                            checksum_unsure.push(index as u64);
+                        }
                         found
                     } else {
                         PageState::Lost
@@ -89,6 +95,9 @@ impl BatchedPageStore {
             self.counters.transition(PageState::Empty, state);
         }
         self.alloc.finish_rebuild(occupancy).map_err(memory)?;
+        for &index in &checksum_unsure {
+            self.checksum_stored_data(index);
+        }
         for &index in &pending {
             self.install_resumed(index);
         }
@@ -101,6 +110,29 @@ impl BatchedPageStore {
         }
         tracing::info!(pages = held, pending = pending.len(), lost, "store resumed");
         Ok(Opened::Resumed { pages: held, lost })
+    }
+
+    /// Set a stored page's checksum to that of the data its entry names. Data that does not
+    /// decompress keeps the checksum it had: its reads fail with EIO either way.
+    fn checksum_stored_data(&self, index: u64) {
+        let Some(entry) = self.table.lock(index) else {
+            return;
+        };
+        let PageState::Stored {
+            handle,
+            len,
+            encoding,
+        } = entry.state()
+        else {
+            return;
+        };
+        let mut page = [0u8; PAGE_SIZE];
+        let decoded = self.alloc.with_object(handle, usize::from(len), |bytes| {
+            decompress_page(encoding, bytes, &mut page)
+        });
+        if let Some(Ok(())) = decoded {
+            entry.set_checksum(self.checksum.of(&page));
+        }
     }
 
     /// Compress and store a pending page of the resumed store (its batch is not reopened:

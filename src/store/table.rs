@@ -17,8 +17,9 @@
 //!
 //! The checksum belongs to the data, not to the object holding it: it is set under the entry's
 //! lock before the entry names a stored object (so a process that dies in between leaves an
-//! entry that does not name it yet), stays when the recompressor stores the same data again,
-//! and means nothing while the entry is not `Stored`.
+//! entry that does not name it yet, or, when the entry was already `Stored`, a locked entry
+//! whose checksum the resume sets again from the data it names), stays when the recompressor
+//! stores the same data again, and means nothing while the entry is not `Stored`.
 
 #![forbid(unsafe_code)]
 
@@ -433,17 +434,19 @@ impl PageTable {
         self.pages
     }
 
-    /// Entry `index`'s state, with a lock bit left by a dead process cleared. Only for a store
-    /// nobody serves yet (resume).
+    /// Entry `index`'s state, with a lock bit left by a dead process cleared, and whether it
+    /// was locked (its checksum may then be one the dead process set for data it had not yet
+    /// named). Only for a store nobody serves yet (resume).
     /// Its hint starts afresh (accessed now, on a clock that starts again at 0, no flags).
     /// Only for an entry of a committed group.
-    pub(super) fn recover(&self, index: usize) -> PageState {
+    pub(super) fn recover(&self, index: usize) -> (PageState, bool) {
         let at = TableMemory::place(self.memory.word(TableMemory::group_of(index as u64)), index);
         let entry = &self.entries[at];
-        let word = entry.load(Ordering::Acquire) & !LOCKED;
+        let found = entry.load(Ordering::Acquire);
+        let word = found & !LOCKED;
         entry.store(word, Ordering::Release);
         self.hints[at].store(0, Ordering::Relaxed);
-        PageState::decode(word)
+        (PageState::decode(word), found & LOCKED != 0)
     }
 
     /// Entry `index`'s state and hint without locking it: a guess, for picking pages to look
@@ -817,7 +820,8 @@ mod tests {
         let t = table(2);
         t.lock(1).unwrap().replace(PageState::same(7).unwrap());
         std::mem::forget(t.lock(1).unwrap());
-        assert_eq!(t.recover(1), PageState::Same(7));
+        assert_eq!(t.recover(1), (PageState::Same(7), true));
+        assert_eq!(t.recover(1), (PageState::Same(7), false));
         assert_eq!(t.lock(1).unwrap().state(), PageState::Same(7));
     }
 

@@ -1309,6 +1309,33 @@ fn a_resumed_entry_longer_than_its_object_is_lost() {
     crate::mem::Segment::remove_shared(key).unwrap();
 }
 
+/// A process that died overwriting a stored page in place (`--no-batched`: the new data's
+/// checksum set under the entry's lock, the entry still naming the old data) leaves the page
+/// readable as it was: the resume checksums a stored page whose entry was locked from the data
+/// it names. Before, every read of it failed its checksum (EIO) for a write never acknowledged.
+#[test]
+fn a_page_whose_overwrite_died_after_its_checksum_reads_as_it_was() {
+    let (key, backing) = shared_store_holding_16_pages(0x7b20_0000, |_, _| {});
+    {
+        let (s, _) = BatchedPageStore::open(layout_test_config(), None, backing).unwrap();
+        let entry = s.table.lock(1).unwrap();
+        assert!(matches!(entry.state(), PageState::Stored { .. }));
+        entry.set_checksum(s.checksum.of(&noise(1)));
+        // Dies here: the lock bit stays set in the shared table.
+        std::mem::forget(entry);
+    }
+    let (s, opened) = BatchedPageStore::open(layout_test_config(), None, backing).unwrap();
+    assert_eq!(opened, Opened::Resumed { pages: 16, lost: 0 });
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for i in 0..16u64 {
+        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+        assert_eq!(&buf[..], &text(i)[..], "page {i}");
+    }
+    assert_eq!(s.stats().checksum_failures, 0);
+    drop(s);
+    crate::mem::Segment::remove_shared(key).unwrap();
+}
+
 /// A resumed store keeps the free pages its predecessor still had in memory (its reserve,
 /// the rest of a commit group) ready, up to the reserve's target, instead of giving them back
 /// and committing them again when memory is scarcest; its pages read back as they were, and
