@@ -833,11 +833,11 @@ fn serve(
             handler.set_store(store.clone());
             // While the device is quiesced: every free the probe reports from here on is one
             // that no write served by the old daemon can have followed, so the reports
-            // withdrawn now (`slot_frees::attach`) are all that is dropped; given after the
-            // device went live, the frees between that and the attach were dropped as well.
-            probe_ahead = ahead.slot_frees.map(|probe| {
+            // withdrawn now (`slot_frees::give_ahead`) are all that is dropped; given after
+            // the device went live, the frees between that and the attach were dropped as well.
+            probe_ahead = ahead.slot_frees.and_then(|probe| {
                 let pages = settings.size_bytes / crate::codec::PAGE_SIZE as u64;
-                slot_frees::attach(id, pages, &handler, Some(probe))
+                slot_frees::give_ahead(id, pages, &handler, probe)
             });
             let store_opened = Instant::now();
             let device = standby.resume()?;
@@ -891,13 +891,12 @@ fn serve(
     // between signals, holding pages' locks the queue threads may wait for: so it is made an
     // I/O thread like them.
     let slot_free_probe = if let Some(attached) = probe_ahead {
-        attached
+        Ok(attached)
     } else if settings.slot_free_probe {
         slot_frees::attach(
             id,
             settings.size_bytes / crate::codec::PAGE_SIZE as u64,
             &handler,
-            None,
         )
     } else {
         Err("turned off (slot-free-probe = no, or --no-slot-free-probe)".to_string())

@@ -21,30 +21,54 @@ fn attach_to((major, minor): (u32, u32), pages: u64) -> Result<SlotFreeProbe, St
     SlotFreeProbe::attach(major, minor, pages).map_err(|error| error.to_string())
 }
 
-/// Give the probe for `/dev/ublkb{id}`, of `pages` pages, to the handler: the one attached
-/// `ahead`, else one attached now; `Err` says why there is none (the store then hears of
-/// freed slots only through discards).
+/// Give the probe attached ahead to the handler, while the device is quiesced (a takeover),
+/// if it still watches `/dev/ublkb{id}`: a device deleted and made again since, under the same
+/// id, may have another number, and the old one may be another swap device's by now (whose
+/// frees would then empty this store's pages). `None` when it does not, or the number cannot
+/// be read: the caller attaches a probe once the device is live (`attach`), as attaching
+/// allocates, which must not wait on a device that waits for us.
+pub(super) fn give_ahead(
+    id: u32,
+    pages: u64,
+    handler: &StoreHandler,
+    ahead: SlotFreeProbe,
+) -> Option<Arc<SlotFreeProbe>> {
+    match block_device_number(id) {
+        Ok(current) if ahead.device() == current => Some(give(ahead, pages, handler)),
+        Ok(current) => {
+            tracing::info!(
+                ?current,
+                ahead = ?ahead.device(),
+                "the device's number changed since the slot-free probe was attached ahead"
+            );
+            None
+        }
+        Err(why) => {
+            tracing::info!(%why, "the slot-free probe attached ahead cannot be checked");
+            None
+        }
+    }
+}
+
+/// Attach the probe for `/dev/ublkb{id}`, of `pages` pages, and give it to the handler; `Err`
+/// says why there is none (the store then hears of freed slots only through discards).
 pub(super) fn attach(
     id: u32,
     pages: u64,
     handler: &StoreHandler,
-    ahead: Option<SlotFreeProbe>,
 ) -> Result<Arc<SlotFreeProbe>, String> {
-    // One attached ahead watches the device number the device had then: a device deleted
-    // and made again since, under the same id, may have another, and the old one may be
-    // another swap device's by now (whose frees would then empty this store's pages).
-    let current = block_device_number(id)?;
-    let probe = match ahead {
-        Some(probe) if probe.device() == current => probe,
-        _ => attach_to(current, pages)?,
-    };
+    let probe = attach_to(block_device_number(id)?, pages)?;
+    Ok(give(probe, pages, handler))
+}
+
+fn give(probe: SlotFreeProbe, pages: u64, handler: &StoreHandler) -> Arc<SlotFreeProbe> {
     let probe = Arc::new(probe);
     handler.set_slot_frees(probe.clone());
     // The probe set bits from its attachment on, and writes withdraw their pages' bits only
     // from here on: a bit set in between may be of a slot given out again and written
     // meanwhile. Withdraw them all (a free forgotten is only memory, which discards return).
     probe.forget(0, pages);
-    Ok(probe)
+    probe
 }
 
 /// `major:minor` of `/dev/ublkb{id}`, from sysfs.
