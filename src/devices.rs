@@ -22,6 +22,8 @@ const DELETE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long `delete --force` lets swapoff read the swapped-out pages back. Killing swapoff is
 /// safe (the swap area stays on); waiting without end is not what a command line should do.
 const SWAPOFF_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long a swapoff killed at `SWAPOFF_TIMEOUT` is given to exit.
+const SWAPOFF_KILL_WAIT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Error)]
 pub enum DevicesError {
@@ -191,7 +193,11 @@ struct Usage {
 fn usage(control: &mut Control, id: u32) -> Result<Usage, DevicesError> {
     let path = block_path(id);
     let row = device_row(control, id)?;
-    let claimed = Path::new(&path).exists() && in_use(&path)?;
+    // A device never started has no block device to hold. One that has is asked through its
+    // node, and a node missing (a private /dev, one removed by hand) is "cannot tell", never
+    // "unused": deleting a device that is active swap kills whatever has pages on it.
+    let has_disk = Path::new(&format!("/sys/block/ublkb{id}")).exists();
+    let claimed = has_disk && in_use(&path)?;
     let swaps = std::fs::read_to_string("/proc/swaps").unwrap_or_default();
     Ok(Usage {
         claimed,
@@ -305,9 +311,14 @@ fn swapoff(path: &str) -> Result<(), DevicesError> {
             Ok(Some(status)) if status.success() => return Ok(()),
             Ok(Some(status)) => return Err(failed(status.to_string())),
             Ok(None) if Instant::now() > deadline => {
-                // swapoff stops where it is and the swap area stays on.
+                // swapoff stops where it is and the swap area stays on. One reading a page
+                // from a device whose daemon died meanwhile waits unkillably until one serves
+                // it: it is not waited for.
                 let _ = child.kill();
-                let _ = child.wait();
+                let killed_by = Instant::now() + SWAPOFF_KILL_WAIT;
+                while matches!(child.try_wait(), Ok(None)) && Instant::now() < killed_by {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
                 return Err(failed(format!(
                     "did not finish within {} s",
                     SWAPOFF_TIMEOUT.as_secs()

@@ -758,6 +758,15 @@ daemon_refusal_checks() {
     check "refusal: create --id $id fails and says why (exit $rc: $(tail -n 1 /tmp/create5.out))" \
         eval "[ $rc -ne 0 ] && grep -q 'its pages are gone' /tmp/create5.out"
     check "refusal: ... and leaves the device quiesced" dev_state_is $id quiesced
+    # With its node gone (a private /dev, one removed by hand) nothing can tell it is unused.
+    local majmin
+    majmin=$(cat /sys/block/ublkb$id/dev)
+    rm -f $dev
+    rc=0
+    trueno-ublk delete --id $id >/tmp/delete5.out 2>&1 || rc=$?
+    check "refusal: with $dev's node removed, delete is refused: it cannot tell whether the device is used (exit $rc: $(cat /tmp/delete5.out))" \
+        eval "[ $rc -ne 0 ] && grep -q 'could not tell' /tmp/delete5.out"
+    mknod $dev b "${majmin%:*}" "${majmin#*:}"
     rc=0
     trueno-ublk delete --id $id >/tmp/delete5.out 2>&1 || rc=$?
     check "refusal: delete of a device in use that no daemon serves is refused (exit $rc: $(cat /tmp/delete5.out))" \
