@@ -107,6 +107,38 @@ fn stat_text(dir: &Path, args: &StatArgs) -> Result<String, StatError> {
     report_text(dir, args.id, args.format())
 }
 
+/// A daemon handing its device over leaves its endpoint without waiting for the thread, which
+/// may be making a report (in reclaim, say) for as long as it takes: the socket goes at once.
+#[test]
+fn a_server_left_removes_its_socket_without_waiting_for_a_report_under_way() {
+    let (_root, dir) = temp_dir("leave");
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let release_rx = std::sync::Mutex::new(release_rx);
+    let server = serve_in(&dir, 0, move || {
+        let _ = started_tx.send(());
+        let _ = release_rx.lock().unwrap().recv();
+        report(0, 0)
+    })
+    .unwrap();
+    let path = socket_path(&dir, 0);
+    let client = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    started_rx
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the report was not started");
+    let (left_tx, left_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        server.leave();
+        let _ = left_tx.send(());
+    });
+    left_rx
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("leave waited for the report under way");
+    assert!(!path.exists(), "socket left behind");
+    drop(release_tx);
+    drop(client);
+}
+
 #[test]
 fn server_answers_live_reports_and_cleans_up() {
     let (_root, dir) = temp_dir("live");

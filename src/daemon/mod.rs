@@ -923,7 +923,7 @@ fn serve(
         crate::store::RESERVE_QUIET_AFTER + Duration::from_secs(1),
     ));
     let report_idle = Arc::clone(&idle);
-    let _stats_endpoint = stats::serve(id, move || {
+    let stats_endpoint = stats::serve(id, move || {
         let gpu = match &gpu {
             Some(codec) => {
                 let stats = codec.stats();
@@ -1085,13 +1085,19 @@ fn serve(
         StopAction::Delete => {
             store.shutdown();
             drop(flusher);
+            drop(stats_endpoint);
         }
         // Not flushed, nor its threads joined: the next daemon waits for this process to be
         // gone, and a flush with the device quiesced can wait in reclaim for as long as the
         // refill thread does (swap-outs to this device wait for the next daemon). What is
         // pending the next daemon installs, as after a kill -9 (the store is kept consistent
         // at every step for that); the threads end with the process.
-        StopAction::HandOver => std::mem::forget(flusher),
+        StopAction::HandOver => {
+            std::mem::forget(flusher);
+            if let Some(endpoint) = stats_endpoint {
+                endpoint.leave();
+            }
+        }
     }
     stopped?;
     match action {

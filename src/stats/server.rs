@@ -27,15 +27,21 @@ impl StatsServer {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// Remove the socket without waiting for the thread, which ends with the process: a
+    /// process that hands its device over exits without joining threads (the one answering
+    /// may be making a report in reclaim, while swap waits for the next daemon).
+    pub fn leave(mut self) {
+        drop(self.thread.take());
+    }
 }
 
 impl Drop for StatsServer {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        // The thread sits in accept(): one connection wakes it to see the flag.
-        let woke = UnixStream::connect(&self.path).is_ok();
         if let Some(thread) = self.thread.take() {
-            if woke {
+            self.stop.store(true, Ordering::Release);
+            // The thread sits in accept(): one connection wakes it to see the flag.
+            if UnixStream::connect(&self.path).is_ok() {
                 let _ = thread.join();
             } else {
                 tracing::warn!(
