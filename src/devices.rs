@@ -146,13 +146,32 @@ pub fn device_row(control: &mut Control, id: u32) -> Result<DeviceRow, UblkError
     })
 }
 
-/// Every ublk device the kernel knows (`trueno-ublk list`), in id order.
+/// Every ublk device the kernel knows (`trueno-ublk list`), in id order. A device deleted
+/// since its id was read is left out; any other failure to read one is an error (`fault-in`
+/// takes a device it cannot read for one that does not wait).
 pub fn list() -> Result<Vec<DeviceRow>, DevicesError> {
     let mut control = Control::open()?;
-    Ok(device_ids()
-        .into_iter()
-        .filter_map(|id| device_row(&mut control, id).ok())
-        .collect())
+    let mut rows = Vec::new();
+    for id in device_ids() {
+        match device_row(&mut control, id) {
+            Ok(row) => rows.push(row),
+            Err(error) if vanished(&error) => {}
+            Err(error) => return Err(error.into()),
+        }
+    }
+    Ok(rows)
+}
+
+/// Whether a control command failed because the device is gone (deleted meanwhile).
+fn vanished(error: &UblkError) -> bool {
+    matches!(
+        error,
+        UblkError::NoSuchDevice(_)
+            | UblkError::Command {
+                errno: libc::ENODEV,
+                ..
+            }
+    )
 }
 
 /// Whether the block device at `path` is claimed (swap, mounted); an open error other than
@@ -248,6 +267,7 @@ pub fn delete(
     lose_pages: bool,
 ) -> Result<Vec<(String, Option<String>)>, DevicesError> {
     let mut control = Control::open()?;
+    let all = id.is_none();
     let ids = match id {
         Some(id) => {
             if !device_exists(id) {
@@ -257,13 +277,22 @@ pub fn delete(
         }
         None => device_ids(),
     };
-    // Check every device before touching any, so `--all` does nothing if one is refused.
+    // Check every device before touching any, so `--all` does nothing if one is refused. A
+    // device deleted meanwhile (by another `delete`, its own daemon) is not `--all`'s to fail.
+    let usage_of = |control: &mut Control, id| match usage(control, id) {
+        Err(DevicesError::Ublk(error)) if all && vanished(&error) => Ok(None),
+        found => found.map(Some),
+    };
     for &id in &ids {
-        check_delete(&usage(&mut control, id)?, id, force, lose_pages)?;
+        if let Some(usage) = usage_of(&mut control, id)? {
+            check_delete(&usage, id, force, lose_pages)?;
+        }
     }
     let mut deleted = Vec::with_capacity(ids.len());
     for id in ids {
-        let usage = usage(&mut control, id)?;
+        let Some(usage) = usage_of(&mut control, id)? else {
+            continue;
+        };
         check_delete(&usage, id, force, lose_pages)?;
         let path = usage.path.clone();
         if usage.claimed && usage.served {
