@@ -44,6 +44,10 @@ pub(super) const TICKS_PER_IDLE: u16 = 16;
 const MIN_TICK: Duration = Duration::from_millis(1);
 /// Pages recompressed between looks at the clock, the CPU share and the stop flag.
 const SLICE_PAGES: usize = 64;
+/// Entries scanned between those looks when few need work: a pass over a large table whose
+/// pages are settled is CPU time of its own (a few ns an entry), and a store that shuts down
+/// waits for the pass to see it.
+const SLICE_ENTRIES: usize = 1 << 16;
 /// Passes a compaction asked for makes at most: each plans at most a few chunks per class
 /// (see `ZsAllocator::plan_evacuation`), and a page that is written meanwhile keeps its
 /// chunk until the next.
@@ -151,7 +155,7 @@ impl BatchedPageStore {
         let mut backlog = 0u64;
         let mut slice = Slice::start();
         for index in 0..self.table.len() {
-            if slice.pages >= SLICE_PAGES {
+            if slice.pages >= SLICE_PAGES || slice.entries >= SLICE_ENTRIES {
                 if self.stopping() {
                     return;
                 }
@@ -159,6 +163,7 @@ impl BatchedPageStore {
                 self.advance_idle_clock(tick);
                 slice = Slice::start();
             }
+            slice.entries += 1;
             let Some((state, hint)) = self.table.peek(index) else {
                 continue; // locked: in use right now, so not idle
             };
@@ -249,9 +254,11 @@ impl BatchedPageStore {
                 break;
             }
         }
-        if self.alloc.reserve.starving() || self.stopping() {
-            // Stopped early: the chunks still marked take new objects again (see
-            // `recompress_pass`); the recompressor, or the next compaction, plans anew.
+        if self.alloc.evacuating_chunks() > 0 {
+            // Stopped early (the store shutting down, no memory to give, or out of passes):
+            // the chunks still marked take new objects again (see `recompress_pass`); the
+            // recompressor, if one runs, or the next compaction, plans anew. Left marked with
+            // no recompressor, their room went unused for good.
             self.alloc.abandon_evacuation();
         }
         done.chunk_bytes_after = self.alloc.chunk_bytes();
@@ -513,9 +520,10 @@ impl Claim {
     }
 }
 
-/// The pages and CPU time of the work since the last pause.
+/// The pages worked on, entries scanned and CPU time since the last pause.
 struct Slice {
     pages: usize,
+    entries: usize,
     cpu_at_start: Duration,
 }
 
@@ -523,6 +531,7 @@ impl Slice {
     fn start() -> Self {
         Self {
             pages: 0,
+            entries: 0,
             cpu_at_start: crate::os::thread_cpu_time(),
         }
     }
