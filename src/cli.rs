@@ -502,16 +502,28 @@ fn swapon(args: &SwaponArgs) -> CommandResult {
 fn fault_in(args: &FaultInArgs) -> CommandResult {
     let pid = args.pid;
     let line = match crate::swap::fault_in(pid)? {
-        crate::swap::FaultIn::Read { swapped: 0, .. } => {
-            format!("pid {pid}: no page swapped out")
-        }
         crate::swap::FaultIn::Read {
             swapped,
             still_swapped,
-        } => format!(
-            "pid {pid}: {swapped} pages were swapped out, {} read back ({still_swapped} out again)",
-            swapped.saturating_sub(still_swapped)
-        ),
+            out_of_reach,
+        } => {
+            let read = if swapped == 0 {
+                format!("pid {pid}: no page swapped out")
+            } else {
+                format!(
+                    "pid {pid}: {swapped} pages were swapped out, {} read back ({still_swapped} out again)",
+                    swapped.saturating_sub(still_swapped)
+                )
+            };
+            if out_of_reach == 0 {
+                read
+            } else {
+                format!(
+                    "{read}; {out_of_reach} pages of shared memory stay swapped out (not in its \
+                     page tables, so not found)"
+                )
+            }
+        }
         crate::swap::FaultIn::NotServed { path, state } => format!(
             "pid {pid}: nothing read back: {path} is not served right now ({state}), and a \
              read of a page on it would wait for its next daemon"

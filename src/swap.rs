@@ -75,7 +75,15 @@ pub fn swapon(id: u32, priority: u16) -> Result<(), SwapError> {
 pub enum FaultIn {
     /// The process's swapped-out pages were read: `swapped` pages were out before,
     /// `still_swapped` after (swapped out again at once, or their read failed).
-    Read { swapped: u64, still_swapped: u64 },
+    /// `out_of_reach`: pages its smaps counts as swapped out that its page tables do not show
+    /// (shared memory: a shmem or memfd mapping's swapped pages are in the shared object,
+    /// not in the process's page table), which are left where they are: reading every page
+    /// of such a mapping to find them would fill its holes with new memory.
+    Read {
+        swapped: u64,
+        still_swapped: u64,
+        out_of_reach: u64,
+    },
     /// Nothing was read: a ublk device is not served right now (quiesced between two daemons,
     /// or its daemon is gone), and a read of a page of the process on it would wait for the
     /// next daemon.
@@ -114,7 +122,7 @@ pub fn fault_in(pid: u32) -> Result<FaultIn, SwapError> {
     let pagemap = File::open(proc_file("pagemap")).map_err(unreadable(proc_file("pagemap")))?;
     let memory = File::open(proc_file("mem")).map_err(unreadable(proc_file("mem")))?;
     let page = crate::mem::HOST_PAGE as u64;
-    let mappings = swapped_mappings(&smaps);
+    let (mappings, swap_kib) = swapped_mappings(&smaps);
     let mut swapped = 0;
     for mapping in &mappings {
         for_each_page_with(&pagemap, mapping, page, PAGEMAP_SWAPPED, |address| {
@@ -134,6 +142,7 @@ pub fn fault_in(pid: u32) -> Result<FaultIn, SwapError> {
     Ok(FaultIn::Read {
         swapped,
         still_swapped,
+        out_of_reach: (swap_kib * 1024 / page).saturating_sub(swapped),
     })
 }
 
@@ -165,9 +174,11 @@ fn for_each_page_with(
     Ok(())
 }
 
-/// The address ranges of the mappings in a `/proc/PID/smaps` text that have pages swapped out.
-fn swapped_mappings(smaps: &str) -> Vec<Range<u64>> {
+/// The address ranges of the mappings in a `/proc/PID/smaps` text that have pages swapped out,
+/// and the KiB swapped out in all.
+fn swapped_mappings(smaps: &str) -> (Vec<Range<u64>>, u64) {
     let mut mappings = Vec::new();
+    let mut total_kib = 0u64;
     let mut current = None;
     for line in smaps.lines() {
         if let Some(range) = mapping_range(line) {
@@ -181,10 +192,11 @@ fn swapped_mappings(smaps: &str) -> Vec<Range<u64>> {
                 .unwrap_or(0);
             if kib > 0 {
                 mappings.extend(current.take());
+                total_kib = total_kib.saturating_add(kib);
             }
         }
     }
-    mappings
+    (mappings, total_kib)
 }
 
 /// The address range of an smaps mapping's first line ("7f0000-7f2000 rw-p 00000000 00:00 0").
@@ -214,12 +226,15 @@ Swap:                 12 kB
 ";
         assert_eq!(
             swapped_mappings(smaps),
-            vec![
-                0x55d0_c0a0_0000..0x55d0_c0a2_1000,
-                0x7f1e_2d00_0000..0x7f1e_2d10_0000
-            ]
+            (
+                vec![
+                    0x55d0_c0a0_0000..0x55d0_c0a2_1000,
+                    0x7f1e_2d00_0000..0x7f1e_2d10_0000
+                ],
+                20
+            )
         );
-        assert_eq!(swapped_mappings(""), Vec::<Range<u64>>::new());
+        assert_eq!(swapped_mappings(""), (Vec::<Range<u64>>::new(), 0));
     }
 
     #[test]
