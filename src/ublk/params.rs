@@ -21,6 +21,10 @@ pub const MAX_DEVICE_BYTES: u64 = 1 << 50;
 pub const MAX_QUEUES: u16 = 64;
 /// Most tags per queue: the driver's limit.
 pub const MAX_DEPTH: u16 = UBLK_MAX_QUEUE_DEPTH;
+/// Highest device id: the driver's `UBLK_MAX_UBLKS` (one minor number each, 20 bits) less one;
+/// it refuses ADD_DEV above it (and kernels before 6.x read the id as an int, so one of 2^31
+/// or more had the kernel pick an id itself).
+pub const MAX_DEVICE_ID: u32 = (1 << 20) - 1;
 /// Largest READ or WRITE: what a user-copy position can address within a request (32 MiB,
 /// the driver's `UBLK_IO_BUF_BITS`).
 const MAX_IO_BYTES: u32 = 1 << sys::UBLK_IO_BUF_BITS;
@@ -75,8 +79,10 @@ impl DeviceSpec {
                 ));
             }
         }
-        if self.id == Some(u32::MAX) {
-            return bad("device id 4294967295 is reserved".into());
+        if let Some(id) = self.id.filter(|&id| id > MAX_DEVICE_ID) {
+            return bad(format!(
+                "device id {id} is out of range: the ublk driver takes 0 to {MAX_DEVICE_ID}"
+            ));
         }
         Ok(())
     }
@@ -255,7 +261,17 @@ mod tests {
                 id: Some(u32::MAX),
                 ..spec()
             },
+            DeviceSpec {
+                id: Some(MAX_DEVICE_ID + 1),
+                ..spec()
+            },
         ];
+        assert!(DeviceSpec {
+            id: Some(MAX_DEVICE_ID),
+            ..spec()
+        }
+        .validate()
+        .is_ok());
         for spec in bad {
             assert!(spec.validate().is_err(), "{spec:?} should be refused");
         }
