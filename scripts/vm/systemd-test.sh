@@ -459,6 +459,14 @@ check "PID 1 or journald have pages out (PID 1 $(vmswap_kib 1) KiB, journald $(v
 # no swap limit: only the limit itself is checked.
 check "init.scope's swap limit held to the end (memory.swap.max $(cat /sys/fs/cgroup/init.scope/memory.swap.max 2>&1))" \
     [ "$(cat /sys/fs/cgroup/init.scope/memory.swap.max 2>/dev/null)" = 0 ]
+# Swap turned off for the next boot as README.md says (swap = no, daemon-reload) while it is
+# on: the generated swap unit goes, and systemd makes one of its own from /proc/swaps, which
+# knows nothing of the daemon. The poweroff must still swap off before the daemon stops (the
+# host checks the console): the daemon's unit orders itself before that unit by name.
+sed -i 's/^swap = yes$/swap = no/' /etc/trueno-ublk.conf
+systemctl daemon-reload
+check "with swap = no and a daemon-reload, dev-ublkb$ID.swap is systemd's own, from /proc/swaps (unit file '$(systemctl show -P FragmentPath dev-ublkb$ID.swap)', active: $(systemctl is-active dev-ublkb$ID.swap))" \
+    eval "[ -z \"\$(systemctl show -P FragmentPath dev-ublkb$ID.swap)\" ] && systemctl -q is-active dev-ublkb$ID.swap"
 echo "--- journal of the units since boot:"
 journal_units | tail -n 40
 finish
