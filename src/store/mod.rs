@@ -445,31 +445,59 @@ impl BatchedPageStore {
         let result = self
             .check_range(offset, data.len() as u64)
             .and_then(|first| {
-                let Some(_pins) = self.pin_table(first, data.len() / PAGE_SIZE, wait)? else {
-                    return Ok(WriteOutcome::Deferred { done_bytes: 0 });
-                };
-                for (i, bytes) in data.chunks_exact(PAGE_SIZE).enumerate() {
-                    let Ok(page) = <&Page>::try_from(bytes) else {
-                        return Err(StoreError::Misaligned {
-                            offset,
-                            len: data.len() as u64,
-                        });
-                    };
-                    if !self.write_page(first + i as u64, page, wait)? {
-                        return Ok(WriteOutcome::Deferred {
-                            done_bytes: (i * PAGE_SIZE) as u64,
-                        });
-                    }
+                let written = self.write_pinned(first, offset, data, wait);
+                if written.is_err() {
+                    // A group this write pinned may hold no page now: pinning it took it
+                    // from a spare (or asked-for) group that is given back once unwritten,
+                    // and the write stored nothing. Looked at as after a discard.
+                    self.note_maybe_emptied(first, data.len() / PAGE_SIZE);
                 }
-                if let SlotWait::Defer { since: Some(since) } = wait {
-                    self.note_write_wait(since.elapsed());
-                }
-                Ok(WriteOutcome::Done)
+                written
             });
         if result.is_err() {
             add(&self.counters.failed_writes, 1);
         }
         result
+    }
+
+    /// `write_with` for pages from `first` (range checked), with their table groups pinned.
+    fn write_pinned(
+        &self,
+        first: u64,
+        offset: u64,
+        data: &[u8],
+        wait: SlotWait,
+    ) -> Result<WriteOutcome, StoreError> {
+        let Some(_pins) = self.pin_table(first, data.len() / PAGE_SIZE, wait)? else {
+            return Ok(WriteOutcome::Deferred { done_bytes: 0 });
+        };
+        for (i, bytes) in data.chunks_exact(PAGE_SIZE).enumerate() {
+            let Ok(page) = <&Page>::try_from(bytes) else {
+                return Err(StoreError::Misaligned {
+                    offset,
+                    len: data.len() as u64,
+                });
+            };
+            if !self.write_page(first + i as u64, page, wait)? {
+                return Ok(WriteOutcome::Deferred {
+                    done_bytes: (i * PAGE_SIZE) as u64,
+                });
+            }
+        }
+        if let SlotWait::Defer { since: Some(since) } = wait {
+            self.note_write_wait(since.elapsed());
+        }
+        Ok(WriteOutcome::Done)
+    }
+
+    /// Have the table groups of `pages` pages from `first` looked at for giving back.
+    fn note_maybe_emptied(&self, first: u64, pages: usize) {
+        let Some(last) = (first + pages as u64).checked_sub(1) else {
+            return;
+        };
+        for group in TableMemory::group_of(first)..=TableMemory::group_of(last) {
+            self.table.memory().note_emptied(group);
+        }
     }
 
     /// Store one page; false if it was deferred (see `try_write`), which leaves it as it was.
@@ -724,14 +752,17 @@ impl BatchedPageStore {
             if !now() || entry.state() == PageState::Empty {
                 return false;
             }
-            self.table
-                .memory()
-                .note_emptied(TableMemory::group_of(index));
             entry.written(self.idle_clock.now());
             let old = entry.replace(PageState::Empty);
             self.counters.transition(old, PageState::Empty);
             old
         };
+        // Marked once the entry's lock is released: a look at the group for giving it back
+        // that clears the mark then finds the entry empty, not locked (which kept the group,
+        // its mark gone: committed and empty for good).
+        self.table
+            .memory()
+            .note_emptied(TableMemory::group_of(index));
         if let PageState::Stored { handle, len, .. } = old {
             free(handle, usize::from(len));
         }

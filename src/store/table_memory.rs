@@ -366,12 +366,13 @@ impl TableMemory {
         asked
     }
 
-    /// Note that an entry of `group` was emptied (a discard or a freed slot), so that the
-    /// group is looked at for giving back.
+    /// Note that an entry of `group` was emptied (a discard or a freed slot; called once the
+    /// entry's lock is released), so that the group is looked at for giving back. Always a
+    /// release read-modify-write: a look that clears the mark after it sees the entry empty;
+    /// one that cleared it before gets it set again (a mark only read as set was a look's
+    /// to miss the entry by).
     pub(super) fn note_emptied(&self, group: usize) {
-        let word = &self.groups[group];
-        if word.load(Ordering::Relaxed) & EMPTIED == 0 {
-            word.fetch_or(EMPTIED, Ordering::Relaxed);
+        if self.groups[group].fetch_or(EMPTIED, Ordering::Release) & EMPTIED == 0 {
             self.emptied.store(true, Ordering::Release);
         }
     }

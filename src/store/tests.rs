@@ -1624,6 +1624,30 @@ fn the_page_table_holds_memory_only_for_the_part_of_the_device_in_use() {
     drop(flusher);
 }
 
+/// A write that fails after pinning its page-table group (here at the memory limit) stores
+/// nothing, and the group it took (a spare, or one committed for it) is given back as after a
+/// discard. Before, pinning cleared the group's "never written" mark and nothing marked it
+/// emptied: committed, locked and empty for good, exactly when writes fail near OOM.
+#[test]
+fn a_table_group_a_failed_write_pinned_is_given_back() {
+    use super::table_memory::{GROUP_PAGES, SPARE_SLOTS};
+    let group = GROUP_PAGES as u64;
+    let mut c = crate::config::StoreSettings::default().store_config(1 << 30, false);
+    c.reserve_bytes = 4 << 20;
+    c.mem_limit = Some(1);
+    let s = store(c);
+    let flusher = s.start_flusher(|_| ()).unwrap();
+    let committed = |g: u64| s.table.is_committed((g * group) as usize);
+    wait_for("the spares", &|| s.table.memory().spares() == SPARE_SLOTS);
+    let failed = s.write(60 * group * PAGE_SIZE as u64, &text(1)[..]);
+    assert!(
+        matches!(failed, Err(StoreError::NoSpace { .. })),
+        "{failed:?}"
+    );
+    wait_for("group 60 given back", &|| !committed(60));
+    drop(flusher);
+}
+
 #[test]
 fn the_groups_after_one_in_use_stay_when_emptied_and_go_with_it() {
     use super::table_memory::GROUP_PAGES;
