@@ -333,13 +333,16 @@ impl BatchedPageStore {
             return Ok(true);
         }
         let reserve = &self.alloc.reserve;
+        let commit_here = || {
+            memory.commit(group).map_err(|source| StoreError::Memory {
+                what: "committing the page table's memory".into(),
+                source,
+            })
+        };
         if !reserve.refill_running() {
             // No refill thread (tests, bench): nothing else would commit it.
             loop {
-                memory.commit(group).map_err(|source| StoreError::Memory {
-                    what: "committing the page table's memory".into(),
-                    source,
-                })?;
+                commit_here()?;
                 if memory.pin(group) {
                     return Ok(true);
                 }
@@ -369,6 +372,14 @@ impl BatchedPageStore {
                         break Ok(true);
                     }
                     if self.take_spare_slot(group) {
+                        continue;
+                    }
+                    if !reserve.refill_running() {
+                        // The refill thread ended (it unwound, or the store is closing)
+                        // while this writer waited for it: nothing else will commit it.
+                        if let Err(error) = commit_here() {
+                            break Err(error);
+                        }
                         continue;
                     }
                     memory.want(group);
