@@ -283,14 +283,18 @@ impl BatchedPageStore {
                 if !self.span.is_offered() {
                     let quiet = self.span.quiet_slots();
                     for batch in self.batches.iter() {
-                        // A step at a time, looking again before each.
+                        // A step at a time, looking again before each. A grow that stops
+                        // gives back what it committed: the span stays quiet, and only a
+                        // whole span is ever shrunk (the next quiet fill asks again).
                         for from in (quiet..batch.capacity()).step_by(GROW_STEP_SLOTS) {
                             if !self.may_provide_ahead() {
+                                self.give_back_batch_tails();
                                 return;
                             }
                             let to = (from + GROW_STEP_SLOTS).min(batch.capacity());
                             if let Err(error) = batch.commit_slots(from..to) {
                                 tracing::warn!(%error, "committing the pending batches' memory failed; batches stay small");
+                                self.give_back_batch_tails();
                                 return;
                             }
                         }
@@ -350,8 +354,9 @@ impl BatchedPageStore {
             && (!self.alloc.reserve.memory_short() || crate::mem::free_memory_is_back())
     }
 
-    /// Give back the memory of the slots past the quiet span: only while batches open quiet
-    /// and the open one is quiet and empty (`provide_batches`), or before any opens.
+    /// Give back the memory of the slots past the quiet span: only while no batch may use
+    /// them: batches open quiet and the open one was opened quiet (a grow that stopped before
+    /// its offer) or is empty (a shrink), both in `provide_batches`, or before any opens.
     pub(super) fn give_back_batch_tails(&self) {
         let quiet = self.span.quiet_slots();
         for batch in self.batches.iter() {
