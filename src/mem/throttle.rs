@@ -152,13 +152,15 @@ impl ThrottledThread {
     /// Signal the registered thread, unless it was within `WAKE_INTERVAL`: a sleep in the
     /// reclaim throttle ends, and nothing else changes for it. True if it was signalled.
     pub fn wake(&self) -> bool {
+        // No thread registered: nothing to signal, and no handler to install from this
+        // thread (which allocates, maybe under memory pressure).
         let tid = self.tid.load(Ordering::Acquire);
-        let Some(signal) = wake_signal() else {
-            return false;
-        };
         if tid == 0 {
             return false;
         }
+        let Some(signal) = wake_signal() else {
+            return false;
+        };
         let now = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let last = self.woken_ns.load(Ordering::Relaxed);
         let interval = u64::try_from(WAKE_INTERVAL.as_nanos()).unwrap_or(u64::MAX);
