@@ -146,8 +146,17 @@ pub fn generate(
     for &(id, priority) in devices {
         let name = format!("dev-ublkb{id}.swap");
         let path = dir.join(&name);
-        let mut unit = std::fs::File::create(&path)?;
-        unit.write_all(swap_unit(id, priority, config).as_bytes())?;
+        let text = swap_unit(id, priority, config);
+        if !write_unit(dir, &name, &text)? {
+            // Generators run side by side, and the first to write a unit keeps it (as
+            // systemd's own do): an fstab line for the device, say.
+            eprintln!(
+                "{GENERATOR_NAME}: {} was written by another generator (an fstab line for \
+                 /dev/ublkb{id}?); left as it is",
+                path.display()
+            );
+            continue;
+        }
         std::fs::create_dir_all(&wants)?;
         let link = wants.join(&name);
         match std::fs::remove_file(&link) {
@@ -159,6 +168,28 @@ pub fn generate(
         written.push(path);
     }
     Ok(written)
+}
+
+/// Write unit `name` holding `text` into `dir`, whole or not at all (written aside, then
+/// linked into place, which fails if the name exists); false if another unit of that name is
+/// there (the same text is this generator's own, from an earlier run into the directory).
+fn write_unit(dir: &Path, name: &str, text: &str) -> std::io::Result<bool> {
+    let path = dir.join(name);
+    match std::fs::read_to_string(&path) {
+        Ok(existing) => return Ok(existing == text),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => return Err(error),
+    }
+    let aside = dir.join(format!(".{name}.{}", std::process::id()));
+    let placed = std::fs::File::create(&aside)
+        .and_then(|mut unit| unit.write_all(text.as_bytes()))
+        .and_then(|()| std::fs::hard_link(&aside, &path));
+    let _ = std::fs::remove_file(&aside);
+    match placed {
+        Ok(()) => Ok(true),
+        Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+        Err(error) => Err(error),
+    }
 }
 
 /// Entry point when run as `trueno-ublk-generator NORMAL_DIR [EARLY_DIR LATE_DIR]`. The
@@ -252,16 +283,18 @@ mod tests {
 
     #[test]
     fn generated_units_and_links() {
-        let dir = std::env::temp_dir().join(format!("trueno-ublk-gen-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::Builder::new()
+            .prefix("trueno-ublk-gen-")
+            .tempdir()
+            .unwrap();
+        let dir = scratch.path();
         let file =
             config::parse("[ublkb3]\nswap = yes\nswap-priority = 42\n", Path::new("c")).unwrap();
         // Twice: a daemon-reload runs generators into a fresh directory, but a rerun into
         // the same one must not fail on the existing link.
         let devices = swap_devices(&file);
-        generate(&devices, Path::new("/etc/trueno-ublk.conf"), &dir).unwrap();
-        let written = generate(&devices, Path::new("/etc/trueno-ublk.conf"), &dir).unwrap();
+        generate(&devices, Path::new("/etc/trueno-ublk.conf"), dir).unwrap();
+        let written = generate(&devices, Path::new("/etc/trueno-ublk.conf"), dir).unwrap();
         assert_eq!(written, vec![dir.join("dev-ublkb3.swap")]);
         let unit = std::fs::read_to_string(dir.join("dev-ublkb3.swap")).unwrap();
         assert!(unit.contains("\nWhat=/dev/ublkb3\n"));
@@ -271,6 +304,34 @@ mod tests {
         assert!(!unit.contains("Requires=trueno-ublk@"));
         let link = std::fs::read_link(dir.join("swap.target.wants/dev-ublkb3.swap")).unwrap();
         assert_eq!(link, Path::new("../dev-ublkb3.swap"));
-        std::fs::remove_dir_all(&dir).unwrap();
+        // Nothing but the unit and its link: the copy written aside is gone.
+        let mut names: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["dev-ublkb3.swap", "swap.target.wants"]);
+    }
+
+    /// A unit of the same name another generator wrote first (an fstab line for the device)
+    /// is left as it is, and not linked; the other devices still get theirs.
+    #[test]
+    fn a_unit_another_generator_wrote_is_left_alone() {
+        let scratch = tempfile::Builder::new()
+            .prefix("trueno-ublk-gen-")
+            .tempdir()
+            .unwrap();
+        let dir = scratch.path();
+        let fstab = "[Swap]\nWhat=/dev/ublkb3\n";
+        std::fs::write(dir.join("dev-ublkb3.swap"), fstab).unwrap();
+        let config = Path::new("/etc/trueno-ublk.conf");
+        let written = generate(&[(3, 5), (4, 5)], config, dir).unwrap();
+        assert_eq!(written, vec![dir.join("dev-ublkb4.swap")]);
+        assert_eq!(
+            std::fs::read_to_string(dir.join("dev-ublkb3.swap")).unwrap(),
+            fstab
+        );
+        assert!(!dir.join("swap.target.wants/dev-ublkb3.swap").exists());
+        assert!(dir.join("swap.target.wants/dev-ublkb4.swap").exists());
     }
 }
