@@ -101,26 +101,30 @@ impl Growth {
         self.len
     }
 
-    /// Fault the room in (and so, under `mlockall`, lock it).
-    pub fn fault_in(&self) {
+    /// Fault the room in (and so, under `mlockall`, lock it). An error where the system
+    /// refused (part of) it: the list is not to grow into it then (`apply`), since growing
+    /// would fault the rest in under the caller's lock.
+    pub fn fault_in(&self) -> std::io::Result<()> {
         let Some(start) = NonNull::new(self.start as *mut std::ffi::c_void) else {
-            return;
+            return Ok(());
         };
         if self.len == 0 {
-            return;
+            return Ok(());
         }
         // SAFETY: the range lies inside a list's mapping past its capacity (or, had the list
         // been dropped meanwhile, in no mapping or another one): no Rust value lives there,
         // and MADV_POPULATE_WRITE only makes pages present without changing a byte.
-        if let Err(error) = unsafe {
+        unsafe {
             nix::sys::mman::madvise(
                 start,
                 self.len,
                 nix::sys::mman::MmapAdvise::MADV_POPULATE_WRITE,
             )
-        } {
-            tracing::warn!(%error, bytes = self.len, "faulting in a list's room failed");
         }
+        .map_err(|error| {
+            tracing::warn!(%error, bytes = self.len, "faulting in a list's room failed");
+            std::io::Error::from(error)
+        })
     }
 
     /// Give `list` room for `capacity` entries if it is still the list this room was measured
@@ -321,7 +325,7 @@ mod tests {
         list.extend(0..entries as u64);
         let start = list.as_ptr();
         let growth = growth_in_place(&list, 8 * entries).expect("within its reservation");
-        growth.fault_in();
+        growth.fault_in().expect("fault in the room");
         assert!(growth.apply(&mut list, 8 * entries));
         assert_eq!(list.as_ptr(), start, "not moved");
         assert!(list.capacity() >= 8 * entries);

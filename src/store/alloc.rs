@@ -457,7 +457,7 @@ impl ZsAllocator {
     /// new room faulted in outside the class lock, then the lists grown under it, which moves
     /// nothing and touches no fresh page (with memory short, reserve memory beyond demand is
     /// given back first for the fault: `ChunkReserve::make_room_for`). False (nothing grown)
-    /// if one of them would move.
+    /// if one of them would move, or the system refused the room.
     fn grow_lists_in_place(&self, class: &SizeClass, want: usize) -> bool {
         let [Some(usage), Some(dir), Some(partial), Some(free_ids)] = ({
             let st = class.state.lock();
@@ -473,8 +473,10 @@ impl ZsAllocator {
         let growths = [&usage, &dir, &partial, &free_ids];
         self.reserve
             .make_room_for(growths.iter().map(|growth| growth.bytes()).sum());
-        for growth in growths {
-            growth.fault_in();
+        // Room the system refused is not grown into (that would fault it in under the
+        // locks): the caller's fallback, fresh lists, is refused the same way, or not.
+        if growths.iter().any(|growth| growth.fault_in().is_err()) {
+            return false;
         }
         let mut st = class.state.lock();
         let mut chunks = class.chunks.write();

@@ -62,7 +62,7 @@ impl ColdPages {
         // faulted in here, outside the lock.
         let mut fresh = match &growth {
             Some(growth) => {
-                growth.fault_in();
+                growth.fault_in()?;
                 None
             }
             None => Some(faulted_in_list::<u64>(room, ListAlloc::Mapped).map_err(out_of_memory)?),
