@@ -252,9 +252,19 @@ impl ArenaChunk {
     }
 
     /// Commit again the pages of every chunk in `chunks` (given back earlier), one system
-    /// call per run of adjacent chunks, as `decommit_all`.
+    /// call per run of adjacent chunks, as `decommit_all`, and their tag words: a carve whose
+    /// tags' commit failed gave its chunks back with their tag pages never committed (a
+    /// chunk's first tag store would fault one in). No system call for tags already
+    /// committed.
     pub fn recommit_all(chunks: &mut [ArenaChunk]) -> std::io::Result<()> {
-        Self::for_each_run(chunks, Segment::commit)
+        Self::for_each_run(chunks, Segment::commit)?;
+        for chunk in chunks.iter() {
+            let in_arena = chunk.page() * HOST_PAGE;
+            chunk
+                .arena
+                .commit_tags(in_arena, in_arena + chunk.byte_len())?;
+        }
+        Ok(())
     }
 
     /// `op(segment, offset, len)` for each run of adjacent chunks of `chunks`, sorted first;
