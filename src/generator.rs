@@ -82,6 +82,9 @@ TimeoutSec=10min
 /// (systemd's device timeout, 90 s). A device that exists already keeps its unit: its daemon
 /// serves it without the file (`daemon::create`), and the unit orders swapoff before the
 /// daemon's stop.
+/// The smallest swap area mkswap makes: 10 pages (util-linux's `MIN_GOODPAGES`).
+const MIN_SWAP_BYTES: u64 = 10 * 4096;
+
 fn startable_swap_devices(file: &ConfigFile, config: &Path) -> Vec<(u32, u16)> {
     let ram_bytes = match config::ram_bytes() {
         Ok(bytes) => bytes,
@@ -100,7 +103,15 @@ fn startable_swap_devices(file: &ConfigFile, config: &Path) -> Vec<(u32, u16)> {
         let startable = config::resolve_with(&options, file, ram_bytes)
             .map_err(|error| error.to_string())
             .and_then(|settings| {
-                crate::daemon::check_startable(&settings).map_err(|error| error.to_string())
+                crate::daemon::check_startable(&settings).map_err(|error| error.to_string())?;
+                if settings.size_bytes < MIN_SWAP_BYTES {
+                    return Err(format!(
+                        "[ublkb{id}]: size {} bytes is too small for a swap area (mkswap \
+                         needs {MIN_SWAP_BYTES})",
+                        settings.size_bytes
+                    ));
+                }
+                Ok(())
             });
         let Err(error) = startable else {
             return true;
@@ -272,9 +283,10 @@ mod tests {
                     recompress = zstd:3\n\
                     [ublkb1040002]\nswap = yes\nalgorithm = zstd\nrecompress = zstd:1\n\
                     [ublkb1040003]\nswap = yes\n\
-                    [ublkb1040004]\nswap = yes\nsize = 512T\n";
+                    [ublkb1040004]\nswap = yes\nsize = 512T\n\
+                    [ublkb1040005]\nswap = yes\nsize = 36K\n";
         let file = config::parse(text, Path::new("t.conf")).unwrap();
-        assert_eq!(swap_devices(&file).len(), 4);
+        assert_eq!(swap_devices(&file).len(), 5);
         assert_eq!(
             startable_swap_devices(&file, Path::new("t.conf")),
             vec![(1_040_003, DEFAULT_SWAP_PRIORITY)]
