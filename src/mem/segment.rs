@@ -21,7 +21,9 @@
 //! memory is faulted in before the device is live; see `crate::mem`), and a hole punch does
 //! not take it. A SysV segment has no descriptor of its own; `/proc/self/map_files` gives one
 //! for its mapping to a process with CAP_SYS_ADMIN (the daemon). Without one, pages are given
-//! back with MADV_REMOVE (which takes the mmap lock for reading, then the file's).
+//! back with MADV_REMOVE (which takes the mmap lock for reading, then the file's), which works
+//! only on a mapping that is not locked: tests, never the daemon under `mlockall` (attaching
+//! says so in the log).
 
 use std::num::NonZeroUsize;
 use std::ops::{Deref, DerefMut};
@@ -263,6 +265,16 @@ impl Segment {
             .read(true)
             .write(true)
             .open(format!("/proc/self/map_files/{start:x}-{:x}", start + len))
+            .map_err(|error| {
+                // Without it, memory goes back through MADV_REMOVE, which the kernel refuses
+                // on a locked mapping (EINVAL): under `mlockall` nothing would go back.
+                tracing::warn!(
+                    %error,
+                    "the shared store's file cannot be opened (/proc/self/map_files needs \
+                     CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE): with memory locked, the \
+                     store cannot give memory back"
+                );
+            })
             .ok()
             .map(OwnedFd::from);
         let committed_stays = stat(id).is_ok_and(|ds| ds.shm_perm.mode & SHM_LOCKED != 0);
