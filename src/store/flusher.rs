@@ -284,17 +284,18 @@ impl BatchedPageStore {
                     let quiet = self.span.quiet_slots();
                     for batch in self.batches.iter() {
                         // A step at a time, looking again before each. A grow that stops
-                        // gives back what it committed: the span stays quiet, and only a
-                        // whole span is ever shrunk (the next quiet fill asks again).
+                        // keeps what it committed for the next pass that asks (memory short,
+                        // a quiet fill), or gives it back once none does (`AbandonGrow`): the
+                        // span stays quiet, and only a whole span is ever shrunk.
                         for from in (quiet..batch.capacity()).step_by(GROW_STEP_SLOTS) {
                             if !self.may_provide_ahead() {
-                                self.give_back_batch_tails();
+                                self.span.note_grow_stopped();
                                 return;
                             }
                             let to = (from + GROW_STEP_SLOTS).min(batch.capacity());
                             if let Err(error) = batch.commit_slots(from..to) {
                                 tracing::warn!(%error, "committing the pending batches' memory failed; batches stay small");
-                                self.give_back_batch_tails();
+                                self.span.note_grow_stopped();
                                 return;
                             }
                         }
@@ -307,7 +308,12 @@ impl BatchedPageStore {
                     self.take_span_offer();
                 }
             }
+            // Waits for memory that comes without a wait; what a grow that stopped committed
+            // stays meanwhile.
             Some(SpanChange::Grow) => {}
+            // Not offered (an offer asks to grow): batches open quiet, so no batch uses
+            // the slots past the quiet span.
+            Some(SpanChange::AbandonGrow) => self.give_back_batch_tails(),
             Some(SpanChange::Shrink) => {
                 let quiet = self.span.quiet_slots();
                 {

@@ -252,6 +252,10 @@ pub(super) enum SpanChange {
     /// No write for `QUIET_AFTER` with memory not short: open batches with `QUIET_SLOTS`,
     /// then give the rest back.
     Shrink,
+    /// A grow stopped part-way (`note_grow_stopped`) and is no longer asked for (no quiet
+    /// fill, memory not short): the span is quiet, so the slots it committed past the quiet
+    /// span go back (only a whole span is shrunk).
+    AbandonGrow,
 }
 
 /// How many slots the batches open with: all of them, or `QUIET_SLOTS` (see `QUIET_SLOTS`).
@@ -281,6 +285,8 @@ struct SpanWatch {
     flushes: u64,
     quiet_fills: u64,
     changed: Instant,
+    /// A grow stopped part-way, its committed slots neither offered nor given back.
+    grow_stopped: bool,
 }
 
 impl BatchSpan {
@@ -301,6 +307,7 @@ impl BatchSpan {
                 flushes: 0,
                 quiet_fills: 0,
                 changed: Instant::now(),
+                grow_stopped: false,
             }),
         }
     }
@@ -349,13 +356,24 @@ impl BatchSpan {
         } else {
             // An offer not yet taken asks again: if no flush comes to take it, the refill
             // thread must, or the span would stay quiet with its memory committed.
-            (filled || memory_short || self.is_offered()).then_some(SpanChange::Grow)
+            if filled || memory_short || self.is_offered() {
+                Some(SpanChange::Grow)
+            } else {
+                std::mem::take(&mut watch.grow_stopped).then_some(SpanChange::AbandonGrow)
+            }
         }
+    }
+
+    /// A grow stopped before its offer (a write waiting for memory, a failed commit): asked
+    /// for again, it goes on; if not, its slots go back (`AbandonGrow`).
+    pub(super) fn note_grow_stopped(&self) {
+        self.watch.lock().grow_stopped = true;
     }
 
     /// Every slot's memory is committed: the next holder of the flush mutex opens batches
     /// whole (`take_offer`).
     pub(super) fn offer_whole(&self) {
+        self.watch.lock().grow_stopped = false;
         self.whole_offered.store(true, Ordering::Release);
     }
 
@@ -473,6 +491,27 @@ mod tests {
         std::thread::sleep(quiet + quiet / 2);
         assert_eq!(span.next(5, true), None);
         assert_eq!(span.next(5, false), None, "short until just now");
+        // A grow that stopped part-way goes on while asked for, and is abandoned (its slots
+        // given back) once it is not.
+        let stopped = BatchSpan::new(256, quiet, true);
+        assert!(stopped.note_sealed(QUIET_SLOTS));
+        assert_eq!(stopped.next(1, false), Some(SpanChange::Grow));
+        stopped.note_grow_stopped();
+        assert_eq!(
+            stopped.next(1, true),
+            Some(SpanChange::Grow),
+            "memory short"
+        );
+        stopped.note_grow_stopped();
+        assert_eq!(stopped.next(1, false), Some(SpanChange::AbandonGrow));
+        assert_eq!(stopped.next(1, false), None, "abandoned once");
+        assert!(stopped.note_sealed(QUIET_SLOTS));
+        assert_eq!(stopped.next(2, false), Some(SpanChange::Grow));
+        stopped.note_grow_stopped();
+        stopped.offer_whole();
+        assert_eq!(stopped.next(2, false), Some(SpanChange::Grow), "offered");
+        assert!(stopped.take_offer());
+        assert_eq!(stopped.next(2, false), None, "whole: nothing to abandon");
         // Batches no larger than the quiet span never change, nor does an unkept span.
         let small = BatchSpan::new(QUIET_SLOTS, Duration::ZERO, true);
         assert!(small.is_whole() && !small.note_sealed(QUIET_SLOTS));
