@@ -146,20 +146,16 @@ pub fn device_row(control: &mut Control, id: u32) -> Result<DeviceRow, UblkError
     })
 }
 
-/// Every ublk device the kernel knows (`trueno-ublk list`), in id order. A device deleted
-/// since its id was read is left out; any other failure to read one is an error (`fault-in`
-/// takes a device it cannot read for one that does not wait).
+/// Every ublk device the kernel knows and lets us read (`trueno-ublk list`), in id order. One
+/// deleted since its id was read is left out, and so is one the kernel will not describe to
+/// us: another user's unprivileged device (`UBLK_F_UNPRIVILEGED_DEV`: GET_DEV_INFO without
+/// its path fails with EINVAL), which would otherwise fail the whole list.
 pub fn list() -> Result<Vec<DeviceRow>, DevicesError> {
     let mut control = Control::open()?;
-    let mut rows = Vec::new();
-    for id in device_ids() {
-        match device_row(&mut control, id) {
-            Ok(row) => rows.push(row),
-            Err(error) if vanished(&error) => {}
-            Err(error) => return Err(error.into()),
-        }
-    }
-    Ok(rows)
+    Ok(device_ids()
+        .into_iter()
+        .filter_map(|id| device_row(&mut control, id).ok())
+        .collect())
 }
 
 /// Whether a control command failed because the device is gone (deleted meanwhile).
