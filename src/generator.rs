@@ -75,16 +75,16 @@ TimeoutSec=10min
     )
 }
 
+/// The smallest swap area mkswap makes: 10 pages (util-linux's `MIN_GOODPAGES`).
+const MIN_SWAP_BYTES: u64 = 10 * 4096;
+
 /// The devices of `swap_devices` whose daemon can start: a section the daemon would refuse (a
 /// value out of range, a recompression that cannot save anything, a size beyond 32 times
-/// RAM) gets no swap unit, and a
+/// RAM, or too small for a swap area) gets no swap unit, and a
 /// message, rather than one that holds the boot up waiting for a device that never comes
 /// (systemd's device timeout, 90 s). A device that exists already keeps its unit: its daemon
 /// serves it without the file (`daemon::create`), and the unit orders swapoff before the
 /// daemon's stop.
-/// The smallest swap area mkswap makes: 10 pages (util-linux's `MIN_GOODPAGES`).
-const MIN_SWAP_BYTES: u64 = 10 * 4096;
-
 fn startable_swap_devices(file: &ConfigFile, config: &Path) -> Vec<(u32, u16)> {
     let ram_bytes = match config::ram_bytes() {
         Ok(bytes) => bytes,
