@@ -263,6 +263,30 @@ fn repeated_failures_rest_the_gpu_then_it_comes_back() {
     }
 }
 
+/// Output the store rejects (a page that did not decode to itself) counts as a failure, though
+/// the batch came back `Ok`: rejected batches in a row rest the GPU as failed ones do.
+#[test]
+fn rejected_output_in_a_row_rests_the_gpu() {
+    let pages = mixed_pages(20, 12);
+    let config = GpuConfig {
+        chunk_pages: 8,
+        max_compressed_len: MAX_LZ4_LEN,
+        rest: Duration::from_secs(3600),
+        ..GpuConfig::default()
+    };
+    let codec = GpuCodec::on_cpu_model(config, Arc::new(CpuReference));
+    for _ in 0..FAILURES_BEFORE_REST {
+        assert!(compress_like_the_store(&codec, &pages).1, "the GPU did it");
+        codec.output_rejected(pages.len());
+    }
+    assert!(
+        !compress_like_the_store(&codec, &pages).1,
+        "resting after rejected batches"
+    );
+    let stats = codec.stats();
+    assert!(stats.last_error.unwrap().contains("rejected"));
+}
+
 #[test]
 fn a_batch_is_spread_over_all_slots() {
     // With room for 2048 pages per chunk, a 999-page batch still runs as 3 chunks (one per

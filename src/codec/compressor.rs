@@ -97,10 +97,13 @@ impl Compressor {
                         fell_back: false,
                     }
                 }
-                Ok(()) => tracing::warn!(
-                    pages = pages.len(),
-                    "GPU batch output malformed; compressing on the CPU"
-                ),
+                Ok(()) => {
+                    tracing::warn!(
+                        pages = pages.len(),
+                        "GPU batch output malformed; compressing on the CPU"
+                    );
+                    gpu.output_rejected(pages.len());
+                }
                 Err(error) => tracing::warn!(
                     pages = pages.len(),
                     "GPU batch failed ({error}); compressing on the CPU"
@@ -110,6 +113,14 @@ impl Compressor {
         Compressed {
             backend: self.compress_on_cpu(Backend::SimdParallel, pages, out),
             fell_back: true,
+        }
+    }
+
+    /// The GPU's output for a batch of `pages` pages held pages that did not decode to
+    /// themselves (the store compressed them again on the CPU): counted against the GPU.
+    pub fn gpu_output_rejected(&self, pages: usize) {
+        if let Some(gpu) = &self.gpu {
+            gpu.output_rejected(pages);
         }
     }
 

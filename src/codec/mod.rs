@@ -176,6 +176,12 @@ pub trait BatchCodec: Send + Sync {
         out: &mut [Page],
         status: &mut [Result<(), CodecError>],
     );
+    /// The output of a batch of `pages` pages this codec reported done was found wrong by its
+    /// user (malformed, or a page that does not decode to itself), and compressed again
+    /// elsewhere: a codec that can fail so (the GPU's) counts it as a failure.
+    fn output_rejected(&self, pages: usize) {
+        let _ = pages;
+    }
 }
 
 /// The smallest batch worth a GPU: below it, the transfers and the launch cost more than the

@@ -263,6 +263,9 @@ struct Counters {
 #[derive(Default)]
 struct Health {
     failures_in_a_row: u32,
+    /// `failures_in_a_row` before the last success ended the row: a batch whose output is
+    /// rejected after it came back (`output_rejected`) puts the row back and adds itself.
+    row_before_last_success: u32,
     resting_until: Option<Instant>,
 }
 
@@ -362,7 +365,10 @@ impl GpuCodec {
     }
 
     fn record_success(&self, pages: usize, compress: bool, times: BatchTimes, start: Instant) {
-        self.health.lock().failures_in_a_row = 0;
+        {
+            let mut health = self.health.lock();
+            health.row_before_last_success = std::mem::take(&mut health.failures_in_a_row);
+        }
         let c = &self.counters;
         c.batches.fetch_add(1, Ordering::Relaxed);
         let pages_counter = if compress {
@@ -429,6 +435,20 @@ impl GpuCodec {
 }
 
 impl BatchCodec for GpuCodec {
+    /// A failure like any other: in a row, they rest the GPU (its output came back `Ok`, so
+    /// `record_success` had counted the batch a success and ended the row).
+    fn output_rejected(&self, pages: usize) {
+        {
+            let mut health = self.health.lock();
+            health.failures_in_a_row = health.row_before_last_success;
+        }
+        self.record_failure(
+            "compression",
+            pages,
+            &GpuError::BadOutput("output rejected by the store".into()),
+        );
+    }
+
     fn compress_batch(&self, pages: &[&Page], out: &mut CompressedBatch) -> Result<(), CodecError> {
         let start = Instant::now();
         let max_out = self.config.max_compressed_len.min(PAGE_SIZE);

@@ -4,7 +4,7 @@
 #![forbid(unsafe_code)]
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use rayon::prelude::*;
 
@@ -127,7 +127,9 @@ impl BatchedPageStore {
             .count();
         self.note_compressed(part.len() as u64, raw as u64);
         let from_gpu = done.backend == Backend::Gpu;
+        let mismatched = AtomicUsize::new(0);
         let install = |(i, s): (usize, &PendingSlot<'_>)| {
+            let mut again = [0u8; PAGE_SIZE];
             let (encoding, bytes) = match out.page(i) {
                 // The huge-page rule holds whichever backend compressed (the GPU codec may
                 // not apply it): such a page costs less, and reads faster, as itself.
@@ -135,14 +137,19 @@ impl BatchedPageStore {
                     (Encoding::Raw, &s.page[..])
                 }
                 // The GPU's output is decoded on the CPU and compared before it is stored: a
-                // page it got wrong is stored as itself, never as what it would decode to.
+                // page it got wrong is compressed again on the CPU, never stored as what it
+                // would decode to (nor raw: a GPU that keeps getting pages wrong would leave
+                // them all uncompressed, counted as compressed by `note_compressed`).
                 (encoding, bytes) if from_gpu && !decodes_to(encoding, bytes, &s.page) => {
                     tracing::error!(
                         page = s.index,
-                        "the GPU's compressed page does not decode to the page: stored raw"
+                        "the GPU's compressed page does not decode to the page: compressed again on the CPU"
                     );
                     add(&self.counters.gpu_mismatched_pages, 1);
-                    (Encoding::Raw, &s.page[..])
+                    mismatched.fetch_add(1, Ordering::Relaxed);
+                    let (encoding, len) =
+                        compress_page(compressor.algorithm(), &s.page, &mut again);
+                    (encoding, &again[..len])
                 }
                 page => page,
             };
@@ -154,6 +161,9 @@ impl BatchedPageStore {
             part.iter().enumerate().for_each(install);
         } else {
             part.par_iter().enumerate().for_each(install);
+        }
+        if mismatched.into_inner() > 0 {
+            compressor.gpu_output_rejected(part.len());
         }
     }
 

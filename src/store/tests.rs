@@ -569,9 +569,17 @@ fn the_recompressor_does_not_store_a_page_that_fails_its_checksum_again() {
 }
 
 /// A GPU stand-in whose output is well formed but wrong: pages 0 and 1 of each batch swapped.
-struct SwappingGpu;
+/// Counts the pages of the batches whose output the store rejected.
+#[derive(Default)]
+struct SwappingGpu {
+    rejected: std::sync::atomic::AtomicUsize,
+}
 
 impl BatchCodec for SwappingGpu {
+    fn output_rejected(&self, pages: usize) {
+        self.rejected.fetch_add(pages, Ordering::Relaxed);
+    }
+
     fn compress_batch(
         &self,
         pages: &[&Page],
@@ -597,13 +605,17 @@ impl BatchCodec for SwappingGpu {
     }
 }
 
+/// A page whose GPU output does not decode to it is compressed again on the CPU (stored raw,
+/// as it was until 2026-12-03, a GPU that kept getting pages wrong left them all
+/// uncompressed), and the batch is counted against the GPU, whose failures in a row rest it.
 #[test]
-fn gpu_output_that_does_not_decode_to_its_page_is_stored_raw() {
+fn gpu_output_that_does_not_decode_to_its_page_is_compressed_again_on_the_cpu() {
     let mut c = crate::config::StoreSettings::default().store_config(64 * PAGE_SIZE as u64, false);
     c.algorithm = Algorithm::Lz4;
     c.batch_threshold = 8;
     c.forced_backend = Some(Backend::Gpu);
-    let s = BatchedPageStore::new(c, Some(Arc::new(SwappingGpu) as Arc<dyn BatchCodec>)).unwrap();
+    let gpu = Arc::new(SwappingGpu::default());
+    let s = BatchedPageStore::new(c, Some(gpu.clone() as Arc<dyn BatchCodec>)).unwrap();
     // (`text` seeds 2k and 2k + 1 make the same page.)
     for i in 0..8u64 {
         s.write(i * PAGE_SIZE as u64, &text(2 * i + 1)[..]).unwrap();
@@ -611,7 +623,12 @@ fn gpu_output_that_does_not_decode_to_its_page_is_stored_raw() {
     s.flush_pending().unwrap();
     let st = s.stats();
     assert_eq!(st.gpu_mismatched_pages, 2, "{st:?}");
-    assert_eq!((st.huge_pages, st.pages_lz4), (2, 6));
+    assert_eq!((st.huge_pages, st.pages_lz4), (0, 8));
+    assert_eq!(
+        gpu.rejected.load(Ordering::Relaxed),
+        8,
+        "one batch of 8 pages"
+    );
     for i in 0..8u64 {
         assert_eq!(&read_page_back(&s, i)[..], &text(2 * i + 1)[..], "page {i}");
     }
