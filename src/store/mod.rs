@@ -650,6 +650,22 @@ impl BatchedPageStore {
         result
     }
 
+    /// Decompress the stored object `handle` of `len` bytes into `out`; an object that is not
+    /// there (a length its class cannot hold) is corrupt.
+    fn decode_object(
+        &self,
+        handle: Handle,
+        len: u16,
+        encoding: Encoding,
+        out: &mut Page,
+    ) -> Result<(), crate::codec::CodecError> {
+        self.alloc
+            .with_object(handle, usize::from(len), |bytes| {
+                decompress_page(encoding, bytes, out)
+            })
+            .unwrap_or(Err(crate::codec::CodecError::Corrupt))
+    }
+
     fn read_page(&self, index: u64, out: &mut Page) -> Result<(), StoreError> {
         let Some(entry) = self.table.lock(index) else {
             // A group never written (or given back): empty.
@@ -676,13 +692,7 @@ impl BatchedPageStore {
                 len,
                 encoding,
             } => {
-                let result = self
-                    .alloc
-                    .with_object(handle, usize::from(len), |bytes| {
-                        decompress_page(encoding, bytes, out)
-                    })
-                    .unwrap_or(Err(crate::codec::CodecError::Corrupt));
-                if let Err(source) = result {
+                if let Err(source) = self.decode_object(handle, len, encoding, out) {
                     tracing::error!(page = index, %source, ?encoding, len, "stored page failed to decompress");
                     return Err(StoreError::Corrupt {
                         page: index,

@@ -18,7 +18,7 @@
 use super::counters::add;
 use super::table::PageState;
 use super::{BatchedPageStore, Opened, StoreError};
-use crate::codec::{compress_page, decompress_page, Encoding, PAGE_SIZE};
+use crate::codec::{compress_page, Encoding, PAGE_SIZE};
 
 /// Lost pages named one by one in the log; the rest are counted.
 const LOST_PAGES_LOGGED: u64 = 16;
@@ -127,10 +127,7 @@ impl BatchedPageStore {
             return;
         };
         let mut page = [0u8; PAGE_SIZE];
-        let decoded = self.alloc.with_object(handle, usize::from(len), |bytes| {
-            decompress_page(encoding, bytes, &mut page)
-        });
-        if let Some(Ok(())) = decoded {
+        if self.decode_object(handle, len, encoding, &mut page).is_ok() {
             let (was, now) = (entry.checksum(), self.checksum.of(&page));
             if was != now {
                 // Expected for a write killed between the two (see above); a bit flipped in
