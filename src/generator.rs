@@ -293,12 +293,17 @@ mod tests {
         );
     }
 
-    #[test]
-    fn generated_units_and_links() {
-        let scratch = tempfile::Builder::new()
+    /// A generator output directory, removed when the test ends.
+    fn scratch_dir() -> tempfile::TempDir {
+        tempfile::Builder::new()
             .prefix("trueno-ublk-gen-")
             .tempdir()
-            .unwrap();
+            .unwrap()
+    }
+
+    #[test]
+    fn generated_units_and_links() {
+        let scratch = scratch_dir();
         let dir = scratch.path();
         let file =
             config::parse("[ublkb3]\nswap = yes\nswap-priority = 42\n", Path::new("c")).unwrap();
@@ -329,10 +334,7 @@ mod tests {
     /// is left as it is, and not linked; the other devices still get theirs.
     #[test]
     fn a_unit_another_generator_wrote_is_left_alone() {
-        let scratch = tempfile::Builder::new()
-            .prefix("trueno-ublk-gen-")
-            .tempdir()
-            .unwrap();
+        let scratch = scratch_dir();
         let dir = scratch.path();
         let fstab = "[Swap]\nWhat=/dev/ublkb3\n";
         std::fs::write(dir.join("dev-ublkb3.swap"), fstab).unwrap();
