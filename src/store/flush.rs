@@ -129,7 +129,8 @@ impl BatchedPageStore {
         let from_gpu = done.backend == Backend::Gpu;
         let mismatched = AtomicUsize::new(0);
         let install = |(i, s): (usize, &PendingSlot<'_>)| {
-            let mut again = [0u8; PAGE_SIZE];
+            // Filled only for a page the GPU got wrong: no 4 KiB cleared per page otherwise.
+            let mut again;
             let (encoding, bytes) = match out.page(i) {
                 // The huge-page rule holds whichever backend compressed (the GPU codec may
                 // not apply it): such a page costs less, and reads faster, as itself.
@@ -147,6 +148,7 @@ impl BatchedPageStore {
                     );
                     add(&self.counters.gpu_mismatched_pages, 1);
                     mismatched.fetch_add(1, Ordering::Relaxed);
+                    again = [0u8; PAGE_SIZE];
                     let (encoding, len) =
                         compress_page(compressor.algorithm(), &s.page, &mut again);
                     (encoding, &again[..len])
