@@ -7,6 +7,7 @@ use std::sync::{LazyLock, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::{Algorithm, CodecError, Encoding, Page, PageClass, PAGE_SIZE};
+use zstd::zstd_safe::{CCtx, CParameter, DCtx};
 
 /// Pages whose compressed form is longer than this are stored raw (zram's "huge" pages): the
 /// allocator cannot pack bigger objects densely enough to save memory, and a raw page reads
@@ -228,19 +229,29 @@ fn lz4_compress(page: &Page, out: &mut [u8]) -> Option<usize> {
 }
 
 thread_local! {
-    static ZSTD_COMPRESSOR: RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> =
-        const { RefCell::new(None) };
-    static ZSTD_DECOMPRESSOR: RefCell<Option<zstd::bulk::Decompressor<'static>>> =
-        const { RefCell::new(None) };
+    static ZSTD_COMPRESSOR: RefCell<Option<(i32, CCtx<'static>)>> = const { RefCell::new(None) };
+    static ZSTD_DECOMPRESSOR: RefCell<Option<DCtx<'static>>> = const { RefCell::new(None) };
 }
 
-fn new_zstd_compressor(level: i32) -> std::io::Result<zstd::bulk::Compressor<'static>> {
-    use zstd::zstd_safe::CParameter;
-    let mut c = zstd::bulk::Compressor::new(level)?;
+/// Why a zstd context could not be made (zstd-safe's own `create` panics when libzstd's
+/// allocation fails; its `try_create` is used instead, so a failed allocation only sends the
+/// page another way).
+fn zstd_context_error(what: &str) -> String {
+    format!("libzstd could not allocate a {what} context (out of memory)")
+}
+
+fn new_zstd_compressor(level: i32) -> Result<CCtx<'static>, String> {
+    let mut c = CCtx::try_create().ok_or_else(|| zstd_context_error("compression"))?;
+    let named = |code| zstd::zstd_safe::get_error_name(code).to_owned();
+    c.set_parameter(CParameter::CompressionLevel(level))
+        .map_err(named)?;
     // Every page decodes to PAGE_SIZE and is never a stand-alone file: drop frame fields.
-    c.set_parameter(CParameter::ContentSizeFlag(false))?;
-    c.set_parameter(CParameter::ChecksumFlag(false))?;
-    c.set_parameter(CParameter::DictIdFlag(false))?;
+    c.set_parameter(CParameter::ContentSizeFlag(false))
+        .map_err(named)?;
+    c.set_parameter(CParameter::ChecksumFlag(false))
+        .map_err(named)?;
+    c.set_parameter(CParameter::DictIdFlag(false))
+        .map_err(named)?;
     Ok(c)
 }
 
@@ -259,7 +270,7 @@ fn zstd_compress(level: i32, page: &Page, out: &mut [u8]) -> Option<usize> {
             }
         }
         let (_, c) = slot.as_mut()?;
-        c.compress_to_buffer(&page[..], out).ok()
+        c.compress2(out, &page[..]).ok()
     })
 }
 
@@ -364,7 +375,7 @@ impl ThreadCodecs {
 /// needs them, so contexts made in fresh heap fault the rest in later, on the I/O path.
 pub fn thread_contexts_bytes(codecs: ThreadCodecs) -> usize {
     let decompressor = if codecs.decompresses_zstd {
-        zstd::zstd_safe::DCtx::create().sizeof()
+        DCtx::try_create().map_or(0, |d| d.sizeof())
     } else {
         0
     };
@@ -374,8 +385,8 @@ pub fn thread_contexts_bytes(codecs: ThreadCodecs) -> usize {
         };
         // zstd sizes its workspace at the first compression, for the input's size.
         let mut out = [0u8; PAGE_SIZE];
-        let _ = c.compress_to_buffer(&warm_up_page()[..], &mut out[..]);
-        c.context_mut().sizeof()
+        let _ = c.compress2(&mut out[..], &warm_up_page()[..]);
+        c.sizeof()
     });
     decompressor + compressor
 }
@@ -417,14 +428,14 @@ pub fn decompress_page(encoding: Encoding, src: &[u8], out: &mut Page) -> Result
         Encoding::Zstd => ZSTD_DECOMPRESSOR.with(|cell| {
             let mut slot = cell.borrow_mut();
             if slot.is_none() {
-                *slot = Some(
-                    zstd::bulk::Decompressor::new()
-                        .map_err(|e| CodecError::NoContext(e.to_string()))?,
-                );
+                *slot =
+                    Some(DCtx::try_create().ok_or_else(|| {
+                        CodecError::NoContext(zstd_context_error("decompression"))
+                    })?);
             }
             match slot.as_mut() {
                 Some(d) => d
-                    .decompress_to_buffer(src, &mut out[..])
+                    .decompress(&mut out[..], src)
                     .map_err(|_| CodecError::Corrupt),
                 None => Err(CodecError::NoContext("zstd".into())),
             }
