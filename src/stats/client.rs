@@ -36,6 +36,8 @@ pub enum StatError {
     },
     #[error("the daemon of ublkb{id} reported pid {pid}, which no process can have: its socket is not a trueno-ublk daemon's")]
     BadPid { id: u32, pid: u32 },
+    #[error("pid {pid}, which the daemon of ublkb{id} reported, is no longer a trueno-ublk process (the daemon was replaced or exited); ask again")]
+    NotDaemon { id: u32, pid: u32 },
     #[error("the daemon of ublkb{id} (pid {pid}) was replaced before it finished compacting (see `trueno-ublk list`); ask again")]
     Replaced { id: u32, pid: u32 },
     #[error("the daemon of ublkb{id} has not finished compacting after {} s; it goes on in the background (`trueno-ublk stat --id {id} --json` counts compactions)", waited.as_secs())]
@@ -231,6 +233,14 @@ pub fn compact(
     let before = report()?;
     if !before.requests.iter().any(|r| r == COMPACT_REQUEST) {
         return Err(StatError::NoCompaction {
+            id,
+            pid: before.pid,
+        });
+    }
+    // SIGUSR2 ends a process that does not handle it: the pid is checked to be a daemon's
+    // still (between the report and the signal the daemon may have exited, its pid reused).
+    if !i32::try_from(before.pid).is_ok_and(crate::os::same_program_alive) {
+        return Err(StatError::NotDaemon {
             id,
             pid: before.pid,
         });
