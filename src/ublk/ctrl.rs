@@ -69,9 +69,12 @@ impl Control {
             0,
         ) {
             Ok(_) => control.features = features,
-            // Drivers before GET_FEATURES know neither it nor encoded opcodes.
+            // Drivers before GET_FEATURES (6.5) refuse it: 6.0 and 6.1 with ENODEV (their
+            // answer to any opcode they do not know), 6.2 to 6.4 with ENODEV too (every
+            // command but ADD_DEV looks its device up first, and there is no device u32::MAX),
+            // others with EINVAL or EOPNOTSUPP. Legacy opcodes work on all of them.
             Err(UblkError::Command { errno, .. })
-                if errno == libc::EINVAL || errno == libc::EOPNOTSUPP =>
+                if matches!(errno, libc::EINVAL | libc::EOPNOTSUPP | libc::ENODEV) =>
             {
                 control.ioctl_encode = false;
             }
