@@ -163,7 +163,9 @@ pub const DAEMON_NAME: &std::ffi::CStr = c"trueno-ublk";
 /// process (so not a recycled pid of something else). The user counts because a name does
 /// not: any user may call a process of theirs "trueno-ublk", and one that got an old
 /// daemon's pid (which the kernel keeps for a device that waits for its next daemon) would
-/// otherwise hold that device's takeover off.
+/// otherwise hold that device's takeover off. Every uid of it counts, not only the
+/// effective one: a user's set-uid-root program run through a link named `trueno-ublk`
+/// (`su` waiting at its prompt) has root's effective uid, and its real uid is the user's.
 pub fn same_program_alive(pid: i32) -> bool {
     // A zombie has exited (its memory is gone) but keeps its comm until its parent reaps
     // it, which an orphan's init may never do (the VM test's busybox init does not).
@@ -177,20 +179,28 @@ pub fn same_program_alive(pid: i32) -> bool {
             .is_ok_and(|name| comm.trim_end() == name)
     });
     let ours = nix::unistd::geteuid().to_string();
-    let same_user =
-        read("status").is_some_and(|theirs| effective_uid(&theirs) == Some(ours.as_str()));
+    let same_user = read("status").is_some_and(|theirs| only_uid(&theirs) == Some(ours.as_str()));
     named_as_daemon && same_user
 }
 
-/// The effective user id in a `/proc/PID/status` text (its `Uid:` line: real, effective,
-/// saved, file system). Unlike the owner of `/proc/PID`, which is root for a process that
-/// made itself non-dumpable, this is the process's own.
-fn effective_uid(status: &str) -> Option<&str> {
-    status
+/// The user id of a `/proc/PID/status` text if its `Uid:` line (real, effective, saved, file
+/// system) has that one four times; `None` for a process whose ids differ (a set-uid program)
+/// or a text without the line. Unlike the owner of `/proc/PID`, which is root for a process
+/// that made itself non-dumpable, these are the process's own.
+fn only_uid(status: &str) -> Option<&str> {
+    let mut ids = status
         .lines()
         .find_map(|line| line.strip_prefix("Uid:"))?
-        .split_whitespace()
-        .nth(1)
+        .split_whitespace();
+    let first = ids.next()?;
+    let mut count = 1;
+    for id in ids {
+        if id != first {
+            return None;
+        }
+        count += 1;
+    }
+    (count == 4).then_some(first)
 }
 
 /// Whether process `pid` has ended: no such process, or only its zombie is left (an orphan's
@@ -323,9 +333,12 @@ mod tests {
 
     #[test]
     fn a_daemon_is_known_by_its_name_and_user() {
+        // A set-uid program run by user 1000 is not root's.
         let status = "Name:\ttrueno-ublk\nUid:\t1000\t0\t0\t0\nGid:\t0\t0\t0\t0\n";
-        assert_eq!(effective_uid(status), Some("0"));
-        assert_eq!(effective_uid("Name:\tx\n"), None);
+        assert_eq!(only_uid(status), None);
+        assert_eq!(only_uid("Name:\tx\nUid:\t0\t0\t0\t0\n"), Some("0"));
+        assert_eq!(only_uid("Name:\tx\nUid:\t0\t0\t0\n"), None);
+        assert_eq!(only_uid("Name:\tx\n"), None);
         // The test binary is not called trueno-ublk; pid 1 is no daemon either.
         assert!(!same_program_alive(
             i32::try_from(std::process::id()).unwrap()

@@ -205,8 +205,11 @@ impl Standby {
                 other => other?,
             };
             // Gone also when its pid now names another program: after a stop with swap on,
-            // the kernel keeps the old daemon's pid, which any process may get since.
-            let old_daemon_gone = !crate::os::same_program_alive(info.ublksrv_pid);
+            // the kernel keeps the old daemon's pid, which any process may get since; this
+            // process too (a container restarted: a fresh pid namespace, the same pids).
+            let old_daemon_gone = u32::try_from(info.ublksrv_pid)
+                .is_ok_and(|pid| pid == std::process::id())
+                || !crate::os::same_program_alive(info.ublksrv_pid);
             match info.state {
                 sys::UBLK_S_DEV_DEAD => {
                     let reason = if device_exists(id) {
