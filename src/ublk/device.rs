@@ -126,8 +126,10 @@ impl AddedDevice {
         device.fetch_all(go, &char_dev)?;
         // Every FETCH_REQ of every queue has entered the kernel: START_DEV can complete.
         device.control.start_dev(device.id(), std::process::id())?;
-        device.keep_on_drop = device.survives_daemon();
+        // Kept on drop only once nothing here can fail: a new device whose start failed
+        // holds nothing, and is deleted.
         device.info = device.control.dev_info(device.id())?;
+        device.keep_on_drop = device.survives_daemon();
         if device.survives_daemon() {
             tune_for_survival(device.id(), device.info.queue_depth);
         }
