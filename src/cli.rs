@@ -73,7 +73,7 @@ pub struct StoreArgs {
     #[arg(long, value_parser = choice::<AlgorithmChoice>())]
     pub algorithm: Option<AlgorithmChoice>,
     /// zstd level when the algorithm is zstd (adaptive always uses level 1) [default: 1]
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub zstd_level: Option<i32>,
     /// Batch backend [default: auto]
     #[arg(long, value_parser = choice::<BackendChoice>())]

@@ -240,23 +240,40 @@ fn store_config_carries_every_setting() {
     assert_eq!(settings.store.algorithm_name(), "adaptive");
     assert_eq!(settings.store.backend_name(), "simd-parallel");
 
-    let args = create_args(&[
-        "--algorithm",
-        "zstd",
-        "--zstd-level",
-        "3",
-        "--no-batched",
-        "--backend",
-        "gpu",
-    ]);
+    let args = create_args(&["--algorithm", "zstd", "--zstd-level", "3", "--no-batched"]);
     let settings = resolve_with(&args, &ConfigFile::default(), 8 * GIB).unwrap();
     assert_eq!(settings.store.algorithm_name(), "zstd:3");
-    assert_eq!(settings.store.backend_name(), "gpu");
     assert!(!settings.store_config(false, 8 * GIB).batched);
+
+    let args = create_args(&["--algorithm", "lz4", "--backend", "gpu"]);
+    let settings = resolve_with(&args, &ConfigFile::default(), 8 * GIB).unwrap();
+    assert_eq!(settings.store.backend_name(), "gpu");
     assert_eq!(
         settings.store_config(false, 8 * GIB).forced_backend,
         Some(Backend::Gpu)
     );
+}
+
+/// The GPU compresses LZ4 only: any other algorithm with it is refused where the settings are
+/// read (the command line, or the file's line), not first when the daemon starts.
+#[test]
+fn the_gpu_backend_with_another_algorithm_is_refused() {
+    let args = create_args(&["--algorithm", "zstd", "--backend", "gpu"]);
+    let refused = resolve_with(&args, &ConfigFile::default(), 8 * GIB)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(refused.contains("command line (--backend)"), "{refused}");
+    assert!(refused.contains("LZ4 only"), "{refused}");
+    // The default algorithm (LZ4) goes with it.
+    let file = conf("[ublkb0]\nsize = 1G\nbackend = gpu\n");
+    assert!(resolve_with(&create_args(&["--id", "0"]), &file, 8 * GIB).is_ok());
+    let file = conf("[ublkb0]\nsize = 1G\nalgorithm = adaptive\nbackend = gpu\n");
+    let refused = resolve_with(&create_args(&["--id", "0"]), &file, 8 * GIB)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(refused.contains(".conf:4:"), "{refused}");
 }
 
 #[test]
@@ -673,4 +690,13 @@ fn device_switches_are_on_unless_the_file_or_the_command_line_turns_them_off() {
         let error = parse(&format!("[ublkb0]\n{key} = maybe\n"), Path::new("t.conf")).unwrap_err();
         assert!(error.to_string().contains(key), "{error}");
     }
+}
+
+/// zstd's negative (faster) levels are taken on the command line as `--zstd-level -5`, not
+/// read as a flag `-5`.
+#[test]
+fn a_negative_zstd_level_is_a_level() {
+    let args = create_args(&["--algorithm", "zstd", "--zstd-level", "-5"]);
+    let settings = resolve_with(&args, &ConfigFile::default(), 8 * GIB).unwrap();
+    assert_eq!(settings.store.algorithm_name(), "zstd:-5");
 }

@@ -434,8 +434,14 @@ fn compact_signals_only_a_trueno_ublk_daemon() {
     })
     .unwrap();
     let error = compact(&dir, 3, Duration::from_secs(1)).err().unwrap();
-    assert!(matches!(error, StatError::NotDaemon { id: 3, .. }), "{error}");
-    assert!(!asked.load(Ordering::Relaxed), "another program was signalled");
+    assert!(
+        matches!(error, StatError::NotDaemon { id: 3, .. }),
+        "{error}"
+    );
+    assert!(
+        !asked.load(Ordering::Relaxed),
+        "another program was signalled"
+    );
 
     let _old = serve_in(&dir, 4, || {
         let mut r = report(4, 4096);

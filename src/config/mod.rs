@@ -624,6 +624,22 @@ fn merge_store(
     let algorithm =
         pick(args.algorithm, section.algorithm, DEFAULT_ALGORITHM).with_level(zstd_level);
     let forced_backend = pick(args.backend, section.backend, BackendChoice::Auto).forced();
+    // Refused here, with the line that asks for it, and not first by the store at start-up:
+    // the generator would write a swap unit for it, and a standby or restart that reads the
+    // file again would fail to resume a device in use.
+    if forced_backend == Some(Backend::Gpu) && algorithm != Algorithm::Lz4 {
+        let origin = match section.backend {
+            Some(setting) if args.backend.is_none() => file.origin(setting.line),
+            _ => "command line (--backend)".to_string(),
+        };
+        return Err(ConfigError::OutOfRange {
+            origin,
+            key: "backend",
+            reason: format!(
+                "is gpu, which compresses LZ4 only: set algorithm = lz4 (or another backend)"
+            ),
+        });
+    }
     let batched = switch_on(args.no_batched, section.batched);
     let batch_threshold = args
         .batch_threshold
