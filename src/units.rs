@@ -4,19 +4,21 @@
 #![forbid(unsafe_code)]
 
 /// Parse a size with an optional K/M/G/T suffix (powers of 1024; `KiB`/`KB` spellings and
-/// lower case accepted), rounded up to a multiple of 4 KiB. Zero is rejected.
+/// lower case accepted), rounded up to a multiple of 4 KiB. A fraction is taken as
+/// `human_size` and zramctl write it (`1.5G`), up to 9 decimals. Zero is rejected.
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let text = text.trim();
-    let digits_end = text
-        .find(|c: char| !c.is_ascii_digit())
+    let number_end = text
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
         .unwrap_or(text.len());
-    let (digits, suffix) = text.split_at(digits_end);
-    if digits.is_empty() {
+    let (number, suffix) = text.split_at(number_end);
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    if whole.is_empty() || fraction.contains('.') || fraction.len() > 9 || number.ends_with('.') {
         return Err(format!(
-            "bad size '{text}': expected a number like 8G or 512M"
+            "bad size '{text}': expected a number like 8G, 1.5G or 512M"
         ));
     }
-    let number: u64 = digits
+    let whole: u64 = whole
         .parse()
         .map_err(|_| format!("bad size '{text}': number too large"))?;
     let shift = match suffix.trim().to_ascii_uppercase().as_str() {
@@ -31,8 +33,19 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
             ))
         }
     };
-    let bytes = number
+    // The fraction's bytes, rounded up: 9 decimals of at most 2^40 fit a u128 many times over.
+    let fraction_bytes = if fraction.is_empty() {
+        0
+    } else {
+        let numerator: u128 = fraction
+            .parse()
+            .map_err(|_| format!("bad size '{text}': bad fraction"))?;
+        let denominator = 10u128.pow(u32::try_from(fraction.len()).unwrap_or(9));
+        u64::try_from((numerator << shift).div_ceil(denominator)).unwrap_or(u64::MAX)
+    };
+    let bytes = whole
         .checked_mul(1u64 << shift)
+        .and_then(|b| b.checked_add(fraction_bytes))
         .and_then(|b| b.checked_add(4095))
         .map(|b| b & !4095)
         .ok_or_else(|| format!("bad size '{text}': too large"))?;
@@ -143,6 +156,15 @@ mod tests {
             ("-1G", Err(())),
             ("99999999999999999999", Err(())),
             ("16777216T", Err(())),
+            ("1.5G", Ok(3 << 29)),
+            ("0.5M", Ok(512 << 10)),
+            ("2.25k", Ok(4096)),
+            ("1.0", Ok(4096)),
+            ("0.0G", Err(())),
+            (".5G", Err(())),
+            ("1.G", Err(())),
+            ("1.2.3G", Err(())),
+            ("1.0000000001G", Err(())),
         ];
         for (text, want) in cases {
             assert_eq!(
@@ -158,6 +180,7 @@ mod tests {
         assert_eq!(human_size(0), "0B");
         assert_eq!(human_size(4096), "4K");
         assert_eq!(human_size(1536 << 20), "1.5G");
+        assert_eq!(parse_size(&human_size(1536 << 20)), Ok(1536 << 20));
         assert_eq!(human_size(8 << 30), "8G");
     }
 }

@@ -385,7 +385,11 @@ fn bad_files_name_the_line_and_key() {
         ("[ublkb0]\nsize = ram / 0\n", "test.conf:2", &["size"]),
         ("[ublkb0]\nsize = ram - 1G\n", "test.conf:2", &["size"]),
         ("[ublkb0]\nsize = ram * 0\n", "test.conf:2", &["size"]),
-        ("[ublkb0]\nsize = 8G # comment\n", "test.conf:2", &["size"]),
+        (
+            "[ublkb0]\nsize = 8G # comment\n",
+            "test.conf:2",
+            &["size", "comments go on a line of their own"],
+        ),
         ("[ublkb0]\n\n# c\nqueues = 0\n", "test.conf:4", &["queues"]),
         ("[ublkb0]\ndepth = 5000\n", "test.conf:2", &["depth"]),
         ("[ublkb0]\ndepth = -1\n", "test.conf:2", &["depth"]),

@@ -139,6 +139,21 @@ pub fn parse(text: &str, path: &Path) -> Result<ConfigFile, ConfigError> {
                 format!("unknown key '{key}' (keys: {})", KEYS.join(", ")),
             ),
             KeyProblem::Repeated => syntax(line, format!("key '{key}' is set twice")),
+            // As in systemd's files, a comment has a line of its own: a value that looks as
+            // if it had one says so, not only what the value should be.
+            KeyProblem::BadValue(reason)
+                if value.contains(" #") || value.contains(" ;") || value.contains("\t#") =>
+            {
+                ConfigError::BadValue {
+                    path: path.to_path_buf(),
+                    line,
+                    key: key.to_string(),
+                    value: value.to_string(),
+                    reason: format!(
+                        "{reason} (comments go on a line of their own, starting with # or ;)"
+                    ),
+                }
+            }
             KeyProblem::BadValue(reason) => ConfigError::BadValue {
                 path: path.to_path_buf(),
                 line,

@@ -8,7 +8,8 @@
 //!
 //! ```text
 //! [ublkb0]
-//! size = ram / 2          # or 8G; relative sizes are capped by max-size
+//! # or 8G; relative sizes are capped by max-size
+//! size = ram / 2
 //! max-size = 4G
 //! algorithm = lz4
 //! recompress = zstd:3
@@ -635,9 +636,8 @@ fn merge_store(
         return Err(ConfigError::OutOfRange {
             origin,
             key: "backend",
-            reason: format!(
-                "is gpu, which compresses LZ4 only: set algorithm = lz4 (or another backend)"
-            ),
+            reason: "is gpu, which compresses LZ4 only: set algorithm = lz4 (or another backend)"
+                .to_string(),
         });
     }
     let batched = switch_on(args.no_batched, section.batched);

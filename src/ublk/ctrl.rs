@@ -73,9 +73,10 @@ impl Control {
             // answer to any opcode they do not know), 6.2 to 6.4 with ENODEV too (every
             // command but ADD_DEV looks its device up first, and there is no device u32::MAX),
             // others with EINVAL or EOPNOTSUPP. Legacy opcodes work on all of them.
-            Err(UblkError::Command { errno, .. })
-                if matches!(errno, libc::EINVAL | libc::EOPNOTSUPP | libc::ENODEV) =>
-            {
+            Err(UblkError::Command {
+                errno: libc::EINVAL | libc::EOPNOTSUPP | libc::ENODEV,
+                ..
+            }) => {
                 control.ioctl_encode = false;
             }
             Err(other) => return Err(other),
