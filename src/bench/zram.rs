@@ -1,6 +1,9 @@
-//! Kernel zram on the same pages (`--compare-zram`): reset zram0, the algorithm asked for
+//! Kernel zram on the same pages (`--compare-zram`): a zram device of the bench's own (one
+//! added through `/sys/class/zram-control/hot_add` and removed after; zram0 only where the
+//! kernel cannot add one, and only if nobody set it up), the algorithm asked for
 //! (`--zram-algorithm`, lz4 by default), O_DIRECT 1 MiB writes and reads of the corpus,
-//! mm_stat, reset again.
+//! mm_stat, reset. Why not simply zram0: resetting a zram device that an administrator set
+//! up but is not using this minute (swapped off, say) would destroy its set-up.
 
 #![forbid(unsafe_code)]
 
@@ -14,8 +17,7 @@ use serde::Serialize;
 use super::corpus::{AlignedBuf, Corpus};
 use super::{gbps, BenchError, Progress};
 
-const ZRAM_SYS: &str = "/sys/block/zram0";
-const ZRAM_DEV: &str = "/dev/zram0";
+const ZRAM_CONTROL: &str = "/sys/class/zram-control";
 /// Size of one O_DIRECT request, as `dd bs=1M oflag=direct`.
 const IO_CHUNK: usize = 1 << 20;
 
@@ -70,63 +72,153 @@ impl MmStat {
     }
 }
 
-fn sys_path(attribute: &str) -> String {
-    format!("{ZRAM_SYS}/{attribute}")
+/// The zram device the bench uses: reset when dropped, so an error half-way leaves no pages in
+/// kernel memory, and removed if the bench added it.
+struct ZramDevice {
+    index: u32,
+    added: bool,
 }
 
-fn set_attribute(attribute: &str, value: &str) -> Result<(), BenchError> {
-    std::fs::write(sys_path(attribute), value).map_err(|source| BenchError::Zram {
-        what: format!("writing '{value}' to {}", sys_path(attribute)),
-        source,
-    })
-}
-
-fn read_attribute(attribute: &str) -> Result<String, BenchError> {
-    std::fs::read_to_string(sys_path(attribute)).map_err(|source| BenchError::Zram {
-        what: format!("reading {}", sys_path(attribute)),
-        source,
-    })
-}
-
-/// Check that zram0 can be used: present, we are root, and it is neither swap nor mounted.
-fn check_usable() -> Result<(), BenchError> {
-    if !Path::new(ZRAM_SYS).exists() {
-        return Err(BenchError::ZramUnavailable(
-            "/sys/block/zram0 does not exist: load the module (modprobe zram) or drop --compare-zram"
-                .into(),
-        ));
+impl ZramDevice {
+    /// A device of the bench's own where the kernel can add one, else zram0 if it is unused
+    /// and not set up; root only.
+    fn acquire() -> Result<Self, BenchError> {
+        if !nix::unistd::geteuid().is_root() {
+            return Err(BenchError::ZramUnavailable(
+                "setting up a zram device needs root: run as root or drop --compare-zram".into(),
+            ));
+        }
+        let hot_add = format!("{ZRAM_CONTROL}/hot_add");
+        if Path::new(&hot_add).exists() {
+            // Reading hot_add adds a device and says its number.
+            let text = std::fs::read_to_string(&hot_add).map_err(|source| BenchError::Zram {
+                what: format!("adding a zram device ({hot_add})"),
+                source,
+            })?;
+            let index = text.trim().parse().map_err(|_| {
+                BenchError::ZramUnavailable(format!("{hot_add} answered '{}'", text.trim()))
+            })?;
+            let device = Self { index, added: true };
+            device.wait_for_node()?;
+            return Ok(device);
+        }
+        let zram0 = Self {
+            index: 0,
+            added: false,
+        };
+        if !Path::new(&zram0.sys_path("")).exists() {
+            return Err(BenchError::ZramUnavailable(
+                "the kernel has no zram device: load the module (modprobe zram) or drop --compare-zram"
+                    .into(),
+            ));
+        }
+        zram0.check_unused()?;
+        Ok(zram0)
     }
-    if !nix::unistd::geteuid().is_root() {
-        return Err(BenchError::ZramUnavailable(
-            "resetting and configuring zram0 needs root: run as root or drop --compare-zram".into(),
-        ));
+
+    /// zram0, used where no device can be added, must be neither in use nor set up: its
+    /// reset would undo an administrator's set-up.
+    fn check_unused(&self) -> Result<(), BenchError> {
+        let node = self.node();
+        let listed = |table: &str| {
+            std::fs::read_to_string(table).map(|text| {
+                text.lines()
+                    .any(|line| line.split_whitespace().next() == Some(node.as_str()))
+            })
+        };
+        for (table, what) in [
+            ("/proc/swaps", "an active swap device"),
+            ("/proc/mounts", "mounted"),
+        ] {
+            match listed(table) {
+                Ok(false) => {}
+                Ok(true) => {
+                    return Err(BenchError::ZramUnavailable(format!(
+                        "{node} is {what}, and this kernel cannot add a zram device for the bench: drop --compare-zram"
+                    )))
+                }
+                Err(source) => {
+                    return Err(BenchError::Zram {
+                        what: format!("reading {table}"),
+                        source,
+                    })
+                }
+            }
+        }
+        if self.read("disksize")?.trim() != "0" {
+            return Err(BenchError::ZramUnavailable(format!(
+                "{node} is set up (its disksize is not 0), and this kernel cannot add a zram device for the bench: reset it yourself (echo 1 > {}) or drop --compare-zram",
+                self.sys_path("reset")
+            )));
+        }
+        Ok(())
     }
-    let in_use = |table: &str| {
-        std::fs::read_to_string(table).is_ok_and(|text| {
-            text.lines()
-                .any(|line| line.split_whitespace().next() == Some(ZRAM_DEV))
+
+    /// The node of a device just added appears when devtmpfs (or udev) makes it.
+    fn wait_for_node(&self) -> Result<(), BenchError> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !Path::new(&self.node()).exists() {
+            if Instant::now() > deadline {
+                return Err(BenchError::ZramUnavailable(format!(
+                    "{} did not appear within 5 s of adding zram{}",
+                    self.node(),
+                    self.index
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(())
+    }
+
+    fn node(&self) -> String {
+        format!("/dev/zram{}", self.index)
+    }
+
+    fn sys_path(&self, attribute: &str) -> String {
+        format!("/sys/block/zram{}/{attribute}", self.index)
+    }
+
+    fn set(&self, attribute: &str, value: &str) -> Result<(), BenchError> {
+        std::fs::write(self.sys_path(attribute), value).map_err(|source| BenchError::Zram {
+            what: format!("writing '{value}' to {}", self.sys_path(attribute)),
+            source,
         })
-    };
-    if in_use("/proc/swaps") {
-        return Err(BenchError::ZramUnavailable(
-            "zram0 is an active swap device: swapoff /dev/zram0 first".into(),
-        ));
     }
-    if in_use("/proc/mounts") {
-        return Err(BenchError::ZramUnavailable(
-            "zram0 is mounted: unmount it first".into(),
-        ));
+
+    fn read(&self, attribute: &str) -> Result<String, BenchError> {
+        std::fs::read_to_string(self.sys_path(attribute)).map_err(|source| BenchError::Zram {
+            what: format!("reading {}", self.sys_path(attribute)),
+            source,
+        })
     }
-    Ok(())
 }
 
-/// Resets zram0 when dropped, so an error half-way leaves no pages in kernel memory.
-struct ResetOnDrop;
-
-impl Drop for ResetOnDrop {
+impl Drop for ZramDevice {
     fn drop(&mut self) {
-        if let Err(error) = set_attribute("reset", "1") {
-            tracing::warn!("could not reset zram0 after the bench: {error}");
+        // A reset (or a removal) is refused while the device is open: udev's probe after our
+        // close may hold it a moment.
+        let mut tries = 0;
+        loop {
+            let done = if self.added {
+                std::fs::write(format!("{ZRAM_CONTROL}/hot_remove"), self.index.to_string())
+            } else {
+                std::fs::write(self.sys_path("reset"), "1")
+            };
+            match done {
+                Ok(()) => return,
+                Err(error) if error.raw_os_error() == Some(libc::EBUSY) && tries < 50 => {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(error) => {
+                    tracing::warn!(
+                        "could not {} zram{} after the bench: {error}",
+                        if self.added { "remove" } else { "reset" },
+                        self.index
+                    );
+                    return;
+                }
+            }
         }
     }
 }
@@ -142,7 +234,7 @@ fn stream_ranges(len: usize, streams: usize) -> Vec<std::ops::Range<usize>> {
 }
 
 /// Run `io` on each stream's work in its own thread; returns the wall time.
-fn timed_streams<T, F>(work: Vec<T>, what: &str, io: F) -> Result<Duration, BenchError>
+fn timed_streams<T, F>(work: Vec<T>, what: String, io: F) -> Result<Duration, BenchError>
 where
     T: Send,
     F: Fn(T) -> std::io::Result<()> + Sync,
@@ -158,7 +250,7 @@ where
                 .join()
                 .map_err(|_| BenchError::WorkerPanicked)?
                 .map_err(|source| BenchError::Zram {
-                    what: format!("{what} {ZRAM_DEV}"),
+                    what: what.clone(),
                     source,
                 })?;
         }
@@ -174,8 +266,8 @@ pub fn compare(
     algorithm: &str,
     progress: &Progress,
 ) -> Result<ZramReport, BenchError> {
-    check_usable()?;
-    let algorithms = read_attribute("comp_algorithm")?;
+    let zram = ZramDevice::acquire()?;
+    let algorithms = zram.read("comp_algorithm")?;
     if !algorithms
         .split_whitespace()
         .any(|name| name.trim_matches(|c| c == '[' || c == ']') == algorithm)
@@ -186,25 +278,27 @@ pub fn compare(
         )));
     }
     let data = corpus.bytes();
-    set_attribute("reset", "1")?;
-    let _reset = ResetOnDrop;
-    set_attribute("comp_algorithm", algorithm)?;
+    zram.set("reset", "1")?;
+    zram.set("comp_algorithm", algorithm)?;
     let disksize = data.len().div_ceil(IO_CHUNK) * IO_CHUNK;
-    set_attribute("disksize", &disksize.to_string())?;
+    zram.set("disksize", &disksize.to_string())?;
 
+    let node = zram.node();
     let device: File = OpenOptions::new()
         .read(true)
         .write(true)
         .custom_flags(libc::O_DIRECT)
-        .open(ZRAM_DEV)
+        .open(&node)
         .map_err(|source| BenchError::Zram {
-            what: format!("opening {ZRAM_DEV} with O_DIRECT"),
+            what: format!("opening {node} with O_DIRECT"),
             source,
         })?;
 
     progress.phase("zram write", data.len() as u64);
     let ranges = stream_ranges(data.len(), streams);
-    let write_time = timed_streams(ranges, "O_DIRECT write to", |range| {
+    // What ran: a small corpus has fewer 1 MiB chunks than streams asked for.
+    let streams = ranges.len();
+    let write_time = timed_streams(ranges, format!("O_DIRECT write to {node}"), |range| {
         for offset in range.clone().step_by(IO_CHUNK) {
             let chunk = &data[offset..(offset + IO_CHUNK).min(range.end)];
             device.write_all_at(chunk, offset as u64)?;
@@ -212,10 +306,11 @@ pub fn compare(
         }
         Ok(())
     })?;
-    let mm_stat = read_attribute("mm_stat")?;
+    let mm_stat = zram.read("mm_stat")?;
     let stat = MmStat::parse(&mm_stat).ok_or_else(|| {
         BenchError::ZramUnavailable(format!(
-            "cannot parse /sys/block/zram0/mm_stat: '{}'",
+            "cannot parse {}: '{}'",
+            zram.sys_path("mm_stat"),
             mm_stat.trim()
         ))
     })?;
@@ -230,7 +325,7 @@ pub fn compare(
         parts.push((range.start, part));
         rest = tail;
     }
-    let read_time = timed_streams(parts, "O_DIRECT read of", |(base, part)| {
+    let read_time = timed_streams(parts, format!("O_DIRECT read of {node}"), |(base, part)| {
         for (index, chunk) in part.chunks_mut(IO_CHUNK).enumerate() {
             device.read_exact_at(chunk, (base + index * IO_CHUNK) as u64)?;
             progress.advance(chunk.len() as u64);
