@@ -215,8 +215,31 @@ fn plan(args: &BenchOptions, corpus: &Corpus) -> Result<Plan, BenchError> {
     })
 }
 
-/// Load or generate the corpus the arguments name.
+/// Load or generate the corpus the arguments name. Refused when it would not fit: the bench
+/// holds the corpus, a buffer as large for its reads, and the store's copy (and zram's), all
+/// in memory; a corpus past a third of RAM would end in the OOM killer, maybe half-way through
+/// zram's run, or in an allocation that cannot be made at all.
 pub fn load_corpus(args: &BenchOptions) -> Result<Corpus, BenchError> {
+    let wanted = match &args.input {
+        Some(path) => std::fs::metadata(path)
+            .map_err(|source| BenchError::Corpus {
+                path: path.clone(),
+                source,
+            })?
+            .len()
+            .min(args.size.unwrap_or(u64::MAX)),
+        None => args.size.unwrap_or(DEFAULT_MIX_BYTES),
+    };
+    let ram = crate::os::ram_bytes()
+        .map_err(|error| BenchError::Settings(format!("cannot read the RAM size: {error}")))?;
+    if wanted > ram / 3 {
+        return Err(BenchError::Settings(format!(
+            "a corpus of {} is more than a third of RAM ({}): the bench holds it about three \
+             times over; give a smaller --size",
+            crate::units::human_size(wanted),
+            crate::units::human_size(ram)
+        )));
+    }
     match &args.input {
         Some(path) => Corpus::load(path, args.size),
         None => {
