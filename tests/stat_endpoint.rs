@@ -52,7 +52,8 @@ fn report(id: u32, orig_bytes: u64) -> DeviceReport {
             } else {
                 orig_bytes / 4 + 4096
             },
-            metadata_bytes: if orig_bytes == 0 { 0 } else { 4096 * 3 },
+            // Never zero: the allocator's size classes are metadata of an empty store too.
+            metadata_bytes: 4096 * 3,
             mem_limit: 1 << 30,
             zero_pages: 10,
             same_pages: 15,

@@ -126,8 +126,11 @@ impl DeviceReport {
 
     /// DATA / TOTAL, as zramctl's COMP-RATIO; `None` while nothing is stored.
     pub fn comp_ratio(&self) -> Option<f64> {
+        // By the data, not the total: the allocator's metadata is never zero, and an empty
+        // device read 0.00.
         let total = self.total_bytes();
-        (total > 0).then(|| self.store.orig_bytes as f64 / total as f64)
+        (self.store.orig_bytes > 0 && total > 0)
+            .then(|| self.store.orig_bytes as f64 / total as f64)
     }
 }
 
