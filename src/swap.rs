@@ -18,7 +18,7 @@ use crate::ublk::device::block_path;
 pub enum SwapError {
     #[error(transparent)]
     Config(#[from] ConfigError),
-    #[error("'{command}' failed: {source}")]
+    #[error("'{command}' failed: {source}{}", swapon_hint(source))]
     Swapon {
         command: String,
         source: std::io::Error,
@@ -32,6 +32,19 @@ pub enum SwapError {
     },
     #[error(transparent)]
     Devices(#[from] crate::devices::DevicesError),
+}
+
+/// What to do about a failed swapon(2), where its errno says it.
+fn swapon_hint(error: &std::io::Error) -> &'static str {
+    match error.raw_os_error() {
+        Some(libc::EINVAL) => " (no swap signature on the device? run mkswap on it first)",
+        Some(libc::EBUSY) => " (it is swap already, or mounted or otherwise in use)",
+        Some(libc::ENOENT | libc::ENXIO | libc::ENODEV) => {
+            " (no such device: see `trueno-ublk list`)"
+        }
+        Some(libc::EPERM) => " (needs root, or too many swap areas)",
+        _ => "",
+    }
 }
 
 /// The swap priority of device `id`: its section's `swap-priority` in `config_path`, else the
@@ -208,6 +221,28 @@ fn mapping_range(line: &str) -> Option<Range<u64>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_swapon_says_what_to_do() {
+        let failed = |errno| {
+            SwapError::Swapon {
+                command: swapon_command(0, 100).join(" "),
+                source: std::io::Error::from_raw_os_error(errno),
+            }
+            .to_string()
+        };
+        assert!(
+            failed(libc::EINVAL).contains("run mkswap"),
+            "{}",
+            failed(libc::EINVAL)
+        );
+        assert!(failed(libc::EBUSY).contains("swap already"));
+        assert!(
+            failed(libc::EIO).ends_with("(os error 5)"),
+            "{}",
+            failed(libc::EIO)
+        );
+    }
 
     #[test]
     fn mappings_with_swapped_pages_are_read_from_smaps() {

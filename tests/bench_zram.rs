@@ -31,5 +31,9 @@ fn zram_stores_and_returns_the_same_pages() {
         assert!(report.same_pages > 0 && report.huge_pages > 0, "{report:?}");
         assert_eq!(scratch.as_slice(), corpus.bytes());
     }
-    assert_eq!(zram_devices(), before, "the bench's zram device was not removed");
+    assert_eq!(
+        zram_devices(),
+        before,
+        "the bench's zram device was not removed"
+    );
 }
