@@ -132,8 +132,8 @@ pub fn make_thread_normal() -> std::io::Result<()> {
 /// heap extension under memory pressure would wait in reclaim (which swaps out through this
 /// very daemon) while holding the mmap lock that the queue threads may need.
 pub fn lock_memory() -> nix::Result<()> {
-    const MCL_ONFAULT: libc::c_int = 4;
-    let flags = libc::MCL_CURRENT | libc::MCL_FUTURE | MCL_ONFAULT;
+    // libc's, per architecture (powerpc and sparc number it otherwise); nix names no such flag.
+    let flags = libc::MCL_CURRENT | libc::MCL_FUTURE | libc::MCL_ONFAULT;
     mlockall(MlockAllFlags::from_bits_retain(flags))
 }
 
