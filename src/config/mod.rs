@@ -133,7 +133,7 @@ pub enum ConfigError {
     },
     #[error("--config {} needs --id N to pick its [ublkbN] section", path.display())]
     NeedsId { path: PathBuf },
-    #[error("cannot read the RAM size from /proc/meminfo ({0}); give --size explicitly")]
+    #[error("cannot read the RAM size from /proc/meminfo ({0}): the default size and the memory the daemon keeps ready depend on it; mount /proc")]
     Meminfo(String),
 }
 
