@@ -1079,6 +1079,10 @@ fn serve(
             device.hand_over()
         }
     };
+    // Nothing reads signals from here on: the channel goes first, so that a signal thread
+    // blocked on the full channel (a few Ctrl-C's during a slow stop) wakes to the closed
+    // channel and ends, and the join below cannot wait for good.
+    drop(signal_rx);
     signal_handle.close();
     let _ = signal_thread.join();
     match action {
