@@ -224,10 +224,12 @@ impl Notifier {
                     Some(name) => SocketAddr::from_abstract_name(name.as_bytes()),
                     None => SocketAddr::from_pathname(path),
                 };
+                // Never waits: PID 1 may itself be waiting on a page of this device, its
+                // notification queue full, and a blocking send would then wait for good.
                 address.and_then(|address| {
-                    UnixDatagram::unbound()?
-                        .send_to_addr(state.as_bytes(), &address)
-                        .map(drop)
+                    let socket = UnixDatagram::unbound()?;
+                    socket.set_nonblocking(true)?;
+                    socket.send_to_addr(state.as_bytes(), &address).map(drop)
                 })
             }
         };
