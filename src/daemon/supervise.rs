@@ -544,6 +544,22 @@ pub(super) fn supervise(
                 );
                 None
             }
+            // A process that failed to take over a device deleted meanwhile (`trueno-ublk
+            // delete` while it was quiesced for the takeover): nothing is left to serve, and a
+            // failure would have the service manager's restart answer the delete with a new,
+            // empty device.
+            (Some(code), _)
+                if code != 0
+                    && ready
+                    && device.is_some_and(|id| !crate::ublk::device::device_exists(id)) =>
+            {
+                tracing::info!(
+                    pid = serving.child.id(),
+                    code,
+                    "the device was deleted while a process was taking it over; nothing is left to serve"
+                );
+                break Ok(());
+            }
             (Some(0), _) => break Ok(()),
             (Some(code), _) => {
                 break Err(DaemonError::Daemon(format!(
