@@ -590,6 +590,22 @@ impl Regions {
                 ),
             ));
         }
+        // Checked before the owner word is taken: a refused store keeps its owner.
+        let shape = Shape {
+            pages: wanted.pages,
+            slots_per_batch: usize::try_from(word(H_SLOTS)).unwrap_or(usize::MAX),
+            arena_bytes: usize::try_from(word(H_ARENA)).unwrap_or(usize::MAX),
+            version,
+        };
+        if shape.slots_per_batch > 1 << 20
+            || !shape.arena_bytes.is_multiple_of(PAGE_SIZE)
+            || shape.offsets().total > segment.len()
+        {
+            return Err(layout_error(
+                key,
+                "has a header that does not fit the segment",
+            ));
+        }
         let owner = word(H_OWNER);
         if let Some(pid) = i32::try_from(owner).ok().filter(|&p| p > 0) {
             if pid != i32::try_from(std::process::id()).unwrap_or(0)
@@ -613,23 +629,11 @@ impl Regions {
                 word(H_OWNER)
             )));
         }
-        let shape = Shape {
-            pages: wanted.pages,
-            slots_per_batch: usize::try_from(word(H_SLOTS)).unwrap_or(usize::MAX),
-            arena_bytes: usize::try_from(word(H_ARENA)).unwrap_or(usize::MAX),
-            version,
-        };
-        if shape.slots_per_batch > 1 << 20
-            || !shape.arena_bytes.is_multiple_of(PAGE_SIZE)
-            || shape.offsets().total > segment.len()
-        {
-            return Err(layout_error(
-                key,
-                "has a header that does not fit the segment",
-            ));
-        }
+        let regions = Self::map(segment, shape, true).inspect_err(|_| {
+            // Not ours after all: the next process must not find it held by this one.
+            header[H_OWNER].store(owner, Ordering::Release);
+        })?;
         drop(header);
-        let regions = Self::map(segment, shape, true)?;
         regions.owner.header[H_OWNER].store(u64::from(std::process::id()), Ordering::Release);
         Ok(regions)
     }
