@@ -54,6 +54,10 @@ impl BatchedPageStore {
                         .and_then(|b| b.index_of(slot as usize))
                         == Some(index as u64);
                     if names_this_page {
+                        // Its install locks it again.
+                        if was_locked {
+                            drop(self.table.take_over_lock(index as u64));
+                        }
                         pending.push(index as u64);
                         continue;
                     }
@@ -76,14 +80,24 @@ impl BatchedPageStore {
                         PageState::Lost
                     }
                 }
-                other => other,
+                other => {
+                    if was_locked {
+                        drop(self.table.take_over_lock(index as u64));
+                    }
+                    other
+                }
             };
             if state == PageState::Lost {
                 lost += 1;
-                if found != PageState::Lost {
-                    if let Some(mut entry) = self.table.lock(index as u64) {
-                        entry.replace(PageState::Lost);
-                    }
+                let entry = if was_locked {
+                    self.table.take_over_lock(index as u64)
+                } else if found != PageState::Lost {
+                    self.table.lock(index as u64)
+                } else {
+                    None
+                };
+                if let Some(mut entry) = entry {
+                    entry.replace(PageState::Lost);
                 }
                 if lost <= LOST_PAGES_LOGGED {
                     tracing::error!(page = index, entry = ?found, "page lost: its entry does not hold together");
@@ -99,7 +113,13 @@ impl BatchedPageStore {
             self.checksum_stored_data(index);
         }
         for &index in &pending {
-            self.install_resumed(index);
+            if !self.install_resumed(index) {
+                lost += 1;
+                tracing::error!(
+                    page = index,
+                    "page lost: no memory to store it from its pending batch"
+                );
+            }
         }
         held += pending.len() as u64;
         if lost > 0 {
@@ -112,10 +132,11 @@ impl BatchedPageStore {
         Ok(Opened::Resumed { pages: held, lost })
     }
 
-    /// Set a stored page's checksum to that of the data its entry names. Data that does not
-    /// decompress keeps the checksum it had: its reads fail with EIO either way.
+    /// Set a stored page's checksum to that of the data its entry names, and unlock the entry
+    /// the dead process left locked. Data that does not decompress keeps the checksum it had:
+    /// its reads fail with EIO either way.
     fn checksum_stored_data(&self, index: u64) {
-        let Some(entry) = self.table.lock(index) else {
+        let Some(entry) = self.table.take_over_lock(index) else {
             return;
         };
         let PageState::Stored {
@@ -144,13 +165,13 @@ impl BatchedPageStore {
     }
 
     /// Compress and store a pending page of the resumed store (its batch is not reopened:
-    /// every batch starts empty).
-    fn install_resumed(&self, index: u64) {
+    /// every batch starts empty). False if the page is lost: no memory could be had for it.
+    fn install_resumed(&self, index: u64) -> bool {
         let Some(mut entry) = self.table.lock(index) else {
-            return;
+            return true;
         };
         let PageState::Pending { batch, slot } = entry.state() else {
-            return;
+            return true;
         };
         let source = self.batches[batch as usize].slot(slot as usize);
         let mut out = [0u8; PAGE_SIZE];
@@ -167,5 +188,6 @@ impl BatchedPageStore {
         entry.replace(new);
         self.counters.transition(PageState::Empty, new);
         add(&self.counters.pages_simd, 1);
+        new != PageState::Lost
     }
 }

@@ -434,19 +434,43 @@ impl PageTable {
         self.pages
     }
 
-    /// Entry `index`'s state, with a lock bit left by a dead process cleared, and whether it
-    /// was locked (its checksum may then be one the dead process set for data it had not yet
-    /// named). Only for a store nobody serves yet (resume).
-    /// Its hint starts afresh (accessed now, on a clock that starts again at 0, no flags).
-    /// Only for an entry of a committed group.
+    /// Entry `index`'s state, and whether a dead process left it locked (its checksum may then
+    /// be one the dead process set for data it had not yet named). The lock bit stays until
+    /// the caller settles the entry and lets go of it through `take_over_lock`: cleared here,
+    /// a resume that failed (or was killed) before settling it would leave the next one an
+    /// unlocked entry with a checksum nobody knows to be unsure. Only for a store nobody
+    /// serves yet (resume). Its hint starts afresh (accessed now, on a clock that starts again
+    /// at 0, no flags). Only for an entry of a committed group.
     pub(super) fn recover(&self, index: usize) -> (PageState, bool) {
         let at = TableMemory::place(self.memory.word(TableMemory::group_of(index as u64)), index);
-        let entry = &self.entries[at];
-        let found = entry.load(Ordering::Acquire);
-        let word = found & !LOCKED;
-        entry.store(word, Ordering::Release);
+        let found = self.entries[at].load(Ordering::Acquire);
         self.hints[at].store(0, Ordering::Relaxed);
-        (PageState::decode(word), found & LOCKED != 0)
+        (PageState::decode(found & !LOCKED), found & LOCKED != 0)
+    }
+
+    /// The lock a dead process left on entry `index` (see `recover`), taken over by this
+    /// thread: the guard unlocks it when dropped, as one from `lock`. `None` if the entry is
+    /// not locked or its group not committed. Only for a store nobody serves yet (resume).
+    pub(super) fn take_over_lock(&self, index: u64) -> Option<EntryGuard<'_>> {
+        let index = usize::try_from(index).ok().filter(|&i| i < self.pages)?;
+        let group = self.memory.word(TableMemory::group_of(index as u64));
+        if GroupState::of(group) != GroupState::Committed {
+            return None;
+        }
+        let at = TableMemory::place(group, index);
+        let found = self.entries[at].load(Ordering::Acquire);
+        if found & LOCKED == 0 {
+            return None;
+        }
+        let word = found & !LOCKED;
+        Some(EntryGuard {
+            entry: &self.entries[at],
+            hint: &self.hints[at],
+            checksum: &self.checksums[at],
+            word,
+            state: PageState::decode(word),
+            changed: false,
+        })
     }
 
     /// Entry `index`'s state and hint without locking it: a guess, for picking pages to look
@@ -815,14 +839,23 @@ mod tests {
         assert_eq!(PageState::same(0x1234_5678_9abc_def0), None);
     }
 
+    /// A lock left by a dead process is seen by every recovery until the entry is settled
+    /// and its lock taken over and let go (a resume that failed before that leaves it for the
+    /// next one).
     #[test]
-    fn a_lock_left_by_a_dead_process_is_cleared_on_recovery() {
+    fn a_lock_left_by_a_dead_process_stays_until_taken_over() {
         let t = table(2);
         t.lock(1).unwrap().replace(PageState::same(7).unwrap());
         std::mem::forget(t.lock(1).unwrap());
         assert_eq!(t.recover(1), (PageState::Same(7), true));
-        assert_eq!(t.recover(1), (PageState::Same(7), false));
-        assert_eq!(t.lock(1).unwrap().state(), PageState::Same(7));
+        assert_eq!(t.recover(1), (PageState::Same(7), true), "seen again");
+        assert!(t.take_over_lock(0).is_none(), "entry 0 is not locked");
+        let mut taken = t.take_over_lock(1).unwrap();
+        assert_eq!(taken.state(), PageState::Same(7));
+        taken.replace(PageState::same(9).unwrap());
+        drop(taken);
+        assert_eq!(t.recover(1), (PageState::Same(9), false));
+        assert_eq!(t.lock(1).unwrap().state(), PageState::Same(9));
     }
 
     #[test]
