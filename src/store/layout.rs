@@ -597,9 +597,13 @@ impl Regions {
             arena_bytes: usize::try_from(word(H_ARENA)).unwrap_or(usize::MAX),
             version,
         };
+        // A carve cursor past the arena or off a page would fail every carve from here on.
+        let carved = word(H_CARVED);
         if shape.slots_per_batch > 1 << 20
             || !shape.arena_bytes.is_multiple_of(PAGE_SIZE)
             || shape.offsets().total > segment.len()
+            || carved > shape.arena_bytes as u64
+            || !carved.is_multiple_of(PAGE_SIZE as u64)
         {
             return Err(layout_error(
                 key,
