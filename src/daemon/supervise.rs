@@ -345,6 +345,11 @@ pub(super) fn supervise(
                     Some("a reload is under way")
                 } else if !ready || device.is_none() {
                     Some("the device is not live yet")
+                } else if serving.child.try_wait().ok().flatten().is_some() {
+                    // Dead already (its end is handled below, after the signals): a reload
+                    // now would dismiss the ready standby and leave the takeover to a
+                    // process that still has to start, with the device waiting meanwhile.
+                    Some("the serving process has just ended; its standby takes the device over first")
                 } else {
                     None
                 };
