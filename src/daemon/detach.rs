@@ -19,6 +19,8 @@ use crate::ublk::UblkError;
 /// How long `create` waits for a detached daemon to report the device live. START_DEV
 /// scans partitions, which under emulation can take a while.
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a daemon that missed `READY_TIMEOUT` gets to stop on SIGTERM before a SIGKILL.
+const STOP_AFTER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Start this program again as a detached daemon (`create --foreground` with a private
 /// notify socket) and wait until it reports the device live, or fails.
@@ -120,9 +122,27 @@ pub(super) fn start_detached(settings: &DeviceSettings) -> Result<(), DaemonErro
             )));
         }
         if Instant::now() > deadline {
-            let _ = child.kill();
+            // SIGTERM first: the supervisor passes it on and stops its serving process, which
+            // deletes a device that never went live. A SIGKILL alone left that process
+            // serving with no supervisor (and no standby) at all.
+            if let Ok(pid) = i32::try_from(child.id()) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGTERM,
+                );
+            }
+            let stop_deadline = Instant::now() + STOP_AFTER_TIMEOUT;
+            while child.try_wait().ok().flatten().is_none() {
+                if Instant::now() > stop_deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
             return Err(DaemonError::Daemon(format!(
-                "the device was not live after {}s; daemon log: {}",
+                "the device was not live after {}s, and the daemon was stopped; its log: {} \
+                 (`trueno-ublk list` shows whether a device was left)",
                 READY_TIMEOUT.as_secs(),
                 log_path.display()
             )));
