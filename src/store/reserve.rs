@@ -597,8 +597,8 @@ impl ChunkReserve {
         let k = pages - 1;
         let chunk = self
             .pop_committed(k, false)
-            .or_else(|| self.split_larger(k))
-            .or_else(|| self.join_smaller(k));
+            .or_else(|| self.split_larger(k, false))
+            .or_else(|| self.join_smaller(k, false));
         if chunk.is_none() && self.enabled() {
             self.wanted.fetch_or(1 << k, Ordering::Relaxed);
             self.wake_refill();
@@ -644,8 +644,8 @@ impl ChunkReserve {
                 let last_resort = self.last_resort_open(stall.since);
                 if let Some(chunk) = self
                     .pop_committed(k, last_resort)
-                    .or_else(|| self.split_larger(k))
-                    .or_else(|| self.join_smaller(k))
+                    .or_else(|| self.split_larger(k, last_resort))
+                    .or_else(|| self.join_smaller(k, last_resort))
                 {
                     self.served(k);
                     return Ok(chunk);
@@ -677,8 +677,8 @@ impl ChunkReserve {
             let committed = self.commit_more(k, wanted);
             if let Some(chunk) = self
                 .pop_committed(k, true)
-                .or_else(|| self.split_larger(k))
-                .or_else(|| self.join_smaller(k))
+                .or_else(|| self.split_larger(k, true))
+                .or_else(|| self.join_smaller(k, true))
             {
                 return Ok(chunk);
             }
@@ -742,10 +742,7 @@ impl ChunkReserve {
     /// after its kill, and asked-for kills finding nothing to kill while it lived).
     fn pop_committed(&self, k: usize, last_resort: bool) -> Option<ArenaChunk> {
         let mut pool = self.pools[k].lock();
-        if !last_resort
-            && self.keeps_last_quarter.load(Ordering::Relaxed)
-            && pool.ready.len() + pool.surplus.len() <= pool.last_resort
-        {
+        if self.keeps_back(&pool, last_resort) {
             return None;
         }
         if let Some(chunk) = pool.ready.pop() {
@@ -761,6 +758,15 @@ impl ChunkReserve {
         pool.surplus.pop()
     }
 
+    /// Whether `pool` is down to the last quarter it keeps for takers that have waited (see
+    /// `pop_committed`), which a taker that may not have it (`last_resort` false) must leave,
+    /// whether it takes a chunk as it is or cuts or joins one.
+    fn keeps_back(&self, pool: &Pool, last_resort: bool) -> bool {
+        !last_resort
+            && self.keeps_last_quarter.load(Ordering::Relaxed)
+            && pool.ready.len() + pool.surplus.len() <= pool.last_resort
+    }
+
     /// A chunk of `k + 1` pages cut from a larger ready chunk, the rest of which stays ready
     /// in the pool of its size; `None` if no larger one is ready (or the rest's list has no
     /// room: the I/O path never grows a list). Why: a taker whose pool ran dry otherwise waits
@@ -768,13 +774,15 @@ impl ChunkReserve {
     /// reserve's memory sits ready in other sizes (the near-OOM stage of `scripts/vm-test.sh
     /// --stress`, 2026-11-25 04:36: writes starved for a second, then failed, with 0.7-3.5
     /// MiB held ready).
-    fn split_larger(&self, k: usize) -> Option<ArenaChunk> {
+    fn split_larger(&self, k: usize, last_resort: bool) -> Option<ArenaChunk> {
         let len = (k + 1) * PAGE_SIZE;
         for j in k + 1..self.pools.len() {
             // Larger pool first, then the rest's (always smaller): nothing else holds two.
             let mut larger = self.pools[j].lock();
             let mut rest_pool = self.pools[j - k - 1].lock();
-            if rest_pool.ready.len() == rest_pool.ready.capacity() {
+            if rest_pool.ready.len() == rest_pool.ready.capacity()
+                || self.keeps_back(&larger, last_resort)
+            {
                 continue;
             }
             let Some(chunk) = larger.ready.pop() else {
@@ -800,12 +808,15 @@ impl ChunkReserve {
     /// spend over a second in reclaim, while the reserve's memory sits ready in smaller sizes
     /// (the near-OOM stage on the 7.3 kernel, 2026-11-29: a write starved a second for a
     /// 3-page chunk, the refill thread in the commit of a 1-page one, 364 KiB ready).
-    fn join_smaller(&self, k: usize) -> Option<ArenaChunk> {
+    fn join_smaller(&self, k: usize, last_resort: bool) -> Option<ArenaChunk> {
         let pages = k + 1;
         for part in (1..pages).rev().filter(|part| pages.is_multiple_of(*part)) {
             let parts = pages / part;
             let mut run: SmallVec<[ArenaChunk; MAX_JOINED_PARTS]> = {
                 let mut pool = self.pools[part - 1].lock();
+                if self.keeps_back(&pool, last_resort) {
+                    continue;
+                }
                 let from = pool.ready.len().saturating_sub(JOIN_LOOK);
                 // (page, index in `ready`) of the latest ready chunks, by page.
                 let mut latest = [(0usize, 0usize); JOIN_LOOK];
@@ -838,7 +849,7 @@ impl ChunkReserve {
             run.sort_unstable_by_key(ArenaChunk::page);
             let mut pieces = run.into_iter();
             let mut joined = pieces.next()?;
-            for piece in pieces {
+            while let Some(piece) = pieces.next() {
                 joined = match ArenaChunk::join(joined, piece) {
                     Ok(joined) => joined,
                     // Not reachable: the run's chunks lie one after the other in one arena.
@@ -849,6 +860,7 @@ impl ChunkReserve {
                         );
                         self.give_back(joined);
                         self.give_back(piece);
+                        pieces.for_each(|rest| self.give_back(rest));
                         return None;
                     }
                 };
@@ -1295,18 +1307,28 @@ impl ChunkReserve {
                     self.steal_for(k, waited_on, &demand, total, target);
                 }
                 self.refill_state.set(RefillActivity::Committing);
-                let before = self.held_bytes();
                 // What the share misses, not a whole group beyond it.
                 let mut missing = (share - held) / chunk_bytes;
                 if !running_low {
                     missing = missing.min(room);
                 }
                 let missing = usize::try_from(missing).unwrap_or(usize::MAX);
-                self.commit_more(k, missing);
-                if self.held_bytes() == before {
+                // By what the commit says, not by the reserve's bytes before and after: a
+                // taker popping meanwhile made a commit look like none, and the waiters were
+                // not told.
+                if !self.commit_more(k, missing) {
                     break; // nothing could be committed
                 }
                 self.tell_waiters();
+            }
+            // Asked for and ready now: not waited on any more. Only a waiting taker's
+            // `served` cleared the bit, and one set by background work (`take_ready`, which
+            // never waits) stayed for good once a writer of that size took the chunk made
+            // for it, every other size left refilled only by takers that missed. A taker
+            // still waiting sets it again at its next look.
+            if self.wanted.load(Ordering::Relaxed) & (1 << k) != 0 && !pool.lock().ready.is_empty()
+            {
+                self.wanted.fetch_and(!(1 << k), Ordering::Relaxed);
             }
         }
     }
@@ -1376,7 +1398,9 @@ impl ChunkReserve {
     /// VM's near-OOM stage, move-inv at 2 x 80 MiB, 2026-11-30: 1.6 GiB given back in the
     /// case's 30 s and the refill thread at 14.7 CPU s, against 164 MiB and 8.5 s since).
     fn steal_for(&self, k: usize, wanted: u64, demand: &[u64], total: u64, target: u64) {
-        let needed = if self.cold.pages() <= k && !self.one_at_a_time() {
+        // As `commit_more` sizes its commit: one chunk while memory is short too.
+        let one_chunk = self.one_at_a_time() || self.memory_short.load(Ordering::Relaxed);
+        let needed = if self.cold.pages() <= k && !one_chunk {
             COMMIT_GROUP_BYTES
         } else {
             (k + 1) * PAGE_SIZE
@@ -1784,7 +1808,7 @@ mod tests {
             taken
         };
         drop(pool);
-        assert!(reserve.join_smaller(1).is_none());
+        assert!(reserve.join_smaller(1, true).is_none());
         drop(odd);
         reserve.pretend_refill_running(false);
     }
@@ -1926,6 +1950,45 @@ mod tests {
         reserve.note_served();
         reserve.make_room_for(PAGE_SIZE);
         assert_eq!(reserve.stolen_bytes(), stolen);
+    }
+
+    /// A size background work asked for (`take_ready` found none) is not taken as waited on
+    /// for good: once a pass made it ready, the other sizes are refilled as before.
+    #[test]
+    fn a_size_asked_for_by_background_work_is_not_waited_on_once_ready() {
+        let reserve = ChunkReserve::new(512 * PAGE_SIZE as u64, arena(), &[1, 1]);
+        reserve.refill();
+        while reserve.pop_committed(1, true).is_some() {}
+        while reserve.pop_committed(0, true).is_some() {}
+        assert!(reserve.take_ready(2).is_none());
+        assert_ne!(reserve.wanted.load(Ordering::Relaxed) & (1 << 1), 0);
+        reserve.refill();
+        assert!(!reserve.pools[1].lock().ready.is_empty());
+        assert_eq!(reserve.wanted.load(Ordering::Relaxed), 0, "still waited on");
+        assert!(
+            !reserve.pools[0].lock().ready.is_empty(),
+            "the other size was left empty"
+        );
+    }
+
+    /// Background work cuts no chunk from a pool down to its kept quarter, nor joins one from
+    /// it: the quarter is for writes that waited.
+    #[test]
+    fn background_work_cuts_and_joins_nothing_from_a_kept_quarter() {
+        let reserve = ChunkReserve::new(64 * PAGE_SIZE as u64, arena(), &[1, 2]);
+        reserve.refill();
+        reserve.keep_last_quarter(true);
+        // Each size down to its quarter.
+        for k in 0..2 {
+            while reserve.pop_committed(k, false).is_some() {}
+            assert!(reserve.pools[k].lock().last_resort > 0, "size {}", k + 1);
+        }
+        let held = reserve.held_bytes();
+        assert!(reserve.split_larger(0, false).is_none());
+        assert!(reserve.join_smaller(1, false).is_none());
+        assert_eq!(reserve.held_bytes(), held);
+        // A taker that waited long enough may.
+        assert!(reserve.split_larger(0, true).is_some());
     }
 
     #[test]
