@@ -463,14 +463,19 @@ impl PageTable {
             return None;
         }
         let word = found & !LOCKED;
-        Some(EntryGuard {
+        Some(self.guard(at, word))
+    }
+
+    /// The guard of the entry at `at`, which this thread holds locked, unlocked `word`.
+    fn guard(&self, at: usize, word: u64) -> EntryGuard<'_> {
+        EntryGuard {
             entry: &self.entries[at],
             hint: &self.hints[at],
             checksum: &self.checksums[at],
             word,
             state: PageState::decode(word),
             changed: false,
-        })
+        }
     }
 
     /// Entry `index`'s state and hint without locking it: a guess, for picking pages to look
@@ -541,14 +546,7 @@ impl PageTable {
                 std::thread::yield_now();
             }
         };
-        Some(EntryGuard {
-            entry: &self.entries[at],
-            hint: &self.hints[at],
-            checksum: &self.checksums[at],
-            word,
-            state: PageState::decode(word),
-            changed: false,
-        })
+        Some(self.guard(at, word))
     }
 }
 
