@@ -555,6 +555,7 @@ pub(super) fn supervise(
             // empty device.
             (Some(code), _)
                 if code != 0
+                    && !stopping
                     && ready
                     && device.is_some_and(|id| !crate::ublk::device::device_exists(id)) =>
             {
