@@ -704,3 +704,26 @@ fn a_negative_zstd_level_is_a_level() {
     let settings = resolve_with(&args, &ConfigFile::default(), 8 * GIB).unwrap();
     assert_eq!(settings.store.algorithm_name(), "zstd:-5");
 }
+
+/// zstd level 0 is zstd's default (3), not a level below 1: refused wherever it is given, so
+/// that a recompression "to 0" of pages stored at level 1 or 2 cannot look like a gain.
+#[test]
+fn zstd_level_zero_is_refused_everywhere() {
+    let args = create_args(&["--algorithm", "zstd", "--zstd-level", "0"]);
+    let refused = resolve_with(&args, &ConfigFile::default(), 8 * GIB)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(refused.contains("write 3"), "{refused}");
+    for body in ["zstd-level = 0\n", "recompress = zstd:0\n"] {
+        let refused = config::parse(&format!("[ublkb0]\n{body}"), Path::new("test.conf"))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            refused.contains("test.conf:2") && refused.contains("write 3"),
+            "{refused}"
+        );
+    }
+    assert!(RecompressChoice::parse("zstd:0").is_err());
+}

@@ -622,6 +622,14 @@ fn merge_store(
         section.zstd_level,
         file,
     )?;
+    if let Err(reason) = values::zstd_level_named(zstd_level) {
+        // The file's value was refused as it was read: only the flag gets here.
+        return Err(ConfigError::OutOfRange {
+            origin: "command line (--zstd-level)".to_string(),
+            key: "zstd-level",
+            reason,
+        });
+    }
     let algorithm =
         pick(args.algorithm, section.algorithm, DEFAULT_ALGORITHM).with_level(zstd_level);
     let forced_backend = pick(args.backend, section.backend, BackendChoice::Auto).forced();

@@ -106,7 +106,18 @@ where
 
 pub(super) fn parse_zstd_level(text: &str) -> Result<i32, String> {
     let range = zstd::compression_level_range();
-    parse_in_range(text, *range.start(), *range.end())
+    let level = parse_in_range(text, *range.start(), *range.end())?;
+    zstd_level_named(level)?;
+    Ok(level)
+}
+
+/// Level 0 is refused: zstd takes it as its default, level 3, and as a number it would sort
+/// below level 1 (a recompression to "0" of pages stored at 1 would look like a gain).
+pub(super) fn zstd_level_named(level: i32) -> Result<(), String> {
+    if level == 0 {
+        return Err("0 is zstd's way of saying its default level, 3: write 3".to_string());
+    }
+    Ok(())
 }
 
 pub(super) fn parse_bool(text: &str) -> Result<bool, String> {
