@@ -575,8 +575,17 @@ impl Regions {
             .words(0, HEADER_WORDS)
             .map_err(memory_error("mapping the store's header"))?;
         let word = |i: usize| header[i].load(Ordering::Acquire);
-        if word(H_MAGIC) != MAGIC {
-            return Err(layout_error(key, "is not a trueno-ublk store"));
+        match word(H_MAGIC) {
+            MAGIC => {}
+            // Written last by `fresh`: its maker died before it served a page.
+            0 => {
+                return Err(StoreError::Layout(format!(
+                    "the shared memory of this device (SysV key {key:#x}) was never finished: \
+                     the process making it died first, so it holds no page; `trueno-ublk \
+                     delete` the device (nothing is lost) and create it again"
+                )))
+            }
+            _ => return Err(layout_error(key, "is not a trueno-ublk store")),
         }
         let version = word(H_VERSION);
         check_this_binary_reads(key, version, word(H_CLASSES))?;
