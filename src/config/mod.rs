@@ -550,6 +550,20 @@ fn switch_on(turned_off: bool, file: Option<Setting<bool>>) -> bool {
     !turned_off && pick(None, file, true)
 }
 
+/// Where `key`'s value came from, for a message: the file's line, or the command line when
+/// the flag was given (it wins over the file).
+fn origin<T>(
+    key: &str,
+    from_command_line: bool,
+    setting: Option<Setting<T>>,
+    file: &ConfigFile,
+) -> String {
+    match setting {
+        Some(setting) if !from_command_line => file.origin(setting.line),
+        _ => format!("command line (--{key})"),
+    }
+}
+
 fn check_range<T: PartialOrd + std::fmt::Display>(
     key: &'static str,
     value: T,
@@ -562,12 +576,8 @@ fn check_range<T: PartialOrd + std::fmt::Display>(
     if value >= min && value <= max {
         return Ok(());
     }
-    let origin = match setting {
-        Some(setting) if !from_command_line => file.origin(setting.line),
-        _ => format!("command line (--{key})"),
-    };
     Err(ConfigError::OutOfRange {
-        origin,
+        origin: origin(key, from_command_line, setting, file),
         key,
         reason: format!("is {value}; it must be from {min} to {max}"),
     })
@@ -637,12 +647,8 @@ fn merge_store(
     // the generator would write a swap unit for it, and a standby or restart that reads the
     // file again would fail to resume a device in use.
     if forced_backend == Some(Backend::Gpu) && algorithm != Algorithm::Lz4 {
-        let origin = match section.backend {
-            Some(setting) if args.backend.is_none() => file.origin(setting.line),
-            _ => "command line (--backend)".to_string(),
-        };
         return Err(ConfigError::OutOfRange {
-            origin,
+            origin: origin("backend", args.backend.is_some(), section.backend, file),
             key: "backend",
             reason: "is gpu, which compresses LZ4 only: set algorithm = lz4 (or another backend)"
                 .to_string(),
@@ -724,12 +730,13 @@ fn merge_recompress(
         DEFAULT_RECOMPRESS_IDLE,
     );
     if !(MIN_RECOMPRESS_IDLE..=MAX_RECOMPRESS_IDLE).contains(&idle) {
-        let origin = match section.recompress_idle {
-            Some(setting) if args.recompress_idle.is_none() => file.origin(setting.line),
-            _ => "command line (--recompress-idle)".to_string(),
-        };
         return Err(ConfigError::OutOfRange {
-            origin,
+            origin: origin(
+                "recompress-idle",
+                args.recompress_idle.is_some(),
+                section.recompress_idle,
+                file,
+            ),
             key: "recompress-idle",
             reason: format!(
                 "is {}; it must be from {} to {}",

@@ -46,6 +46,13 @@ impl BatchedPageStore {
         // Entries of groups not committed are empty (and have no memory to read).
         for index in (0..self.table.len()).filter(|&i| self.table.is_committed(i)) {
             let (found, was_locked) = self.table.recover(index);
+            // A lock the dead process left is let go of at once, but a stored page's: its
+            // checksum may be unsure, and the lock stays until it is settled (below, or once
+            // the allocator is rebuilt, `checksum_stored_data`).
+            let unsure = was_locked && matches!(found, PageState::Stored { .. });
+            if was_locked && !unsure {
+                drop(self.table.take_over_lock(index as u64));
+            }
             let state = match found {
                 PageState::Pending { batch, slot } => {
                     let names_this_page = self
@@ -54,10 +61,6 @@ impl BatchedPageStore {
                         .and_then(|b| b.index_of(slot as usize))
                         == Some(index as u64);
                     if names_this_page {
-                        // Its install locks it again.
-                        if was_locked {
-                            drop(self.table.take_over_lock(index as u64));
-                        }
                         pending.push(index as u64);
                         continue;
                     }
@@ -72,7 +75,7 @@ impl BatchedPageStore {
                         && (encoding != Encoding::Raw || usize::from(len) == PAGE_SIZE)
                         && self.alloc.adopt(handle, usize::from(len), &mut occupancy);
                     if whole {
-                        if was_locked {
+                        if unsure {
                             checksum_unsure.push(index as u64);
                         }
                         found
@@ -80,16 +83,11 @@ impl BatchedPageStore {
                         PageState::Lost
                     }
                 }
-                other => {
-                    if was_locked {
-                        drop(self.table.take_over_lock(index as u64));
-                    }
-                    other
-                }
+                other => other,
             };
             if state == PageState::Lost {
                 lost += 1;
-                let entry = if was_locked {
+                let entry = if unsure {
                     self.table.take_over_lock(index as u64)
                 } else if found != PageState::Lost {
                     self.table.lock(index as u64)
