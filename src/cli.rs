@@ -317,7 +317,8 @@ pub struct SwaponArgs {
     /// Device id N of /dev/ublkbN
     #[arg(long)]
     pub id: u32,
-    /// Config file whose [ublkbN] section gives swap-priority (a missing file means 100)
+    /// Config file whose [ublkbN] section gives swap-priority (100 without one; only
+    /// /etc/trueno-ublk.conf may be missing)
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Print the swapon command instead of running it

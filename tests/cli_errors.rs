@@ -61,6 +61,14 @@ fn a_config_file_needs_a_device_id() {
 }
 
 #[test]
+fn a_config_file_named_but_missing_is_refused() {
+    for command in ["create", "swapon"] {
+        let output = trueno_ublk(&[command, "--config", "/nonexistent.conf", "--id", "0"]);
+        assert_clean_failure(&output, "/nonexistent.conf does not exist");
+    }
+}
+
+#[test]
 fn bad_recompress_settings_are_refused_before_anything_else() {
     for (flag, value) in [
         ("--recompress", "lz4"),
@@ -85,14 +93,7 @@ fn output_into_a_pipe_nobody_reads_ends_quietly() {
     let (reader, writer) = std::io::pipe().expect("a pipe");
     drop(reader);
     let output = Command::new(env!("CARGO_BIN_EXE_trueno-ublk"))
-        .args([
-            "swapon",
-            "--id",
-            "0",
-            "--config",
-            "/nonexistent",
-            "--dry-run",
-        ])
+        .args(["swapon", "--id", "0", "--dry-run"])
         .env("RUST_BACKTRACE", "1")
         .stdout(writer)
         .stderr(std::process::Stdio::piped())

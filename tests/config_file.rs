@@ -517,6 +517,15 @@ fn missing_file_means_defaults_and_config_needs_an_id() {
     assert!(matches!(error, ConfigError::NeedsId { .. }), "{error}");
     assert!(error.to_string().contains("--id"));
 
+    // A file named on the command line that is not there is most likely a typo: refused,
+    // naming it, rather than a device set up with the defaults.
+    let args = create_args(&["--config", path.to_str().unwrap(), "--id", "0"]);
+    let error = config::resolve(&args).unwrap_err();
+    assert!(matches!(error, ConfigError::Missing { .. }), "{error}");
+    assert!(error.to_string().contains("absent.conf"), "{error}");
+
+    // An empty file is the defaults: --size as given, else min(RAM / 2, 4 GiB).
+    std::fs::write(&path, "").unwrap();
     let args = create_args(&[
         "--config",
         path.to_str().unwrap(),
@@ -529,7 +538,6 @@ fn missing_file_means_defaults_and_config_needs_an_id() {
     assert_eq!(settings.size_bytes, GIB);
     assert_eq!(settings.id, Some(0));
 
-    // Without --size the real RAM size is used: min(RAM / 2, 4 GiB).
     let args = create_args(&["--config", path.to_str().unwrap(), "--id", "0"]);
     let settings = config::resolve(&args).unwrap();
     let ram = config::ram_bytes().unwrap();
@@ -649,16 +657,19 @@ fn swapon_uses_the_configured_priority_with_discard() {
         (code, out.as_str()),
         (Some(0), "swapon -d -p 100 /dev/ublkb1\n")
     );
-    let (code, out, _) = run(&[
+    let (code, out, _) = run(&["--id", "0"]);
+    assert_eq!(
+        (code, out.as_str()),
+        (Some(0), "swapon -d -p 100 /dev/ublkb0\n")
+    );
+    let (code, out, err) = run(&[
         "--id",
         "0",
         "--config",
         dir.join("none.conf").to_str().unwrap(),
     ]);
-    assert_eq!(
-        (code, out.as_str()),
-        (Some(0), "swapon -d -p 100 /dev/ublkb0\n")
-    );
+    assert_eq!((code, out.as_str()), (Some(1), ""));
+    assert!(err.contains("none.conf does not exist"), "{err}");
 
     std::fs::write(&path, "[ublkb0]\nswap-priority = high\n").unwrap();
     let (code, out, err) = run(&["--id", "0", "--config", conf]);

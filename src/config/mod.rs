@@ -133,6 +133,8 @@ pub enum ConfigError {
     },
     #[error("--config {} needs --id N to pick its [ublkbN] section", path.display())]
     NeedsId { path: PathBuf },
+    #[error("config file {} does not exist (only {DEFAULT_CONFIG_PATH} may be missing, meaning the defaults)", path.display())]
+    Missing { path: PathBuf },
     #[error("cannot read the RAM size from /proc/meminfo ({0}): the default size and the memory the daemon keeps ready depend on it; mount /proc")]
     Meminfo(String),
 }
@@ -529,12 +531,22 @@ pub fn store_settings(args: &StoreOptions) -> Result<StoreSettings, ConfigError>
     merge_store(args, &DeviceSection::default(), &ConfigFile::default(), 0)
 }
 
+/// The file `--config` names, for device `id`. The default path may be missing (the units
+/// name it, and a machine without one runs on the defaults); any other path must exist, so
+/// that a typo in it is not a device silently set up with the defaults.
 pub(crate) fn load_for(path: Option<&Path>, id: Option<u32>) -> Result<ConfigFile, ConfigError> {
     match path {
         None => Ok(ConfigFile::default()),
         Some(path) if id.is_none() => Err(ConfigError::NeedsId {
             path: path.to_path_buf(),
         }),
+        Some(path)
+            if path != Path::new(DEFAULT_CONFIG_PATH) && matches!(path.try_exists(), Ok(false)) =>
+        {
+            Err(ConfigError::Missing {
+                path: path.to_path_buf(),
+            })
+        }
         Some(path) => load(path),
     }
 }
