@@ -12,7 +12,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::bench::{self, BenchOptions, Progress};
 use crate::config::{
-    AlgorithmChoice, BackendChoice, Choice, DeviceOptions, RecompressChoice, StoreOptions,
+    AlgorithmChoice, BackendChoice, Choice, DeviceOptions, MemLimit, RecompressChoice, StoreOptions,
 };
 use crate::daemon::CreateRole;
 use crate::devices::DeviceRow;
@@ -87,9 +87,11 @@ pub struct StoreArgs {
     /// Compress every write in its own thread instead of batching
     #[arg(long)]
     pub no_batched: bool,
-    /// Memory limit for stored pages (K/M/G/T suffixes); writes beyond it fail with ENOSPC
-    #[arg(long, value_parser = parse_size)]
-    pub mem_limit: Option<u64>,
+    /// Memory limit for stored pages: a size (K/M/G/T suffixes), a share of RAM (`ram / 4`,
+    /// `ram * 0.25`) or `none` (no limit, over the config file's); writes beyond it fail with
+    /// ENOSPC
+    #[arg(long, value_name = "SIZE", value_parser = MemLimit::parse)]
+    pub mem_limit: Option<MemLimit>,
     /// Recompress idle pages in the background (and, for lz4, compress new pages with it while
     /// memory is short): zstd, zstd:LEVEL, or off [default: zstd:3 for lz4 and adaptive, off
     /// for zstd]
@@ -537,6 +539,7 @@ fn fault_in(args: &FaultInArgs) -> CommandResult {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::SizeExpr;
 
     #[test]
     fn create_parses_documented_flags() {
@@ -579,7 +582,10 @@ mod tests {
         assert_eq!(args.store.algorithm, Some(AlgorithmChoice::Zstd));
         assert_eq!(args.store.batch_threshold, Some(500));
         assert_eq!(args.store.flush_timeout_ms, Some(5));
-        assert_eq!(args.store.mem_limit, Some(1 << 30));
+        assert_eq!(
+            args.store.mem_limit,
+            Some(MemLimit::Size(SizeExpr::Bytes(1 << 30)))
+        );
         assert_eq!(args.store.backend, Some(BackendChoice::SimdParallel));
         assert_eq!(
             args.store.recompress,

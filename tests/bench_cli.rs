@@ -6,7 +6,7 @@ use trueno_ublk::bench::corpus::Corpus;
 use trueno_ublk::bench::{load_corpus, verify, BenchError};
 use trueno_ublk::cli::{BenchArgs, Cli, Command};
 use trueno_ublk::codec::PAGE_SIZE;
-use trueno_ublk::config::{AlgorithmChoice, BackendChoice, RecompressChoice};
+use trueno_ublk::config::{AlgorithmChoice, BackendChoice, MemLimit, RecompressChoice, SizeExpr};
 
 fn bench_args(extra: &[&str]) -> Result<BenchArgs, clap::Error> {
     let cli = Cli::try_parse_from(["trueno-ublk", "bench"].iter().chain(extra))?;
@@ -72,7 +72,10 @@ fn bench_parses_its_flags_and_the_store_options() {
     assert_eq!(args.store.backend, Some(BackendChoice::SimdParallel));
     assert_eq!(args.store.batch_threshold, Some(256));
     assert_eq!(args.store.flush_timeout_ms, Some(3));
-    assert_eq!(args.store.mem_limit, Some(1 << 30));
+    assert_eq!(
+        args.store.mem_limit,
+        Some(MemLimit::Size(SizeExpr::Bytes(1 << 30)))
+    );
     assert_eq!(
         args.store.recompress,
         Some(RecompressChoice::Zstd { level: 9 })

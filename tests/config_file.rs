@@ -216,10 +216,24 @@ fn memory_limit_absolute_relative_or_none() {
             "{line}"
         );
     }
+    // The command line wins over the file either way, in the file's words.
     let args = create_args(&["--id", "0", "--mem-limit", "512M"]);
     let file = conf("[ublkb0]\nmem-limit = none\n");
     let settings = resolve_with(&args, &file, 8 * GIB).unwrap();
     assert_eq!(settings.store.mem_limit, Some(512 * MIB));
+    let file = conf("[ublkb0]\nmem-limit = 1G\n");
+    for (flag, want) in [("none", None), ("ram / 8", Some(GIB))] {
+        let args = create_args(&["--id", "0", "--mem-limit", flag]);
+        let settings = resolve_with(&args, &file, 8 * GIB).unwrap();
+        assert_eq!(settings.store.mem_limit, want, "--mem-limit {flag}");
+    }
+    // Less than a page is refused, naming where it came from.
+    let args = create_args(&["--id", "0", "--mem-limit", "ram / 10000000000"]);
+    let error = resolve_with(&args, &file, 8 * GIB).unwrap_err();
+    assert!(error.to_string().contains("--mem-limit"), "{error}");
+    let file = conf("[ublkb0]\nmem-limit = ram / 10000000000\n");
+    let error = resolve_with(&create_args(&["--id", "0"]), &file, 8 * GIB).unwrap_err();
+    assert!(error.to_string().contains(":2"), "{error}");
 }
 
 #[test]

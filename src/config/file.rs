@@ -7,8 +7,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use super::values::{
-    parse_bool, parse_choice, parse_in_range, parse_mem_limit, parse_size_expr, parse_zstd_level,
-    SizeExpr,
+    parse_bool, parse_choice, parse_in_range, parse_size_expr, parse_zstd_level, MemLimit, SizeExpr,
 };
 use super::{
     AlgorithmChoice, BackendChoice, ConfigError, RecompressChoice, MAX_BATCH_THRESHOLD, MAX_DEPTH,
@@ -36,8 +35,7 @@ pub struct DeviceSection {
     pub batched: Option<Setting<bool>>,
     pub batch_threshold: Option<Setting<usize>>,
     pub flush_timeout_ms: Option<Setting<u64>>,
-    /// `Some(None)`: `mem-limit = none`.
-    pub mem_limit: Option<Setting<Option<SizeExpr>>>,
+    pub mem_limit: Option<Setting<MemLimit>>,
     pub recompress: Option<Setting<RecompressChoice>>,
     pub recompress_idle: Option<Setting<std::time::Duration>>,
     pub swap_priority: Option<Setting<u16>>,
@@ -239,7 +237,7 @@ fn set_key(
             parse_in_range(value, 1, MAX_FLUSH_TIMEOUT_MS),
             line,
         ),
-        "mem-limit" => store(&mut section.mem_limit, parse_mem_limit(value), line),
+        "mem-limit" => store(&mut section.mem_limit, MemLimit::parse(value), line),
         "recompress" => store(
             &mut section.recompress,
             RecompressChoice::parse(value),

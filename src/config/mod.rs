@@ -31,11 +31,11 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use crate::codec::{Algorithm, Backend, BackendThresholds};
+use crate::codec::{Algorithm, Backend, BackendThresholds, PAGE_SIZE};
 use crate::store::{RecompressConfig, StoreConfig};
 use crate::units::human_duration;
 pub use file::{load, parse, ConfigFile, DeviceSection, Setting, KEYS};
-pub use values::{parse_size_expr, SizeExpr};
+pub use values::{parse_size_expr, MemLimit, SizeExpr};
 
 /// Where the systemd units read the configuration from.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/trueno-ublk.conf";
@@ -276,7 +276,7 @@ pub struct StoreOptions {
     pub flush_timeout_ms: Option<u64>,
     /// `--no-batched`.
     pub no_batched: bool,
-    pub mem_limit: Option<u64>,
+    pub mem_limit: Option<MemLimit>,
     pub recompress: Option<RecompressChoice>,
     pub recompress_idle: Option<Duration>,
 }
@@ -695,20 +695,18 @@ fn merge_store(
         section.flush_timeout_ms,
         file,
     )?;
-    let mem_limit = match (args.mem_limit, section.mem_limit) {
-        (Some(bytes), _) => Some(bytes),
-        (None, None | Some(Setting { value: None, .. })) => None,
-        (
-            None,
-            Some(Setting {
-                value: Some(expr),
-                line,
-            }),
-        ) => {
+    let mem_limit = match pick(args.mem_limit, section.mem_limit, MemLimit::Unlimited) {
+        MemLimit::Unlimited => None,
+        MemLimit::Size(expr) => {
             let bytes = expr.evaluate(ram_bytes);
-            if bytes == 0 {
+            if bytes < PAGE_SIZE as u64 {
                 return Err(ConfigError::OutOfRange {
-                    origin: file.origin(line),
+                    origin: origin(
+                        "mem-limit",
+                        args.mem_limit.is_some(),
+                        section.mem_limit,
+                        file,
+                    ),
                     key: "mem-limit",
                     reason: "comes to less than one 4 KiB page".to_string(),
                 });

@@ -83,11 +83,21 @@ fn parse_decimal(text: &str) -> Result<(u64, u64), String> {
     Ok((numerator, denominator))
 }
 
-pub(super) fn parse_mem_limit(text: &str) -> Result<Option<SizeExpr>, String> {
-    if text.eq_ignore_ascii_case("none") {
-        Ok(None)
-    } else {
-        parse_size_expr(text).map(Some)
+/// A memory limit as written on the command line or in the file: a size (`512M`, `ram / 4`)
+/// or `none`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemLimit {
+    Unlimited,
+    Size(SizeExpr),
+}
+
+impl MemLimit {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        if text.trim().eq_ignore_ascii_case("none") {
+            Ok(MemLimit::Unlimited)
+        } else {
+            parse_size_expr(text).map(MemLimit::Size)
+        }
     }
 }
 
