@@ -142,6 +142,8 @@ pub enum BenchError {
     },
     #[error("a bench worker thread panicked")]
     WorkerPanicked,
+    #[error("interrupted (the zram device the bench used is reset or removed)")]
+    Interrupted,
     #[error("cannot print the JSON report: {0}")]
     Json(#[from] serde_json::Error),
 }

@@ -3,14 +3,21 @@
 //! kernel cannot add one, and only if nobody set it up), the algorithm asked for
 //! (`--zram-algorithm`, lz4 by default), O_DIRECT 1 MiB writes and reads of the corpus,
 //! mm_stat, reset. Why not simply zram0: resetting a zram device that an administrator set
-//! up but is not using this minute (swapped off, say) would destroy its set-up.
+//! up but is not using this minute (swapped off, say) would destroy its set-up. A Ctrl-C or
+//! SIGTERM while the bench holds the device stops its I/O at the next chunk and removes the
+//! device before the bench ends (a second one ends it at once, as signals do).
 
 #![forbid(unsafe_code)]
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::SigId;
 
 use serde::Serialize;
 
@@ -223,6 +230,57 @@ impl Drop for ZramDevice {
     }
 }
 
+/// SIGINT and SIGTERM caught while the bench holds a zram device, so that the device is
+/// removed (`ZramDevice`'s drop) rather than left behind by a process the signal ended.
+struct Interrupts {
+    caught: Arc<AtomicBool>,
+    handlers: Vec<SigId>,
+}
+
+impl Interrupts {
+    fn catch() -> Result<Self, BenchError> {
+        let caught = Arc::new(AtomicBool::new(false));
+        let mut interrupts = Self {
+            caught: Arc::clone(&caught),
+            handlers: Vec::new(),
+        };
+        for signal in [SIGINT, SIGTERM] {
+            // The conditional default first: the first signal only sets the flag (the
+            // condition is read before the second handler sets it), a second one ends the
+            // process as if nothing were caught.
+            for register in [
+                signal_hook::flag::register_conditional_default,
+                signal_hook::flag::register,
+            ] {
+                let handler =
+                    register(signal, Arc::clone(&caught)).map_err(|source| BenchError::Zram {
+                        what: "catching Ctrl-C and SIGTERM".to_string(),
+                        source,
+                    })?;
+                interrupts.handlers.push(handler);
+            }
+        }
+        Ok(interrupts)
+    }
+
+    /// An error that ends the I/O once a signal came.
+    fn check(&self) -> std::io::Result<()> {
+        if self.caught.load(Ordering::Relaxed) {
+            Err(std::io::ErrorKind::Interrupted.into())
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl Drop for Interrupts {
+    fn drop(&mut self) {
+        for handler in self.handlers.drain(..) {
+            signal_hook::low_level::unregister(handler);
+        }
+    }
+}
+
 /// Split `len` bytes into `streams` contiguous parts on `IO_CHUNK` boundaries.
 fn stream_ranges(len: usize, streams: usize) -> Vec<std::ops::Range<usize>> {
     let chunks = len.div_ceil(IO_CHUNK);
@@ -249,9 +307,13 @@ where
             worker
                 .join()
                 .map_err(|_| BenchError::WorkerPanicked)?
-                .map_err(|source| BenchError::Zram {
-                    what: what.clone(),
-                    source,
+                .map_err(|source| match source.kind() {
+                    // `Interrupts::check`: the positioned I/O retries EINTR itself.
+                    std::io::ErrorKind::Interrupted => BenchError::Interrupted,
+                    _ => BenchError::Zram {
+                        what: what.clone(),
+                        source,
+                    },
                 })?;
         }
         Ok(start.elapsed())
@@ -266,6 +328,8 @@ pub fn compare(
     algorithm: &str,
     progress: &Progress,
 ) -> Result<ZramReport, BenchError> {
+    // Caught before the device exists and let go after it is gone (drops run in reverse).
+    let interrupts = Interrupts::catch()?;
     let zram = ZramDevice::acquire()?;
     let algorithms = zram.read("comp_algorithm")?;
     if !algorithms
@@ -300,6 +364,7 @@ pub fn compare(
     let streams = ranges.len();
     let write_time = timed_streams(ranges, format!("O_DIRECT write to {node}"), |range| {
         for offset in range.clone().step_by(IO_CHUNK) {
+            interrupts.check()?;
             let chunk = &data[offset..(offset + IO_CHUNK).min(range.end)];
             device.write_all_at(chunk, offset as u64)?;
             progress.advance(chunk.len() as u64);
@@ -327,6 +392,7 @@ pub fn compare(
     }
     let read_time = timed_streams(parts, format!("O_DIRECT read of {node}"), |(base, part)| {
         for (index, chunk) in part.chunks_mut(IO_CHUNK).enumerate() {
+            interrupts.check()?;
             device.read_exact_at(chunk, (base + index * IO_CHUNK) as u64)?;
             progress.advance(chunk.len() as u64);
         }
