@@ -22,7 +22,7 @@
 
 #![allow(
     clippy::cast_possible_truncation,
-    reason = "size classes are fewer than 256, a chunk holds at most 256 objects (checked), and chunk ids are fewer than stored pages, which are fewer than 2^32 (checked)"
+    reason = "size classes are fewer than 256, a chunk holds at most 256 objects (tested), and chunk ids are fewer than stored pages, which are fewer than 2^32 (checked)"
 )]
 #![forbid(unsafe_code)]
 
@@ -51,8 +51,8 @@ pub(super) const MAX_CLASSES: usize = GRANULES;
 /// costs twice as much: on real pages 8 is better up to about 1 GiB and within 0.7% above.
 const MAX_CHUNK_PAGES: usize = 8;
 
-/// Most objects a chunk holds (16-byte objects in one page; no class packs more, checked
-/// when the allocator is built), and the words of its free bitmap.
+/// Most objects a chunk holds (16-byte objects in one page; no class packs more: the test
+/// `merged_classes_pack_like_their_members`), and the words of its free bitmap.
 const MAX_OBJS_PER_CHUNK: usize = 256;
 const BITMAP_WORDS: usize = MAX_OBJS_PER_CHUNK / 64;
 /// Chunks a class can add before its bookkeeping must grow (see `provision`).
@@ -106,10 +106,9 @@ impl Handle {
     }
 }
 
-/// How long background work waits for a chunk when no write waits for one: a commit of the
-/// refill thread's, or its own without one (a takeover's first moments, a shutdown's last),
-/// that the system grants at once; never the reserve's last quarter (kept for writes that
-/// waited, from `LAST_RESORT_AFTER` on) nor a wait in reclaim that holds a hand-over up.
+/// How long background work tries to commit a chunk of its own where no refill thread runs
+/// (a takeover's first moments, a shutdown's last): a commit the system grants at once, never
+/// a wait in reclaim that holds a hand-over up.
 const BACKGROUND_PATIENCE: std::time::Duration = std::time::Duration::from_millis(20);
 
 fn background_patience(waited: std::time::Duration) -> bool {
@@ -127,8 +126,9 @@ enum Taker<'a> {
     /// The I/O path (a write, a flush): waits for the refill thread until `give_up` says so
     /// (`None`: never gives up), as `ChunkReserve::take`.
     Io(Option<&'a dyn Fn(std::time::Duration) -> bool>),
-    /// Background work: a ready chunk (`ChunkReserve::take_ready`), else, while no write
-    /// waits for one, a wait of `BACKGROUND_PATIENCE` at most.
+    /// Background work: a ready chunk (`ChunkReserve::take_ready`), never a wait for the
+    /// refill thread; without one, a commit of its own given up after
+    /// `BACKGROUND_PATIENCE`.
     Background,
 }
 
@@ -606,12 +606,17 @@ impl ZsAllocator {
                         Taker::Background => {
                             let data = match self.reserve.take_ready(pages) {
                                 Some(data) => data,
-                                // Writes wait for memory: none for background work.
-                                None if self.reserve.starving() => {
+                                // Waiting for the refill thread would count as a waiter
+                                // (the store's writes then fall under the starvation rule)
+                                // and may open the pools' kept quarter: `take_ready` has
+                                // asked it for one, for the next try.
+                                None if self.reserve.refill_serves() => {
                                     return Err(Shortage::Starved {
                                         waited: std::time::Duration::ZERO,
                                     })
                                 }
+                                // No refill thread (none is set up, or it ended): commit
+                                // here, as nothing else will.
                                 None => self.reserve.take(pages, Some(&background_patience))?,
                             };
                             // Never waits for room (below).
@@ -872,9 +877,9 @@ impl ZsAllocator {
     }
 
     /// Take every chunk marked evacuating back into use, its free objects for new ones: for
-    /// a compaction that stopped early, and while memory is short (a marked chunk takes no
-    /// new object, and the sparsest chunks have the most room: new pages would need new
-    /// chunks, from memory the system does not have). Returns the chunks unmarked.
+    /// a compaction that stopped early, and while a taker waits for a chunk (a marked chunk
+    /// takes no new object, and the sparsest chunks have the most room: new pages would need
+    /// new chunks, from memory the system does not have). Returns the chunks unmarked.
     pub(super) fn abandon_evacuation(&self) -> usize {
         let mut unmarked = 0;
         for class in self.classes.iter() {
@@ -1284,6 +1289,8 @@ mod tests {
                 class.chunk_bytes / size,
                 "size {size}"
             );
+            // A chunk's free bitmap and the objects' numbers within it rely on this.
+            assert!(class.objs_per_chunk <= MAX_OBJS_PER_CHUNK, "size {size}");
         }
     }
 
@@ -1487,6 +1494,29 @@ mod tests {
         assert_eq!(
             a.with_object(second, 1000, <[u8]>::to_vec).unwrap(),
             vec![7u8; 1000]
+        );
+    }
+
+    #[test]
+    fn background_work_never_counts_as_a_taker_waiting_for_the_refill_thread() {
+        // A reserve whose refill thread serves (said to run; it commits nothing): background
+        // work that finds no ready chunk gives up at once and asks the refill thread for one,
+        // without counting as a waiter or a miss (the store's writes would fall under the
+        // starvation rule while it waited).
+        let a = ZsAllocator::new(1 << 20, Arena::private(64 << 20).unwrap(), None);
+        a.reserve.pretend_refill_running(true);
+        let started = std::time::Instant::now();
+        assert_eq!(a.store_in_background(&[6u8; 1000]), None);
+        assert!(started.elapsed() < BACKGROUND_PATIENCE);
+        assert_eq!(a.reserve.misses(), 0);
+        assert!(!a.reserve.starving());
+        assert_eq!(a.chunk_bytes(), 0);
+        // Without a refill thread, it commits a chunk of its own.
+        a.reserve.pretend_refill_running(false);
+        let handle = a.store_in_background(&[6u8; 1000]).unwrap();
+        assert_eq!(
+            a.with_object(handle, 1000, <[u8]>::to_vec).unwrap(),
+            vec![6u8; 1000]
         );
     }
 

@@ -622,7 +622,7 @@ impl ChunkReserve {
         self.demand[k].fetch_add(1, Ordering::Relaxed);
         self.taken.fetch_add(1, Ordering::Relaxed);
         // Without a refill thread to wait for, no quarter is kept.
-        let waits_for_refill = self.enabled() && self.refill_running.load(Ordering::Acquire);
+        let waits_for_refill = self.refill_serves();
         if let Some(chunk) = self.pop_committed(k, !waits_for_refill) {
             return Ok(chunk);
         }
@@ -1579,6 +1579,11 @@ impl ChunkReserve {
     /// Whether a refill thread runs (and so provisions the allocator's bookkeeping).
     pub(super) fn refill_running(&self) -> bool {
         self.refill_running.load(Ordering::Acquire)
+    }
+
+    /// Whether takers wait for the refill thread rather than commit memory themselves.
+    pub(super) fn refill_serves(&self) -> bool {
+        self.enabled() && self.refill_running()
     }
 
     /// Say a refill thread runs where none does: one that never commits or provisions
