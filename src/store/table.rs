@@ -375,8 +375,10 @@ impl PageTable {
     }
 
     /// Give group `group`'s memory back if none of its entries holds a page; whether it was.
-    /// Locks each of its entries (no other thread holds two, and none waits for memory while
-    /// it holds one, so this waits only for the short sections under them).
+    /// Locks each of its entries, without waiting for one another thread holds: the caller is
+    /// the real-time refill thread, and a holder it preempted on the same CPU would not run
+    /// again while it spun (a real-time thread's yield lets no ordinary one run). Such a group
+    /// is kept and looked at again at the next look.
     pub(super) fn retire(&self, group: usize) -> std::io::Result<bool> {
         // A look without locks first, so that a group in use costs a read of its entries.
         if self.memory.state(group) != GroupState::Committed
@@ -397,7 +399,12 @@ impl PageTable {
         let mut locked = places.start;
         let mut empty = true;
         while locked < places.end {
-            let word = lock_word(&self.entries[locked]);
+            let Some(word) = try_lock_word(&self.entries[locked]) else {
+                self.unlock_empty(places.start..locked);
+                self.memory.keep(group);
+                self.memory.note_emptied(group);
+                return Ok(false);
+            };
             locked += 1;
             if word != EMPTY_WORD {
                 empty = false;
@@ -550,25 +557,21 @@ impl PageTable {
     }
 }
 
-/// Lock `entry` whatever its group's state (for `retire`); its word, without the lock bit.
-fn lock_word(entry: &AtomicU64) -> u64 {
-    let mut spins = 0u32;
-    loop {
+/// Lock `entry` whatever its group's state (for `retire`): its word, without the lock bit;
+/// `None` if another thread still holds it after a short spin.
+fn try_lock_word(entry: &AtomicU64) -> Option<u64> {
+    for _ in 0..=SPINS_BEFORE_YIELD {
         let cur = entry.load(Ordering::Relaxed);
         if cur & LOCKED == 0
             && entry
                 .compare_exchange_weak(cur, cur | LOCKED, Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
         {
-            return cur;
+            return Some(cur);
         }
-        if spins < SPINS_BEFORE_YIELD {
-            spins += 1;
-            std::hint::spin_loop();
-        } else {
-            std::thread::yield_now();
-        }
+        std::hint::spin_loop();
     }
+    None
 }
 
 #[cfg(test)]
@@ -667,6 +670,14 @@ mod tests {
         assert!(t.memory().pin(2));
         assert!(!t.retire(2).unwrap());
         t.memory().unpin(2);
+        // Group 0 is empty but one of its entries is locked (a reader of an empty page): kept
+        // without a wait (the holder may be a thread the caller preempted), to be looked at
+        // again.
+        let held = t.lock(5).unwrap();
+        assert!(!t.retire(0).unwrap());
+        drop(held);
+        assert!(t.lock(4).is_some(), "left locked");
+        assert!(t.memory().groups_to_look_at().any(|group| group == 0));
         // Group 0 is empty: its memory goes, and its entries read as empty without it.
         assert!(t.retire(0).unwrap());
         assert_eq!(t.bytes(), full - (28 << 10));
