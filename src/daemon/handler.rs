@@ -153,7 +153,6 @@ impl StoreHandler {
             // Pages are in daemon memory as soon as a write is acknowledged: nothing to flush.
             Op::Flush => Ok(()),
             Op::Discard | Op::WriteZeroes => store.discard(request.offset, request.len),
-            Op::Unsupported(_) => return Handled::Done(Err(-libc::EOPNOTSUPP)),
         };
         Handled::Done(result.map_err(|error| {
             // Log the first errors and then every 1024th, so a full device cannot flood the log.

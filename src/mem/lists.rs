@@ -22,7 +22,6 @@ use std::alloc::Layout;
 use std::ptr::NonNull;
 
 use allocator_api2::alloc::{AllocError, Allocator, Global};
-use allocator_api2::collections::TryReserveError;
 
 use super::HOST_PAGE;
 
@@ -52,17 +51,15 @@ pub fn empty_list<T>(alloc: ListAlloc) -> ListVec<T> {
 }
 
 /// A list with room for `capacity` entries from `alloc`, that room faulted in (see
-/// `populate`). An error, and nothing allocated, where the system refuses the room (a mapping
-/// past `vm.max_map_count` or, under strict overcommit, past the commit limit; a heap that
-/// cannot grow): the caller goes on with the list it has, where `with_capacity` would abort
-/// the process, and with it every device it serves.
-pub fn faulted_in_list<T>(
-    capacity: usize,
-    alloc: ListAlloc,
-) -> Result<ListVec<T>, TryReserveError> {
+/// `populate`). An error, and nothing kept, where the system refuses the room (a mapping past
+/// `vm.max_map_count` or, under strict overcommit, past the commit limit; a heap that cannot
+/// grow) or does not fault it in (a limit on the daemon's cgroup): the caller goes on with the
+/// list it has, where `with_capacity` would abort the process, and with it every device it
+/// serves, and where room not faulted in would fault under the caller's lock.
+pub fn faulted_in_list<T>(capacity: usize, alloc: ListAlloc) -> std::io::Result<ListVec<T>> {
     let mut list = ListVec::new_in(alloc);
-    list.try_reserve_exact(capacity)?;
-    super::populate(list.spare_capacity_mut());
+    list.try_reserve_exact(capacity).map_err(out_of_memory)?;
+    super::populate(list.spare_capacity_mut())?;
     Ok(list)
 }
 
@@ -350,7 +347,7 @@ mod tests {
             assert!(faulted_in_list::<u64>(entries, alloc).is_err(), "{alloc:?}");
         }
         let error = faulted_in_list::<u64>(entries, ListAlloc::Mapped).unwrap_err();
-        assert_eq!(out_of_memory(error).kind(), std::io::ErrorKind::OutOfMemory);
+        assert_eq!(error.kind(), std::io::ErrorKind::OutOfMemory);
     }
 
     #[test]

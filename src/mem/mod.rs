@@ -89,10 +89,14 @@ pub fn prefault_stack() {
 }
 
 /// An empty vector with room for `capacity` entries, that room faulted in (see `populate`):
-/// pushes up to `capacity` touch no fresh page.
+/// pushes up to `capacity` touch no fresh page. Where the system does not fault it in, the
+/// room is still there, with a warning: for its callers (start-up, and room for lists that
+/// must not grow under a lock) room that faults on first use is better than none.
 pub fn faulted_in_vec<T>(capacity: usize) -> Vec<T> {
     let mut v = Vec::with_capacity(capacity);
-    populate(v.spare_capacity_mut());
+    if let Err(error) = populate(v.spare_capacity_mut()) {
+        tracing::warn!(%error, capacity, "faulting in room for a list failed: it faults on first use");
+    }
     v
 }
 
@@ -103,22 +107,23 @@ pub fn faulted_in_vec<T>(capacity: usize) -> Vec<T> {
 /// the first write to each page under memory pressure, from a thread serving swap, waits in
 /// reclaim for the swap-out it is serving (seen in the VM: the page table's pages faulted in
 /// by the queue thread). Call it on everything the I/O path writes, before the device is live.
-pub fn populate<T>(items: &[T]) {
+/// An error where the system does not (no memory the daemon's cgroup may have, a fatal
+/// signal): then some pages are not there, and the first write to them may wait.
+pub fn populate<T>(items: &[T]) -> std::io::Result<()> {
     let bytes = std::mem::size_of_val(items);
     if bytes == 0 {
-        return;
+        return Ok(());
     }
     let start = items.as_ptr() as usize & !(HOST_PAGE - 1);
     let end = (items.as_ptr() as usize + bytes).div_ceil(HOST_PAGE) * HOST_PAGE;
     let Some(ptr) = NonNull::new(start as *mut std::ffi::c_void) else {
-        return;
+        return Ok(());
     };
     // SAFETY: `[start, end)` covers only whole pages that hold part of `items`, which are
     // mapped for as long as `items` is borrowed; MADV_POPULATE_WRITE makes them present
     // without changing a byte, so no Rust value, ours or a neighbour's, sees any change.
-    if let Err(error) = unsafe { madvise(ptr, end - start, MmapAdvise::MADV_POPULATE_WRITE) } {
-        tracing::warn!(%error, bytes, "faulting in I/O-path memory failed");
-    }
+    unsafe { madvise(ptr, end - start, MmapAdvise::MADV_POPULATE_WRITE) }?;
+    Ok(())
 }
 
 /// Keep freed heap memory in the process: glibc's malloc never trims its arenas and serves
@@ -203,11 +208,15 @@ pub struct SparePages {
 impl SparePages {
     pub fn new(bytes: usize) -> std::io::Result<Self> {
         let len = bytes.div_ceil(HOST_PAGE).max(1) * HOST_PAGE;
-        let base = map_private(len)?;
+        // Owned first, so that a failure below unmaps it.
+        let spare = Self {
+            base: map_private(len)?,
+            len,
+        };
         // SAFETY: exactly the mapping just made, which nothing reads; populating it changes
         // no byte anyone sees.
-        unsafe { madvise(base, len, MmapAdvise::MADV_POPULATE_WRITE) }?;
-        Ok(Self { base, len })
+        unsafe { madvise(spare.base, len, MmapAdvise::MADV_POPULATE_WRITE) }?;
+        Ok(spare)
     }
 
     pub fn len(&self) -> usize {

@@ -29,7 +29,6 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use allocator_api2::collections::TryReserveError;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 pub(super) use super::reserve::Shortage;
@@ -407,7 +406,7 @@ impl ZsAllocator {
             }
             self.reserve.make_room_for(want * LIST_BYTES_PER_CHUNK);
             let lists = (|| {
-                Ok::<_, TryReserveError>((
+                Ok::<_, std::io::Error>((
                     faulted_in_list::<Option<ChunkUsage>>(want, ListAlloc::Mapped)?,
                     faulted_in_list::<Option<Chunk>>(want, ListAlloc::Mapped)?,
                     faulted_in_list::<u32>(want, ListAlloc::Mapped)?,
@@ -1040,11 +1039,10 @@ impl ZsAllocator {
             let want = rebuild_room(noted.min(most));
             let mut st = class.state.lock();
             // From the heap the standby faulted in (see `rebuild_heap_bytes`), not new mappings.
-            st.usage = faulted_in_list(want, ListAlloc::Heap).map_err(out_of_memory)?;
-            st.partial = faulted_in_list(want, ListAlloc::Heap).map_err(out_of_memory)?;
-            st.free_ids = faulted_in_list(want, ListAlloc::Heap).map_err(out_of_memory)?;
-            *class.chunks.write() =
-                faulted_in_list(want, ListAlloc::Heap).map_err(out_of_memory)?;
+            st.usage = faulted_in_list(want, ListAlloc::Heap)?;
+            st.partial = faulted_in_list(want, ListAlloc::Heap)?;
+            st.free_ids = faulted_in_list(want, ListAlloc::Heap)?;
+            *class.chunks.write() = faulted_in_list(want, ListAlloc::Heap)?;
             room[index] = st.usage.capacity();
         }
         let mut occupied = Vec::new();

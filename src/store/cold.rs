@@ -13,7 +13,7 @@
 
 use parking_lot::Mutex;
 
-use crate::mem::{faulted_in_list, growth_in_place, out_of_memory, ListAlloc, ListVec};
+use crate::mem::{faulted_in_list, growth_in_place, ListAlloc, ListVec};
 
 const WORD_BITS: usize = u64::BITS as usize;
 
@@ -65,7 +65,7 @@ impl ColdPages {
                 growth.fault_in()?;
                 None
             }
-            None => Some(faulted_in_list::<u64>(room, ListAlloc::Mapped).map_err(out_of_memory)?),
+            None => Some(faulted_in_list::<u64>(room, ListAlloc::Mapped)?),
         };
         let mut map = self.map.lock();
         match (&growth, &mut fresh) {

@@ -357,9 +357,12 @@ impl BatchedPageStore {
             flush: Mutex::new({
                 let mut out = CompressedBatch::default();
                 out.reset(flush_buffer_pages);
-                crate::mem::populate(&out.data);
-                crate::mem::populate(&out.lens);
-                crate::mem::populate(&out.encodings);
+                let faulted_in = crate::mem::populate(&out.data)
+                    .and_then(|()| crate::mem::populate(&out.lens))
+                    .and_then(|()| crate::mem::populate(&out.encodings));
+                if let Err(error) = faulted_in {
+                    tracing::warn!(%error, "faulting in the flush buffers failed: the first flush may wait for memory");
+                }
                 out
             }),
             reserved_bytes: AtomicU64::new(0),

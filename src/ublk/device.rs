@@ -509,7 +509,6 @@ impl Device {
         let mut senders = Vec::with_capacity(usize::from(queues));
         for q_id in 0..queues {
             let setup = QueueSetup {
-                dev_id: id,
                 q_id,
                 depth: self.info.queue_depth,
                 max_io_bytes: self.info.max_io_buf_bytes,

@@ -14,8 +14,6 @@ pub enum Op {
     Flush,
     Discard,
     WriteZeroes,
-    /// Anything else (WRITE_SAME, zoned ops, future ops): answered with -EOPNOTSUPP.
-    Unsupported(u8),
 }
 
 /// A request as the store sees it: byte offset and length, already checked against the

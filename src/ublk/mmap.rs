@@ -104,8 +104,10 @@ unsafe impl Send for IoBuffers {}
 
 impl IoBuffers {
     pub fn new(depth: u16, tag_size: usize) -> std::io::Result<Self> {
-        let length =
-            NonZeroUsize::new(depth as usize * tag_size).ok_or(std::io::ErrorKind::InvalidInput)?;
+        let length = (depth as usize)
+            .checked_mul(tag_size)
+            .and_then(NonZeroUsize::new)
+            .ok_or(std::io::ErrorKind::InvalidInput)?;
         // SAFETY: a fresh private anonymous mapping; it aliases no Rust object.
         let base = unsafe {
             mmap_anonymous(
@@ -118,13 +120,15 @@ impl IoBuffers {
         // Fault every page in now. MAP_POPULATE alone is not enough: under
         // mlockall(MCL_ONFAULT) it populates nothing, and the kernel would then fault the
         // pages in while copying a swap-out's data, on the I/O path, when memory is shortest.
-        // SAFETY: the range is exactly the mapping just made; populating changes no contents.
-        unsafe { madvise(base, length.get(), MmapAdvise::MADV_POPULATE_WRITE) }?;
-        Ok(Self {
+        // Owned first, so that a failure below unmaps it.
+        let buffers = Self {
             base: base.cast(),
             tag_size,
             depth,
-        })
+        };
+        // SAFETY: the range is exactly the mapping just made; populating changes no contents.
+        unsafe { madvise(base, length.get(), MmapAdvise::MADV_POPULATE_WRITE) }?;
+        Ok(buffers)
     }
 
     /// The address the kernel copies tag `tag`'s data to and from.

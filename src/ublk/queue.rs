@@ -1,4 +1,5 @@
 //! One queue: its own thread, its own io_uring (no SQPOLL), the mmapped descriptor array,
+//! a locked staging buffer that request data is copied through (user copy, the default) or
 //! one locked buffer per tag, FETCH_REQ for every tag, then the COMMIT_AND_FETCH_REQ loop.
 
 use std::fs::File;
@@ -115,7 +116,6 @@ enum Piece {
 /// Where a queue is and what it may receive.
 #[derive(Clone, Copy, Debug)]
 pub struct QueueSetup {
-    pub dev_id: u32,
     pub q_id: u16,
     pub depth: u16,
     pub max_io_bytes: u32,
@@ -152,6 +152,18 @@ const USER_COPY_STAGING_BYTES: usize = shared_read::PIECE_BYTES;
 impl DataPath {
     fn new(setup: &QueueSetup) -> std::io::Result<Self> {
         let max_io = setup.max_io_bytes as usize;
+        // A user-copy position has 25 bits for the offset in a request: a larger request (a
+        // device another program made, resumed) would read and write another tag's data.
+        if setup.user_copy && max_io > 1 << sys::UBLK_IO_BUF_BITS {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "the device takes requests of up to {max_io} bytes, more than user copy \
+                     addresses ({} bytes): it was not made by trueno-ublk",
+                    1u32 << sys::UBLK_IO_BUF_BITS
+                ),
+            ));
+        }
         Ok(if setup.user_copy {
             let staging = max_io.min(USER_COPY_STAGING_BYTES);
             Self::UserCopy {

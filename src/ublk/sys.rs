@@ -312,11 +312,17 @@ const _: () = {
     assert!(UBLK_U_IO_COMMIT_AND_FETCH_REQ == 0xc010_7521);
 };
 
-/// Plain-old-data structs that may be viewed as bytes (all fields are integers, no padding
-/// that the kernel interprets).
-pub trait Pod: Copy + Default {}
-impl Pod for CtrlCmd {}
-impl Pod for IoCmd {}
+/// Plain-old-data structs that may be viewed as bytes.
+///
+/// # Safety
+/// The type is `#[repr(C)]`, its fields are integers, and it has no padding bytes: every byte
+/// of a value is initialized (`command_bytes` reads them all).
+pub unsafe trait Pod: Copy + Default {}
+// SAFETY: `#[repr(C)]`, integer fields only; its size is asserted above to be the sum of its
+// fields' (no padding).
+unsafe impl Pod for CtrlCmd {}
+// SAFETY: as for `CtrlCmd`.
+unsafe impl Pod for IoCmd {}
 
 /// The bytes of a command struct, to place in an SQE's command area.
 pub fn command_bytes<T: Pod, const N: usize>(value: &T) -> [u8; N] {

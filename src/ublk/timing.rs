@@ -101,7 +101,7 @@ impl IoTiming {
             Some(Op::Read) => &self.read_ns,
             Some(Op::Write) => &self.write_ns,
             Some(Op::Discard | Op::WriteZeroes) => &self.discard_ns,
-            Some(Op::Flush | Op::Unsupported(_)) | None => &self.other_ns,
+            Some(Op::Flush) | None => &self.other_ns,
         };
         histogram.record(ns);
     }
@@ -136,7 +136,7 @@ pub struct IoTimingReport {
     pub read_ns: Buckets,
     pub write_ns: Buckets,
     pub discard_ns: Buckets,
-    /// Flushes, and requests refused before they had an op.
+    /// Flushes, and every request refused at decoding (unknown op, misaligned, out of range).
     pub other_ns: Buckets,
     pub ready_per_wait: Buckets,
     /// Requests deferred by the handler (writes that waited for memory while the queue served
