@@ -184,6 +184,11 @@ impl BatchedPageStore {
     ) {
         add(self.counters.backend(backend), part.len() as u64);
         let flush_one = |(i, s): (usize, &PendingSlot<'_>)| {
+            if self.superseded(b, first + i, s) {
+                self.slot_done();
+                resolved[i].store(true, Ordering::Release);
+                return;
+            }
             let mut compressed = [0u8; PAGE_SIZE];
             let (encoding, len) = compress_page(algorithm, &s.page, &mut compressed);
             // Noted before the page is stored, which is what may starve (see `oom`).
@@ -221,6 +226,10 @@ impl BatchedPageStore {
         {
             panic!("install bug (test)");
         }
+        if self.superseded(batch, slot, pending) {
+            self.slot_done();
+            return;
+        }
         let index = pending.index;
         let page_checksum = self.checksum.of(&pending.page);
         let handle = self.alloc.store(bytes);
@@ -256,6 +265,24 @@ impl BatchedPageStore {
         if let (false, Some(handle)) = (installed, handle) {
             self.alloc.free(handle, usize::from(len));
         }
+        self.slot_done();
+    }
+
+    /// Whether slot `slot` of batch `batch` (sealed, being flushed) holds a page nobody reads
+    /// any more: its entry, seen without its lock, names something else (a newer write, a
+    /// discard, a freed slot). Final: no entry comes to name a sealed batch's slot again until
+    /// the batch reopens after its flush. Then the flush neither compresses it nor takes
+    /// memory for it, which near OOM is most of a killed program's pages. An entry locked
+    /// right now is flushed (`install` settles it under the lock).
+    fn superseded(&self, batch: usize, slot: usize, pending: &PendingSlot<'_>) -> bool {
+        let index = usize::try_from(pending.index).unwrap_or(usize::MAX);
+        self.table
+            .peek(index)
+            .is_some_and(|(state, _)| state != PageState::pending(batch, slot))
+    }
+
+    /// A slot of a batch being flushed is settled: its page stored, superseded or lost.
+    fn slot_done(&self) {
         sub(&self.counters.pending_pages, 1);
         sub(&self.reserved_bytes, PAGE_SIZE as u64);
     }
@@ -274,8 +301,7 @@ impl BatchedPageStore {
             entry.replace(PageState::Lost);
             self.counters.transition(expected, PageState::Lost);
         }
-        sub(&self.counters.pending_pages, 1);
-        sub(&self.reserved_bytes, PAGE_SIZE as u64);
+        self.slot_done();
     }
 }
 

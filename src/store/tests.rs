@@ -84,6 +84,34 @@ fn pending_page_overwritten_during_flush_keeps_newest() {
     assert_eq!(s.reserved_bytes.load(Ordering::Relaxed), 0);
 }
 
+#[test]
+fn a_flush_takes_no_memory_for_pages_freed_while_pending() {
+    // Near OOM a killed program's pages are freed (slot frees, discards) while still pending:
+    // the flush neither compresses them nor takes memory to store them.
+    let s =
+        store(crate::config::StoreSettings::default().store_config(64 * PAGE_SIZE as u64, false));
+    for i in 0..32u64 {
+        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
+    }
+    s.discard(0, 32 * PAGE_SIZE as u64).unwrap();
+    let commits = s.alloc.reserve.commits();
+    s.flush_pending().unwrap();
+    assert_eq!(
+        s.alloc.reserve.commits(),
+        commits,
+        "memory taken for freed pages"
+    );
+    let st = s.stats();
+    assert_eq!((st.pages_stored, st.pending_pages), (0, 0));
+    assert_eq!(s.reserved_bytes.load(Ordering::Relaxed), 0);
+    // A page written after them is flushed as ever.
+    s.write(0, &text(40)[..]).unwrap();
+    s.flush_pending().unwrap();
+    let mut buf = vec![0u8; PAGE_SIZE];
+    s.read(0, &mut buf).unwrap();
+    assert_eq!(&buf[..], &text(40)[..]);
+}
+
 /// A batch codec that panics after `calls_before` calls (a codec bug, or a GPU library that
 /// panics).
 struct PanickingCodec {
