@@ -102,7 +102,8 @@ pub enum CodecError {
     WrongLength(usize),
     #[error("GPU batch failed: {0}")]
     Gpu(String),
-    #[error("could not create a {0} codec context (out of memory?)")]
+    /// No memory for a codec context (what it says).
+    #[error("{0}")]
     NoContext(String),
 }
 

@@ -427,18 +427,16 @@ pub fn decompress_page(encoding: Encoding, src: &[u8], out: &mut Page) -> Result
             .map_err(|_| CodecError::Corrupt)?,
         Encoding::Zstd => ZSTD_DECOMPRESSOR.with(|cell| {
             let mut slot = cell.borrow_mut();
-            if slot.is_none() {
-                *slot =
-                    Some(DCtx::try_create().ok_or_else(|| {
+            let context =
+                match &mut *slot {
+                    Some(context) => context,
+                    empty @ None => empty.insert(DCtx::try_create().ok_or_else(|| {
                         CodecError::NoContext(zstd_context_error("decompression"))
-                    })?);
-            }
-            match slot.as_mut() {
-                Some(d) => d
-                    .decompress(&mut out[..], src)
-                    .map_err(|_| CodecError::Corrupt),
-                None => Err(CodecError::NoContext("zstd".into())),
-            }
+                    })?),
+                };
+            context
+                .decompress(&mut out[..], src)
+                .map_err(|_| CodecError::Corrupt)
         })?,
         Encoding::Raw => {
             if src.len() == PAGE_SIZE {

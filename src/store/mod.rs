@@ -140,6 +140,9 @@ pub struct BatchedPageStore {
     /// Until when (ns since `epoch`) writers fail at once rather than wait, after one gave up
     /// waiting for memory (see `STARVED_WRITE_TIMEOUT`); 0 when memory came back.
     fail_fast_until: AtomicU64,
+    /// Pages whose read failed (lost, undecodable, failing their checksum): their log lines
+    /// thin out as these grow (see `note_bad_page`).
+    bad_page_reads: AtomicU64,
     shut_down: AtomicBool,
     /// A compaction asked for (`start_compaction`) is running.
     compacting: AtomicBool,
@@ -367,6 +370,7 @@ impl BatchedPageStore {
             }),
             reserved_bytes: AtomicU64::new(0),
             fail_fast_until: AtomicU64::new(0),
+            bad_page_reads: AtomicU64::new(0),
             shut_down: AtomicBool::new(false),
             compacting: AtomicBool::new(false),
             background_move: Mutex::new(()),
@@ -653,6 +657,14 @@ impl BatchedPageStore {
         result
     }
 
+    /// Count a page whose read failed; how many so far where this one is to be logged (the
+    /// first, second, fourth, ...: a resume that lost many pages, read back by swapoff, must
+    /// not flood the log).
+    fn note_bad_page(&self) -> Option<u64> {
+        let bad_pages = self.bad_page_reads.fetch_add(1, Ordering::Relaxed) + 1;
+        bad_pages.is_power_of_two().then_some(bad_pages)
+    }
+
     /// Decompress the stored object `handle` of `len` bytes into `out`; an object that is not
     /// there (a length its class cannot hold) is corrupt.
     fn decode_object(
@@ -684,10 +696,13 @@ impl BatchedPageStore {
                 out.copy_from_slice(&*s.page);
             }
             PageState::Lost => {
-                tracing::error!(
-                    page = index,
-                    "read of a page lost when the store was resumed"
-                );
+                if let Some(bad_pages) = self.note_bad_page() {
+                    tracing::error!(
+                        page = index,
+                        bad_pages,
+                        "read of a page lost when the store was resumed"
+                    );
+                }
                 return Err(StoreError::Lost { page: index });
             }
             PageState::Stored {
@@ -695,24 +710,40 @@ impl BatchedPageStore {
                 len,
                 encoding,
             } => {
-                if let Err(source) = self.decode_object(handle, len, encoding, out) {
-                    tracing::error!(page = index, %source, ?encoding, len, "stored page failed to decompress");
-                    return Err(StoreError::Corrupt {
-                        page: index,
-                        source,
-                    });
+                match self.decode_object(handle, len, encoding, out) {
+                    Ok(()) => {}
+                    // No memory for a codec context: the page is fine, the read failed.
+                    Err(crate::codec::CodecError::NoContext(message)) => {
+                        tracing::error!(page = index, "{message}: the read fails");
+                        return Err(StoreError::Memory {
+                            what: format!("reading page {index}"),
+                            source: std::io::Error::new(std::io::ErrorKind::OutOfMemory, message),
+                        });
+                    }
+                    Err(source) => {
+                        if let Some(bad_pages) = self.note_bad_page() {
+                            tracing::error!(page = index, bad_pages, %source, ?encoding, len, "stored page failed to decompress");
+                        }
+                        return Err(StoreError::Corrupt {
+                            page: index,
+                            source,
+                        });
+                    }
                 }
                 let (stored, found) = (entry.checksum(), self.checksum.of(out));
                 if found != stored {
                     add(&self.counters.checksum_failures, 1);
-                    tracing::error!(
-                        page = index,
-                        ?encoding,
-                        len,
-                        stored = format_args!("{stored:#010x}"),
-                        found = format_args!("{found:#010x}"),
-                        "stored page fails its checksum"
-                    );
+                    if let Some(bad_pages) = self.note_bad_page() {
+                        tracing::error!(
+                            page = index,
+                            bad_pages,
+                            ?encoding,
+                            len,
+                            stored = format_args!("{stored:#010x}"),
+                            found = format_args!("{found:#010x}"),
+                            "stored page fails its checksum"
+                        );
+                    }
                     return Err(StoreError::ChecksumMismatch { page: index });
                 }
             }
