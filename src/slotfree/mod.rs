@@ -73,6 +73,11 @@ pub enum SlotFreeError {
     },
     #[error("the kernel's verifier refused the probe: {error}: {log}")]
     Verifier { error: std::io::Error, log: String },
+    #[error("attaching the kprobe to {function}: {source} (ENOENT: this kernel has no such function to probe, or it is inlined or not unique)")]
+    Attach {
+        function: &'static str,
+        source: std::io::Error,
+    },
 }
 
 impl SlotFreeError {
@@ -83,6 +88,23 @@ impl SlotFreeError {
         } else {
             Self::Kernel { what, source }
         }
+    }
+}
+
+/// Why the kernel refused to load the probe. The verifier answers most faults of a program
+/// with EACCES, as a missing privilege is answered: a log says it was the verifier (a
+/// privilege check fails before it runs, and leaves none).
+fn load_error(error: std::io::Error, log: String) -> SlotFreeError {
+    if log.trim().is_empty() {
+        match SlotFreeError::from_kernel("loading the probe", error) {
+            SlotFreeError::Kernel { source, .. } => SlotFreeError::Verifier {
+                error: source,
+                log: "(no log)".to_string(),
+            },
+            denied => denied,
+        }
+    } else {
+        SlotFreeError::Verifier { error, log }
     }
 }
 
@@ -140,18 +162,19 @@ impl SlotFreeProbe {
             .map_err(kernel("creating the bitmap"))?;
         let map_fd = std::os::fd::AsRawFd::as_raw_fd(&map);
         let code = program::slot_free_probe(&layout, kernel_dev(major, minor), map_fd, words)?;
-        let program = sys::load_kprobe_program(&code, "trueno_frees").map_err(|(error, log)| {
-            match SlotFreeError::from_kernel("loading the probe", error) {
-                SlotFreeError::Kernel { source, .. } => {
-                    SlotFreeError::Verifier { error: source, log }
-                }
+        let program = sys::load_kprobe_program(&code, "trueno_frees")
+            .map_err(|(error, log)| load_error(error, log))?;
+        let shared = sys::WordArrayMapping::map(&map, map_words as usize)
+            .map_err(kernel("mapping the bitmap"))?;
+        let event = sys::attach_kprobe(layout.function, &program).map_err(|source| {
+            match SlotFreeError::from_kernel("attaching the kprobe", source) {
+                SlotFreeError::Kernel { source, .. } => SlotFreeError::Attach {
+                    function: layout.function,
+                    source,
+                },
                 denied => denied,
             }
         })?;
-        let shared = sys::WordArrayMapping::map(&map, map_words as usize)
-            .map_err(kernel("mapping the bitmap"))?;
-        let event = sys::attach_kprobe(layout.function, &program)
-            .map_err(kernel("attaching the kprobe"))?;
         Ok(Self {
             shared,
             _event: event,
@@ -359,8 +382,15 @@ mod kernel_verifier {
         let fd = std::os::fd::AsRawFd::as_raw_fd(&map);
         let code = program::slot_free_probe(layout, kernel_dev(259, 0), fd, words).unwrap();
         if let Err((error, log)) = sys::load_kprobe_program(&code, "trueno_test") {
-            assert_ne!(error.raw_os_error(), Some(libc::EINVAL), "{error}: {log}");
-            eprintln!("skipped: this process may not load kprobe programs ({error}: {log})");
+            // Only a want of privilege skips: the verifier's refusals are EACCES too, with a
+            // log.
+            match load_error(error, log) {
+                SlotFreeError::Permission { source, .. } => {
+                    eprintln!("skipped: this process may not load kprobe programs ({source})");
+                    return;
+                }
+                refused => panic!("{refused}"),
+            }
         }
         let shared = sys::WordArrayMapping::map(&map, words as usize + 1).unwrap();
         assert!(shared
