@@ -104,10 +104,9 @@ impl Compressor {
                     );
                     gpu.output_rejected(pages.len());
                 }
-                Err(error) => tracing::warn!(
-                    pages = pages.len(),
-                    "GPU batch failed ({error}); compressing on the CPU"
-                ),
+                // The GPU codec logs its failures itself, and stays quiet while it rests the
+                // GPU (every batch would log otherwise, up to a hundred lines a second).
+                Err(_) => {}
             }
         }
         Compressed {

@@ -102,12 +102,9 @@ impl Pipeline {
         out: &mut CompressedBatch,
     ) -> Result<BatchTimes, GpuError> {
         let n = pages.len();
-        out.data.clear();
-        out.data.resize(n * PAGE_SIZE, 0);
-        out.lens.clear();
-        out.lens.resize(n, 0);
-        out.encodings.clear();
-        out.encodings.resize(n, Encoding::Raw);
+        // No zeroing of the slots: `harvest` writes every page's bytes, and only `len` of them
+        // are read.
+        out.reset(n);
         // Packing and unpacking are plain copies of up to `chunk_pages` pages: spread over the
         // cores, so that the host side keeps up with the copies and the kernel.
         let fill = |slot: &mut dyn DeviceSlot, first: usize, count: usize| {
