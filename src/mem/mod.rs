@@ -180,16 +180,26 @@ fn map_private(len: usize) -> std::io::Result<NonNull<std::ffi::c_void>> {
     Ok(base)
 }
 
-/// Whether large reservations of address space cost nothing here: not under strict
-/// overcommit (`vm.overcommit_memory` 2), which ignores `MAP_NORESERVE` and charges all of it.
-/// Read once, so that every buffer's mapping length stays what it was made with.
-fn reservations_allowed() -> bool {
-    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ALLOWED.get_or_init(|| {
+/// `vm.overcommit_memory`, read once, so that every buffer's mapping length stays what it was
+/// made with; `None` where it cannot be read.
+fn overcommit_mode() -> Option<u32> {
+    static MODE: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| {
         std::fs::read_to_string("/proc/sys/vm/overcommit_memory")
-            .map(|mode| mode.trim() != "2")
-            .unwrap_or(false)
+            .ok()
+            .and_then(|mode| mode.trim().parse().ok())
     })
+}
+
+/// Whether large reservations of address space cost nothing here: known not to be under
+/// strict overcommit (mode 2), which ignores `MAP_NORESERVE` and charges all of it.
+fn reservations_allowed() -> bool {
+    overcommit_mode().is_some_and(|mode| mode != 2)
+}
+
+/// Whether the kernel is known to be under strict overcommit (for what a refusal means).
+fn strict_overcommit() -> bool {
+    overcommit_mode() == Some(2)
 }
 
 /// Pages held only to be given back: faulted in (and, under `mlockall`, locked) when made,

@@ -181,7 +181,7 @@ impl Segment {
         let id = unsafe { libc::shmget(key, len, flags) };
         if id < 0 {
             let error = std::io::Error::last_os_error();
-            let hint = creation_refused(error.raw_os_error(), len, !super::reservations_allowed());
+            let hint = creation_refused(error.raw_os_error(), len, super::strict_overcommit());
             return Err(explained(error, hint));
         }
         let locked = if lock {

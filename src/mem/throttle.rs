@@ -101,14 +101,15 @@ impl Drop for Registered<'_> {
 }
 
 impl ThrottledThread {
-    /// The calling thread may be woken from now on, until the guard is dropped. Installs the
-    /// wake-up signal's handler and reads the free-memory floor, if not done yet.
+    /// The calling thread may be woken from now on (where the wake-up signal's handler could
+    /// be installed: `wake` sends nothing otherwise), and its kernel stack read, until the
+    /// guard is dropped. Installs that handler and reads the free-memory floor, if not done
+    /// yet.
     pub fn register(&self) -> Registered<'_> {
-        if wake_signal().is_some() {
-            free_memory_floor();
-            self.tid
-                .store(nix::unistd::gettid().as_raw(), Ordering::Release);
-        }
+        wake_signal();
+        free_memory_floor();
+        self.tid
+            .store(nix::unistd::gettid().as_raw(), Ordering::Release);
         Registered(self)
     }
 
