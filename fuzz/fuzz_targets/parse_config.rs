@@ -9,7 +9,7 @@
 use std::path::Path;
 
 use libfuzzer_sys::fuzz_target;
-use trueno_ublk::config::parse;
+use trueno_ublk::config::{parse, MemLimit};
 
 /// RAM sizes to evaluate `ram`-relative sizes against: none, a small VM, a big machine, the
 /// largest value /proc/meminfo could give.
@@ -26,7 +26,7 @@ fuzz_target!(|data: &[u8]| {
                     if let Some(size) = section.size {
                         let _ = size.value.evaluate(ram);
                     }
-                    if let Some(Some(limit)) = section.mem_limit.map(|s| s.value) {
+                    if let Some(MemLimit::Size(limit)) = section.mem_limit.map(|s| s.value) {
                         let _ = limit.evaluate(ram);
                     }
                 }
