@@ -11,8 +11,10 @@
 //! Write path: classify the page; a same-filled page goes straight into its table entry.
 //! Anything else is copied into a slot of the open pending batch and the entry points at that
 //! slot, so reads of pending pages are O(1). The flusher compresses a batch when it reaches
-//! `batch_threshold` pages or its oldest page is `flush_timeout` old, and swaps each entry from
-//! its slot to the stored object, unless a newer write or discard changed the entry meanwhile.
+//! its slot limit (`batch_threshold` pages while writes come, fewer while the batches are
+//! quiet: see `pending::BatchSpan`) or its oldest page is `flush_timeout` old, and swaps each
+//! entry from its slot to the stored object, unless a newer write or discard changed the entry
+//! meanwhile.
 //!
 //! Batch compression, installing and reads of 1 MiB or more run on rayon's global pool: a
 //! daemon that needs those threads to be I/O flushers builds the global pool with a start
@@ -179,7 +181,7 @@ fn check_config(config: &StoreConfig, has_gpu: bool) -> Result<usize, StoreError
         .filter(|&p| u32::try_from(p).is_ok())
         .ok_or_else(|| {
             StoreError::Config(format!(
-                "device size {} bytes is too large (at most 16 TiB)",
+                "device size {} bytes is too large (less than 16 TiB)",
                 config.size_bytes
             ))
         })?;

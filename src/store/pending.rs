@@ -172,7 +172,8 @@ impl PendingBatch {
         (state & COUNT_MASK) as usize >= limit_of(state)
     }
 
-    /// A writer finished its slot (data copied, entry pointing at it).
+    /// A writer is done with its slot: data copied and the entry pointing at it, or the write
+    /// failed and nothing points at it.
     pub(super) fn commit(&self) {
         self.committed.fetch_add(1, Ordering::Release);
     }

@@ -153,7 +153,7 @@ impl PageState {
     pub(super) fn pending(batch: usize, slot: usize) -> Self {
         #[allow(
             clippy::cast_possible_truncation,
-            reason = "there are two batches of at most 2^20 slots (checked in BatchedPageStore::new)"
+            reason = "there are two batches of at most 2^20 slots (checked in `check_config`, and for a resumed store in `layout`)"
         )]
         let (batch, slot) = (batch as u32, slot as u32);
         PageState::Pending { batch, slot }

@@ -34,7 +34,7 @@ pub enum RequestError {
     Unsupported(u8),
     #[error("request of {len} bytes at byte {offset} is beyond the device end")]
     OutOfRange { offset: u64, len: u64 },
-    #[error("request of {len} bytes is larger than the {max} byte I/O buffer")]
+    #[error("request of {len} bytes is larger than the {max} bytes the device takes at once")]
     TooLarge { len: u64, max: u64 },
     #[error("request of {len} bytes at byte {offset} is not aligned to {block} bytes")]
     Misaligned { offset: u64, len: u64, block: u64 },
