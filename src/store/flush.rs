@@ -129,6 +129,11 @@ impl BatchedPageStore {
         let from_gpu = done.backend == Backend::Gpu;
         let mismatched = AtomicUsize::new(0);
         let install = |(i, s): (usize, &PendingSlot<'_>)| {
+            if self.superseded(b, first + i, s) {
+                self.slot_done();
+                resolved[i].store(true, Ordering::Release);
+                return;
+            }
             // Filled only for a page the GPU got wrong: no 4 KiB cleared per page otherwise.
             let mut again;
             let (encoding, bytes) = match out.page(i) {
@@ -225,10 +230,6 @@ impl BatchedPageStore {
             .is_ok()
         {
             panic!("install bug (test)");
-        }
-        if self.superseded(batch, slot, pending) {
-            self.slot_done();
-            return;
         }
         let index = pending.index;
         let page_checksum = self.checksum.of(&pending.page);
