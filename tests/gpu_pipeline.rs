@@ -300,3 +300,50 @@ fn a_batch_is_spread_over_all_slots() {
         assert_eq!(on_gpu, launches < 3, "{pages} pages");
     }
 }
+
+/// A GPU that never finishes a chunk (a wedged device): the wait gives up after `hang_after`,
+/// that batch and every later one (compression and decompression) go to the CPU at once, and
+/// no page is lost; the error says so once.
+#[test]
+fn a_hung_gpu_is_given_up_on_and_every_later_batch_goes_to_the_cpu() {
+    let pages = mixed_pages(100, 13);
+    let hang_after = Duration::from_millis(50);
+    // The first chunk's wait hangs, or a later one's with earlier chunks harvested.
+    for skip in [0, 2] {
+        let config = GpuConfig {
+            chunk_pages: 24,
+            max_compressed_len: MAX_LZ4_LEN,
+            hang_after,
+            ..GpuConfig::default()
+        };
+        let codec = GpuCodec::on_cpu_model(config, Arc::new(CpuReference));
+        codec.inject_fault(FaultPoint::Hang, skip, 1);
+        let started = std::time::Instant::now();
+        let (batch, on_gpu) = compress_like_the_store(&codec, &pages);
+        assert!(!on_gpu, "skip {skip}");
+        assert!(
+            started.elapsed() < 20 * hang_after,
+            "skip {skip}: waited too long"
+        );
+        assert_eq!(decompress_all(&CpuReference, &batch), pages);
+        let error = codec.stats().last_error.unwrap_or_default();
+        assert!(error.contains("did not finish a batch"), "{error}");
+
+        // The injected hang is used up: only having given up keeps the GPU unused, for
+        // compression and decompression, with no waiting.
+        for _ in 0..FAILURES_BEFORE_REST + 1 {
+            let started = std::time::Instant::now();
+            let (batch, on_gpu) = compress_like_the_store(&codec, &pages);
+            assert!(!on_gpu);
+            assert_eq!(decompress_all(&codec, &batch), pages);
+            assert!(started.elapsed() < hang_after, "a later batch waited");
+        }
+        let stats = codec.stats();
+        assert_eq!(stats.pages_compressed + stats.pages_decompressed, 0);
+        assert_eq!(
+            stats.fallback_batches,
+            1 + 2 * u64::from(FAILURES_BEFORE_REST + 1)
+        );
+        assert!(stats.last_error.unwrap().contains("did not finish a batch"));
+    }
+}

@@ -9,6 +9,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{
     sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig,
@@ -17,7 +18,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::model::{PAGES_PER_BLOCK, WARP};
-use super::pipeline::{DeviceSlot, Job, SlotFactory};
+use super::pipeline::{hung, DeviceSlot, Job, SlotFactory};
 use super::{BatchTimes, FaultPoint, Faults, GpuError};
 use crate::codec::PAGE_SIZE;
 
@@ -147,6 +148,7 @@ impl SlotFactory for CudaDevice {
             copied_in: timing_event(ctx)?,
             ran: timing_event(ctx)?,
             copied_out: timing_event(ctx)?,
+            drained: timing_event(ctx)?,
             submitted: false,
             chunk_pages,
             compress: self.compress.clone(),
@@ -182,6 +184,8 @@ struct CudaSlot {
     copied_in: CudaEvent,
     ran: CudaEvent,
     copied_out: CudaEvent,
+    /// Recorded by `wait`: done once everything submitted to the stream is.
+    drained: CudaEvent,
     submitted: bool,
     faults: Arc<Faults>,
 }
@@ -297,6 +301,11 @@ impl CudaSlot {
     }
 }
 
+/// `wait` spins this long before it sleeps between polls of the stream.
+const SPIN_FOR: Duration = Duration::from_micros(100);
+/// `wait`'s sleep between polls once it has spun `SPIN_FOR`.
+const POLL_SLEEP: Duration = Duration::from_micros(50);
+
 fn elapsed_ns(from: &CudaEvent, to: &CudaEvent) -> Result<u64, GpuError> {
     let ms = from
         .elapsed_ms(to)
@@ -326,11 +335,27 @@ impl DeviceSlot for CudaSlot {
         }
     }
 
-    fn wait(&mut self) -> Result<BatchTimes, GpuError> {
+    fn wait(&mut self, hang_after: Duration) -> Result<BatchTimes, GpuError> {
+        let waiting = "waiting for the GPU";
+        let hangs = self.faults.check(FaultPoint::Hang).is_err();
         self.faults.check(FaultPoint::Sync)?;
-        self.stream
-            .synchronize()
-            .map_err(driver("waiting for the GPU"))?;
+        // Polled against a deadline rather than `synchronize`d, which has none: a wedged GPU
+        // would hold the store's flush mutex for good. An event recorded now covers whatever
+        // reached the stream, a job or part of one whose submit failed.
+        self.record(&self.drained)?;
+        let start = Instant::now();
+        while hangs || !self.drained.try_is_complete().map_err(driver(waiting))? {
+            let waited = start.elapsed();
+            if waited >= hang_after {
+                return Err(hung(waited));
+            }
+            // A chunk takes about a millisecond: spin through the first tenth of one.
+            if waited < SPIN_FOR {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(POLL_SLEEP);
+            }
+        }
         self.ctx
             .check_err()
             .map_err(driver("waiting for the GPU"))?;

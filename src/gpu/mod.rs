@@ -9,7 +9,10 @@
 //!   kernel and device-to-host copy across the chunks of a batch (`pipeline.rs`).
 //! - Any CUDA error in a batch makes `compress_batch` return `Err` (the store redoes the batch
 //!   on the CPU) and makes `decompress_batch` decode that batch with the CPU codec it was given;
-//!   either way the failure is counted (`GpuStats::fallback_batches`) and logged.
+//!   either way the failure is counted (`GpuStats::fallback_batches`) and logged. A slot's
+//!   work not done within `GpuConfig::hang_after` is a hung GPU: that batch and every later
+//!   one go to the CPU, and the slots are abandoned, never freed (the GPU may still write to
+//!   their buffers, and freeing them would wait for it).
 //!
 //! The kernels (one warp per page, four per block): compression loads the page into shared
 //! memory, finds for every position the most recent earlier position with the same 4-byte hash
@@ -143,6 +146,14 @@ pub enum GpuError {
     BadOutput(String),
     #[error("GPU resting for {seconds} s more after {failures} failed batches in a row")]
     Resting { seconds: u64, failures: u32 },
+    #[error(
+        "the GPU did not finish a batch within {waited_ms} ms (hung? look for Xid lines in dmesg \
+         and at `nvidia-smi`): the CPU compresses from now on; restart the daemon to use the GPU \
+         again"
+    )]
+    Hung { waited_ms: u64 },
+    #[error("the GPU hung earlier and is not used again until the daemon restarts")]
+    GivenUp,
 }
 
 impl From<GpuError> for CodecError {
@@ -164,9 +175,12 @@ pub enum FaultPoint {
     CopyOut,
     /// Waiting for a slot's work (where asynchronous kernel faults show up).
     Sync,
+    /// Waiting for a slot's work that never finishes (a hung GPU): the wait gives up after
+    /// `GpuConfig::hang_after`.
+    Hang,
 }
 
-const FAULT_POINTS: usize = 5;
+const FAULT_POINTS: usize = 6;
 
 /// Armed faults: at each point, the next `skip` passes succeed, then `fail` passes fail with
 /// `GpuError::Injected`.
@@ -212,6 +226,10 @@ pub struct GpuConfig {
     /// After `FAILURES_BEFORE_REST` failed batches in a row, batches skip the GPU (and go to
     /// the CPU at once) for this long, instead of failing and logging one by one.
     pub rest: Duration,
+    /// A slot's work not done after this is a hung GPU (a batch takes milliseconds): the batch
+    /// goes to the CPU, and so does every later one. Without a bound, a wedged GPU would stop
+    /// every write to the device (the flush waits under the store's flush mutex) and its stop.
+    pub hang_after: Duration,
 }
 
 /// Failed batches in a row that make the codec rest the GPU for `GpuConfig::rest`.
@@ -225,6 +243,7 @@ impl Default for GpuConfig {
             slots: 3,
             max_compressed_len: crate::codec::MAX_COMPRESSED_LEN,
             rest: Duration::from_secs(30),
+            hang_after: Duration::from_secs(2),
         }
     }
 }
@@ -267,6 +286,9 @@ struct Health {
     /// rejected after it came back (`output_rejected`) puts the row back and adds itself.
     row_before_last_success: u32,
     resting_until: Option<Instant>,
+    /// The GPU hung: its slots are abandoned (their buffers may still be written to), and no
+    /// batch goes to it again.
+    given_up: bool,
 }
 
 /// GPU event times of one batch, in nanoseconds.
@@ -314,6 +336,7 @@ impl GpuCodec {
             factory,
             config.slots.max(1),
             config.chunk_pages.max(1),
+            config.hang_after,
             faults.clone(),
         );
         Self {
@@ -352,9 +375,12 @@ impl GpuCodec {
         self.faults.arm(point, skip, fail);
     }
 
-    /// `Err` while the GPU rests after repeated failures.
+    /// `Err` while the GPU rests after repeated failures, and for good once it hung.
     fn check_rested(&self) -> Result<(), GpuError> {
         let health = self.health.lock();
+        if health.given_up {
+            return Err(GpuError::GivenUp);
+        }
         match health.resting_until {
             Some(until) if until > Instant::now() => Err(GpuError::Resting {
                 seconds: until.saturating_duration_since(Instant::now()).as_secs(),
@@ -391,11 +417,16 @@ impl GpuCodec {
         self.counters
             .fallback_batches
             .fetch_add(1, Ordering::Relaxed);
-        if matches!(e, GpuError::Resting { .. }) {
+        if matches!(e, GpuError::Resting { .. } | GpuError::GivenUp) {
             return;
         }
         *self.counters.last_error.lock() = Some(e.to_string());
         let mut health = self.health.lock();
+        if matches!(e, GpuError::Hung { .. }) {
+            health.given_up = true;
+            tracing::error!("GPU {what} of {pages} pages: {e}");
+            return;
+        }
         health.failures_in_a_row += 1;
         if health.failures_in_a_row >= FAILURES_BEFORE_REST {
             health.failures_in_a_row = 0;

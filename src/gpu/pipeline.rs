@@ -15,6 +15,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Duration;
 
 use rayon::prelude::*;
 
@@ -47,8 +48,10 @@ pub(super) trait DeviceSlot: Send {
     fn index(&mut self) -> Result<&mut [u32], GpuError>;
     /// Enqueues copy in, kernel and copy out; does not wait.
     fn submit(&mut self, job: Job) -> Result<(), GpuError>;
-    /// Waits for the submitted job and returns its GPU event times.
-    fn wait(&mut self) -> Result<BatchTimes, GpuError>;
+    /// Waits for what was submitted (a job, or part of one whose submit failed) and returns a
+    /// job's GPU event times; `GpuError::Hung` once it has waited `hang_after`, and then the
+    /// slot must never be touched again (see `Pipeline::abandon_slots`).
+    fn wait(&mut self, hang_after: Duration) -> Result<BatchTimes, GpuError>;
     /// The finished job's output slots and per-page words.
     fn output(&mut self) -> Result<(&[u8], &[u32]), GpuError>;
 }
@@ -70,6 +73,7 @@ pub(super) struct Pipeline {
     slots: Vec<Box<dyn DeviceSlot>>,
     slot_count: usize,
     chunk_pages: usize,
+    hang_after: Duration,
     faults: Arc<Faults>,
 }
 
@@ -78,6 +82,7 @@ impl Pipeline {
         factory: Box<dyn SlotFactory>,
         slot_count: usize,
         chunk_pages: usize,
+        hang_after: Duration,
         faults: Arc<Faults>,
     ) -> Self {
         Self {
@@ -85,6 +90,7 @@ impl Pipeline {
             slots: Vec::new(),
             slot_count,
             chunk_pages,
+            hang_after,
             faults,
         }
     }
@@ -228,19 +234,40 @@ impl Pipeline {
     }
 
     /// After a failed batch: let the slots' pending work finish, then drop them (buffers,
-    /// streams) so the next batch starts from freshly allocated ones.
+    /// streams) so the next batch starts from freshly allocated ones; after a hang, abandon
+    /// them.
     fn reset_after(
         &mut self,
         result: Result<BatchTimes, GpuError>,
     ) -> Result<BatchTimes, GpuError> {
-        if result.is_err() {
-            for slot in &mut self.slots {
-                // The batch already failed; errors while draining change nothing.
-                let _ = slot.wait();
+        match result {
+            Err(GpuError::Hung { .. }) => self.abandon_slots(),
+            Err(_) => {
+                let hang_after = self.hang_after;
+                // The batch already failed; other errors while draining change nothing.
+                let drained = self
+                    .slots
+                    .iter_mut()
+                    .all(|slot| !matches!(slot.wait(hang_after), Err(GpuError::Hung { .. })));
+                if drained {
+                    self.slots.clear();
+                } else {
+                    self.abandon_slots();
+                    return Err(hung(hang_after));
+                }
             }
-            self.slots.clear();
+            Ok(_) => {}
         }
         result
+    }
+
+    /// Forget the slots without freeing anything: a hung GPU may still copy into their pinned
+    /// buffers, and freeing those (or the streams) waits for it. The codec sends no batch here
+    /// again (`GpuError::GivenUp`), so this happens once.
+    fn abandon_slots(&mut self) {
+        for slot in self.slots.drain(..) {
+            std::mem::forget(slot);
+        }
     }
 
     /// Runs `total` pages in chunks over the slots: `fill` packs pages `[first, first + count)`
@@ -280,7 +307,7 @@ impl Pipeline {
             if in_flight.len() == self.slot_count {
                 if let Some((done, first, count)) = in_flight.pop_front() {
                     let slot = &mut *self.slots[done];
-                    times.add(slot.wait()?);
+                    times.add(slot.wait(self.hang_after)?);
                     harvest(slot, first, count)?;
                 }
             }
@@ -293,10 +320,17 @@ impl Pipeline {
         }
         while let Some((done, first, count)) = in_flight.pop_front() {
             let slot = &mut *self.slots[done];
-            times.add(slot.wait()?);
+            times.add(slot.wait(self.hang_after)?);
             harvest(slot, first, count)?;
         }
         Ok(times)
+    }
+}
+
+/// The error of a slot whose work did not finish within `hang_after`.
+pub(super) fn hung(hang_after: Duration) -> GpuError {
+    GpuError::Hung {
+        waited_ms: u64::try_from(hang_after.as_millis()).unwrap_or(u64::MAX),
     }
 }
 
@@ -374,7 +408,12 @@ impl DeviceSlot for ModelSlot {
         self.faults.check(FaultPoint::CopyOut)
     }
 
-    fn wait(&mut self) -> Result<BatchTimes, GpuError> {
+    fn wait(&mut self, hang_after: Duration) -> Result<BatchTimes, GpuError> {
+        if self.faults.check(FaultPoint::Hang).is_err() {
+            // Work that never finishes, waited for as long as the CUDA slot waits.
+            std::thread::sleep(hang_after);
+            return Err(hung(hang_after));
+        }
         self.faults.check(FaultPoint::Sync)?;
         let Some(job) = self.job.take() else {
             return Ok(BatchTimes::default());
