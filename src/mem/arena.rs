@@ -239,7 +239,8 @@ impl ArenaChunk {
     }
 
     /// Return the chunk's pages to the system; `recommit_all` brings them back (zeroed).
-    pub fn decommit(&self) -> std::io::Result<()> {
+    /// `&mut`: the kernel zeroes them, so no view of them may be alive meanwhile.
+    pub fn decommit(&mut self) -> std::io::Result<()> {
         self.arena.segment.decommit(self.offset(), self.byte_len())
     }
 

@@ -69,9 +69,10 @@ pub struct Segment {
     backing: Backing,
 }
 
-// SAFETY: a segment is a mapping plus descriptors; it hands out typed views (atomics, page
-// slots behind locks, disjoint arena chunks) and never a plain `&mut` to shared bytes, so
-// sharing it between threads shares no unsynchronised state.
+// SAFETY: a segment is a mapping plus descriptors; outside `mem` it hands out typed views
+// only (atomics, page slots behind locks, arena chunks owned one range each), and its plain
+// byte slices (`bytes`, `bytes_mut`, `pub(super)`) go only to those views, each over a range it
+// owns or holds the lock of, so sharing it between threads shares no unsynchronised state.
 unsafe impl Send for Segment {}
 // SAFETY: see `Send`.
 unsafe impl Sync for Segment {}
@@ -441,8 +442,11 @@ impl Segment {
             fallocate(fd, punch, file_offset(offset)?, file_offset(len)?)?;
             return Ok(());
         }
-        // SAFETY: the range lies inside our mapping (checked); callers give back only ranges
-        // no live view reads (free chunks), and MADV_REMOVE only makes them read as zeros.
+        // SAFETY: the range lies inside our mapping (checked), and MADV_REMOVE only makes it
+        // read as zeros. What callers give back is reached by no plain slice meanwhile: free
+        // chunks they hold `&mut` (`ArenaChunk::decommit_all`), slots whose locks they hold
+        // (`PageSlots::decommit`), or words read only as atomics (the page table's groups),
+        // for which the kernel's zeroing is one more store by another thread.
         unsafe { madvise(self.ptr(offset), len, MmapAdvise::MADV_REMOVE) }?;
         Ok(())
     }
@@ -508,6 +512,10 @@ impl Segment {
     /// Bytes `[offset, offset + len)`, shared. The caller makes sure nobody writes them
     /// meanwhile (see `ArenaChunk`).
     pub(super) fn bytes(&self, offset: usize, len: usize) -> &[u8] {
+        debug_assert!(
+            self.check(offset, len).is_ok(),
+            "{offset}+{len} outside the segment"
+        );
         // SAFETY: callers pass ranges inside the mapping (checked when their view was made),
         // which lives as long as `&self`; exclusion of writers is the view's contract.
         unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(offset), len) }
@@ -518,6 +526,10 @@ impl Segment {
         reason = "views hand out disjoint ranges under their own locks"
     )]
     pub(super) fn bytes_mut(&self, offset: usize, len: usize) -> &mut [u8] {
+        debug_assert!(
+            self.check(offset, len).is_ok(),
+            "{offset}+{len} outside the segment"
+        );
         // SAFETY: as for `bytes`; the view holding the range's exclusive lock (or owning the
         // range outright) is the only one that reaches it.
         unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(offset), len) }
@@ -630,6 +642,9 @@ impl<T> std::fmt::Debug for Words<T> {
     }
 }
 
+/// Slots `PageSlots::decommit` gives back a system call at a time, with their locks held.
+const DECOMMIT_RUN: usize = 64;
+
 /// Page-sized slots in a segment, each behind its own (process-local) read-write lock.
 pub struct PageSlots {
     segment: Arc<Segment>,
@@ -655,12 +670,22 @@ impl PageSlots {
     }
 
     /// Give the memory of slots `range` back (see `Segment::decommit`); they read as zeros
-    /// after. The caller makes sure nobody uses them meanwhile.
+    /// after. The kernel zeroes them behind any view, so each slot's lock is held for writing
+    /// while its page goes, `DECOMMIT_RUN` slots a system call: a caller gives back slots
+    /// nobody uses, whose locks nobody holds, but a slot read meanwhile would only wait.
     pub fn decommit(&self, range: std::ops::Range<usize>) -> std::io::Result<()> {
-        match self.bytes_of(range)? {
-            (_, 0) => Ok(()),
-            (offset, len) => self.segment.decommit(offset, len),
+        self.bytes_of(range.clone())?;
+        for start in range.clone().step_by(DECOMMIT_RUN) {
+            let run = start..(start + DECOMMIT_RUN).min(range.end);
+            let mut held: [Option<RwLockWriteGuard<'_, ()>>; DECOMMIT_RUN] =
+                std::array::from_fn(|_| None);
+            for (guard, lock) in held.iter_mut().zip(&self.locks[run.clone()]) {
+                *guard = Some(lock.write());
+            }
+            let (offset, len) = self.bytes_of(run)?;
+            self.segment.decommit(offset, len)?;
         }
+        Ok(())
     }
 
     /// Whether any slot of `range` (within one page table's span) has memory.
@@ -777,6 +802,26 @@ mod tests {
             "a given-back range reads as zeros"
         );
         assert!(slots.read(1).iter().all(|&b| b == 9));
+    }
+
+    /// Slots given back in runs of `DECOMMIT_RUN` (each run's locks held): every slot of the
+    /// range reads as zeros after, and the slots before it keep their data.
+    #[test]
+    fn slots_are_given_back_run_by_run() {
+        let count = 2 * DECOMMIT_RUN + 3;
+        let seg = Segment::private((count + 1) * HOST_PAGE).unwrap();
+        let slots = seg.page_slots(HOST_PAGE, count).unwrap();
+        slots.commit(0..count).unwrap();
+        for i in 0..count {
+            slots.write(i).fill(7);
+        }
+        slots.decommit(2..count).unwrap();
+        assert!(slots.decommit(2..count + 1).is_err(), "past the slots");
+        slots.commit(0..count).unwrap();
+        for i in 0..count {
+            let expect = if i < 2 { 7 } else { 0 };
+            assert!(slots.read(i).iter().all(|&b| b == expect), "slot {i}");
+        }
     }
 
     #[test]

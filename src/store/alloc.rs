@@ -1149,7 +1149,7 @@ impl ZsAllocator {
                     page = end;
                     break;
                 };
-                let chunk = arena.chunk_at(page * PAGE_SIZE, n * PAGE_SIZE)?;
+                let mut chunk = arena.chunk_at(page * PAGE_SIZE, n * PAGE_SIZE)?;
                 // Not known to be in memory (mincore refused, as a system call filter may):
                 // given back, as every free page was before.
                 if arena
