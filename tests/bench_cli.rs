@@ -221,3 +221,14 @@ fn verification_finds_every_differing_page() {
         other => panic!("{other:?}"),
     }
 }
+
+/// `--mem-limit` takes a share of RAM in the bench as in `create`: of this machine's RAM.
+#[test]
+fn bench_takes_a_memory_limit_as_a_share_of_ram() {
+    let args = bench_args(&["--mem-limit", "ram / 4"]).unwrap();
+    let settings = trueno_ublk::config::store_settings(&args.options().store).unwrap();
+    let ram = trueno_ublk::config::ram_bytes().unwrap();
+    let limit = settings.mem_limit.expect("a limit");
+    assert!(limit > 0 && limit <= ram / 4, "{limit} of {ram}");
+    assert!(limit + 4096 > ram / 4, "{limit} of {ram}");
+}

@@ -8,7 +8,7 @@
 //!
 //! ```text
 //! [ublkb0]
-//! # or 8G; relative sizes are capped by max-size
+//! # or 8G; capped by max-size
 //! size = ram / 2
 //! max-size = 4G
 //! algorithm = lz4
@@ -19,7 +19,8 @@
 //!
 //! A missing file means defaults for every device; an unknown section or key, or a bad value,
 //! is an error naming the file, the line and the key. Without any size the device gets
-//! zram-generator's default, min(RAM / 2, 4 GiB).
+//! zram-generator's default, min(RAM / 2, 4 GiB), where a `max-size` takes the 4 GiB's place
+//! (as zram-generator's `max-zram-size` did).
 
 #![forbid(unsafe_code)]
 
@@ -526,9 +527,15 @@ pub fn resolve_with(
     })
 }
 
-/// Store settings from the command line and the defaults only (`bench`).
+/// Store settings from the command line and the defaults only (`bench`); a memory limit given
+/// as a share of RAM is of this machine's.
 pub fn store_settings(args: &StoreOptions) -> Result<StoreSettings, ConfigError> {
-    merge_store(args, &DeviceSection::default(), &ConfigFile::default(), 0)
+    merge_store(
+        args,
+        &DeviceSection::default(),
+        &ConfigFile::default(),
+        ram_bytes()?,
+    )
 }
 
 /// The file `--config` names, for device `id`. The default path may be missing (the units
