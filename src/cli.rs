@@ -276,11 +276,12 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the text report
     #[arg(long)]
     pub json: bool,
-    /// Also run kernel zram on the same pages: needs root and /sys/block/zram0, and resets
-    /// zram0 before and after
+    /// Also run kernel zram on the same pages: needs root and the zram module; the bench adds
+    /// a zram device of its own and removes it after (zram0 only where none can be added, and
+    /// only if it is not set up)
     #[arg(long)]
     pub compare_zram: bool,
-    /// zram's compression algorithm for --compare-zram (one of /sys/block/zram0/comp_algorithm:
+    /// zram's compression algorithm for --compare-zram (one of /sys/block/zramN/comp_algorithm:
     /// lzo-rle is the kernel's default)
     #[arg(long, default_value = bench::DEFAULT_ZRAM_ALGORITHM)]
     pub zram_algorithm: String,

@@ -22,7 +22,7 @@ use signal_hook::SigId;
 use serde::Serialize;
 
 use super::corpus::{AlignedBuf, Corpus};
-use super::{gbps, BenchError, Progress};
+use super::{gbps, ratio, BenchError, Progress};
 
 const ZRAM_CONTROL: &str = "/sys/class/zram-control";
 /// Size of one O_DIRECT request, as `dd bs=1M oflag=direct`.
@@ -47,7 +47,7 @@ pub struct ZramReport {
     pub huge_pages: u64,
 }
 
-/// The fields of `/sys/block/zram0/mm_stat` the report uses.
+/// The fields of `/sys/block/zramN/mm_stat` the report uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MmStat {
     pub orig_data_size: u64,
@@ -217,9 +217,16 @@ impl Drop for ZramDevice {
                     tries += 1;
                     std::thread::sleep(Duration::from_millis(100));
                 }
+                // Said on stderr: the bench sets up no log.
                 Err(error) => {
-                    tracing::warn!(
-                        "could not {} zram{} after the bench: {error}",
+                    let undo = if self.added {
+                        format!("echo {} > {ZRAM_CONTROL}/hot_remove", self.index)
+                    } else {
+                        format!("echo 1 > {}", self.sys_path("reset"))
+                    };
+                    eprintln!(
+                        "trueno-ublk bench: could not {} zram{} after the bench ({error}): it still \
+                         holds the corpus; once nothing has it open: {undo}",
                         if self.added { "remove" } else { "reset" },
                         self.index
                     );
@@ -320,7 +327,8 @@ where
     })
 }
 
-/// Write the corpus to zram0 and read it back; `scratch` (corpus-sized) receives the reads.
+/// Write the corpus to a zram device and read it back; `scratch` (corpus-sized) receives the
+/// reads.
 pub fn compare(
     corpus: &Corpus,
     scratch: &mut AlignedBuf,
@@ -402,6 +410,9 @@ pub fn compare(
     super::verify("zram read-back", scratch.as_slice(), |page| {
         corpus.page(page)
     })?;
+    // A signal after the I/O (the checks above, the device's removal) ends the bench too.
+    drop(zram);
+    interrupts.check().map_err(|_| BenchError::Interrupted)?;
 
     Ok(ZramReport {
         algorithm: algorithm.to_string(),
@@ -416,14 +427,6 @@ pub fn compare(
         same_pages: stat.same_pages,
         huge_pages: stat.huge_pages,
     })
-}
-
-fn ratio(numerator: u64, denominator: u64) -> f64 {
-    if denominator == 0 {
-        0.0
-    } else {
-        numerator as f64 / denominator as f64
-    }
 }
 
 #[cfg(test)]
