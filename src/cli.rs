@@ -427,12 +427,14 @@ fn device_table(rows: &[DeviceRow]) -> String {
 
 fn delete(args: &DeleteArgs) -> CommandResult {
     let target = if args.all { None } else { args.id };
-    for (path, note) in crate::devices::delete(target, args.force, args.lose_pages)? {
-        print_out(&format!("deleted {path}\n"))?;
+    let mut said = |path: &str, note: Option<&str>| {
+        // A closed stdout (`| head`) is no reason to stop deleting.
+        let _ = print_out(&format!("deleted {path}\n"));
         if let Some(note) = note {
             eprintln!("trueno-ublk: note: {note}");
         }
-    }
+    };
+    crate::devices::delete(target, args.force, args.lose_pages, &mut said)?;
     Ok(())
 }
 

@@ -170,6 +170,18 @@ fn vanished(error: &UblkError) -> bool {
     )
 }
 
+/// Whether a control command failed as GET_DEV_INFO does, for root too, on another user's
+/// unprivileged device (`UBLK_F_UNPRIVILEGED_DEV`) asked without its path.
+fn undescribed(error: &UblkError) -> bool {
+    matches!(
+        error,
+        UblkError::Command {
+            errno: libc::EINVAL,
+            ..
+        }
+    )
+}
+
 /// Whether the block device at `path` is claimed (swap, mounted); an open error other than
 /// EBUSY is an error here, since deleting a device that is in use loses its data.
 fn in_use(path: &str) -> Result<bool, DevicesError> {
@@ -255,13 +267,15 @@ fn check_delete(usage: &Usage, id: u32, force: bool, lose_pages: bool) -> Result
 }
 
 /// `trueno-ublk delete --id N | --all [--force] [--lose-pages]`: device `id`, or every device
-/// for `None`. Returns the paths of the devices deleted, each with a note for the user when
-/// something is left behind (an id the kernel cannot free yet).
+/// for `None`. Tells `deleted` the path of each device as it is deleted (so that a failure of
+/// `--all` part-way leaves no doubt which went), with a note for the user when something is
+/// left behind (an id the kernel cannot free yet, a daemon still exiting).
 pub fn delete(
     id: Option<u32>,
     force: bool,
     lose_pages: bool,
-) -> Result<Vec<(String, Option<String>)>, DevicesError> {
+    deleted: &mut dyn FnMut(&str, Option<&str>),
+) -> Result<(), DevicesError> {
     let mut control = Control::open()?;
     let all = id.is_none();
     let ids = match id {
@@ -274,9 +288,13 @@ pub fn delete(
         None => device_ids(),
     };
     // Check every device before touching any, so `--all` does nothing if one is refused. A
-    // device deleted meanwhile (by another `delete`, its own daemon) is not `--all`'s to fail.
+    // device deleted meanwhile (by another `delete`, its own daemon) is not `--all`'s to fail,
+    // nor is one the kernel will not describe to us (another user's unprivileged device, left
+    // out of `list` too): it is left alone.
     let usage_of = |control: &mut Control, id| match usage(control, id) {
-        Err(DevicesError::Ublk(error)) if all && vanished(&error) => Ok(None),
+        Err(DevicesError::Ublk(error)) if all && (vanished(&error) || undescribed(&error)) => {
+            Ok(None)
+        }
         found => found.map(Some),
     };
     for &id in &ids {
@@ -284,7 +302,6 @@ pub fn delete(
             check_delete(&usage, id, force, lose_pages)?;
         }
     }
-    let mut deleted = Vec::with_capacity(ids.len());
     for id in ids {
         let Some(usage) = usage_of(&mut control, id)? else {
             continue;
@@ -304,19 +321,26 @@ pub fn delete(
                 eprintln!("trueno-ublk: warning: {error}");
             }
         }
-        delete_one(&mut control, id, usage.served)?;
+        let daemon_left = delete_one(&mut control, id, usage.served)?;
         if let Err(error) = crate::store::remove_shared(id) {
             eprintln!("trueno-ublk: warning: device {id}'s shared memory was not freed: {error}");
         }
-        let note = control.dev_info(id).is_ok().then(|| {
-            format!(
-                "the kernel keeps id {id} until the last user of its old block device lets go \
-                 (see /proc/swaps)"
-            )
-        });
-        deleted.push((path, note));
+        let note = match daemon_left {
+            Some(pid) => Some(format!(
+                "its daemon (pid {pid}) has not exited within {} s: wait for it before making \
+                 device {id} again (as it ends it frees the shared memory under id {id}'s key)",
+                DAEMON_STOP_TIMEOUT.as_secs()
+            )),
+            None => control.dev_info(id).is_ok().then(|| {
+                format!(
+                    "the kernel keeps id {id} until the last user of its old block device lets \
+                     go (see /proc/swaps)"
+                )
+            }),
+        };
+        deleted(&path, note.as_deref());
     }
-    Ok(deleted)
+    Ok(())
 }
 
 /// `swapoff PATH`, bounded by [`SWAPOFF_TIMEOUT`]. On failure the device must stay: its swap
@@ -356,15 +380,27 @@ fn swapoff(path: &str) -> Result<(), DevicesError> {
 }
 
 /// Delete device `id`. A live daemon of ours is asked to (SIGTERM: it deletes an unused
-/// device itself); any other device is removed here with DEL_DEV, which also stops it and
-/// fails whatever I/O waits on it.
-fn delete_one(control: &mut Control, id: u32, served: bool) -> Result<(), DevicesError> {
+/// device itself), and waited for until it has exited; any other device is removed here with
+/// DEL_DEV, which also stops it and fails whatever I/O waits on it. Returns the pid of a
+/// daemon that deleted its device but had not exited by the deadline.
+fn delete_one(control: &mut Control, id: u32, served: bool) -> Result<Option<i32>, DevicesError> {
     let path = block_path(id);
     let pid = control.dev_info(id)?.ublksrv_pid;
     if served && crate::os::same_program_alive(pid) {
         let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+        let deadline = Instant::now() + DAEMON_STOP_TIMEOUT;
         if wait_until_gone(id, DAEMON_STOP_TIMEOUT) {
-            return Ok(());
+            // The char device goes at the start of the daemon's DEL_DEV; it then shuts its
+            // store down and frees the shared memory under the device's key. A `create` of
+            // the same id before that would have its new store freed under it (and its next
+            // takeover would find no pages), and its statistics socket refused as taken.
+            while !crate::os::process_exited(pid) {
+                if Instant::now() > deadline {
+                    return Ok(Some(pid));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            return Ok(None);
         }
         // The daemon hands a claimed device over instead of deleting it: someone ran swapon
         // (or mounted it) after the check above. Deleting it now would lose its pages.
@@ -377,7 +413,7 @@ fn delete_one(control: &mut Control, id: u32, served: bool) -> Result<(), Device
             });
         }
     }
-    del_dev_bounded(control, id)
+    del_dev_bounded(control, id).map(|()| None)
 }
 
 /// DEL_DEV without waiting for the device's last user: DEL_DEV_ASYNC where the driver has it
