@@ -265,11 +265,11 @@ pub(super) fn supervise(
     // When the reload fails if `incoming` is not ready by then (`RELOAD_READY_LIMIT`).
     let mut incoming_deadline: Option<Instant> = None;
     let mut handing_over = false;
-    // The serving process died during a reload and the new build's standby, not yet ready,
-    // took the device over: the children become the binary on disk once it serves (its
-    // READY=1), not before. A build that cannot serve the store (one that cannot read its
-    // layout, say) fails that takeover, and the next start must then be of this binary,
-    // which can: switched at once, every restart would be of the failing build, for good.
+    // A reload's standby of the new build takes (or took) the device over: the children
+    // become the binary on disk once it serves (its READY=1), not before. A build that cannot
+    // serve the store (one that cannot read its layout, say, or one that fails in its resume)
+    // fails that takeover, and the next start must then be of this binary, which can:
+    // switched at once, every restart would be of the failing build, for good.
     let mut switch_when_served = false;
     // When to make the next standby: once the device is live, later while backing off.
     let mut standby_due: Option<Instant> = None;
@@ -465,7 +465,7 @@ pub(super) fn supervise(
                         .standby;
             }
             if is_ready {
-                if let (Some(process), Ok(path)) = (incoming.take(), &installed) {
+                if let Some(process) = incoming.take() {
                     tracing::info!(
                         pid = process.child.id(),
                         serving = serving.child.id(),
@@ -474,9 +474,9 @@ pub(super) fn supervise(
                     if let Some(old) = standby.replace(process) {
                         old.dismiss();
                     }
-                    program = path.clone();
-                    (serving_command, standby_command) =
-                        child_commands(&program, learnt_id, device);
+                    // The next processes are of the new build once it serves, not before: a
+                    // takeover it fails then leaves this build, which serves, to start again.
+                    switch_when_served = true;
                     let _ = serving.channel.send(HANDOVER.as_bytes());
                     // So that it looks at once, not at its next poll.
                     serving.signal(Signal::SIGHUP);
@@ -584,10 +584,12 @@ pub(super) fn supervise(
         handing_over = false;
         let dead = serving.child.id();
         restarts.record(Instant::now());
-        // During a reload the new build's standby is the only one: it takes over, and the
-        // next ones are of its binary once it serves (`switch_when_served`). One that died
-        // before it served leaves this binary in place.
-        switch_when_served = standby.is_none() && incoming.is_some();
+        // During a reload the new build's standby is the only one (not yet ready: `incoming`;
+        // ready: `standby` with a switch pending): it takes over, and the next ones are of its
+        // binary once it serves (`switch_when_served`). One that died before it served leaves
+        // this binary in place.
+        switch_when_served =
+            (switch_when_served && standby.is_some()) || (standby.is_none() && incoming.is_some());
         if let Some(process) = standby.take().or_else(|| incoming.take()) {
             // It takes over as soon as it has its ring ready; if it is still making it, as
             // soon as that is done.
