@@ -173,15 +173,15 @@ pub(super) fn set_mode(path: &Path, mode: u32) -> Result<(), DaemonError> {
     ))
 }
 
-/// Readiness and status: for the service manager or the `create` that started the supervisor
-/// (`NOTIFY_SOCKET`, the sd_notify protocol), or, in the serving process, for its supervisor
-/// (a datagram socket pair whose end is the serving process's stdin: nothing on the file
-/// system, nothing another process could write to).
 /// What the supervisor sends a serving process to have it hand its device over.
 pub(super) const HANDOVER: &str = "HANDOVER=1";
 /// What the supervisor sends a standby to have it take the device over.
 pub(super) const TAKEOVER: &str = "TAKEOVER=1";
 
+/// Readiness and status: for the service manager or the `create` that started the supervisor
+/// (`NOTIFY_SOCKET`, the sd_notify protocol), or, in the serving process, for its supervisor
+/// (a datagram socket pair whose end is the serving process's stdin: nothing on the file
+/// system, nothing another process could write to).
 pub(super) enum Notifier {
     None,
     Socket(String),

@@ -100,9 +100,9 @@ fn io_error(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DaemonErr
     move |source| DaemonError::Io { what, source }
 }
 
-/// Refuse a size whose page table (16 bytes per 4 KiB page, allocated up front) would take
-/// more than an eighth of RAM, that is a device more than 32 times RAM, which no compressed
-/// RAM device could fill anyway.
+/// Refuse a device more than 32 times RAM, which no compressed RAM device could fill: its
+/// page table alone (an entry, an idle hint and a checksum for each 4 KiB page, committed as
+/// writes reach it, 14 bytes in all) would take a ninth of RAM at that size.
 fn check_size_against_ram(size_bytes: u64) -> Result<(), DaemonError> {
     let Ok(ram) = config::ram_bytes() else {
         return Ok(());
@@ -801,8 +801,18 @@ fn serve(
             let store = open_store(store_config, gpu_codec, id, Opening::Fresh)?;
             handler.set_store(store.clone());
             let store_opened = Instant::now();
-            let flusher = start_flusher(&store, threads)?;
-            let device = added.start(handler.clone())?;
+            let started = start_flusher(&store, threads).and_then(|flusher| {
+                let device = added.start(handler.clone())?;
+                Ok((flusher, device))
+            });
+            let (flusher, device) = started.inspect_err(|_| {
+                // Nothing will resume a store whose device never went live (the device is
+                // deleted as `added` drops): its locked segment goes with the process, not
+                // at the next `create` of this id.
+                if let Err(error) = crate::store::remove_shared(id) {
+                    tracing::warn!(%error, "the new store's shared memory was not freed");
+                }
+            })?;
             let anon_live = anon_now();
             (
                 device,
@@ -915,7 +925,11 @@ fn serve(
     }
     // Only root can read the endpoint; `stat` still works for the device if it fails.
     let report_store = store.clone();
-    let report_settings = settings.clone();
+    // The queues and depth the device has, not those asked for: the kernel makes no more
+    // queues than CPUs, and a resumed device keeps its own.
+    let mut report_settings = settings.clone();
+    report_settings.queues = device.info().nr_hw_queues;
+    report_settings.depth = device.info().queue_depth;
     let timing = device.timing();
     // The idle footprint: everything set up, nothing stored yet; taken again by the main
     // loop once the chunk reserve has gone quiet (its next refill pass after the quiet time).
