@@ -1040,10 +1040,18 @@ fn serve(
                 // Stopped from outside (every tag aborted), or a queue failed. A device that
                 // still exists and can outlive us is handed over and the failure reported:
                 // the supervisor exits with it, and the service manager's restart resumes it.
-                let exists = matches!(
-                    device_state(id),
-                    Some(crate::ublk::sys::UBLK_S_DEV_LIVE | crate::ublk::sys::UBLK_S_DEV_QUIESCED)
-                );
+                // A state that cannot be read counts as live: deleting a device that is swap
+                // fails every page on it, a hand-over of one that is gone only fails.
+                let exists = match device_state(id) {
+                    Ok(state) => matches!(
+                        state,
+                        Some(crate::ublk::sys::UBLK_S_DEV_LIVE | crate::ublk::sys::UBLK_S_DEV_QUIESCED)
+                    ),
+                    Err(error) => {
+                        tracing::error!(device = path, %error, "a queue ended and the device's state cannot be read");
+                        true
+                    }
+                };
                 if survives && exists {
                     tracing::error!(device = path, "a queue ended while the device is live: handing it over");
                     break (StopAction::HandOver, true);
@@ -1077,6 +1085,19 @@ fn serve(
         StopAction::Delete => match crate::blockdev::open_exclusive(Path::new(&path)) {
             Err(error) if error.raw_os_error() == Some(libc::EBUSY) && survives => {
                 tracing::warn!(device = path, "stopping: the device was taken into use since it was found unused; handing it over instead");
+                action = StopAction::HandOver;
+                None
+            }
+            // Not claimed for another reason (no descriptor left, say), while the node is
+            // there: whether a swapon came meanwhile is not known, so nothing is stopped.
+            Err(error)
+                if survives
+                    && !matches!(
+                        error.raw_os_error(),
+                        Some(libc::ENOENT | libc::ENXIO | libc::ENODEV)
+                    ) =>
+            {
+                tracing::warn!(device = path, %error, "stopping: the device found unused cannot be claimed; handing it over instead");
                 action = StopAction::HandOver;
                 None
             }
@@ -1144,11 +1165,21 @@ fn serve(
 }
 
 /// The kernel's state of device `id` (`UBLK_S_DEV_*`), or None if it is gone or unreadable.
-fn device_state(id: u32) -> Option<u16> {
-    crate::ublk::Control::open()
-        .and_then(|mut control| control.dev_info(id))
-        .ok()
-        .map(|info| info.state)
+/// Device `id`'s state, `None` once it is gone; an error (no descriptor or memory for a
+/// control ring, say) says neither.
+fn device_state(id: u32) -> Result<Option<u16>, crate::ublk::UblkError> {
+    use crate::ublk::UblkError;
+    match crate::ublk::Control::open().and_then(|mut control| control.dev_info(id)) {
+        Ok(info) => Ok(Some(info.state)),
+        Err(
+            UblkError::NoSuchDevice(_)
+            | UblkError::Command {
+                errno: libc::ENODEV,
+                ..
+            },
+        ) => Ok(None),
+        Err(error) => Err(error),
+    }
 }
 
 #[cfg(test)]
