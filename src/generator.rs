@@ -54,9 +54,9 @@ SourcePath={config}
 # leaves this unit alone; the daemon hands the device over (its pages kept) while the swap
 # is on, and the next start resumes it.
 Wants=trueno-ublk@{id}.service
-# Ordered after the daemon both ways: swapon once the device is live, and on stop
-# (`systemctl stop dev-ublkb{id}.swap trueno-ublk@{id}.service`, poweroff) the daemon's
-# stop waits until swapoff has finished.
+# Ordered after the daemon both ways: swapon once the device is live, and where both stop
+# in one transaction (poweroff) the daemon's stop waits until swapoff has finished. By hand,
+# stop this unit first, then the daemon, in two commands (see the README).
 After=trueno-ublk@{id}.service
 # A fresh swap signature on the new, empty device before every swapon.
 Requires=trueno-ublk-mkswap@{id}.service
@@ -66,8 +66,9 @@ Before=swap.target
 [Swap]
 What=/dev/ublkb{id}
 Priority={priority}
-# A ublk device hears of freed swap slots only through DISCARD (there is no
-# swap-slot-free notification as zram has): discard gives their memory back.
+# Freed swap slots give their memory back as the kernel frees them where the daemon's
+# slot-free probe runs; discard is how they do otherwise (and for a slot freed while no
+# process serves the device).
 Options=discard
 # swapoff reads every swapped-out page back into RAM: give it time.
 TimeoutSec=10min

@@ -58,8 +58,9 @@ pub fn priority(id: u32, config_path: Option<&Path>) -> Result<u16, ConfigError>
     ))
 }
 
-/// The swapon command line for device `id`: discard on (a ublk device gets no swap-slot-free
-/// notification, so discard is how freed slots give memory back) and the priority. Short
+/// The swapon command line for device `id`: discard on (how freed slots give memory back
+/// where the daemon's slot-free probe does not run, and for slots freed while no process
+/// serves the device) and the priority. Short
 /// options, because util-linux and busybox both accept them.
 pub fn swapon_command(id: u32, priority: u16) -> Vec<String> {
     vec![

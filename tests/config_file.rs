@@ -475,6 +475,11 @@ fn bad_files_name_the_line_and_key() {
         ("[zram0]\n", "test.conf:1", &["zram0"]),
         ("[ublkb]\n", "test.conf:1", &["ublkb"]),
         ("[ublkb0\n", "test.conf:1", &["]"]),
+        (
+            "[ublkb0]  # main\n",
+            "test.conf:1",
+            &["text after", "# main", "own line"],
+        ),
         ("[ublkb0]\n[ublkb0]\n", "test.conf:2", &["twice"]),
     ];
     for (text, location, words) in cases {

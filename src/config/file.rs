@@ -105,10 +105,19 @@ pub fn parse(text: &str, path: &Path) -> Result<ConfigFile, ConfigError> {
             continue;
         }
         if let Some(header) = trimmed.strip_prefix('[') {
-            let name = header
-                .strip_suffix(']')
-                .ok_or_else(|| syntax(line, format!("section header '{trimmed}' lacks ']'")))?
-                .trim();
+            let (name, after) = header
+                .split_once(']')
+                .ok_or_else(|| syntax(line, format!("section header '{trimmed}' lacks ']'")))?;
+            if !after.trim().is_empty() {
+                return Err(syntax(
+                    line,
+                    format!(
+                        "text after the section header '[{name}]': '{}' (comments go on their own line)",
+                        after.trim()
+                    ),
+                ));
+            }
+            let name = name.trim();
             let id = section_id(name).ok_or_else(|| {
                 syntax(
                     line,

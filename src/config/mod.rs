@@ -53,7 +53,7 @@ pub const DEFAULT_DEPTH: u16 = 32;
 /// (`MEMORY_SHORT_BELOW_DIVISOR`): the VM test's 256 MiB swap storm ran out of memory with LZ4
 /// alone (README, Limits).
 pub const DEFAULT_ALGORITHM: AlgorithmChoice = AlgorithmChoice::Lz4;
-/// The zstd level of `--algorithm zstd` and `adaptive`.
+/// The zstd level of `--algorithm zstd` (`adaptive` keeps its own, `codec::page::ADAPTIVE_ZSTD_LEVEL`).
 pub const DEFAULT_ZSTD_LEVEL: i32 = 1;
 /// Idle pages of an LZ4 or adaptive store are recompressed with zstd at this level unless
 /// `recompress` says otherwise; a zstd store's are left as they are unless it says so (zstd at

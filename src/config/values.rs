@@ -96,7 +96,10 @@ impl MemLimit {
         if text.trim().eq_ignore_ascii_case("none") {
             Ok(MemLimit::Unlimited)
         } else {
-            parse_size_expr(text).map(MemLimit::Size)
+            // zram's `mem_limit` takes 0 for none: say what this program takes.
+            parse_size_expr(text)
+                .map(MemLimit::Size)
+                .map_err(|error| format!("{error} (`none` for no limit)"))
         }
     }
 }
