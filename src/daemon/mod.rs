@@ -57,6 +57,11 @@ const DETACHED_ENV: &str = "TRUENO_UBLK_DETACHED_LOG";
 /// detached `create`, or one in a terminal), a serving process whose supervisor died serves
 /// on: a device it handed over would wait for a daemon that nothing starts.
 const MANAGED_ENV: &str = "TRUENO_UBLK_MANAGED";
+/// Set by the supervisor for a serving process it starts once its device has been live: that
+/// process resumes the device or ends; it never adds one (a `delete --lose-pages` between a
+/// death and the restart would otherwise be answered with a new, empty device nobody asked
+/// for, made without the unit's tuning).
+const RESUME_ONLY_ENV: &str = "TRUENO_UBLK_RESUME_ONLY";
 
 /// Log lines waiting for the writer thread before new ones are dropped.
 const LOG_BACKLOG_LINES: usize = 1024;
@@ -463,6 +468,9 @@ fn find_target(
                 Device::standby(id, handler)?,
                 Box::default(),
             ));
+        }
+        if std::env::var_os(RESUME_ONLY_ENV).is_some() {
+            return Err(crate::ublk::UblkError::NoSuchDevice(id).into());
         }
     }
     Ok(Target::Fresh(Device::add(device_spec(settings))?))

@@ -704,8 +704,14 @@ fn child_commands(
     learnt_id: Option<u32>,
     device: Option<u32>,
 ) -> (Command, Option<Command>) {
+    let mut serving = child_command(program, learnt_id, false);
+    if device.is_some() {
+        serving.env(super::RESUME_ONLY_ENV, "1");
+    } else {
+        serving.env_remove(super::RESUME_ONLY_ENV);
+    }
     (
-        child_command(program, learnt_id, false),
+        serving,
         device.map(|_| child_command(program, learnt_id, true)),
     )
 }
