@@ -531,7 +531,7 @@ fn fault_in(args: &FaultInArgs) -> CommandResult {
             }
         }
         crate::swap::FaultIn::NotServed { path, state } => format!(
-            "pid {pid}: nothing read back: {path} is not served right now ({state}), and a \
+            "pid {pid}: nothing (more) read back: {path} is not served right now ({state}), and a \
              read of a page on it would wait for its next daemon"
         ),
     };

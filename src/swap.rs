@@ -98,9 +98,9 @@ pub enum FaultIn {
         still_swapped: u64,
         out_of_reach: u64,
     },
-    /// Nothing was read: a ublk device is not served right now (quiesced between two daemons,
-    /// or its daemon is gone), and a read of a page of the process on it would wait for the
-    /// next daemon.
+    /// Nothing (more) was read: a ublk device is not served right now (quiesced between two
+    /// daemons, or its daemon is gone), and a read of a page of the process on it would wait
+    /// for the next daemon.
     NotServed { path: String, state: &'static str },
 }
 
@@ -115,16 +115,8 @@ const PAGEMAP_CHUNK: usize = 512;
 /// wait for the next one. The unit runs this for PID 1 before a stop: PID 1 starts the next
 /// daemon while the device waits, and must not wait on a page of its own there.
 pub fn fault_in(pid: u32) -> Result<FaultIn, SwapError> {
-    if !crate::devices::device_ids().is_empty() {
-        if let Some(row) = crate::devices::list()?
-            .into_iter()
-            .find(crate::devices::DeviceRow::io_waits)
-        {
-            return Ok(FaultIn::NotServed {
-                path: row.path,
-                state: row.state,
-            });
-        }
+    if let Some(waits) = device_io_waits()? {
+        return Ok(waits);
     }
     if !Path::new(&format!("/proc/{pid}")).exists() {
         return Err(SwapError::NoProcess { pid });
@@ -138,13 +130,29 @@ pub fn fault_in(pid: u32) -> Result<FaultIn, SwapError> {
     let page = crate::mem::HOST_PAGE as u64;
     let (mappings, swap_kib) = swapped_mappings(&smaps);
     let mut swapped = 0;
+    // Looked at again as the walk goes: a device handed over meanwhile (another unit's stop)
+    // would hold a read of a page on it, with the process's memory map locked (PID 1 could
+    // then not fork the next daemon), until the next daemon serves it.
+    let mut stopped: Result<Option<FaultIn>, SwapError> = Ok(None);
     for mapping in &mappings {
         for_each_page_with(&pagemap, mapping, page, PAGEMAP_SWAPPED, |address| {
+            if !matches!(stopped, Ok(None)) {
+                return;
+            }
+            if swapped % RECHECK_EVERY_PAGES == 0 {
+                stopped = device_io_waits();
+                if !matches!(stopped, Ok(None)) {
+                    return;
+                }
+            }
             swapped += 1;
             // A failed read leaves the page out; the count after says so.
             let _ = memory.read_at(&mut [0u8], address);
         })
         .map_err(unreadable(proc_file("pagemap")))?;
+        if let Some(waits) = std::mem::replace(&mut stopped, Ok(None))? {
+            return Ok(waits);
+        }
     }
     let mut still_swapped = 0;
     for mapping in &mappings {
@@ -158,6 +166,23 @@ pub fn fault_in(pid: u32) -> Result<FaultIn, SwapError> {
         still_swapped,
         out_of_reach: (swap_kib * 1024 / page).saturating_sub(swapped),
     })
+}
+
+/// Swapped-out pages `fault_in` reads between two looks at the devices' states.
+const RECHECK_EVERY_PAGES: u64 = 64;
+
+/// `FaultIn::NotServed` for the first ublk device whose I/O would wait now, if any.
+fn device_io_waits() -> Result<Option<FaultIn>, SwapError> {
+    if crate::devices::device_ids().is_empty() {
+        return Ok(None);
+    }
+    Ok(crate::devices::list()?
+        .into_iter()
+        .find(crate::devices::DeviceRow::io_waits)
+        .map(|row| FaultIn::NotServed {
+            path: row.path,
+            state: row.state,
+        }))
 }
 
 /// Call `each` with the address of every page of `mapping` whose `pagemap` entry has `flag`.

@@ -703,7 +703,7 @@ daemon_recovery_checks() {
         timeout 20 trueno-ublk fault-in --pid "$(child_of "$pid")" >/tmp/fault-in.out 2>&1
         rc=$?
         check "daemon recovery: ... fault-in of the program reads nothing while it is quiesced (exit $rc after $(since "$t0") s: $(cat /tmp/fault-in.out))" \
-            eval "[ $rc -eq 0 ] && grep -q 'nothing read back: $dev is not served right now (quiesced)' /tmp/fault-in.out"
+            eval "[ $rc -eq 0 ] && grep -q 'read back: $dev is not served right now (quiesced)' /tmp/fault-in.out"
         create_resumes "create --size 1G --id 0 again resumes it" recovery_kill_all_to_live_s "$c0"
         rm -f /tmp/hold
     else
