@@ -204,15 +204,28 @@ fn only_uid(status: &str) -> Option<&str> {
 }
 
 /// Whether process `pid` has ended: no such process, or only its zombie is left (an orphan's
-/// zombie may wait long for a parent that never reaps it). A pid of 0 or less names none.
+/// zombie may wait long for a parent that never reaps it). A pid of 0 or less names none. The
+/// main thread's zombie is not enough: the process's other threads outlive it while they
+/// finish the system call they were in (a daemon's hole punch in a store the next one has
+/// resumed, say), and the process has ended only once they are gone too.
 pub fn process_exited(pid: i32) -> bool {
     if pid <= 0 {
         return true;
     }
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+    let ended = |stat: std::io::Result<String>| match stat {
         Ok(stat) => matches!(process_state(&stat), Some('Z' | 'X') | None),
         Err(_) => true,
+    };
+    if !ended(std::fs::read_to_string(format!("/proc/{pid}/stat"))) {
+        return false;
     }
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return true;
+    };
+    tasks.flatten().all(|task| {
+        task.file_name().to_str() == Some(pid.to_string().as_str())
+            || ended(std::fs::read_to_string(task.path().join("stat")))
+    })
 }
 
 /// The state letter of a `/proc/PID/stat` (or `/proc/PID/task/TID/stat`) line: the field
@@ -329,6 +342,41 @@ mod tests {
         assert!(!process_exited(i32::try_from(std::process::id()).unwrap()));
         assert!(process_exited(0));
         assert!(process_exited(-1));
+    }
+
+    /// A process whose main thread has ended (a zombie) while another thread runs on has not
+    /// exited; once that thread ends, it has. Needs python3 (for `pthread_exit` from the main
+    /// thread); skipped without it.
+    #[test]
+    fn a_process_with_a_thread_left_has_not_exited() {
+        let script = "import ctypes, os, sys, threading, time\n\
+                      threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0))).start()\n\
+                      ctypes.CDLL(None).pthread_exit(None)\n";
+        let Ok(mut child) = std::process::Command::new("python3")
+            .args(["-c", script])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+        else {
+            eprintln!("skipped: no python3");
+            return;
+        };
+        let pid = i32::try_from(child.id()).unwrap();
+        let leader_ended = || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|stat| process_state(&stat) == Some('Z'))
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while !leader_ended() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the main thread never ended"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(!process_exited(pid), "a thread of it still runs");
+        drop(child.stdin.take());
+        child.wait().unwrap();
+        assert!(process_exited(pid));
     }
 
     #[test]

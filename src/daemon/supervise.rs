@@ -255,7 +255,7 @@ pub(super) fn supervise(
     // disk) until a reload switches to the file on disk (`installed`).
     let mut program = PathBuf::from("/proc/self/exe");
     let installed = std::env::current_exe();
-    let (mut serving_command, mut standby_command) = child_commands(&program, None, device);
+    let (mut serving_command, mut standby_command) = child_commands(&program, None, device, false);
     let mut serving = ServingProcess::spawn(&mut serving_command)?;
     let mut standby: Option<ServingProcess> = None;
     // A reload (SIGHUP): a standby of the binary on disk, readied while the serving process
@@ -399,7 +399,7 @@ pub(super) fn supervise(
                     tracing::info!(binary = %installed.display(), "reload: the new build serves the device; its binary runs the next processes");
                     program = installed.clone();
                     (serving_command, standby_command) =
-                        child_commands(&program, learnt_id, device);
+                        child_commands(&program, learnt_id, device, true);
                 }
             }
             if !ready {
@@ -408,9 +408,9 @@ pub(super) fn supervise(
                     // The kernel picked the id: every later serving process resumes that one.
                     device = message.device;
                     learnt_id = device;
-                    (serving_command, standby_command) =
-                        child_commands(&program, learnt_id, device);
                 }
+                (serving_command, standby_command) =
+                    child_commands(&program, learnt_id, device, true);
                 if let (Some(log), Some(id)) = (detached_log, message.device) {
                     // The previous daemon's log (one that was killed, say) is kept as
                     // `.log.1`: what it said before it went is what an administrator looks for.
@@ -632,7 +632,7 @@ pub(super) fn supervise(
                             tracing::info!(binary = %path.display(), "reload while no process serves the device: the next start runs the binary on disk");
                             program = path.clone();
                             (serving_command, standby_command) =
-                                child_commands(&program, learnt_id, device);
+                                child_commands(&program, learnt_id, device, ready);
                             switch_when_served = false;
                         }
                         Err(error) => {
@@ -698,14 +698,16 @@ fn child_command(program: &Path, learnt_id: Option<u32>, standby: bool) -> Comma
     command
 }
 
-/// The serving process's command and, once the device is known, the standby's.
+/// The serving process's command and, once the device is known, the standby's; once the
+/// device has been live (`resume_only`), a serving process resumes it or ends.
 fn child_commands(
     program: &Path,
     learnt_id: Option<u32>,
     device: Option<u32>,
+    resume_only: bool,
 ) -> (Command, Option<Command>) {
     let mut serving = child_command(program, learnt_id, false);
-    if device.is_some() {
+    if resume_only {
         serving.env(super::RESUME_ONLY_ENV, "1");
     } else {
         serving.env_remove(super::RESUME_ONLY_ENV);
