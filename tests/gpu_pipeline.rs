@@ -347,3 +347,22 @@ fn a_hung_gpu_is_given_up_on_and_every_later_batch_goes_to_the_cpu() {
         assert!(stats.last_error.unwrap().contains("did not finish a batch"));
     }
 }
+
+/// Slots are sized for the chunks of the batches they get (pinned memory), and made again,
+/// larger, when a larger batch comes: every batch, before and after, compresses to the
+/// kernel's output and decompresses on the GPU, chunk lengths and all.
+#[test]
+fn slots_grow_with_the_batches() {
+    let codec = model_codec(2048);
+    // Chunks of 256 pages (the least), then of 334, then 256 again in slots of 334.
+    for pages in [300, 1000, 300] {
+        let batch = mixed_pages(pages, 14);
+        let (compressed, on_gpu) = compress_like_the_store(&codec, &batch);
+        assert!(on_gpu, "{pages} pages");
+        assert_is_model_output(&batch, &compressed, 7);
+        assert_eq!(decompress_all(&codec, &compressed), batch, "{pages} pages");
+    }
+    let stats = codec.stats();
+    assert_eq!(stats.fallback_batches, 0);
+    assert_eq!(stats.pages_compressed, 1600);
+}

@@ -215,8 +215,9 @@ impl Faults {
 pub struct GpuConfig {
     /// CUDA device ordinal.
     pub device: usize,
-    /// Most pages per pipeline chunk (one kernel launch; the size of each slot's buffers);
-    /// 2048 pages = 512 blocks of 4 warps. Smaller batches are cut into one chunk per slot.
+    /// Most pages per pipeline chunk (one kernel launch); 2048 pages = 512 blocks of 4 warps.
+    /// Smaller batches are cut into one chunk per slot (of 256 pages at least), and each slot's
+    /// buffers hold the chunks of the largest batch so far, up to this.
     pub chunk_pages: usize,
     /// Pipeline slots (>= 3 so that copy in, kernel and copy out of consecutive chunks overlap).
     pub slots: usize,

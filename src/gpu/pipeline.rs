@@ -71,6 +71,11 @@ pub(super) struct Pipeline {
     factory: Box<dyn SlotFactory>,
     /// Allocated at the first batch; dropped after a failed batch so the next one starts clean.
     slots: Vec<Box<dyn DeviceSlot>>,
+    /// The pages each of `slots` holds: the chunks of the largest batch so far, at most
+    /// `chunk_pages`. Why not `chunk_pages` at once: the buffers are pinned (locked) memory,
+    /// and a store's batches of 1,000 pages are cut into chunks of 334, a sixth of the 2,048
+    /// that sizing by `chunk_pages` locked.
+    slot_pages: usize,
     slot_count: usize,
     chunk_pages: usize,
     hang_after: Duration,
@@ -88,6 +93,7 @@ impl Pipeline {
         Self {
             factory,
             slots: Vec::new(),
+            slot_pages: 0,
             slot_count,
             chunk_pages,
             hang_after,
@@ -172,16 +178,17 @@ impl Pipeline {
         out: &mut [Page],
         status: &mut [Result<(), CodecError>],
     ) -> Result<BatchTimes, GpuError> {
-        let chunk_pages = self.chunk_pages;
         let fill = |slot: &mut dyn DeviceSlot, first: usize, count: usize| {
             let chunk = &indices[first..first + count];
             let mut offset = 0usize;
             {
                 let index = slot.index()?;
+                // Offsets, then lengths from the slot's page count on.
+                let slot_pages = index.len() / 2;
                 for (i, &page) in chunk.iter().enumerate() {
                     let len = inputs[page].1.len();
                     index[i] = offset as u32;
-                    index[chunk_pages + i] = len as u32;
+                    index[slot_pages + i] = len as u32;
                     offset += len;
                 }
             }
@@ -292,11 +299,18 @@ impl Pipeline {
             .max(MIN_CHUNK_PAGES)
             .min(self.chunk_pages);
         let chunks = total.div_ceil(chunk_len);
+        if self.slot_pages < chunk_len {
+            // Idle here: the batch before waited for all of its chunks.
+            self.slots.clear();
+        }
+        if self.slots.is_empty() {
+            self.slot_pages = self.slot_pages.max(chunk_len);
+        }
         while self.slots.len() < self.slot_count {
             self.faults.check(FaultPoint::Alloc)?;
             let slot = self
                 .factory
-                .new_slot(self.chunk_pages, self.faults.clone())?;
+                .new_slot(self.slot_pages, self.faults.clone())?;
             self.slots.push(slot);
         }
         let mut times = BatchTimes::default();
