@@ -58,6 +58,11 @@ fn batched_run_round_trips_every_page_and_reports_figures() {
         report.mem_ratio_hot
     );
     assert_eq!(report.pages, pages);
+    // Named as the command line writes them.
+    assert_eq!(
+        (report.algorithm.as_str(), report.backend.as_str()),
+        ("lz4", "auto")
+    );
     assert_eq!(report.stats.orig_bytes, (pages * PAGE_SIZE) as u64);
     assert!(report.write_gbps > 0.0 && report.read_gbps > 0.0);
     // The built-in mix compresses; a store that kept pages raw would fail this.
@@ -86,7 +91,7 @@ fn batched_run_round_trips_every_page_and_reports_figures() {
     }
     assert!(report.zram.is_none() && report.vs_zram.is_none());
     let codec = &report.codec;
-    assert_eq!(codec.backend, "SimdParallel");
+    assert_eq!(codec.backend, "simd-parallel");
     assert!(codec.compress_gbps > 0.0 && codec.decompress_gbps > 0.0);
     // Same pages, same codec: the ratios differ only by the same-filled pages the store
     // keeps without compressed data.

@@ -546,7 +546,7 @@ pub fn measure(
     let settled_stats = settled.as_ref().map_or(&stats, |s| &s.stats);
     let mem_ratio = ratio(settled_stats.orig_bytes, settled_stats.mem_used);
     let codec = CodecReport {
-        backend: format!("{:?}", codec_run.backend),
+        backend: codec_run.backend.name().to_string(),
         batch_pages: codec_run.batch_pages,
         compress_gbps: best_of(|r| Some(r.codec_compress_gbps)),
         decompress_gbps: best_of(|r| Some(r.codec_decompress_gbps)),
@@ -614,10 +614,11 @@ pub fn measure(
         corpus: corpus.source.to_string(),
         pages,
         bytes: bytes as u64,
-        algorithm: format!("{:?}", config.algorithm),
+        algorithm: config.algorithm.to_string(),
         backend: config
             .forced_backend
-            .map_or_else(|| "auto".to_string(), |b| format!("{b:?}")),
+            .map_or("auto", crate::codec::Backend::name)
+            .to_string(),
         batched: config.batched,
         batch_threshold: config.batch_threshold,
         flush_timeout_ms: u64::try_from(config.flush_timeout.as_millis()).unwrap_or(u64::MAX),

@@ -73,6 +73,17 @@ pub enum Algorithm {
     Adaptive,
 }
 
+/// As the command line and the config file write it: `lz4`, `zstd:3`, `adaptive`.
+impl std::fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Algorithm::Lz4 => f.write_str("lz4"),
+            Algorithm::Zstd { level } => write!(f, "zstd:{level}"),
+            Algorithm::Adaptive => f.write_str("adaptive"),
+        }
+    }
+}
+
 /// Which engine compresses a batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Backend {
@@ -82,6 +93,17 @@ pub enum Backend {
     SimdParallel,
     /// The GPU batch codec.
     Gpu,
+}
+
+impl Backend {
+    /// As the command line and the config file write it: `simd`, `simd-parallel`, `gpu`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Simd => "simd",
+            Backend::SimdParallel => "simd-parallel",
+            Backend::Gpu => "gpu",
+        }
+    }
 }
 
 /// What a page holds before any codec sees it.

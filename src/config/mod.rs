@@ -349,35 +349,18 @@ impl StoreSettings {
     pub fn recompress_name(&self) -> String {
         match self.recompress {
             None => "off".to_string(),
-            Some(config) => format!(
-                "{},idle={}",
-                algorithm_name(config.algorithm),
-                human_duration(config.idle)
-            ),
+            Some(config) => format!("{},idle={}", config.algorithm, human_duration(config.idle)),
         }
     }
 
     /// `lz4`, `zstd:3` or `adaptive` (what `stat` shows as ALGORITHM).
     pub fn algorithm_name(&self) -> String {
-        algorithm_name(self.algorithm)
+        self.algorithm.to_string()
     }
 
     /// `auto`, `simd`, `simd-parallel` or `gpu`.
     pub fn backend_name(&self) -> &'static str {
-        match self.forced_backend {
-            None => "auto",
-            Some(Backend::Simd) => "simd",
-            Some(Backend::SimdParallel) => "simd-parallel",
-            Some(Backend::Gpu) => "gpu",
-        }
-    }
-}
-
-fn algorithm_name(algorithm: Algorithm) -> String {
-    match algorithm {
-        Algorithm::Lz4 => "lz4".to_string(),
-        Algorithm::Zstd { level } => format!("zstd:{level}"),
-        Algorithm::Adaptive => "adaptive".to_string(),
+        self.forced_backend.map_or("auto", Backend::name)
     }
 }
 
@@ -777,7 +760,7 @@ fn merge_recompress(
                 "is {}, which cannot make pages stored with {} smaller: use a higher zstd \
                      level, or off",
                 choice.name(),
-                algorithm_name(algorithm)
+                algorithm
             ),
         }),
         _ => Ok(config),
