@@ -27,12 +27,7 @@ pub fn swap_devices(file: &ConfigFile) -> Vec<(u32, u16)> {
     file.devices
         .iter()
         .filter(|(_, section)| section.swap.is_some_and(|s| s.value))
-        .map(|(id, section)| {
-            let priority = section
-                .swap_priority
-                .map_or(DEFAULT_SWAP_PRIORITY, |s| s.value);
-            (*id, priority)
-        })
+        .map(|(id, _)| (*id, file.swap_priority(*id)))
         .collect()
 }
 

@@ -11,7 +11,7 @@ use std::path::Path;
 
 use thiserror::Error;
 
-use crate::config::{self, ConfigError, DEFAULT_SWAP_PRIORITY};
+use crate::config::{self, ConfigError};
 use crate::ublk::device::block_path;
 
 #[derive(Debug, Error)]
@@ -50,12 +50,7 @@ fn swapon_hint(error: &std::io::Error) -> &'static str {
 /// The swap priority of device `id`: its section's `swap-priority` in `config_path`, else the
 /// default.
 pub fn priority(id: u32, config_path: Option<&Path>) -> Result<u16, ConfigError> {
-    let file = config::load_for(config_path, Some(id))?;
-    Ok(config::pick(
-        None,
-        file.device(id).and_then(|section| section.swap_priority),
-        DEFAULT_SWAP_PRIORITY,
-    ))
+    Ok(config::load_for(config_path, Some(id))?.swap_priority(id))
 }
 
 /// The swapon command line for device `id`: discard on (how freed slots give memory back

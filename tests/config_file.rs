@@ -80,7 +80,7 @@ fn defaults_follow_zram_generator() {
     assert_eq!(settings.id, None);
     assert_eq!(settings.queues, 1);
     assert_eq!(settings.depth, 32);
-    assert_eq!(settings.swap_priority, 100);
+    assert_eq!(ConfigFile::default().swap_priority(0), 100);
     // LZ4 for new pages, and zstd:3 for pages idle 30 s (and for new pages while memory is
     // short, which the threads that compress new pages get contexts for).
     assert_eq!(settings.store.algorithm, Algorithm::Lz4);
@@ -140,7 +140,7 @@ fn command_line_beats_config_beats_default() {
     assert_eq!(from_file.store.algorithm, Algorithm::Zstd { level: 5 });
     assert!(!from_file.store.batched);
     assert_eq!(from_file.store.batch_threshold, Some(200));
-    assert_eq!(from_file.swap_priority, 7);
+    assert_eq!(file.swap_priority(1), 7);
     // Keys the section leaves out take the defaults.
     assert_eq!(from_file.store.flush_timeout, Duration::from_millis(10));
 
@@ -166,7 +166,7 @@ fn command_line_beats_config_beats_default() {
     // Another id picks its own section; an id without one gets the defaults.
     let two = resolve_with(&create_args(&["--id", "2"]), &file, 8 * GIB).unwrap();
     assert_eq!(two.size_bytes, 3 * GIB);
-    assert_eq!(two.swap_priority, 100);
+    assert_eq!(file.swap_priority(2), 100);
     let five = resolve_with(&create_args(&["--id", "5"]), &file, 8 * GIB).unwrap();
     assert_eq!(five.size_bytes, 4 * GIB);
 }

@@ -67,6 +67,14 @@ impl ConfigFile {
             .map(|(_, section)| section)
     }
 
+    /// The swap priority of device `id`: its section's `swap-priority`, else the default
+    /// (what the generator's swap unit and `trueno-ublk swapon` use).
+    pub fn swap_priority(&self, id: u32) -> u16 {
+        self.device(id)
+            .and_then(|section| section.swap_priority)
+            .map_or(super::DEFAULT_SWAP_PRIORITY, |setting| setting.value)
+    }
+
     pub(super) fn origin(&self, line: usize) -> String {
         format!("{}:{line}", self.path.display())
     }

@@ -403,7 +403,6 @@ pub struct DeviceSettings {
     pub queues: u16,
     pub depth: u16,
     pub store: StoreSettings,
-    pub swap_priority: u16,
     /// Hear of freed swap slots as the kernel frees them (see `crate::slotfree`), where the
     /// kernel allows it.
     pub slot_free_probe: bool,
@@ -503,7 +502,6 @@ pub fn resolve_with(
         queues,
         depth,
         store,
-        swap_priority: pick(None, section.swap_priority, DEFAULT_SWAP_PRIORITY),
         slot_free_probe: switch_on(args.no_slot_free_probe, section.slot_free_probe),
         user_copy: switch_on(args.no_user_copy, section.user_copy),
         oom_kill: switch_on(args.no_oom_kill, section.oom_kill),
