@@ -394,13 +394,8 @@ fn delete_one(control: &mut Control, id: u32, served: bool) -> Result<Option<i32
             // store down and frees the shared memory under the device's key. A `create` of
             // the same id before that would have its new store freed under it (and its next
             // takeover would find no pages), and its statistics socket refused as taken.
-            while !crate::os::process_exited(pid) {
-                if Instant::now() > deadline {
-                    return Ok(Some(pid));
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            return Ok(None);
+            let exited = wait_until(deadline, || crate::os::process_exited(pid));
+            return Ok((!exited).then_some(pid));
         }
         // The daemon hands a claimed device over instead of deleting it: someone ran swapon
         // (or mounted it) after the check above. Deleting it now would lose its pages.
@@ -462,9 +457,13 @@ fn del_dev_bounded(control: &mut Control, id: u32) -> Result<(), DevicesError> {
 }
 
 fn wait_until_gone(id: u32, timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
     let class = char_class_path(id);
-    while Path::new(&class).exists() {
+    wait_until(Instant::now() + timeout, || !Path::new(&class).exists())
+}
+
+/// Poll `done` every 20 ms until it holds (true) or `deadline` passes (false).
+fn wait_until(deadline: Instant, done: impl Fn() -> bool) -> bool {
+    while !done() {
         if Instant::now() > deadline {
             return false;
         }
