@@ -518,23 +518,44 @@ fn wait_for_takeover(
         if fds[0]
             .revents()
             .is_some_and(|events| events.contains(nix::poll::PollFlags::POLLIN))
+            && told_to_take_over(channel, &mut buffer)
         {
-            let n = channel
-                .recv(&mut buffer)
-                .map_err(io_error("reading from the supervisor"))?;
-            let message = std::str::from_utf8(&buffer[..n]).unwrap_or_default();
-            if message.lines().any(|line| line == detach::TAKEOVER) {
-                return Ok(true);
-            }
+            return Ok(true);
         }
         // SIGHUP and SIGUSR2 (a compaction, see `serve`) say nothing to a standby.
-        if signals
+        if let Some(stop) = signals
             .pending()
-            .any(|signal| signal != SIGHUP && signal != SIGUSR2)
+            .find(|&signal| signal != SIGHUP && signal != SIGUSR2)
         {
+            // The word may have come after the channel was looked at above, with the stop
+            // right behind it (the supervisor forwards a stop to the process it now counts
+            // as serving): then this process serves the device, and stops it as the serving
+            // loop does, with the signal raised again for that loop.
+            if told_to_take_over(channel, &mut buffer) {
+                signal_hook::low_level::raise(stop)
+                    .map_err(io_error("passing a stop on to the serving loop"))?;
+                return Ok(true);
+            }
             return Ok(false);
         }
     }
+}
+
+/// Whether a word the supervisor sent, read without waiting, is `TAKEOVER=1`.
+fn told_to_take_over(channel: &std::os::unix::net::UnixDatagram, buffer: &mut [u8]) -> bool {
+    let mut told = false;
+    while let Ok(n) = nix::sys::socket::recv(
+        std::os::fd::AsRawFd::as_raw_fd(channel),
+        buffer,
+        nix::sys::socket::MsgFlags::MSG_DONTWAIT,
+    ) {
+        if n == 0 {
+            break;
+        }
+        let message = std::str::from_utf8(&buffer[..n]).unwrap_or_default();
+        told |= message.lines().any(|line| line == detach::TAKEOVER);
+    }
+    told
 }
 
 /// How `open_store` opens a device's store.
@@ -1193,6 +1214,22 @@ fn device_state(id: u32) -> Result<Option<u16>, crate::ublk::UblkError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_takeover_word_is_found_among_what_the_supervisor_sent_without_waiting() {
+        let (supervisor, standby) = std::os::unix::net::UnixDatagram::pair().unwrap();
+        let mut buffer = [0u8; 256];
+        assert!(!told_to_take_over(&standby, &mut buffer), "nothing sent");
+        supervisor.send(b"SOMETHING=1").unwrap();
+        assert!(!told_to_take_over(&standby, &mut buffer));
+        supervisor.send(b"SOMETHING=1").unwrap();
+        supervisor.send(detach::TAKEOVER.as_bytes()).unwrap();
+        assert!(
+            told_to_take_over(&standby, &mut buffer),
+            "the word after another"
+        );
+        assert!(!told_to_take_over(&standby, &mut buffer), "read once");
+    }
 
     #[test]
     fn a_stop_never_stops_a_device_in_use() {
