@@ -4,7 +4,7 @@
 #![forbid(unsafe_code)]
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use rayon::prelude::*;
 
@@ -78,8 +78,11 @@ impl BatchedPageStore {
             }));
             if flushed.is_err() {
                 tracing::error!(
-                    pages = part.len(),
-                    "compressing a batch panicked; storing its pages uncompressed"
+                    pages = resolved
+                        .iter()
+                        .filter(|r| !r.load(Ordering::Acquire))
+                        .count(),
+                    "flushing a batch panicked; storing its pages not yet stored uncompressed"
                 );
                 for (i, s) in part.iter().enumerate() {
                     if resolved[i].load(Ordering::Acquire) {
@@ -106,9 +109,11 @@ impl BatchedPageStore {
         out: &mut CompressedBatch,
         resolved: &[AtomicBool],
     ) {
-        let compressor = self.compressor_for(part.len());
+        let (compressor, short) = self.compressor_now();
         if let Some(cpu) = compressor.cpu_backend_for(part.len()) {
-            self.flush_part_on_cpu(compressor.algorithm(), cpu, b, first, part, resolved);
+            let compressed =
+                self.flush_part_on_cpu(compressor.algorithm(), cpu, b, first, part, resolved);
+            self.count_compressed(cpu, short, compressed);
             return;
         }
         let pages: Vec<&Page> = part.iter().map(|s| &*s.page).collect();
@@ -116,7 +121,8 @@ impl BatchedPageStore {
         if done.fell_back {
             add(&self.counters.gpu_fallback_batches, 1);
         }
-        add(self.counters.backend(done.backend), part.len() as u64);
+        // The whole part was compressed, superseded pages too (they are found after).
+        self.count_compressed(done.backend, short, part.len() as u64);
         let out = &*out;
         // Counted before installing, which is what may starve (see `oom`).
         let raw = (0..part.len())
@@ -177,7 +183,8 @@ impl BatchedPageStore {
     /// `flush_part` on the CPU (`backend`: one core or all of them): each page compressed into
     /// its thread's stack and installed from there at once, so a part is one pass over its
     /// pages, not a compression pass and then an installing one, and the compressed bytes are
-    /// still in the core's cache when they are copied into the store.
+    /// still in the core's cache when they are copied into the store. The pages compressed
+    /// (superseded ones are not).
     fn flush_part_on_cpu(
         &self,
         algorithm: Algorithm,
@@ -186,14 +193,15 @@ impl BatchedPageStore {
         first: usize,
         part: &[PendingSlot<'_>],
         resolved: &[AtomicBool],
-    ) {
-        add(self.counters.backend(backend), part.len() as u64);
+    ) -> u64 {
+        let compressed_pages = AtomicU64::new(0);
         let flush_one = |(i, s): (usize, &PendingSlot<'_>)| {
             if self.superseded(b, first + i, s) {
                 self.slot_done();
                 resolved[i].store(true, Ordering::Release);
                 return;
             }
+            compressed_pages.fetch_add(1, Ordering::Relaxed);
             let mut compressed = [0u8; PAGE_SIZE];
             let (encoding, len) = compress_page(algorithm, &s.page, &mut compressed);
             // Noted before the page is stored, which is what may starve (see `oom`).
@@ -210,6 +218,7 @@ impl BatchedPageStore {
         } else {
             part.par_iter().enumerate().for_each(flush_one);
         }
+        compressed_pages.into_inner()
     }
 
     /// Store slot `slot` of batch `batch` as `bytes` encoded as `encoding`, and point its
@@ -272,14 +281,17 @@ impl BatchedPageStore {
     /// Whether slot `slot` of batch `batch` (sealed, being flushed) holds a page nobody reads
     /// any more: its entry, seen without its lock, names something else (a newer write, a
     /// discard, a freed slot). Final: no entry comes to name a sealed batch's slot again until
-    /// the batch reopens after its flush. Then the flush neither compresses it nor takes
-    /// memory for it, which near OOM is most of a killed program's pages. An entry locked
+    /// the batch reopens after its flush. Then the flush takes no memory for it (and on the CPU
+    /// does not compress it), which near OOM is most of a killed program's pages. An entry locked
     /// right now is flushed (`install` settles it under the lock).
     fn superseded(&self, batch: usize, slot: usize, pending: &PendingSlot<'_>) -> bool {
         let index = usize::try_from(pending.index).unwrap_or(usize::MAX);
-        self.table
-            .peek(index)
-            .is_some_and(|(state, _)| state != PageState::pending(batch, slot))
+        match self.table.peek(index) {
+            Some((state, _)) => state != PageState::pending(batch, slot),
+            // Locked (flushed: `install` settles it), or in a group given back: a pending
+            // entry holds a page, so its group was emptied first.
+            None => index < self.table.len() && !self.table.is_committed(index),
+        }
     }
 
     /// A slot of a batch being flushed is settled: its page stored, superseded or lost.

@@ -528,8 +528,9 @@ impl BatchedPageStore {
             }
         } else {
             let mut out = [0u8; PAGE_SIZE];
-            let (encoding, len) = compress_page(self.compressor_for(1).algorithm(), page, &mut out);
-            add(&self.counters.pages_simd, 1);
+            let (compressor, short) = self.compressor_now();
+            let (encoding, len) = compress_page(compressor.algorithm(), page, &mut out);
+            self.count_compressed(Backend::Simd, short, 1);
             self.note_compressed(1, u64::from(encoding == Encoding::Raw));
             // The starvation rule of batched writes (see `admission`), for a write waiting
             // for chunk memory itself.
@@ -862,14 +863,21 @@ impl BatchedPageStore {
         self.memory_short.load(Ordering::Relaxed)
     }
 
-    /// The compressor of the next `pages` new pages (see `set_memory_short`), counted.
-    fn compressor_for(&self, pages: usize) -> &Compressor {
+    /// The compressor of new pages now (see `set_memory_short`), and whether it is the
+    /// short-memory one (for `count_compressed`).
+    fn compressor_now(&self) -> (&Compressor, bool) {
         match &self.short_memory_compressor {
-            Some(small) if self.memory_short.load(Ordering::Relaxed) => {
-                add(&self.counters.short_memory_pages, pages as u64);
-                small
-            }
-            _ => &self.compressor,
+            Some(small) if self.memory_short.load(Ordering::Relaxed) => (small, true),
+            _ => (&self.compressor, false),
+        }
+    }
+
+    /// Count `pages` new pages compressed by `backend`, with the short-memory compressor if
+    /// `short` (see `compressor_now`).
+    fn count_compressed(&self, backend: Backend, short: bool, pages: u64) {
+        add(self.counters.backend(backend), pages);
+        if short {
+            add(&self.counters.short_memory_pages, pages);
         }
     }
 
