@@ -255,8 +255,11 @@ impl BatchedPageStore {
             // a swap run that starts after all was discarded (`swapon -d`) begin in the
             // groups after the one with swap's header, and one given back is one a write
             // waits for at the onset of the storm (seen in the VM: 300 ms).
+            // A group that holds pages is not a spare (`retire` leaves it, and it is looked
+            // at again after its next free), and must not use up the spares' count.
             if spares < SWAP_STRIDE_GROUPS
                 && memory.state(group) == GroupState::Committed
+                && !self.table.holds_pages(group)
                 && (group.saturating_sub(SWAP_STRIDE_GROUPS)..group)
                     .any(|g| self.table.holds_pages(g))
             {
@@ -398,11 +401,12 @@ impl BatchedPageStore {
     }
 
     /// Compact now in a thread of its own at the lowest priority (`trueno-ublk compact`),
-    /// started by `thread_init` (given the role `Recompress`, whose work it does), then
-    /// `done` with what it did. False if a compaction asked for earlier still runs.
+    /// started by `thread_init` (a store thread that needs no codec: compaction moves
+    /// compressed bytes), then `done` with what it did. False if a compaction asked for
+    /// earlier still runs.
     pub fn start_compaction(
         self: &Arc<Self>,
-        thread_init: impl FnOnce(StoreThread) + Send + 'static,
+        thread_init: impl FnOnce() + Send + 'static,
         done: impl FnOnce(Compaction) + Send + 'static,
     ) -> std::io::Result<bool> {
         if self.compacting.swap(true, Ordering::AcqRel) {
@@ -421,7 +425,7 @@ impl BatchedPageStore {
                     }
                 }
                 let running = Compacting(&store);
-                thread_init(StoreThread::Recompress);
+                thread_init();
                 lowest_priority();
                 let compaction = store.compact();
                 drop(running);
