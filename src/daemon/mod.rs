@@ -1037,7 +1037,7 @@ fn serve(
                     Ok(SIGUSR2) => {
                         // `trueno-ublk compact`: in a thread of its own at the lowest priority.
                         match store.start_compaction(
-                            move |role| ready_store_thread(store_thread_codecs(role, algorithm, recompress)),
+                            || ready_store_thread(ThreadCodecs::none()),
                             |done| tracing::info!(
                                 passes = done.passes,
                                 moved_pages = done.moved_pages,

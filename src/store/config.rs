@@ -95,8 +95,8 @@ pub fn recompresses_zstd_pages(algorithm: Algorithm) -> bool {
 
 /// The codec contexts the store's thread `role` keeps (see `codec::prepare_thread`): the
 /// flusher compresses new pages and reads none; the recompressor compresses with the
-/// recompression codec and decompresses only the zstd pages it recompresses (a compaction,
-/// which runs as it, moves pages without either); the refill thread compresses nothing.
+/// recompression codec and decompresses only the zstd pages it recompresses (its compactions
+/// move compressed bytes); the refill thread compresses nothing.
 pub fn store_thread_codecs(
     role: StoreThread,
     algorithm: Algorithm,
