@@ -160,8 +160,13 @@ impl Drop for AddedDevice {
 /// And a trap of the 6.12 driver: START_USER_RECOVERY forgets every queue, and until one queue
 /// has fetched all its tags again, a second START_USER_RECOVERY fails with EINVAL
 /// (`ublk_ctrl_start_recovery`: `!ub->nr_queues_ready`); a daemon that died in that window
-/// would leave a device no daemon can resume (only DEL_DEV removes it). Having the threads
-/// ready keeps that window to the fetches themselves.
+/// would leave a device no daemon can resume (only DEL_DEV removes it). With two queues or
+/// more it is worse: once one queue has fetched all its tags, the next START_USER_RECOVERY
+/// passes that check and resets every queue, and a queue that had not fetched all of its own
+/// has no daemon task for the driver to release (a NULL `put_task_struct`: a kernel oops with
+/// the device's mutex held). Having the threads ready keeps that window to the fetches
+/// themselves, and a queue's setup waits out a kernel short of memory (`Queue::fetch_all`)
+/// rather than give up inside it.
 pub struct Standby {
     // Declared first, so dropped first: queue threads still waiting for the char device see
     // their channel close and end before `device`'s drop joins them.
@@ -366,6 +371,21 @@ impl Drop for SaysExited {
     }
 }
 
+/// Reports a queue thread's panic to whoever waits for the threads' start (`Go::wait_all`):
+/// with two queues or more, the others hold their ends of the channel open (waiting for the
+/// char device, or serving), so the thread's own end going does not end that wait.
+struct ReportsPanic<'a>(&'a Sender<QueueReady>);
+
+impl Drop for ReportsPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let _ = self
+                .0
+                .send(QueueReady::Failed("a queue thread panicked".into()));
+        }
+    }
+}
+
 /// Starts each queue thread's fetches: the char device, and a channel per thread for it.
 struct Go {
     senders: Vec<Sender<Arc<File>>>,
@@ -534,8 +554,8 @@ impl Device {
             self.queues.push(thread);
             senders.push(go_tx);
         }
-        // Only the threads' clones from here on: a thread that ends before it reports (a
-        // panic) then ends the wait below instead of leaving it waiting for good.
+        // Only the threads' clones from here on: with one queue, a thread that ends before it
+        // reports then ends the wait below (with more, see `ReportsPanic`).
         drop(ready_tx);
         let go = Go { senders, ready };
         go.wait_all(queues, |r| matches!(r, QueueReady::Prepared))?;
@@ -554,7 +574,31 @@ impl Device {
                 Ok(()) => return Ok(busy_tries),
                 Err(UblkError::Command {
                     errno: libc::EBUSY, ..
-                }) if Instant::now() < deadline => {
+                }) => {
+                    // Busy also when the device is no longer quiesced (stopped by a `delete
+                    // --lose-pages`, or live under another resumer): no wait mends that.
+                    let state = self.control.dev_info(id)?.state;
+                    if state != sys::UBLK_S_DEV_QUIESCED {
+                        return Err(UblkError::CannotResume {
+                            id,
+                            reason: format!(
+                                "it is {}, no longer quiesced, so there is nothing to resume \
+                                 (START_USER_RECOVERY: busy); check `trueno-ublk list`",
+                                state_name(state)
+                            ),
+                        });
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(UblkError::CannotResume {
+                            id,
+                            reason: format!(
+                                "the kernel still holds its old daemon's {} after {} s \
+                                 (START_USER_RECOVERY: busy); check `trueno-ublk list` and retry",
+                                char_path(id),
+                                QUIESCE_WAIT.as_secs()
+                            ),
+                        });
+                    }
                     busy_tries += 1;
                     if busy_tries == SLOW_RELEASE_TRIES {
                         tracing::warn!(
@@ -565,19 +609,6 @@ impl Device {
                         );
                     }
                     std::thread::sleep(POLL);
-                }
-                Err(UblkError::Command {
-                    errno: libc::EBUSY, ..
-                }) => {
-                    return Err(UblkError::CannotResume {
-                        id,
-                        reason: format!(
-                            "the kernel still holds its old daemon's {} after {} s \
-                             (START_USER_RECOVERY: busy); check `trueno-ublk list` and retry",
-                            char_path(id),
-                            QUIESCE_WAIT.as_secs()
-                        ),
-                    })
                 }
                 Err(UblkError::Command {
                     errno: libc::EINVAL,
@@ -779,6 +810,7 @@ fn run_queue(
     go: &Receiver<Arc<File>>,
     ready: &Sender<QueueReady>,
 ) -> QueueExit {
+    let _reports_panic = ReportsPanic(ready);
     // The handler readies the heap, for what its `handle` keeps there.
     crate::mem::prefault_stack();
     handler.prepare_thread();

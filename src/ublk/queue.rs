@@ -199,8 +199,29 @@ const POLL_WINDOW: std::time::Duration = std::time::Duration::from_micros(50);
 const SUBMIT_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
 /// How long `Queue::submit_all` waits out a kernel with no memory for the commands it
 /// submits (a queue's fetches when it is set up, its last commits when it stops) before it
-/// fails.
+/// fails, and `map_descriptors` for the mapping of the descriptors.
 const SUBMIT_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Map queue `q_id`'s descriptor array, waiting out a kernel with no memory for it (EAGAIN,
+/// ENOMEM) for up to `SUBMIT_PATIENCE`, as the fetches that follow do. Why: after
+/// START_USER_RECOVERY a queue that gives up leaves a device the 6.12 driver may never let
+/// anyone resume (see `device::Standby`), and a takeover happens with RAM at the watermark.
+fn map_descriptors(char_dev: &File, q_id: u16, depth: u16) -> std::io::Result<DescArray> {
+    let started = Instant::now();
+    loop {
+        match DescArray::map(char_dev, q_id, depth) {
+            Err(error)
+                if matches!(
+                    error.raw_os_error(),
+                    Some(libc::EAGAIN | libc::ENOMEM | libc::EINTR)
+                ) && started.elapsed() < SUBMIT_PATIENCE =>
+            {
+                std::thread::sleep(SUBMIT_RETRY);
+            }
+            mapped => return mapped,
+        }
+    }
+}
 /// `user_data` of the wake-up poll: above every tag, so never mistaken for one.
 const WAKE: u64 = 1 << 32;
 /// `user_data` of the NOPs that warm the ring's request cache (`QueueParts::prepare`).
@@ -313,7 +334,7 @@ impl Queue {
     ) -> Result<Self, UblkError> {
         let QueueParts { setup, ring, data } = parts;
         let io = |what| move |source| UblkError::Io { what, source };
-        let descs = DescArray::map(char_dev.as_ref(), setup.q_id, setup.depth)
+        let descs = map_descriptors(&char_dev, setup.q_id, setup.depth)
             .map_err(io("mapping the descriptor array"))?;
         let mut queue = Self {
             setup,
