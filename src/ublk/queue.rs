@@ -202,6 +202,15 @@ const SUBMIT_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
 /// fails, and `map_descriptors` for the mapping of the descriptors.
 const SUBMIT_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// Whether a system call's `error` may pass if tried again: the kernel had no memory for it
+/// (EAGAIN, ENOMEM) or a signal came (EINTR).
+fn worth_retrying(error: &std::io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(libc::EAGAIN | libc::ENOMEM | libc::EINTR)
+    )
+}
+
 /// Map queue `q_id`'s descriptor array, waiting out a kernel with no memory for it (EAGAIN,
 /// ENOMEM) for up to `SUBMIT_PATIENCE`, as the fetches that follow do. Why: after
 /// START_USER_RECOVERY a queue that gives up leaves a device the 6.12 driver may never let
@@ -210,12 +219,7 @@ fn map_descriptors(char_dev: &File, q_id: u16, depth: u16) -> std::io::Result<De
     let started = Instant::now();
     loop {
         match DescArray::map(char_dev, q_id, depth) {
-            Err(error)
-                if matches!(
-                    error.raw_os_error(),
-                    Some(libc::EAGAIN | libc::ENOMEM | libc::EINTR)
-                ) && started.elapsed() < SUBMIT_PATIENCE =>
-            {
+            Err(error) if worth_retrying(&error) && started.elapsed() < SUBMIT_PATIENCE => {
                 std::thread::sleep(SUBMIT_RETRY);
             }
             mapped => return mapped,
@@ -381,12 +385,7 @@ impl Queue {
                         source: std::io::ErrorKind::TimedOut.into(),
                     })
                 }
-                Err(error)
-                    if matches!(
-                        error.raw_os_error(),
-                        Some(libc::EAGAIN | libc::ENOMEM | libc::EINTR)
-                    ) && started.elapsed() < SUBMIT_PATIENCE =>
-                {
+                Err(error) if worth_retrying(&error) && started.elapsed() < SUBMIT_PATIENCE => {
                     std::thread::sleep(SUBMIT_RETRY);
                 }
                 Err(source) => return Err(UblkError::Io { what, source }),
