@@ -131,8 +131,11 @@ pub struct BatchedPageStore {
     control: Mutex<Control>,
     flusher_wake: Condvar,
     writers_wake: Condvar,
-    /// Wakes the recompressor early: only to stop it.
+    /// Wakes the recompressor early: only to stop it. Its sleeps wait under `recompress_sleep`,
+    /// not `control`: a nice-19 thread holding the mutex the write path takes (`wake_flusher`)
+    /// when preempted would hold up the queue threads until the scheduler gave it a turn.
     recompress_wake: Condvar,
+    recompress_sleep: Mutex<()>,
     /// Held for a whole flush; holds the reused output buffer of a GPU codec (see
     /// `flush::flush_buffer_pages`).
     flush: Mutex<CompressedBatch>,
@@ -357,6 +360,7 @@ impl BatchedPageStore {
             flusher_wake: Condvar::new(),
             writers_wake: Condvar::new(),
             recompress_wake: Condvar::new(),
+            recompress_sleep: Mutex::new(()),
             // Sized (and so faulted in) now: the first flush may come under memory pressure.
             flush_part_pages,
             flush: Mutex::new({
@@ -833,6 +837,11 @@ impl BatchedPageStore {
             let mut ctl = self.control.lock();
             ctl.stop = true;
             self.flusher_wake.notify_all();
+        }
+        {
+            // Under its lock, so that a recompressor between its look at `shut_down` and its
+            // wait cannot miss the wake-up.
+            let _sleep = self.recompress_sleep.lock();
             self.recompress_wake.notify_all();
         }
         self.flush_open_batch();

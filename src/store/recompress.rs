@@ -112,12 +112,12 @@ impl BatchedPageStore {
         let mut scratch = Scratch::new();
         loop {
             {
-                let mut ctl = self.control.lock();
-                if ctl.stop {
+                let mut sleep = self.recompress_sleep.lock();
+                if self.stopping() {
                     return;
                 }
-                self.recompress_wake.wait_for(&mut ctl, tick);
-                if ctl.stop {
+                self.recompress_wake.wait_for(&mut sleep, tick);
+                if self.stopping() {
                     return;
                 }
             }
@@ -275,9 +275,9 @@ impl BatchedPageStore {
         }
         let rest = used * (100 - percent) / percent;
         let deadline = Instant::now() + rest;
-        let mut ctl = self.control.lock();
-        while !ctl.stop && Instant::now() < deadline {
-            self.recompress_wake.wait_until(&mut ctl, deadline);
+        let mut sleep = self.recompress_sleep.lock();
+        while !self.stopping() && Instant::now() < deadline {
+            self.recompress_wake.wait_until(&mut sleep, deadline);
         }
     }
 
