@@ -179,11 +179,6 @@ impl Standby {
         self.device.id()
     }
 
-    /// The device as the kernel had it when the standby was made.
-    pub fn info(&self) -> &CtrlDevInfo {
-        &self.device.info
-    }
-
     /// Ask the kernel for the device's state (GET_DEV_INFO), as a standby does now and then
     /// while it waits: the driver runs every control command on an io_uring worker thread
     /// (it refuses the inline, non-blocking try), and the worker exits after some idle
@@ -450,12 +445,6 @@ impl Device {
         Ok(added)
     }
 
-    /// Create, configure and start a device whose requests `handler` serves. Returns once
-    /// the block device is live. On failure nothing is left behind in the kernel.
-    pub fn create(spec: DeviceSpec, handler: Arc<dyn BlockHandler>) -> Result<Self, UblkError> {
-        Self::add(spec)?.start(handler)
-    }
-
     /// A standby for device `id`, which exists (served by another daemon, or left quiesced by
     /// one): queue threads made for its queues and depth, waiting; `handler` serves its
     /// requests once it is resumed. Changes nothing in the kernel.
@@ -654,10 +643,6 @@ impl Device {
 
     pub fn info(&self) -> &CtrlDevInfo {
         &self.info
-    }
-
-    pub fn size_bytes(&self) -> u64 {
-        self.size_bytes
     }
 
     /// Whether request data moves by pread/pwrite on the char device (`UBLK_F_USER_COPY`)
