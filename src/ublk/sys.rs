@@ -251,9 +251,6 @@ pub struct ParamZoned {
     pub reserved: [u8; 20],
 }
 
-/// `struct ublk_params` as of Linux 6.12 (basic, discard, devt, zoned). Newer kernels append
-/// more parts; `len` tells the kernel how much of the struct we know, and it accepts a shorter
-/// one.
 /// `Params::len`: the size of the whole struct.
 #[allow(
     clippy::cast_possible_truncation,
@@ -261,6 +258,9 @@ pub struct ParamZoned {
 )]
 pub const PARAMS_LEN: u32 = size_of::<Params>() as u32;
 
+/// `struct ublk_params` as of Linux 6.12 (basic, discard, devt, zoned). Newer kernels append
+/// more parts; `len` tells the kernel how much of the struct we know, and it accepts a shorter
+/// one.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Params {

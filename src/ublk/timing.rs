@@ -56,7 +56,8 @@ impl Buckets {
     }
 
     /// The upper bound of the bucket holding the `quantile` (0..=1) of the values, or `None`
-    /// for an empty histogram: a value the quantile is below, within a factor of two.
+    /// for an empty histogram: a value the quantile is below, within a factor of two (but in
+    /// the last bucket, which holds everything above the one before it).
     pub fn quantile_upper_bound(&self, quantile: f64) -> Option<u64> {
         let count = self.count();
         if count == 0 {
