@@ -484,6 +484,13 @@ fn run_bench(args: &BenchArgs) -> CommandResult {
     let report = bench::measure(&options, &corpus, &progress);
     progress.finish();
     let report = report?;
+    if report.request_bytes as u64 != options.request_size {
+        eprintln!(
+            "trueno-ublk: note: requests of {} bytes, not the {} asked for: a whole number of \
+             pages that divides the corpus's {} pages",
+            report.request_bytes, options.request_size, report.pages
+        );
+    }
     if args.json {
         print_out(&format!("{}\n", serde_json::to_string_pretty(&report)?))?;
     } else {

@@ -219,3 +219,47 @@ fn a_missing_corpus_fails_with_a_message() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("cannot read corpus"), "{stderr}");
 }
+
+#[test]
+fn a_request_size_the_corpus_cannot_take_is_changed_with_a_note() {
+    let bench = |request_size: &str| {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_trueno-ublk"))
+            .args([
+                "bench",
+                "--size",
+                "1M",
+                "--request-size",
+                request_size,
+                "--latency-samples",
+                "10",
+                "--overwrites",
+                "0",
+                // No recompression to wait for: the run takes a tenth of a second.
+                "--recompress",
+                "off",
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        (
+            json["request_bytes"].as_u64(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    // 256 pages: 12 KiB (3 pages) does not divide them, 8 KiB does.
+    let (bytes, stderr) = bench("12K");
+    assert_eq!(bytes, Some(8192));
+    assert!(
+        stderr.contains("requests of 8192 bytes, not the 12288 asked for"),
+        "{stderr}"
+    );
+    let (bytes, stderr) = bench("16K");
+    assert_eq!(bytes, Some(16384));
+    assert!(!stderr.contains("note"), "{stderr}");
+}
