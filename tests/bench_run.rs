@@ -182,27 +182,30 @@ fn json_report_has_the_required_keys() {
     assert!(json["zram"].is_null());
 }
 
-#[test]
-fn the_binary_prints_one_json_object() {
+/// Run the binary's `bench` with `args` and `--json`, which must succeed: its JSON report and
+/// what it wrote on stderr.
+fn bench_json(args: &[&str]) -> (serde_json::Value, String) {
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_trueno-ublk"))
-        .args([
-            "bench",
-            "--size",
-            "1M",
-            "--latency-samples",
-            "10",
-            "--overwrites",
-            "1",
-            "--json",
-        ])
+        .arg("bench")
+        .args(args)
+        .arg("--json")
         .output()
         .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(output.status.success(), "{stderr}");
+    (serde_json::from_slice(&output.stdout).unwrap(), stderr)
+}
+
+#[test]
+fn the_binary_prints_one_json_object() {
+    let (json, _) = bench_json(&[
+        "--size",
+        "1M",
+        "--latency-samples",
+        "10",
+        "--overwrites",
+        "1",
+    ]);
     assert!(json["write_gbps"].as_f64().is_some_and(|v| v > 0.0));
     assert!(json["overwrite"]["mem_ratio"]
         .as_f64()
@@ -223,34 +226,20 @@ fn a_missing_corpus_fails_with_a_message() {
 #[test]
 fn a_request_size_the_corpus_cannot_take_is_changed_with_a_note() {
     let bench = |request_size: &str| {
-        let output = std::process::Command::new(env!("CARGO_BIN_EXE_trueno-ublk"))
-            .args([
-                "bench",
-                "--size",
-                "1M",
-                "--request-size",
-                request_size,
-                "--latency-samples",
-                "10",
-                "--overwrites",
-                "0",
-                // No recompression to wait for: the run takes a tenth of a second.
-                "--recompress",
-                "off",
-                "--json",
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            output.status.success(),
-            "{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
-        (
-            json["request_bytes"].as_u64(),
-            String::from_utf8_lossy(&output.stderr).into_owned(),
-        )
+        let (json, stderr) = bench_json(&[
+            "--size",
+            "1M",
+            "--request-size",
+            request_size,
+            "--latency-samples",
+            "10",
+            "--overwrites",
+            "0",
+            // No recompression to wait for: the run takes a tenth of a second.
+            "--recompress",
+            "off",
+        ]);
+        (json["request_bytes"].as_u64(), stderr)
     };
     // 256 pages: 12 KiB (3 pages) does not divide them, 8 KiB does.
     let (bytes, stderr) = bench("12K");
