@@ -210,11 +210,17 @@ impl Notifier {
     /// Whether the supervisor has asked this serving process to hand its device over to the
     /// standby it readied (`HANDOVER=1`, see `supervise`'s reload); never waits.
     pub(super) fn handover_asked(&self) -> bool {
+        self.supervisor_said(HANDOVER)
+    }
+
+    /// Whether a line of what the supervisor has sent since the last look is `word`; reads
+    /// all of it, never waits.
+    pub(super) fn supervisor_said(&self, word: &str) -> bool {
         let Self::Supervisor(channel) = self else {
             return false;
         };
-        let mut buffer = [0u8; 64];
-        let mut asked = false;
+        let mut buffer = [0u8; 256];
+        let mut said = false;
         loop {
             let mut fds = [nix::poll::PollFd::new(
                 channel.as_fd(),
@@ -223,14 +229,14 @@ impl Notifier {
             let readable =
                 nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO).is_ok_and(|n| n > 0);
             if !readable {
-                return asked;
+                return said;
             }
             match channel.recv(&mut buffer) {
                 Ok(n) => {
-                    asked |= std::str::from_utf8(&buffer[..n])
-                        .is_ok_and(|text| text.lines().any(|line| line == HANDOVER));
+                    said |= std::str::from_utf8(&buffer[..n])
+                        .is_ok_and(|text| text.lines().any(|line| line == word));
                 }
-                Err(_) => return asked,
+                Err(_) => return said,
             }
         }
     }

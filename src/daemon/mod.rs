@@ -491,7 +491,6 @@ fn wait_for_takeover(
             "a standby needs a supervisor (it is started by one)".into(),
         ));
     };
-    let mut buffer = [0u8; 256];
     let mut pinged = Instant::now();
     loop {
         if pinged.elapsed() >= STANDBY_PING {
@@ -518,7 +517,7 @@ fn wait_for_takeover(
         if fds[0]
             .revents()
             .is_some_and(|events| events.contains(nix::poll::PollFlags::POLLIN))
-            && told_to_take_over(channel, &mut buffer)
+            && notifier.supervisor_said(detach::TAKEOVER)
         {
             return Ok(true);
         }
@@ -531,7 +530,7 @@ fn wait_for_takeover(
             // right behind it (the supervisor forwards a stop to the process it now counts
             // as serving): then this process serves the device, and stops it as the serving
             // loop does, with the signal raised again for that loop.
-            if told_to_take_over(channel, &mut buffer) {
+            if notifier.supervisor_said(detach::TAKEOVER) {
                 signal_hook::low_level::raise(stop)
                     .map_err(io_error("passing a stop on to the serving loop"))?;
                 return Ok(true);
@@ -539,23 +538,6 @@ fn wait_for_takeover(
             return Ok(false);
         }
     }
-}
-
-/// Whether a word the supervisor sent, read without waiting, is `TAKEOVER=1`.
-fn told_to_take_over(channel: &std::os::unix::net::UnixDatagram, buffer: &mut [u8]) -> bool {
-    let mut told = false;
-    while let Ok(n) = nix::sys::socket::recv(
-        std::os::fd::AsRawFd::as_raw_fd(channel),
-        buffer,
-        nix::sys::socket::MsgFlags::MSG_DONTWAIT,
-    ) {
-        if n == 0 {
-            break;
-        }
-        let message = std::str::from_utf8(&buffer[..n]).unwrap_or_default();
-        told |= message.lines().any(|line| line == detach::TAKEOVER);
-    }
-    told
 }
 
 /// How `open_store` opens a device's store.
@@ -1218,17 +1200,15 @@ mod tests {
     #[test]
     fn a_takeover_word_is_found_among_what_the_supervisor_sent_without_waiting() {
         let (supervisor, standby) = std::os::unix::net::UnixDatagram::pair().unwrap();
-        let mut buffer = [0u8; 256];
-        assert!(!told_to_take_over(&standby, &mut buffer), "nothing sent");
+        let standby = detach::Notifier::Supervisor(standby);
+        let told_to_take_over = || standby.supervisor_said(detach::TAKEOVER);
+        assert!(!told_to_take_over(), "nothing sent");
         supervisor.send(b"SOMETHING=1").unwrap();
-        assert!(!told_to_take_over(&standby, &mut buffer));
+        assert!(!told_to_take_over());
         supervisor.send(b"SOMETHING=1").unwrap();
         supervisor.send(detach::TAKEOVER.as_bytes()).unwrap();
-        assert!(
-            told_to_take_over(&standby, &mut buffer),
-            "the word after another"
-        );
-        assert!(!told_to_take_over(&standby, &mut buffer), "read once");
+        assert!(told_to_take_over(), "the word after another");
+        assert!(!told_to_take_over(), "read once");
     }
 
     #[test]
