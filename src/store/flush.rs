@@ -4,7 +4,7 @@
 #![forbid(unsafe_code)]
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use rayon::prelude::*;
 
@@ -111,9 +111,7 @@ impl BatchedPageStore {
     ) {
         let (compressor, short) = self.compressor_now();
         if let Some(cpu) = compressor.cpu_backend_for(part.len()) {
-            let compressed =
-                self.flush_part_on_cpu(compressor.algorithm(), cpu, b, first, part, resolved);
-            self.count_compressed(cpu, short, compressed);
+            self.flush_part_on_cpu(compressor.algorithm(), cpu, short, b, first, part, resolved);
             return;
         }
         let pages: Vec<&Page> = part.iter().map(|s| &*s.page).collect();
@@ -183,25 +181,31 @@ impl BatchedPageStore {
     /// `flush_part` on the CPU (`backend`: one core or all of them): each page compressed into
     /// its thread's stack and installed from there at once, so a part is one pass over its
     /// pages, not a compression pass and then an installing one, and the compressed bytes are
-    /// still in the core's cache when they are copied into the store. The pages compressed
-    /// (superseded ones are not).
+    /// still in the core's cache when they are copied into the store. `short`: `algorithm` is
+    /// the short-memory one (for `count_compressed`).
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the part, where it lies, and how to compress it"
+    )]
     fn flush_part_on_cpu(
         &self,
         algorithm: Algorithm,
         backend: Backend,
+        short: bool,
         b: usize,
         first: usize,
         part: &[PendingSlot<'_>],
         resolved: &[AtomicBool],
-    ) -> u64 {
-        let compressed_pages = AtomicU64::new(0);
+    ) {
         let flush_one = |(i, s): (usize, &PendingSlot<'_>)| {
             if self.superseded(b, first + i, s) {
                 self.slot_done();
                 resolved[i].store(true, Ordering::Release);
                 return;
             }
-            compressed_pages.fetch_add(1, Ordering::Relaxed);
+            // Counted before the page is stored: once it is, `pending_pages` says so, and a
+            // look at the figures then must find it counted.
+            self.count_compressed(backend, short, 1);
             let mut compressed = [0u8; PAGE_SIZE];
             let (encoding, len) = compress_page(algorithm, &s.page, &mut compressed);
             // Noted before the page is stored, which is what may starve (see `oom`).
@@ -218,7 +222,6 @@ impl BatchedPageStore {
         } else {
             part.par_iter().enumerate().for_each(flush_one);
         }
-        compressed_pages.into_inner()
     }
 
     /// Store slot `slot` of batch `batch` as `bytes` encoded as `encoding`, and point its
