@@ -291,9 +291,12 @@ impl BatchedPageStore {
         let index = usize::try_from(pending.index).unwrap_or(usize::MAX);
         match self.table.peek(index) {
             Some((state, _)) => state != PageState::pending(batch, slot),
-            // Locked (flushed: `install` settles it), or in a group given back: a pending
-            // entry holds a page, so its group was emptied first.
-            None => index < self.table.len() && !self.table.is_committed(index),
+            // Locked, or in a group being given back (flushed: `install` settles it under the
+            // lock, which waits for the group to be kept or gone), or in a group given back: a
+            // pending entry holds a page, so its group was emptied first. Not "any group not
+            // committed": `retire` marks a group retiring after a look without locks, and a
+            // write may land in between; it keeps the group once it finds the page.
+            None => index < self.table.len() && self.table.is_absent(index),
         }
     }
 

@@ -364,6 +364,12 @@ impl PageTable {
             .is_committed_group(TableMemory::group_of(index as u64))
     }
 
+    /// Whether entry `index`'s group has no memory: then its entry is empty. A group being
+    /// given back (retiring) may still hold pages until `retire` has locked its entries.
+    pub(super) fn is_absent(&self, index: usize) -> bool {
+        self.memory.state(TableMemory::group_of(index as u64)) == GroupState::Absent
+    }
+
     /// Whether some entry of `group` holds a page (a look without locks).
     pub(super) fn holds_pages(&self, group: usize) -> bool {
         let word = self.memory.word(group);

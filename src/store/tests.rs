@@ -2102,3 +2102,35 @@ fn pages_discarded_while_pending_are_not_counted_as_compressed() {
         assert_eq!(read_page_back(&s, i)[..], text(i)[..]);
     }
 }
+
+#[test]
+fn a_pending_page_of_a_table_group_being_given_back_is_still_flushed() {
+    // The refill thread's `retire` reads a group's entries without locks, finds them empty,
+    // and only then marks the group retiring: a write may land in between. Until `retire`
+    // locks its way to that entry and keeps the group, a flush must not take the page for
+    // one freed meanwhile.
+    let s =
+        store(crate::config::StoreSettings::default().store_config(64 * PAGE_SIZE as u64, false));
+    s.write(0, &text(1)[..]).unwrap();
+    let group = TableMemory::group_of(0);
+    assert!(
+        s.table.memory().begin_retire(group),
+        "the group is retiring"
+    );
+    std::thread::scope(|scope| {
+        let flush = scope.spawn(|| s.flush_pending());
+        // Long enough for the flush to reach the page; it waits for the group from there.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        s.table.memory().keep(group);
+        flush.join().unwrap().unwrap();
+    });
+    let st = s.stats();
+    assert_eq!((st.pages_stored, st.pending_pages), (1, 0));
+    // The batch is open again: the next pages take its slots.
+    for i in 1..8u64 {
+        s.write(i * PAGE_SIZE as u64, &text(10 + i)[..]).unwrap();
+    }
+    let mut buf = vec![0u8; PAGE_SIZE];
+    s.read(0, &mut buf).unwrap();
+    assert_eq!(&buf[..], &text(1)[..]);
+}
