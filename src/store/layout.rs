@@ -608,8 +608,10 @@ impl Regions {
         };
         // A carve cursor past the arena or off a page would fail every carve from here on.
         let carved = word(H_CARVED);
+        // Each bound before `offsets`, whose sums it keeps from overflowing.
         if shape.slots_per_batch > 1 << 20
             || !shape.arena_bytes.is_multiple_of(PAGE_SIZE)
+            || shape.arena_bytes > segment.len()
             || shape.offsets().total > segment.len()
             || carved > shape.arena_bytes as u64
             || !carved.is_multiple_of(PAGE_SIZE as u64)
