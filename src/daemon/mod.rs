@@ -213,6 +213,7 @@ fn decide_stop(request: StopRequest, path: &str, survives_daemon: bool) -> Optio
 /// section with them gets no swap unit that would wait at boot for a device that never comes.
 pub fn check_startable(settings: &DeviceSettings) -> Result<(), DaemonError> {
     check_size_against_ram(settings.size_bytes)?;
+    crate::store::check_size(settings.size_bytes)?;
     device_spec(settings).validate()?;
     Ok(())
 }

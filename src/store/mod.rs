@@ -170,24 +170,29 @@ pub struct BatchedPageStore {
     _owner: Ownership,
 }
 
-/// Check `config` (for a store with a GPU codec if `has_gpu`); returns the device's pages.
-fn check_config(config: &StoreConfig, has_gpu: bool) -> Result<usize, StoreError> {
-    if config.size_bytes == 0 || !config.size_bytes.is_multiple_of(PAGE_SIZE as u64) {
+/// Check that a store of `size_bytes` can be made: a positive multiple of a page, and fewer
+/// than 2^32 pages (just under 16 TiB: page numbers are 32-bit in the table and the slot
+/// indexes); returns its pages. The daemon asks before it adds a device, so that a size the
+/// store refuses never leaves a device added and unserved.
+pub fn check_size(size_bytes: u64) -> Result<usize, StoreError> {
+    if size_bytes == 0 || !size_bytes.is_multiple_of(PAGE_SIZE as u64) {
         return Err(StoreError::Config(format!(
-            "device size {} is not a positive multiple of {PAGE_SIZE} bytes",
-            config.size_bytes
+            "device size {size_bytes} is not a positive multiple of {PAGE_SIZE} bytes"
         )));
     }
-    let pages = config.size_bytes / PAGE_SIZE as u64;
-    let table_pages = usize::try_from(pages)
+    usize::try_from(size_bytes / PAGE_SIZE as u64)
         .ok()
         .filter(|&p| u32::try_from(p).is_ok())
         .ok_or_else(|| {
             StoreError::Config(format!(
-                "device size {} bytes is too large (less than 16 TiB)",
-                config.size_bytes
+                "device size {size_bytes} bytes is too large: it must be less than 16 TiB"
             ))
-        })?;
+        })
+}
+
+/// Check `config` (for a store with a GPU codec if `has_gpu`); returns the device's pages.
+fn check_config(config: &StoreConfig, has_gpu: bool) -> Result<usize, StoreError> {
+    let table_pages = check_size(config.size_bytes)?;
     if config.batched && !(1..=1 << 20).contains(&config.batch_threshold) {
         return Err(StoreError::Config(format!(
             "batch threshold {} must be between 1 and {} pages",

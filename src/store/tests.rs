@@ -2104,6 +2104,19 @@ fn pages_discarded_while_pending_are_not_counted_as_compressed() {
 }
 
 #[test]
+fn sizes_the_store_cannot_index_are_refused_before_anything_is_made() {
+    let page = PAGE_SIZE as u64;
+    assert!(check_size(0).is_err());
+    assert!(check_size(page - 1).is_err());
+    assert!(check_size(page + 1).is_err());
+    assert_eq!(check_size(page).ok(), Some(1));
+    let most = u64::from(u32::MAX) * page;
+    assert_eq!(check_size(most).ok(), usize::try_from(u32::MAX).ok());
+    let error = check_size(most + page).expect_err("2^32 pages").to_string();
+    assert!(error.contains("less than 16 TiB"), "{error}");
+}
+
+#[test]
 fn a_pending_page_of_a_table_group_being_given_back_is_still_flushed() {
     // The refill thread's `retire` reads a group's entries without locks, finds them empty,
     // and only then marks the group retiring: a write may land in between. Until `retire`
