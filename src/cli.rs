@@ -427,7 +427,9 @@ fn device_table(rows: &[DeviceRow]) -> String {
 
 fn delete(args: &DeleteArgs) -> CommandResult {
     let target = if args.all { None } else { args.id };
+    let mut deleted = 0usize;
     let mut said = |path: &str, note: Option<&str>| {
+        deleted += 1;
         // A closed stdout (`| head`) is no reason to stop deleting.
         let _ = print_out(&format!("deleted {path}\n"));
         if let Some(note) = note {
@@ -435,6 +437,10 @@ fn delete(args: &DeleteArgs) -> CommandResult {
         }
     };
     crate::devices::delete(target, args.force, args.lose_pages, &mut said)?;
+    if deleted == 0 {
+        // `--all` with nothing to delete: say so, as `list` does.
+        print_out("no ublk devices\n")?;
+    }
     Ok(())
 }
 

@@ -81,6 +81,11 @@ pub enum DevicesError {
     DeleteTimeout { id: u32, seconds: u64 },
     #[error("cannot start a thread to delete the device ({source}); nothing was deleted: retry")]
     Thread { source: std::io::Error },
+    #[error(
+        "device {id} is another user's unprivileged ublk device: the kernel does not describe \
+         it to us, so it is not this program's to delete (its owner's ublk server deletes it)"
+    )]
+    NotOurs { id: u32 },
 }
 
 /// One row of `list`.
@@ -150,12 +155,18 @@ pub fn device_row(control: &mut Control, id: u32) -> Result<DeviceRow, UblkError
 /// deleted since its id was read is left out, and so is one the kernel will not describe to
 /// us: another user's unprivileged device (`UBLK_F_UNPRIVILEGED_DEV`: GET_DEV_INFO without
 /// its path fails with EINVAL), which would otherwise fail the whole list.
+/// Any other failure fails the list: a device left out for it would look deleted.
 pub fn list() -> Result<Vec<DeviceRow>, DevicesError> {
     let mut control = Control::open()?;
-    Ok(device_ids()
-        .into_iter()
-        .filter_map(|id| device_row(&mut control, id).ok())
-        .collect())
+    let mut rows = Vec::new();
+    for id in device_ids() {
+        match device_row(&mut control, id) {
+            Ok(row) => rows.push(row),
+            Err(error) if vanished(&error) || undescribed(&error) => {}
+            Err(error) => return Err(error.into()),
+        }
+    }
+    Ok(rows)
 }
 
 /// Whether a control command failed because the device is gone (deleted meanwhile).
@@ -295,6 +306,7 @@ pub fn delete(
         Err(DevicesError::Ublk(error)) if all && (vanished(&error) || undescribed(&error)) => {
             Ok(None)
         }
+        Err(DevicesError::Ublk(error)) if undescribed(&error) => Err(DevicesError::NotOurs { id }),
         found => found.map(Some),
     };
     for &id in &ids {

@@ -63,15 +63,24 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
         .find(|c: char| !c.is_ascii_digit())
         .unwrap_or(text.len());
     let (digits, unit) = text.split_at(digits_end);
-    let number: u64 = digits
-        .parse()
-        .map_err(|_| format!("bad duration '{text}': expected a number like 30s or 5m"))?;
+    let number: u64 = digits.parse().map_err(|_| {
+        if digits.is_empty() {
+            format!("bad duration '{text}': expected a number like 30s or 5m")
+        } else {
+            format!("bad duration '{text}': too long")
+        }
+    })?;
     let millis_per_unit: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "ms" => 1,
         "" | "s" => 1000,
         "m" | "min" => 60_000,
         "h" => 3_600_000,
         "d" => 86_400_000,
+        fraction if fraction.starts_with(['.', ',']) => {
+            return Err(format!(
+                "bad duration '{text}': whole numbers only (write 1500ms for 1.5s)"
+            ))
+        }
         other => {
             return Err(format!(
                 "bad duration '{text}': unknown unit '{other}' (use ms, s, m, h or d)"
@@ -131,6 +140,14 @@ mod tests {
         }
         for bad in ["", "s", "1.5s", "10x", "-3s", "99999999999999999999d"] {
             assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+        for (bad, says) in [
+            ("1.5s", "whole numbers only"),
+            ("99999999999999999999s", "too long"),
+            ("10x", "unknown unit"),
+        ] {
+            let error = parse_duration(bad).expect_err(bad);
+            assert!(error.contains(says), "{bad}: {error}");
         }
         for text in ["30s", "5m", "2h", "1500ms", "0s"] {
             assert_eq!(human_duration(parse_duration(text).unwrap()), text);

@@ -41,13 +41,13 @@ pub enum StatError {
     NotDaemon { id: u32, pid: u32 },
     #[error("the daemon of ublkb{id} (pid {pid}) was replaced before it finished compacting (see `trueno-ublk list`); ask again")]
     Replaced { id: u32, pid: u32 },
-    #[error("the daemon of ublkb{id} has not finished compacting after {} s; it goes on in the background (`trueno-ublk stat --id {id} --json` counts compactions)", waited.as_secs())]
+    #[error("the daemon of ublkb{id} has not finished compacting after {} s: a compaction that started goes on in the background (`trueno-ublk stat --id {id} --json` counts compactions); one that could not start is in the daemon's log (`journalctl -u trueno-ublk@{id}`, or /run/trueno-ublk/ublkb{id}.log for a daemon `create` started)", waited.as_secs())]
     CompactionTimeout { id: u32, waited: Duration },
     #[error("the daemon of ublkb{id} (pid {pid}) predates `reload`: restart it instead (`systemctl restart trueno-ublk@{id}` keeps its pages)")]
     NoReload { id: u32, pid: u32 },
-    #[error("the serving process of ublkb{id} (pid {pid}) has no trueno-ublk supervisor to reload it{why}")]
+    #[error("the serving process of ublkb{id} (pid {pid}) has no trueno-ublk supervisor to reload it{why}: restart it instead (`systemctl restart trueno-ublk@{id}` keeps its pages)")]
     NoSupervisor { id: u32, pid: u32, why: String },
-    #[error("ublkb{id} is still served by pid {pid} {} s after the reload was asked for; its log says why (a new binary that cannot start leaves the running one serving)", waited.as_secs())]
+    #[error("ublkb{id} is still served by pid {pid} {} s after the reload was asked for; its log says why (`journalctl -u trueno-ublk@{id}`, or /run/trueno-ublk/ublkb{id}.log for a daemon `create` started): a new binary that cannot start leaves the running one serving", waited.as_secs())]
     ReloadTimeout { id: u32, pid: u32, waited: Duration },
 }
 
@@ -291,15 +291,18 @@ pub fn compact(
     let asked = Instant::now();
     loop {
         std::thread::sleep(Duration::from_millis(100));
-        let now = report()?;
-        if now.pid != before.pid {
-            return Err(StatError::Replaced {
-                id,
-                pid: before.pid,
-            });
-        }
-        if now.store.compactions > before.store.compactions {
-            return Ok((before, now));
+        // As in `reload`: a hand-over leaves the device without a socket for a moment, and a
+        // daemon short of memory may answer late; both are asked again until `patience` ends.
+        if let Ok(now) = report() {
+            if now.pid != before.pid {
+                return Err(StatError::Replaced {
+                    id,
+                    pid: before.pid,
+                });
+            }
+            if now.store.compactions > before.store.compactions {
+                return Ok((before, now));
+            }
         }
         if asked.elapsed() >= patience {
             return Err(StatError::CompactionTimeout {
