@@ -73,11 +73,20 @@ pub enum SlotFreeError {
     },
     #[error("the kernel's verifier refused the probe: {error}: {log}")]
     Verifier { error: std::io::Error, log: String },
-    #[error("attaching the kprobe to {function}: {source} (ENOENT: this kernel has no such function to probe, or it is inlined or not unique)")]
+    #[error("attaching the kprobe to {function}: {source}{}", attach_hint(source))]
     Attach {
         function: &'static str,
         source: std::io::Error,
     },
+}
+
+/// What the kernel's answer to attaching a kprobe means, where it is its usual one.
+fn attach_hint(source: &std::io::Error) -> &'static str {
+    match source.raw_os_error() {
+        Some(libc::ENOENT) => " (this kernel has no such function to probe, or it is inlined)",
+        Some(libc::EADDRNOTAVAIL) => " (the function's name is not unique in this kernel)",
+        _ => "",
+    }
 }
 
 impl SlotFreeError {

@@ -155,15 +155,14 @@ pub fn load_kprobe_program(
         let mut log = vec![0u8; 64 << 10];
         match load(&mut log) {
             Ok(fd) => Ok(fd),
-            Err(again) => {
+            // The log alone, empty where the kernel wrote none (a privilege check fails
+            // before the verifier runs): the caller tells the two apart by it.
+            Err(_) => {
                 let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
                 let text = String::from_utf8_lossy(&log[..end]);
                 let tail: Vec<&str> = text.lines().rev().take(6).collect();
                 let tail: Vec<&str> = tail.into_iter().rev().collect();
-                Err((
-                    error,
-                    format!("{} (with the log: {again})", tail.join(" / ")),
-                ))
+                Err((error, tail.join(" / ")))
             }
         }
     })
