@@ -14,7 +14,10 @@ mod gpu_support;
 
 use std::sync::Arc;
 
-use gpu_support::{mixed_pages, process_memory_pages, CpuReference, Rng, MAX_LZ4_LEN};
+use gpu_support::{
+    assert_is_model_output, inputs, mixed_pages, process_memory_pages, refs, CpuReference, Rng,
+    MAX_LZ4_LEN,
+};
 use trueno_ublk::codec::{BatchCodec, CodecError, CompressedBatch, Encoding, Page, PAGE_SIZE};
 use trueno_ublk::gpu::{model, probe, FaultPoint, GpuCodec, GpuConfig, GpuProbe};
 
@@ -36,19 +39,6 @@ fn gpu() -> Option<GpuCodec> {
     Some(GpuCodec::new(config, Arc::new(CpuReference)).expect("open the GPU codec"))
 }
 
-fn refs(pages: &[Page]) -> Vec<&Page> {
-    pages.iter().collect()
-}
-
-fn inputs(batch: &CompressedBatch) -> Vec<(Encoding, &[u8])> {
-    (0..batch.lens.len())
-        .map(|i| {
-            let bytes = &batch.data[i * PAGE_SIZE..][..usize::from(batch.lens[i])];
-            (batch.encodings[i], bytes)
-        })
-        .collect()
-}
-
 fn decompress(
     codec: &dyn BatchCodec,
     inputs: &[(Encoding, &[u8])],
@@ -66,25 +56,6 @@ fn assert_pages(decoded: Vec<Result<Page, CodecError>>, pages: &[Page], what: &s
     assert_eq!(decoded.len(), pages.len());
     for (i, (got, want)) in decoded.iter().zip(pages).enumerate() {
         assert_eq!(got.as_ref(), Ok(want), "{what}: page {i}");
-    }
-}
-
-/// Page `i` is the model's LZ4 byte for byte (or raw), checking every `step`-th page.
-fn assert_matches_model(pages: &[Page], batch: &CompressedBatch, step: usize) {
-    let mut expect = [0u8; PAGE_SIZE];
-    for i in (0..pages.len()).step_by(step) {
-        let slot = &batch.data[i * PAGE_SIZE..][..usize::from(batch.lens[i])];
-        match model::compress_page(&pages[i], MAX_LZ4_LEN, &mut expect) {
-            Some(len) => {
-                assert_eq!(batch.encodings[i], Encoding::Lz4, "page {i}");
-                assert_eq!(
-                    slot,
-                    &expect[..len],
-                    "page {i}: GPU output differs from the model"
-                );
-            }
-            None => assert_eq!(batch.encodings[i], Encoding::Raw, "page {i}"),
-        }
     }
 }
 
@@ -108,7 +79,7 @@ fn round_trips_gpu_to_cpu_cpu_to_gpu_and_gpu_to_gpu() {
         let pages = corpus(n, seed);
         let mut gpu_batch = CompressedBatch::default();
         codec.compress_batch(&refs(&pages), &mut gpu_batch).unwrap();
-        assert_matches_model(&pages, &gpu_batch, if n > 4096 { 16 } else { 1 });
+        assert_is_model_output(&pages, &gpu_batch, if n > 4096 { 16 } else { 1 });
         assert_pages(
             decompress(&CpuReference, &inputs(&gpu_batch)),
             &pages,
@@ -224,7 +195,7 @@ fn injected_faults_on_the_device_fall_back_without_losing_pages() {
         assert_eq!(codec.stats().fallback_batches, 1, "{point:?}");
 
         codec.compress_batch(&refs(&pages), &mut batch).unwrap();
-        assert_matches_model(&pages, &batch, 7);
+        assert_is_model_output(&pages, &batch, 7);
         assert_pages(
             decompress(&CpuReference, &inputs(&batch)),
             &pages,

@@ -8,9 +8,9 @@ mod gpu_support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpu_support::{mixed_pages, CpuReference, MAX_LZ4_LEN};
+use gpu_support::{assert_is_model_output, inputs, mixed_pages, refs, CpuReference, MAX_LZ4_LEN};
 use trueno_ublk::codec::{BatchCodec, CodecError, CompressedBatch, Encoding, Page, PAGE_SIZE};
-use trueno_ublk::gpu::{model, FaultPoint, GpuCodec, GpuConfig, FAILURES_BEFORE_REST};
+use trueno_ublk::gpu::{FaultPoint, GpuCodec, GpuConfig, FAILURES_BEFORE_REST};
 
 /// Small chunks so that even small batches run through several chunks and every slot.
 fn model_codec(chunk_pages: usize) -> GpuCodec {
@@ -22,19 +22,6 @@ fn model_codec(chunk_pages: usize) -> GpuCodec {
     GpuCodec::on_cpu_model(config, Arc::new(CpuReference))
 }
 
-fn refs(pages: &[Page]) -> Vec<&Page> {
-    pages.iter().collect()
-}
-
-fn inputs(batch: &CompressedBatch) -> Vec<(Encoding, &[u8])> {
-    (0..batch.lens.len())
-        .map(|i| {
-            let bytes = &batch.data[i * PAGE_SIZE..][..usize::from(batch.lens[i])];
-            (batch.encodings[i], bytes)
-        })
-        .collect()
-}
-
 fn decompress_all(codec: &dyn BatchCodec, batch: &CompressedBatch) -> Vec<Page> {
     let inputs = inputs(batch);
     let mut out = vec![[0u8; PAGE_SIZE]; inputs.len()];
@@ -44,27 +31,6 @@ fn decompress_all(codec: &dyn BatchCodec, batch: &CompressedBatch) -> Vec<Page> 
         assert_eq!(st, &Ok(()), "page {i}");
     }
     out
-}
-
-/// Every page (every `step`-th) is the model kernel's LZ4 byte for byte, or raw when that is
-/// longer than `MAX_LZ4_LEN`.
-fn assert_is_model_output(pages: &[Page], batch: &CompressedBatch, step: usize) {
-    assert_eq!(batch.lens.len(), pages.len());
-    assert_eq!(batch.encodings.len(), pages.len());
-    let mut expect = [0u8; PAGE_SIZE];
-    for (i, page) in pages.iter().enumerate().step_by(step) {
-        let slot = &batch.data[i * PAGE_SIZE..][..usize::from(batch.lens[i])];
-        match model::compress_page(page, MAX_LZ4_LEN, &mut expect) {
-            Some(len) => {
-                assert_eq!(batch.encodings[i], Encoding::Lz4, "page {i}");
-                assert_eq!(slot, &expect[..len], "page {i}");
-            }
-            None => {
-                assert_eq!(batch.encodings[i], Encoding::Raw, "page {i}");
-                assert_eq!(slot, &page[..], "page {i}");
-            }
-        }
-    }
 }
 
 #[test]

@@ -97,6 +97,7 @@ cp "$KDIR/ublk_drv.ko" "$OVER/usr/lib/modules/$KVER/extra/"
 ln -s /lib/systemd/systemd "$OVER/init"
 mkdir -p "$OVER/test" "$OVER/etc/systemd/system/multi-user.target.wants"
 cp "$ROOT/scripts/vm/systemd-test.sh" "$OVER/test/systemd-test.sh"
+cp "$ROOT/scripts/vm/checks.sh" "$OVER/test/checks.sh"
 cp "$VMTOOL" "$OVER/test/vmtool"
 cat >"$OVER/etc/systemd/system/trueno-test.service" <<'UNIT'
 [Unit]

@@ -45,26 +45,8 @@ $VT monitor 20 780 90 /run/pressure-on &
 DEV=/dev/ublkb0
 ID=0
 PRIO=100
-FAILS=0
-CHECKS=0
-
-ok() {
-    CHECKS=$((CHECKS + 1))
-    echo "ok: $*"
-}
-fail() {
-    CHECKS=$((CHECKS + 1))
-    FAILS=$((FAILS + 1))
-    echo "FAIL: $*"
-}
-check() { # description command...
-    local desc=$1
-    shift
-    if "$@"; then ok "$desc"; else fail "$desc"; fi
-}
-figure() { echo "FIGURE $1=$2"; }
-section() { echo; echo "=== $* (t=$(cut -d' ' -f1 /proc/uptime) s)"; }
-vmstat_of() { awk -v k="$1" '$1 == k { print $2 }' /proc/vmstat; }
+# shellcheck source=checks.sh # copied to /test beside this script
+. /test/checks.sh
 swap_prio() { awk -v d="$DEV" '$1 == d { print $5 }' /proc/swaps; }
 swap_used_kib() { awk -v d="$DEV" '$1 == d { print $4 }' /proc/swaps; }
 avail_mib() { awk '/^MemAvailable:/ { print int($2 / 1024) }' /proc/meminfo; }

@@ -87,38 +87,13 @@ work() {
 VT=/test/vmtool
 UL=/usr/sbin # util-linux tools (busybox's would win for bare names in this shell)
 MIB=1048576
-FAILS=0
-CHECKS=0
-
-ok() {
-    CHECKS=$((CHECKS + 1))
-    echo "ok: $*"
-}
-fail() {
-    CHECKS=$((CHECKS + 1))
-    FAILS=$((FAILS + 1))
-    echo "FAIL: $*"
-}
-check() { # description command...
-    local desc=$1
-    shift
-    if "$@"; then ok "$desc"; else fail "$desc"; fi
-}
-figure() {
-    echo "FIGURE $1=$2"
-    echo "FIGURE $1=$2" >>/tmp/figures.log
-}
+FIGURES_LOG=/tmp/figures.log
+. /test/checks.sh
 now() { $VT now; }
 # child_of PID: the (first) child of PID: the program `work timeout ...` runs.
 child_of() { awk '{ print $1 }' "/proc/$1/task/$1/children" 2>/dev/null; }
 since() { awk -v a="$(now)" -v b="$1" 'BEGIN { printf "%.3f", a - b }'; }
 mbps() { awk -v b="$1" -v s="$2" 'BEGIN { if (s <= 0) s = 1e-6; printf "%.1f", b / 1e6 / s }'; }
-vmstat_of() { awk -v k="$1" '$1 == k { print $2 }' /proc/vmstat; }
-uptime_s() { cut -d' ' -f1 /proc/uptime; }
-section() {
-    echo
-    echo "=== $* (t=$(uptime_s) s)"
-}
 daemon_logs() {
     local f
     for f in /run/trueno-ublk/*.log /run/trueno-ublk/*.log.1; do

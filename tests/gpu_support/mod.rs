@@ -14,6 +14,7 @@ use std::fs;
 use std::io::{Read, Seek, SeekFrom};
 
 use trueno_ublk::codec::{BatchCodec, CodecError, CompressedBatch, Encoding, Page, PAGE_SIZE};
+use trueno_ublk::gpu::model;
 
 /// The longest LZ4 output the tests keep; longer pages are stored raw (the codec's default).
 pub const MAX_LZ4_LEN: usize = 3584;
@@ -302,4 +303,39 @@ pub fn stored_len(lz4_len: Option<usize>) -> usize {
 /// Ratio of input bytes to stored bytes.
 pub fn ratio(pages: usize, stored: usize) -> f64 {
     (pages * PAGE_SIZE) as f64 / stored as f64
+}
+
+pub fn refs(pages: &[Page]) -> Vec<&Page> {
+    pages.iter().collect()
+}
+
+/// A compressed batch as the inputs of `BatchCodec::decompress_batch`.
+pub fn inputs(batch: &CompressedBatch) -> Vec<(Encoding, &[u8])> {
+    (0..batch.lens.len())
+        .map(|i| {
+            let bytes = &batch.data[i * PAGE_SIZE..][..usize::from(batch.lens[i])];
+            (batch.encodings[i], bytes)
+        })
+        .collect()
+}
+
+/// Every `step`-th page of `batch` is the model kernel's LZ4 of `pages` byte for byte, or the
+/// page raw where that is longer than `MAX_LZ4_LEN`.
+pub fn assert_is_model_output(pages: &[Page], batch: &CompressedBatch, step: usize) {
+    assert_eq!(batch.lens.len(), pages.len());
+    assert_eq!(batch.encodings.len(), pages.len());
+    let mut expect = [0u8; PAGE_SIZE];
+    for (i, page) in pages.iter().enumerate().step_by(step) {
+        let slot = &batch.data[i * PAGE_SIZE..][..usize::from(batch.lens[i])];
+        match model::compress_page(page, MAX_LZ4_LEN, &mut expect) {
+            Some(len) => {
+                assert_eq!(batch.encodings[i], Encoding::Lz4, "page {i}");
+                assert_eq!(slot, &expect[..len], "page {i}: not the model's output");
+            }
+            None => {
+                assert_eq!(batch.encodings[i], Encoding::Raw, "page {i}");
+                assert_eq!(slot, &page[..], "page {i}");
+            }
+        }
+    }
 }
