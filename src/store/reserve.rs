@@ -621,9 +621,16 @@ impl ChunkReserve {
         let k = pages - 1;
         self.demand[k].fetch_add(1, Ordering::Relaxed);
         self.taken.fetch_add(1, Ordering::Relaxed);
-        // Without a refill thread to wait for, no quarter is kept.
+        // Without a refill thread to wait for, no quarter is kept. Ready chunks of other
+        // sizes serve too before the taker counts as a miss and a waiter (which changes how
+        // the refill thread works: see `starving`).
         let waits_for_refill = self.refill_serves();
-        if let Some(chunk) = self.pop_committed(k, !waits_for_refill) {
+        let keep_none = !waits_for_refill;
+        if let Some(chunk) = self
+            .pop_committed(k, keep_none)
+            .or_else(|| self.split_larger(k, keep_none))
+            .or_else(|| self.join_smaller(k, keep_none))
+        {
             return Ok(chunk);
         }
         if waits_for_refill {
@@ -2155,6 +2162,23 @@ mod tests {
             let held = reserve.held_bytes();
             assert!(held > target / 2, "{held} of a {target}-byte target");
         }
+    }
+
+    #[test]
+    fn a_chunk_split_from_a_ready_larger_one_is_no_miss() {
+        // A refill pass keeps chunks ready (and gives the pools' lists room: a split puts
+        // the rest back); then none of one page is left.
+        let reserve = ChunkReserve::new(64 * PAGE_SIZE as u64, arena(), &[1; 8]);
+        reserve.take(8, None).unwrap();
+        reserve.refill();
+        let one_page: Vec<ArenaChunk> = reserve.pools[0].lock().ready.drain(..).collect();
+        assert!((1..8).any(|k| !reserve.pools[k].lock().ready.is_empty()));
+        reserve.pretend_refill_running(true);
+        assert_eq!(reserve.take(1, None).unwrap().len(), PAGE_SIZE);
+        assert_eq!(reserve.misses(), 0, "served at once, by a split");
+        assert!(!reserve.starving());
+        reserve.pretend_refill_running(false);
+        drop(one_page);
     }
 
     #[test]
