@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::ctrl::Control;
-use super::params::{device_params, survives_daemon, DeviceSpec};
+use super::params::{device_params, survives_daemon, unservable, DeviceSpec};
 use super::queue::{BlockHandler, Queue, QueueParts, QueueSetup};
 use super::sys::{self, CtrlDevInfo};
 use super::timing::IoTiming;
@@ -250,6 +250,30 @@ impl Standby {
                             reason: format!(
                                 "it is {device_bytes} bytes and {size_bytes} were asked for; \
                                  resume it with its own size"
+                            ),
+                        });
+                    }
+                    // The queue threads were made for the device as the standby found it:
+                    // one deleted and added again meanwhile, of other queues or depth, would
+                    // leave the kernel waiting for tags no thread fetches.
+                    let made = &self.device.info;
+                    let shape = |i: &CtrlDevInfo| {
+                        (i.nr_hw_queues, i.queue_depth, i.max_io_buf_bytes, i.flags)
+                    };
+                    if shape(&info) != shape(made) {
+                        return Err(UblkError::CannotResume {
+                            id,
+                            reason: format!(
+                                "it was made again while this daemon waited, with other \
+                                 queues, depth or flags ({} queues of {}, flags {:#x}; this \
+                                 standby was made for {} of {}, flags {:#x}); start a daemon \
+                                 for it afresh",
+                                info.nr_hw_queues,
+                                info.queue_depth,
+                                info.flags,
+                                made.nr_hw_queues,
+                                made.queue_depth,
+                                made.flags
                             ),
                         });
                     }
@@ -474,7 +498,14 @@ impl Device {
                 },
             );
         }
-        let size_bytes = control.device_bytes(id)?;
+        let params = control.params(id)?;
+        if let Some(why) = unservable(info.flags, params.basic.logical_bs_shift) {
+            return Err(UblkError::CannotResume {
+                id,
+                reason: format!("it is not a device this daemon can serve: {why}"),
+            });
+        }
+        let size_bytes = params.basic.dev_sectors << 9;
         let mut device = Device::new(control, info, size_bytes, true, wake);
         let go = device.spawn_queues(handler)?;
         Ok(Standby { go, device })

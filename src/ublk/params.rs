@@ -120,6 +120,24 @@ pub fn survives_daemon(flags: u64) -> bool {
     flags & sys::UBLK_F_RECOVERY_REISSUE == sys::UBLK_F_RECOVERY_REISSUE
 }
 
+/// Why a device of `flags` and logical blocks of `1 << logical_bs_shift` bytes, made by
+/// another ublk server, is not one this daemon can serve; `None` if it is. Its requests are
+/// served on 4 KiB blocks with the data at hand (no GET_DATA round, no zones).
+pub fn unservable(flags: u64, logical_bs_shift: u8) -> Option<String> {
+    if flags & sys::UBLK_F_NEED_GET_DATA != 0 {
+        return Some("it asks for its write data in a second round (NEED_GET_DATA)".into());
+    }
+    if flags & sys::UBLK_F_ZONED != 0 {
+        return Some("it is zoned".into());
+    }
+    (logical_bs_shift != BLOCK_SHIFT).then(|| {
+        format!(
+            "its logical blocks are {} bytes, not {BLOCK_SIZE}",
+            1u64.checked_shl(u32::from(logical_bs_shift)).unwrap_or(0)
+        )
+    })
+}
+
 /// The `SET_PARAMS` payload for a device of `size_bytes` whose tags carry `max_io_bytes`
 /// (as the kernel returned it from `ADD_DEV`): 4 KiB blocks, discard and write-zeroes.
 pub fn device_params(size_bytes: u64, max_io_bytes: u32) -> Params {
@@ -161,6 +179,17 @@ mod tests {
             max_io_bytes: 256 << 10,
             user_copy_max_io_bytes: None,
         }
+    }
+
+    #[test]
+    fn devices_of_other_servers_this_daemon_cannot_serve_are_named() {
+        let ours = sys::UBLK_F_RECOVERY_REISSUE | sys::UBLK_F_USER_COPY;
+        assert_eq!(unservable(ours, BLOCK_SHIFT), None);
+        assert!(unservable(ours | sys::UBLK_F_NEED_GET_DATA, BLOCK_SHIFT).is_some());
+        assert!(unservable(ours | sys::UBLK_F_ZONED, BLOCK_SHIFT).is_some());
+        let small = unservable(ours, 9).expect("512-byte blocks");
+        assert!(small.contains("512 bytes"), "{small}");
+        assert!(unservable(ours, 200).is_some());
     }
 
     #[test]
