@@ -725,6 +725,12 @@ impl ZsAllocator {
     /// the caller to give back (one of a run of frees, see `ChunkReserve::give_back_all`).
     pub(super) fn free_object(&self, handle: Handle, len: usize) -> Option<ArenaChunk> {
         let class = &self.classes[self.class_index(len)];
+        // As `with_object`: an object its class cannot have (a table word broken) names no
+        // free bit, and taking one off the chunk's count would give the chunk back early.
+        if handle.obj() >= class.objs_per_chunk || len > class.obj_size {
+            tracing::error!(?handle, len, "free of an object its class cannot have ignored");
+            return None;
+        }
         let mut st = class.state.lock();
         let Some(id) = self.chunk_id(handle.page()) else {
             tracing::error!(?handle, "free of an object in no live chunk ignored");
@@ -1263,6 +1269,20 @@ mod tests {
         let avg = sum / classes as f64;
         assert!(avg < 0.015, "average tail waste {avg}");
         assert!(worst < 0.06, "worst tail waste {worst}");
+    }
+
+    #[test]
+    fn a_free_of_an_object_its_class_cannot_have_changes_nothing() {
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None);
+        let len = 1000;
+        let handle = a.store(&[7u8; 1000]).unwrap();
+        let class = &a.classes[a.class_index(len)];
+        let past = Handle::new(handle.page(), class.objs_per_chunk);
+        assert!(a.free_object(past, len).is_none());
+        assert!(a.free_object(handle, class.obj_size + 1).is_none());
+        // The chunk still counts its object: freeing that one gives the chunk up.
+        assert!(a.with_object(handle, len, |b| b == [7u8; 1000]).unwrap());
+        assert!(a.free_object(handle, len).is_some());
     }
 
     #[test]
