@@ -728,7 +728,11 @@ impl ZsAllocator {
         // As `with_object`: an object its class cannot have (a table word broken) names no
         // free bit, and taking one off the chunk's count would give the chunk back early.
         if handle.obj() >= class.objs_per_chunk || len > class.obj_size {
-            tracing::error!(?handle, len, "free of an object its class cannot have ignored");
+            tracing::error!(
+                ?handle,
+                len,
+                "free of an object its class cannot have ignored"
+            );
             return None;
         }
         let mut st = class.state.lock();
