@@ -801,7 +801,12 @@ impl Device {
             other => other,
         };
         stopped.and(deleted)?;
-        queues
+        // Deleted: what is left to do (the caller frees the device's memory) does not depend
+        // on how the queues ended, so a queue's failure is only told.
+        if let Err(error) = queues {
+            tracing::warn!(id, %error, "a queue failed before the device was deleted");
+        }
+        Ok(())
     }
 }
 
