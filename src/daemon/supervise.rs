@@ -508,6 +508,11 @@ pub(super) fn supervise(
             }
             if let Ok(Some(status)) = process.child.try_wait() {
                 tracing::warn!(pid = process.child.id(), %status, "the standby ended; a crash of the serving process now waits for a new process to start");
+                if std::mem::take(&mut switch_when_served) {
+                    // The reload's new build, ready, died before it served: the process that
+                    // takes over next is of the running build, and so are the ones after it.
+                    tracing::error!("reload failed: the new build's standby ended before it took the device over; the running build's next process takes it over");
+                }
                 standby = None;
                 restarts.record(Instant::now());
                 standby_due = Some(Instant::now() + restarts.delay(Instant::now()));
