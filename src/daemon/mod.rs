@@ -496,9 +496,21 @@ fn wait_for_takeover(
     loop {
         if pinged.elapsed() >= STANDBY_PING {
             pinged = Instant::now();
-            if let Err(error) = standby.ping() {
-                tracing::info!(%error, "standby: the device is gone; nothing to take over");
-                return Ok(false);
+            match standby.ping() {
+                Err(
+                    error @ (UblkError::NoSuchDevice(_)
+                    | UblkError::Command {
+                        errno: libc::ENODEV,
+                        ..
+                    }),
+                ) => {
+                    tracing::info!(%error, "standby: the device is gone; nothing to take over");
+                    return Ok(false);
+                }
+                // Anything else (no memory for the command now, say) is no reason to leave
+                // the device without a standby: the next ping looks again.
+                Err(error) => tracing::warn!(%error, "standby: cannot look at the device now"),
+                Ok(_) => {}
             }
             keep_ready();
         }
