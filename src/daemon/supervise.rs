@@ -276,6 +276,9 @@ pub(super) fn supervise(
     let mut ready = false;
     let mut stopping = false;
     let mut restarts = Restarts::default();
+    // Standbys that failed to start or died, apart: a standby that keeps failing (no memory
+    // or tasks for it) must not slow the cold restart after the serving process's crash.
+    let mut standby_failures = Restarts::default();
     let mut buffer = [0u8; 2048];
     let result = loop {
         {
@@ -435,7 +438,8 @@ pub(super) fn supervise(
             }
             // The device is live: the moment to make the next standby.
             if standby.is_none() {
-                standby_due = Some(Instant::now() + restarts.delay(Instant::now()));
+                let now = Instant::now();
+                standby_due = Some(now + restarts.delay(now).max(standby_failures.delay(now)));
             }
         }
         if standby_due.is_some_and(|due| due <= Instant::now()) {
@@ -448,9 +452,10 @@ pub(super) fn supervise(
                         Ok(process) => standby = Some(process),
                         Err(error) => {
                             tracing::error!(%error, "cannot start a standby; trying again later");
-                            restarts.record(Instant::now());
+                            standby_failures.record(Instant::now());
                             standby_due = Some(
-                                Instant::now() + restarts.delay(Instant::now()).max(FIRST_BACKOFF),
+                                Instant::now()
+                                    + standby_failures.delay(Instant::now()).max(FIRST_BACKOFF),
                             );
                         }
                     }
@@ -514,8 +519,8 @@ pub(super) fn supervise(
                     tracing::error!("reload failed: the new build's standby ended before it took the device over; the running build's next process takes it over");
                 }
                 standby = None;
-                restarts.record(Instant::now());
-                standby_due = Some(Instant::now() + restarts.delay(Instant::now()));
+                standby_failures.record(Instant::now());
+                standby_due = Some(Instant::now() + standby_failures.delay(Instant::now()));
             }
         }
         let Some(status) = serving
