@@ -595,10 +595,7 @@ impl ChunkReserve {
     /// asked for one.
     pub(super) fn take_ready(&self, pages: usize) -> Option<ArenaChunk> {
         let k = pages - 1;
-        let chunk = self
-            .pop_committed(k, false)
-            .or_else(|| self.split_larger(k, false))
-            .or_else(|| self.join_smaller(k, false));
+        let chunk = self.ready_chunk(k, false);
         if chunk.is_none() && self.enabled() {
             self.wanted.fetch_or(1 << k, Ordering::Relaxed);
             self.wake_refill();
@@ -626,11 +623,7 @@ impl ChunkReserve {
         // the refill thread works: see `starving`).
         let waits_for_refill = self.refill_serves();
         let keep_none = !waits_for_refill;
-        if let Some(chunk) = self
-            .pop_committed(k, keep_none)
-            .or_else(|| self.split_larger(k, keep_none))
-            .or_else(|| self.join_smaller(k, keep_none))
-        {
+        if let Some(chunk) = self.ready_chunk(k, keep_none) {
             return Ok(chunk);
         }
         if waits_for_refill {
@@ -649,11 +642,7 @@ impl ChunkReserve {
             loop {
                 let waited = stall.waited(self);
                 let last_resort = self.last_resort_open(stall.since);
-                if let Some(chunk) = self
-                    .pop_committed(k, last_resort)
-                    .or_else(|| self.split_larger(k, last_resort))
-                    .or_else(|| self.join_smaller(k, last_resort))
-                {
+                if let Some(chunk) = self.ready_chunk(k, last_resort) {
                     self.served(k);
                     return Ok(chunk);
                 }
@@ -682,11 +671,7 @@ impl ChunkReserve {
         let mut wanted = usize::MAX;
         loop {
             let committed = self.commit_more(k, wanted);
-            if let Some(chunk) = self
-                .pop_committed(k, true)
-                .or_else(|| self.split_larger(k, true))
-                .or_else(|| self.join_smaller(k, true))
-            {
+            if let Some(chunk) = self.ready_chunk(k, true) {
                 return Ok(chunk);
             }
             if committed {
@@ -736,6 +721,14 @@ impl ChunkReserve {
             return true;
         }
         now < self.last_resort_until_ns.load(Ordering::Relaxed)
+    }
+
+    /// A ready chunk of size class `k`: its own pool's, or one split from a larger ready one,
+    /// or one joined of smaller ones (`last_resort`: as `pop_committed`'s).
+    fn ready_chunk(&self, k: usize, last_resort: bool) -> Option<ArenaChunk> {
+        self.pop_committed(k, last_resort)
+            .or_else(|| self.split_larger(k, last_resort))
+            .or_else(|| self.join_smaller(k, last_resort))
     }
 
     /// A committed chunk of `k + 1` pages, if the pool has one: a ready chunk (waking the
