@@ -1262,6 +1262,11 @@ fn store_threads_are_readied_before_the_store_they_serve_exists() {
         0,
         "the flusher handed the store flushed nothing"
     );
+    // The refill thread runs once its prepared thread has taken the job up, which on a busy
+    // machine may come after the flush (takers commit chunks themselves until then).
+    while !s.alloc.reserve.refill_running() && Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
     assert!(s.alloc.reserve.refill_running());
     for i in 0..60u64 {
         assert_eq!(read_page_back(&s, i)[..], text(i)[..]);
