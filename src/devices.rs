@@ -79,8 +79,6 @@ pub enum DevicesError {
          `trueno-ublk list` and dmesg"
     )]
     DeleteTimeout { id: u32, seconds: u64 },
-    #[error("cannot start a thread to delete the device ({source}); nothing was deleted: retry")]
-    Thread { source: std::io::Error },
     #[error(
         "device {id} is another user's unprivileged ublk device: the kernel does not describe \
          it to us, so it is not this program's to delete (its owner's ublk server deletes it)"
@@ -423,41 +421,11 @@ fn delete_one(control: &mut Control, id: u32, served: bool) -> Result<Option<i32
     del_dev_bounded(control, id).map(|()| None)
 }
 
-/// DEL_DEV without waiting for the device's last user: DEL_DEV_ASYNC where the driver has it
-/// (6.9+), else DEL_DEV on a thread of its own, given [`DELETE_TIMEOUT`]. Either way the
-/// device's node and char device are gone when this returns Ok; its id may stay taken while
-/// something (a swap area) holds its old disk.
+/// Remove device `id` without waiting for its last user ([`Control::del_dev_bounded`]), then
+/// wait until its char device is gone. Its id may stay taken while something (a swap area)
+/// holds its old disk.
 fn del_dev_bounded(control: &mut Control, id: u32) -> Result<(), DevicesError> {
-    match control.del_dev_async(id) {
-        Ok(())
-        | Err(UblkError::Command {
-            errno: libc::ENODEV,
-            ..
-        }) => {}
-        Err(UblkError::Command {
-            errno: libc::EOPNOTSUPP | libc::EINVAL,
-            ..
-        }) => {
-            let (done_tx, done) = crossbeam_channel::bounded(1);
-            std::thread::Builder::new()
-                .spawn(move || {
-                    let result = Control::open().and_then(|mut control| control.del_dev(id));
-                    let _ = done_tx.send(result);
-                })
-                .map_err(|source| DevicesError::Thread { source })?;
-            match done.recv_timeout(DELETE_TIMEOUT) {
-                Ok(Ok(()))
-                | Ok(Err(UblkError::Command {
-                    errno: libc::ENODEV,
-                    ..
-                })) => {}
-                Ok(Err(error)) => return Err(error.into()),
-                // The command stays with the kernel; this process's exit ends the wait.
-                Err(_) => {}
-            }
-        }
-        Err(error) => return Err(error.into()),
-    }
+    control.del_dev_bounded(id)?;
     if wait_until_gone(id, DELETE_TIMEOUT) {
         Ok(())
     } else {

@@ -24,7 +24,8 @@
 #      middle and the last MiB, read back and compared by sha256.
 #   5. O_DIRECT 1 MiB write and read speed of /dev/ublkb0 (a mixed, compressible pattern).
 #   6. blkdiscard and blkdiscard -z of a range read back as zeros; the data around it stays.
-#   7. A second device is created, used and deleted while I/O runs on the first.
+#   7. A second device is created, used and deleted (a process holding it open keeps neither
+#      its daemon nor its memory) while I/O runs on the first.
 #   8. mkswap + swapon -d; `delete --id 0` refused while it is swap; a program fills 1.5x the
 #      RAM with a mixed pattern and verifies every word twice; pswpout and pswpin grew;
 #      `trueno-ublk stat` while the data is swapped out; once the kernel freed that swap and
@@ -1105,6 +1106,7 @@ if [ "$MODE" = full ]; then
         echo "$n $bad" >/tmp/bg.result
     ) &
     bg=$!
+    shm_before=$(grep -c . /proc/sysvipc/shm)
     trueno-ublk create --size 256M --no-oom-kill >/tmp/create2.out 2>&1
     rc=$?
     cat /tmp/create2.out
@@ -1120,7 +1122,19 @@ if [ "$MODE" = full ]; then
         check "$DEV2: read back matches" pat_read dev2
         trueno-ublk list | tee /tmp/list.out
         check "list shows both devices" grep -q "ublkb$ID2" /tmp/list.out
-        check "trueno-ublk delete --id $ID2" trueno-ublk delete --id "$ID2"
+        # A process holding the disk open without a claim keeps a deleted disk, and with
+        # it DEL_DEV waiting: neither the daemon nor its store's locked memory may wait too.
+        shm_live=$(grep -c . /proc/sysvipc/shm)
+        sleep 300 <"$DEV2" &
+        holder=$!
+        check "trueno-ublk delete --id $ID2 while a process holds $DEV2 open" \
+            eval "timeout 60 trueno-ublk delete --id $ID2 >/tmp/del2.out 2>&1"
+        cat /tmp/del2.out
+        check "... its daemon exited (not told it has not)" not grep -q "has not exited" /tmp/del2.out
+        check "... and its shared memory is gone ($shm_before lines of /proc/sysvipc/shm before, $shm_live with it)" \
+            eval '[ "$(grep -c . /proc/sysvipc/shm)" -eq "$shm_before" ]'
+        kill "$holder"
+        wait "$holder" 2>/dev/null
         check "$DEV2 is gone" wait_until 5 not test -e "$DEV2"
         trueno-ublk list | tee /tmp/list.out
         check "list no longer shows $DEV2" not grep -q "ublkb$ID2" /tmp/list.out

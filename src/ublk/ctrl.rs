@@ -14,6 +14,9 @@ pub const CONTROL_PATH: &str = "/dev/ublk-control";
 /// How long a control command's submit or wait that failed for a passing reason pauses before
 /// it tries again.
 const RETRY: Duration = Duration::from_millis(1);
+/// How long [`Control::del_dev_bounded`] lets a driver without DEL_DEV_ASYNC wait in DEL_DEV
+/// for the deleted disk's last user.
+pub const DEL_DEV_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// An open control device.
 pub struct Control {
@@ -231,6 +234,51 @@ impl Control {
         }
         self.command::<u8>(sys::UBLK_U_CMD_DEL_DEV_ASYNC, dev_id, None, 0)
             .map(drop)
+    }
+
+    /// Remove the device without waiting for its last user, which may hold the deleted disk
+    /// for as long as it likes (a swap area, a process with it open): DEL_DEV_ASYNC where the
+    /// driver has it (6.9+), else DEL_DEV on a thread of its own, given [`DEL_DEV_TIMEOUT`].
+    /// Past that the command stays with the kernel (the removal itself is done before its
+    /// wait; this process's exit ends the wait). A device already gone (ENODEV) counts as
+    /// removed.
+    pub fn del_dev_bounded(&mut self, dev_id: u32) -> Result<(), UblkError> {
+        let gone = |result: Result<(), UblkError>| match result {
+            Err(UblkError::Command {
+                errno: libc::ENODEV,
+                ..
+            }) => Ok(()),
+            other => other,
+        };
+        match self.del_dev_async(dev_id) {
+            Err(UblkError::Command {
+                errno: libc::EOPNOTSUPP | libc::EINVAL,
+                ..
+            }) => {}
+            other => return gone(other),
+        }
+        let (done_tx, done) = crossbeam_channel::bounded(1);
+        std::thread::Builder::new()
+            .name("del-dev".into())
+            .spawn(move || {
+                let result = Control::open().and_then(|mut control| control.del_dev(dev_id));
+                let _ = done_tx.send(result);
+            })
+            .map_err(|source| UblkError::Io {
+                what: "starting a thread for DEL_DEV (nothing was deleted)",
+                source,
+            })?;
+        match done.recv_timeout(DEL_DEV_TIMEOUT) {
+            Ok(result) => gone(result),
+            Err(_) => {
+                tracing::warn!(
+                    id = dev_id,
+                    seconds = DEL_DEV_TIMEOUT.as_secs(),
+                    "DEL_DEV still waits for the deleted disk's last user; going on without it"
+                );
+                Ok(())
+            }
+        }
     }
 
     /// START_USER_RECOVERY: the driver forgets the dead daemon's queues so a new one can fetch

@@ -792,14 +792,10 @@ impl Device {
         // Stopped: the disk is gone, and DEL_DEV waits for its last opener.
         drop(claim);
         let queues = self.end_queues();
-        // DEL_DEV waits for the char device to be closed: `end_queues` dropped our handle.
-        let deleted = match self.control.del_dev(id) {
-            Err(UblkError::Command {
-                errno: libc::ENODEV,
-                ..
-            }) => Ok(()),
-            other => other,
-        };
+        // Bounded: DEL_DEV would wait for the stopped disk's last opener (a process that
+        // keeps it open without a claim), and the daemon with it, its store's locked memory
+        // never freed. Stopped, the disk sends us nothing more, so the store can go.
+        let deleted = self.control.del_dev_bounded(id);
         stopped.and(deleted)?;
         // Deleted: what is left to do (the caller frees the device's memory) does not depend
         // on how the queues ended, so a queue's failure is only told.
