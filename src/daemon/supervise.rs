@@ -582,6 +582,16 @@ pub(super) fn supervise(
                     "the serving process failed (exit status {code}); its log says why"
                 )))
             }
+            // Killed by the SIGTERM passed on to it: it had not installed its handlers yet,
+            // the first thing a serving process does, so it had done nothing with the device.
+            // A stop like any other, not a failed one.
+            (_, Some(libc::SIGTERM)) if stopping => {
+                tracing::info!(
+                    pid = serving.child.id(),
+                    "the serving process was stopped before it had started serving"
+                );
+                break Ok(());
+            }
             (_, Some(signal)) if stopping => {
                 break Err(DaemonError::Daemon(format!(
                     "the serving process was killed by signal {signal} while stopping"
