@@ -3,6 +3,7 @@
 
 #![forbid(unsafe_code)]
 
+use std::cell::Cell;
 use std::ffi::OsString;
 use std::io::Write;
 use std::os::fd::AsFd;
@@ -185,7 +186,27 @@ pub(super) const TAKEOVER: &str = "TAKEOVER=1";
 pub(super) enum Notifier {
     None,
     Socket(String),
-    Supervisor(UnixDatagram),
+    /// The channel, and the words read from it while looking for another one: a hand-over
+    /// asked for while a standby still looks for its word to take over (it was slow to start)
+    /// comes in the same read, and must still be heard by the serving loop after it.
+    Supervisor(UnixDatagram, Cell<Heard>),
+}
+
+/// Which of the supervisor's words have been read but not yet asked about.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Heard {
+    takeover: bool,
+    handover: bool,
+}
+
+impl Heard {
+    fn word(&mut self, word: &str) -> Option<&mut bool> {
+        match word {
+            TAKEOVER => Some(&mut self.takeover),
+            HANDOVER => Some(&mut self.handover),
+            _ => None,
+        }
+    }
 }
 
 impl Notifier {
@@ -199,7 +220,7 @@ impl Notifier {
     /// The serving process's channel to its supervisor: its stdin.
     pub(super) fn to_supervisor() -> Self {
         match std::io::stdin().as_fd().try_clone_to_owned() {
-            Ok(fd) => Self::Supervisor(UnixDatagram::from(fd)),
+            Ok(fd) => Self::supervisor(UnixDatagram::from(fd)),
             Err(error) => {
                 tracing::warn!(%error, "no channel to the supervisor: it will not hear of readiness");
                 Self::None
@@ -213,14 +234,19 @@ impl Notifier {
         self.supervisor_said(HANDOVER)
     }
 
-    /// Whether a line of what the supervisor has sent since the last look is `word`; reads
-    /// all of it, never waits.
+    pub(super) fn supervisor(channel: UnixDatagram) -> Self {
+        Self::Supervisor(channel, Cell::default())
+    }
+
+    /// Whether the supervisor has sent `word` (TAKEOVER or HANDOVER) since the last time this
+    /// asked about it; reads all that waits on the channel, keeps the other word for its own
+    /// question, never waits.
     pub(super) fn supervisor_said(&self, word: &str) -> bool {
-        let Self::Supervisor(channel) = self else {
+        let Self::Supervisor(channel, heard) = self else {
             return false;
         };
+        let mut words = heard.get();
         let mut buffer = [0u8; 256];
-        let mut said = false;
         loop {
             let mut fds = [nix::poll::PollFd::new(
                 channel.as_fd(),
@@ -229,22 +255,27 @@ impl Notifier {
             let readable =
                 nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO).is_ok_and(|n| n > 0);
             if !readable {
-                return said;
+                break;
             }
-            match channel.recv(&mut buffer) {
-                Ok(n) => {
-                    said |= std::str::from_utf8(&buffer[..n])
-                        .is_ok_and(|text| text.lines().any(|line| line == word));
+            let Ok(n) = channel.recv(&mut buffer) else {
+                break;
+            };
+            let text = std::str::from_utf8(&buffer[..n]).unwrap_or_default();
+            for line in text.lines() {
+                if let Some(flag) = words.word(line) {
+                    *flag = true;
                 }
-                Err(_) => return said,
             }
         }
+        let said = words.word(word).is_some_and(std::mem::take);
+        heard.set(words);
+        said
     }
 
     pub(super) fn send(&self, state: &str) {
         let sent = match self {
             Self::None => return,
-            Self::Supervisor(channel) => channel.send(state.as_bytes()).map(drop),
+            Self::Supervisor(channel, _) => channel.send(state.as_bytes()).map(drop),
             Self::Socket(path) => {
                 let address = match path.strip_prefix('@') {
                     Some(name) => SocketAddr::from_abstract_name(name.as_bytes()),

@@ -487,7 +487,7 @@ fn wait_for_takeover(
     standby: &mut Standby,
     keep_ready: &mut dyn FnMut(),
 ) -> Result<bool, DaemonError> {
-    let Notifier::Supervisor(channel) = notifier else {
+    let Notifier::Supervisor(channel, _) = notifier else {
         return Err(DaemonError::Daemon(
             "a standby needs a supervisor (it is started by one)".into(),
         ));
@@ -1213,7 +1213,7 @@ mod tests {
     #[test]
     fn a_takeover_word_is_found_among_what_the_supervisor_sent_without_waiting() {
         let (supervisor, standby) = std::os::unix::net::UnixDatagram::pair().unwrap();
-        let standby = detach::Notifier::Supervisor(standby);
+        let standby = detach::Notifier::supervisor(standby);
         let told_to_take_over = || standby.supervisor_said(detach::TAKEOVER);
         assert!(!told_to_take_over(), "nothing sent");
         supervisor.send(b"SOMETHING=1").unwrap();
@@ -1222,6 +1222,18 @@ mod tests {
         supervisor.send(detach::TAKEOVER.as_bytes()).unwrap();
         assert!(told_to_take_over(), "the word after another");
         assert!(!told_to_take_over(), "read once");
+    }
+
+    #[test]
+    fn a_hand_over_sent_with_the_takeover_is_still_heard_after_it() {
+        let (supervisor, serving) = std::os::unix::net::UnixDatagram::pair().unwrap();
+        let serving = detach::Notifier::supervisor(serving);
+        supervisor.send(detach::TAKEOVER.as_bytes()).unwrap();
+        supervisor.send(detach::HANDOVER.as_bytes()).unwrap();
+        assert!(serving.supervisor_said(detach::TAKEOVER));
+        assert!(serving.handover_asked(), "read with the takeover, kept");
+        assert!(!serving.handover_asked(), "heard once");
+        assert!(!serving.supervisor_said(detach::TAKEOVER), "heard once");
     }
 
     #[test]
