@@ -663,6 +663,11 @@ impl ZsAllocator {
                 // allocator serving instead of failing a flush.
                 tracing::error!(class_idx, chunk, "partial list named a full or dead chunk");
                 partial.pop();
+                // A live chunk must not keep the position just dropped: its next free would
+                // take out whichever chunk holds that position later.
+                if let Some(Some(u)) = usage.get_mut(chunk as usize) {
+                    u.partial_pos = None;
+                }
                 continue;
             };
             let bit = u.free[word].trailing_zeros() as usize;
@@ -1245,6 +1250,10 @@ fn evacuation_slack(st: &ClassState, objs_per_chunk: usize) -> usize {
 
 /// Remove the entry at `pos` of `partial` (swap-remove), fixing the moved chunk's position.
 fn remove_partial(partial: &mut ListVec<u32>, usage: &mut [Option<ChunkUsage>], pos: u32) {
+    // Past the end only if the lists disagree (see `take_object`): nothing to remove.
+    if pos as usize >= partial.len() {
+        return;
+    }
     partial.swap_remove(pos as usize);
     if let Some(&moved) = partial.get(pos as usize) {
         if let Some(Some(m)) = usage.get_mut(moved as usize) {
