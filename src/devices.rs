@@ -421,9 +421,9 @@ fn delete_one(control: &mut Control, id: u32, served: bool) -> Result<Option<i32
     del_dev_bounded(control, id).map(|()| None)
 }
 
-/// Remove device `id` without waiting for its last user ([`Control::del_dev_bounded`]), then
-/// wait until its char device is gone. Its id may stay taken while something (a swap area)
-/// holds its old disk.
+/// Remove device `id`, waiting a bounded time for its id to be free
+/// ([`Control::del_dev_bounded`]), then until its char device is gone. Its id may stay taken
+/// while something (a swap area) holds its old disk.
 fn del_dev_bounded(control: &mut Control, id: u32) -> Result<(), DevicesError> {
     control.del_dev_bounded(id)?;
     if wait_until_gone(id, DELETE_TIMEOUT) {

@@ -3,7 +3,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
@@ -14,8 +14,7 @@ pub const CONTROL_PATH: &str = "/dev/ublk-control";
 /// How long a control command's submit or wait that failed for a passing reason pauses before
 /// it tries again.
 const RETRY: Duration = Duration::from_millis(1);
-/// How long [`Control::del_dev_bounded`] lets a driver without DEL_DEV_ASYNC wait in DEL_DEV
-/// for the deleted disk's last user.
+/// How long [`Control::del_dev_bounded`] waits for a deleted device's id to be free.
 pub const DEL_DEV_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// An open control device.
@@ -236,49 +235,74 @@ impl Control {
             .map(drop)
     }
 
-    /// Remove the device without waiting for its last user, which may hold the deleted disk
-    /// for as long as it likes (a swap area, a process with it open): DEL_DEV_ASYNC where the
-    /// driver has it (6.9+), else DEL_DEV on a thread of its own, given [`DEL_DEV_TIMEOUT`].
-    /// Past that the command stays with the kernel (the removal itself is done before its
-    /// wait; this process's exit ends the wait). A device already gone (ENODEV) counts as
-    /// removed.
+    /// DEL_DEV with its wait for the id to be free bounded by [`DEL_DEV_TIMEOUT`]: the last
+    /// user of a deleted disk may hold it for as long as it likes (a swap area, a process with
+    /// it open), and a daemon waiting for it would keep its store's memory as long. Ok once
+    /// the device is removed (its char device gone) and either its id is free, so that a
+    /// `create` of it right after succeeds, or the time is up (logged). DEL_DEV_ASYNC and a
+    /// look at the id where the driver has it (6.9+), else DEL_DEV on a thread of its own,
+    /// left to the kernel past the time (the removal comes before its wait; this process's
+    /// exit ends the wait). A device already gone (ENODEV) counts as removed.
     pub fn del_dev_bounded(&mut self, dev_id: u32) -> Result<(), UblkError> {
-        let gone = |result: Result<(), UblkError>| match result {
-            Err(UblkError::Command {
-                errno: libc::ENODEV,
-                ..
-            }) => Ok(()),
-            other => other,
+        let deadline = Instant::now() + DEL_DEV_TIMEOUT;
+        let gone = |result: &Result<(), UblkError>| {
+            matches!(
+                result,
+                Err(UblkError::Command {
+                    errno: libc::ENODEV,
+                    ..
+                })
+            )
         };
-        match self.del_dev_async(dev_id) {
+        let removed = self.del_dev_async(dev_id);
+        let freed = match removed {
+            Ok(()) => loop {
+                if gone(&self.dev_info(dev_id).map(drop)) {
+                    break true;
+                }
+                if Instant::now() >= deadline {
+                    break false;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            },
             Err(UblkError::Command {
                 errno: libc::EOPNOTSUPP | libc::EINVAL,
                 ..
-            }) => {}
-            other => return gone(other),
-        }
-        let (done_tx, done) = crossbeam_channel::bounded(1);
-        std::thread::Builder::new()
-            .name("del-dev".into())
-            .spawn(move || {
-                let result = Control::open().and_then(|mut control| control.del_dev(dev_id));
-                let _ = done_tx.send(result);
-            })
-            .map_err(|source| UblkError::Io {
-                what: "starting a thread for DEL_DEV (nothing was deleted)",
-                source,
-            })?;
-        match done.recv_timeout(DEL_DEV_TIMEOUT) {
-            Ok(result) => gone(result),
-            Err(_) => {
-                tracing::warn!(
-                    id = dev_id,
-                    seconds = DEL_DEV_TIMEOUT.as_secs(),
-                    "DEL_DEV still waits for the deleted disk's last user; going on without it"
-                );
-                Ok(())
+            }) => {
+                let (done_tx, done) = crossbeam_channel::bounded(1);
+                std::thread::Builder::new()
+                    .name("del-dev".into())
+                    .spawn(move || {
+                        let result =
+                            Control::open().and_then(|mut control| control.del_dev(dev_id));
+                        let _ = done_tx.send(result);
+                    })
+                    .map_err(|source| UblkError::Io {
+                        what: "starting a thread for DEL_DEV (nothing was deleted)",
+                        source,
+                    })?;
+                match done.recv_deadline(deadline) {
+                    Ok(Ok(())) => true,
+                    Ok(result) if gone(&result) => true,
+                    Ok(Err(error)) => return Err(error),
+                    Err(_) => false,
+                }
             }
+            Err(UblkError::Command {
+                errno: libc::ENODEV,
+                ..
+            }) => true,
+            Err(error) => return Err(error),
+        };
+        if !freed {
+            tracing::warn!(
+                id = dev_id,
+                seconds = DEL_DEV_TIMEOUT.as_secs(),
+                "the device is removed, but something still holds its deleted disk: its id is \
+                 free once that lets go"
+            );
         }
+        Ok(())
     }
 
     /// START_USER_RECOVERY: the driver forgets the dead daemon's queues so a new one can fetch

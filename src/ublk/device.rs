@@ -794,7 +794,9 @@ impl Device {
         let queues = self.end_queues();
         // Bounded: DEL_DEV would wait for the stopped disk's last opener (a process that
         // keeps it open without a claim), and the daemon with it, its store's locked memory
-        // never freed. Stopped, the disk sends us nothing more, so the store can go.
+        // never freed. Stopped, the disk sends us nothing more, so the store can go. Waited
+        // for a while all the same, so that a `create` of the id right after this process
+        // exits finds it free, as after DEL_DEV.
         let deleted = self.control.del_dev_bounded(id);
         stopped.and(deleted)?;
         // Deleted: what is left to do (the caller frees the device's memory) does not depend
