@@ -335,7 +335,11 @@ pub(super) fn supervise(
                     );
                 }
                 serving.signal(Signal::SIGTERM);
-                if let Some(standby) = standby.take() {
+                // During a reload's hand-over the new standby stays: the serving process may
+                // have handed the device over already, and the standby then takes it over and
+                // is stopped in its turn (below), which deletes a device nothing uses where
+                // dismissing it would leave that device quiesced, its memory locked.
+                if let Some(standby) = standby.take_if(|_| !handing_over) {
                     standby.dismiss();
                 }
                 if let Some(incoming) = incoming.take() {
@@ -540,6 +544,10 @@ pub(super) fn supervise(
                         standby = process.child.id(),
                         "reload: the serving process handed the device over; the new build's standby takes it over"
                     );
+                    if stopping {
+                        // After the word: it takes the device over first, then stops it.
+                        process.signal(Signal::SIGTERM);
+                    }
                     serving = process;
                 }
                 continue;
