@@ -344,7 +344,7 @@ pub fn delete(
             None => control.dev_info(id).is_ok().then(|| {
                 format!(
                     "the kernel keeps id {id} until the last user of its old block device lets \
-                     go (see /proc/swaps)"
+                     go (a swap area in /proc/swaps, a mount, or a process with it open)"
                 )
             }),
         };

@@ -568,12 +568,11 @@ pub(super) fn supervise(
                 None
             }
             // A process that failed to take over a device deleted meanwhile (`trueno-ublk
-            // delete` while it was quiesced for the takeover): nothing is left to serve, and a
-            // failure would have the service manager's restart answer the delete with a new,
-            // empty device.
+            // delete` while it was quiesced for the takeover, or a stop during a reload's
+            // hand-over that deleted it first): nothing is left to serve, and a failure would
+            // have the service manager's restart answer the delete with a new, empty device.
             (Some(code), _)
                 if code != 0
-                    && !stopping
                     && ready
                     && device.is_some_and(|id| !crate::ublk::device::device_exists(id)) =>
             {

@@ -14,8 +14,10 @@ pub const CONTROL_PATH: &str = "/dev/ublk-control";
 /// How long a control command's submit or wait that failed for a passing reason pauses before
 /// it tries again.
 const RETRY: Duration = Duration::from_millis(1);
-/// How long [`Control::del_dev_bounded`] waits for a deleted device's id to be free.
-pub const DEL_DEV_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long [`Control::del_dev_bounded`] waits for a deleted device's id to be free: well
+/// inside the unit's 10 s to stop, since the daemon's own stop waits it out where something
+/// holds the deleted disk.
+pub const DEL_DEV_ID_WAIT: Duration = Duration::from_secs(3);
 
 /// An open control device.
 pub struct Control {
@@ -235,7 +237,7 @@ impl Control {
             .map(drop)
     }
 
-    /// DEL_DEV with its wait for the id to be free bounded by [`DEL_DEV_TIMEOUT`]: the last
+    /// DEL_DEV with its wait for the id to be free bounded by [`DEL_DEV_ID_WAIT`]: the last
     /// user of a deleted disk may hold it for as long as it likes (a swap area, a process with
     /// it open), and a daemon waiting for it would keep its store's memory as long. Ok once
     /// the device is removed (its char device gone) and either its id is free, so that a
@@ -244,7 +246,7 @@ impl Control {
     /// left to the kernel past the time (the removal comes before its wait; this process's
     /// exit ends the wait). A device already gone (ENODEV) counts as removed.
     pub fn del_dev_bounded(&mut self, dev_id: u32) -> Result<(), UblkError> {
-        let deadline = Instant::now() + DEL_DEV_TIMEOUT;
+        let deadline = Instant::now() + DEL_DEV_ID_WAIT;
         let gone = |result: &Result<(), UblkError>| {
             matches!(
                 result,
@@ -256,9 +258,21 @@ impl Control {
         };
         let removed = self.del_dev_async(dev_id);
         let freed = match removed {
+            // GET_DEV_INFO fails with ENODEV once the device's last reference is gone, a
+            // moment before the driver frees the id (`ublk_cdev_rel`); DEL_DEV waits for the
+            // latter, which only a `create` started in that moment could tell apart.
             Ok(()) => loop {
-                if gone(&self.dev_info(dev_id).map(drop)) {
-                    break true;
+                match self.dev_info(dev_id) {
+                    Ok(_) => {}
+                    Err(UblkError::Command {
+                        errno: libc::ENODEV,
+                        ..
+                    }) => break true,
+                    Err(error) => {
+                        // Removed all the same: only whether its id is free is not known.
+                        tracing::warn!(id = dev_id, %error, "cannot tell whether the deleted device's id is free");
+                        return Ok(());
+                    }
                 }
                 if Instant::now() >= deadline {
                     break false;
@@ -297,7 +311,7 @@ impl Control {
         if !freed {
             tracing::warn!(
                 id = dev_id,
-                seconds = DEL_DEV_TIMEOUT.as_secs(),
+                seconds = DEL_DEV_ID_WAIT.as_secs(),
                 "the device is removed, but something still holds its deleted disk: its id is \
                  free once that lets go"
             );
