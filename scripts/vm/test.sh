@@ -1125,14 +1125,20 @@ if [ "$MODE" = full ]; then
         # A process holding the disk open without a claim keeps a deleted disk, and with
         # it DEL_DEV waiting: neither the daemon nor its store's locked memory may wait too.
         shm_live=$(grep -c . /proc/sysvipc/shm)
+        check "$DEV2's store is a shared segment ($shm_before lines of /proc/sysvipc/shm before, $shm_live with it)" \
+            [ "$shm_live" -gt "$shm_before" ]
         sleep 300 <"$DEV2" &
         holder=$!
-        check "trueno-ublk delete --id $ID2 while a process holds $DEV2 open" \
+        check "a process holds $DEV2 open" \
+            wait_until 5 eval '[ "$(readlink /proc/$holder/fd/0)" = "$DEV2" ]'
+        check "trueno-ublk delete --id $ID2 while it does" \
             eval "timeout 60 trueno-ublk delete --id $ID2 >/tmp/del2.out 2>&1"
         cat /tmp/del2.out
         check "... its daemon exited (not told it has not)" not grep -q "has not exited" /tmp/del2.out
-        check "... and its shared memory is gone ($shm_before lines of /proc/sysvipc/shm before, $shm_live with it)" \
-            eval '[ "$(grep -c . /proc/sysvipc/shm)" -eq "$shm_before" ]'
+        check "... its id is held by the open disk, and said so" grep -q "kernel keeps id $ID2" /tmp/del2.out
+        # The standby attached the segment too: it goes once the supervisor has reaped both.
+        check "... and its shared memory is gone" \
+            wait_until 5 eval '[ "$(grep -c . /proc/sysvipc/shm)" -eq "$shm_before" ]'
         kill "$holder"
         wait "$holder" 2>/dev/null
         check "$DEV2 is gone" wait_until 5 not test -e "$DEV2"
