@@ -15,10 +15,9 @@ cd "$repo"
 
 if ! command -v systemd-analyze >/dev/null 2>&1; then
     echo "check-units: systemd-analyze missing; installing systemd" >&2
-    sudo_cmd=()
-    [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
-    "${sudo_cmd[@]}" apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq systemd >/dev/null
+    # shellcheck source=lib/apt.sh
+    . "$repo/scripts/lib/apt.sh"
+    apt_install systemd
 fi
 
 binary=""

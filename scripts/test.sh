@@ -10,6 +10,10 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*"; }
 
+step "build and test tools (scripts/deps.sh)"
+# shellcheck source=deps.sh
+. scripts/deps.sh
+
 step "cargo test"
 cargo test --all-targets
 

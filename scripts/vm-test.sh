@@ -101,20 +101,8 @@ die() {
 
 START_S=$SECONDS
 export PATH="$PATH:/usr/sbin:/sbin" # util-linux's swap tools, also for a non-root caller
-SUDO=()
-if [ "$(id -u)" -ne 0 ]; then
-    command -v sudo >/dev/null || die "not root and no sudo: run as root to let apt-get install what is missing"
-    SUDO=(sudo -n)
-fi
-
-APT_UPDATED=0
-apt_update_once() {
-    if [ "$APT_UPDATED" -eq 0 ]; then
-        log "apt-get update"
-        "${SUDO[@]}" apt-get update -qq || die "apt-get update failed"
-        APT_UPDATED=1
-    fi
-}
+# shellcheck source=lib/apt.sh
+. "$ROOT/scripts/lib/apt.sh"
 
 # --- 1. Host tools ------------------------------------------------------------------------
 missing=()
@@ -134,10 +122,7 @@ if [ "$MODE" = bench-fio ]; then need fio fio; fi
 if [ "${#missing[@]}" -gt 0 ]; then
     # shellcheck disable=SC2207
     missing=($(printf '%s\n' "${missing[@]}" | sort -u))
-    apt_update_once
-    log "apt-get install ${missing[*]}"
-    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        "${missing[@]}" >/dev/null || die "apt-get install ${missing[*]} failed"
+    apt_install "${missing[@]}" || die "apt-get install ${missing[*]} failed"
 fi
 command -v cargo >/dev/null || [ -n "${TRUENO_UBLK_BIN:-}" ] ||
     die "cargo not found: install Rust (https://rustup.rs) to build trueno-ublk"
@@ -157,7 +142,7 @@ cached_deb() {
         DEB=$(find "$CACHE" -maxdepth 1 -name "${1}_*.deb" | sort | tail -n1)
     fi
     if [ -z "$DEB" ]; then
-        apt_update_once
+        apt_update_once || die "apt-get update failed"
         fetch_deb "$1"
         DEB=$(find "$CACHE" -maxdepth 1 -name "${1}_*.deb" | sort | tail -n1)
     fi
@@ -174,7 +159,7 @@ if [ -n "${VM_KERNEL_SUITE:-}" ]; then
 else
     KERNEL_PKG=$(resolve_kernel_pkg || true)
     if [ -z "$KERNEL_PKG" ]; then
-        apt_update_once
+        apt_update_once || die "apt-get update failed"
         KERNEL_PKG=$(resolve_kernel_pkg || true)
     fi
     if [ -z "$KERNEL_PKG" ]; then

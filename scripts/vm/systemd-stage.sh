@@ -40,18 +40,15 @@ die() {
 # shellcheck source=boot.sh
 . "$ROOT/scripts/vm/boot.sh"
 START_S=$SECONDS
-SUDO=()
-[ "$(id -u)" -eq 0 ] || SUDO=(sudo -n)
+# shellcheck source=../lib/apt.sh
+. "$ROOT/scripts/lib/apt.sh"
 
 missing=()
 command -v mmdebstrap >/dev/null 2>&1 || missing+=(mmdebstrap)
 command -v bsdtar >/dev/null 2>&1 || missing+=(libarchive-tools)
 command -v depmod >/dev/null 2>&1 || [ -x /sbin/depmod ] || missing+=(kmod)
 if [ "${#missing[@]}" -gt 0 ]; then
-    log "apt-get install ${missing[*]}"
-    "${SUDO[@]}" apt-get update -qq || die "apt-get update failed"
-    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        "${missing[@]}" >/dev/null || die "apt-get install ${missing[*]} failed"
+    apt_install "${missing[@]}" || die "apt-get install ${missing[*]} failed"
 fi
 DEPMOD=$(command -v depmod || echo /sbin/depmod)
 
