@@ -171,5 +171,7 @@ start it now:
     modprobe ublk_drv
     systemctl daemon-reload
     systemctl start dev-ublkb0.swap
+After installing a new build over a running one, take it into use without the device
+waiting: systemctl reload trueno-ublk@0
 MSG
 fi

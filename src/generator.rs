@@ -126,6 +126,23 @@ fn startable_swap_devices(file: &ConfigFile, config: &Path) -> Vec<(u32, u16)> {
     devices
 }
 
+/// Ids of the `/dev/ublkbN` that `fstab` (/etc/fstab's text) lists as swap. Such a line wins
+/// over `swap = yes`: systemd's fstab generator writes the same unit name, and which of two
+/// generators run side by side writes it first is chance.
+fn ublk_swaps_in_fstab(fstab: &str) -> Vec<u32> {
+    fstab
+        .lines()
+        .filter(|line| !line.trim_start().starts_with('#'))
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields.get(2) != Some(&"swap") {
+                return None;
+            }
+            fields.first()?.strip_prefix("/dev/ublkb")?.parse().ok()
+        })
+        .collect()
+}
+
 /// `(id, priority)` of every swap area on a `/dev/ublkbN` in `swaps` (/proc/swaps's text).
 fn ublk_swaps_on(swaps: &str) -> Vec<(u32, u16)> {
     swaps
@@ -232,6 +249,21 @@ pub fn main() -> i32 {
             on
         }
     };
+    let in_fstab = ublk_swaps_in_fstab(&std::fs::read_to_string("/etc/fstab").unwrap_or_default());
+    let devices: Vec<(u32, u16)> = devices
+        .into_iter()
+        .filter(|&(id, _)| {
+            let listed = in_fstab.contains(&id);
+            if listed {
+                eprintln!(
+                    "{GENERATOR_NAME}: /etc/fstab lists /dev/ublkb{id} as swap: its line makes \
+                     the swap unit, not `swap = yes` (give it \
+                     x-systemd.requires=trueno-ublk@{id}.service, or remove it)"
+                );
+            }
+            !listed
+        })
+        .collect();
     match generate(&devices, &config_path, &dir) {
         Ok(_) => 0,
         Err(error) => {
@@ -247,6 +279,14 @@ pub fn main() -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_fstab_swap_line_for_a_device_is_found() {
+        let fstab = "# /dev/ublkb9 none swap sw 0 0\n/dev/sda1 / ext4 defaults 0 1\n\
+                     /dev/ublkb0 none swap sw,discard 0 0\n  /dev/ublkb3\tnone\tswap\tsw\n\
+                     /dev/ublkb1 /mnt ext4 defaults 0 2\n/dev/ublkbx none swap sw\n";
+        assert_eq!(ublk_swaps_in_fstab(fstab), vec![0, 3]);
+    }
 
     #[test]
     fn only_sections_with_swap_yes_get_a_swap_unit() {
