@@ -163,9 +163,22 @@ else
         KERNEL_PKG=$(resolve_kernel_pkg || true)
     fi
     if [ -z "$KERNEL_PKG" ]; then
-        # No apt metadata for it (no bookworm-security/updates in sources?): a cached package.
-        DEB=$(find "$CACHE" -maxdepth 1 -name 'linux-image-6.12*.deb' | sort | tail -n1)
-        [ -n "$DEB" ] || die "apt knows no '$KERNEL_META': enable Debian 12's bookworm-security or bookworm-updates suite"
+        # Not in the host's apt sources (Ubuntu, or Debian without bookworm-security): a
+        # cached package, else the newest of its release line from Debian's security archive,
+        # checked against Debian's keys as fetch-kernel.sh does.
+        release=$(sed -n 's/^linux-image-\([0-9.]*\)-cloud-amd64$/\1/p' <<<"$KERNEL_META")
+        DEB=$(find "$CACHE" -maxdepth 1 -name "linux-image-${release:-none}*.deb" | sort | tail -n1)
+        if [ -z "$DEB" ] && [ -n "$release" ]; then
+            fetch_tools=()
+            command -v gpgv >/dev/null 2>&1 || fetch_tools+=(gpgv)
+            [ -r /usr/share/keyrings/debian-archive-keyring.gpg ] || fetch_tools+=(debian-archive-keyring)
+            command -v curl >/dev/null 2>&1 || fetch_tools+=(curl ca-certificates)
+            apt_install "${fetch_tools[@]}" || die "apt-get install ${fetch_tools[*]} failed"
+            log "apt knows no '$KERNEL_META': fetching it from Debian's bookworm-security archive"
+            DEB=$(DEBIAN_MIRROR=http://security.debian.org/debian-security \
+                bash "$ROOT/scripts/vm/fetch-kernel.sh" bookworm-security "$CACHE" "$release" | tail -n1) || DEB=
+        fi
+        [ -n "$DEB" ] || die "no '$KERNEL_META': apt knows none, and none came from Debian's bookworm-security archive"
     else
         cached_deb "$KERNEL_PKG"
         [ -n "$DEB" ] || die "could not download $KERNEL_PKG"
