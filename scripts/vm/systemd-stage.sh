@@ -47,6 +47,8 @@ missing=()
 command -v mmdebstrap >/dev/null 2>&1 || missing+=(mmdebstrap)
 command -v bsdtar >/dev/null 2>&1 || missing+=(libarchive-tools)
 command -v depmod >/dev/null 2>&1 || [ -x /sbin/depmod ] || missing+=(kmod)
+# mmdebstrap checks Debian's archive with it (an Ubuntu host lacks it).
+[ -r /usr/share/keyrings/debian-archive-keyring.gpg ] || missing+=(debian-archive-keyring)
 if [ "${#missing[@]}" -gt 0 ]; then
     apt_install "${missing[@]}" || die "apt-get install ${missing[*]} failed"
 fi
