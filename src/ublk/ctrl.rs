@@ -17,7 +17,7 @@ const RETRY: Duration = Duration::from_millis(1);
 /// How long [`Control::del_dev_bounded`] waits for a deleted device's id to be free: well
 /// inside the unit's 10 s to stop, since the daemon's own stop waits it out where something
 /// holds the deleted disk.
-pub const DEL_DEV_ID_WAIT: Duration = Duration::from_secs(3);
+const DEL_DEV_ID_WAIT: Duration = Duration::from_secs(3);
 
 /// An open control device.
 pub struct Control {
@@ -247,17 +247,7 @@ impl Control {
     /// exit ends the wait). A device already gone (ENODEV) counts as removed.
     pub fn del_dev_bounded(&mut self, dev_id: u32) -> Result<(), UblkError> {
         let deadline = Instant::now() + DEL_DEV_ID_WAIT;
-        let gone = |result: &Result<(), UblkError>| {
-            matches!(
-                result,
-                Err(UblkError::Command {
-                    errno: libc::ENODEV,
-                    ..
-                })
-            )
-        };
-        let removed = self.del_dev_async(dev_id);
-        let freed = match removed {
+        let freed = match self.del_dev_async(dev_id) {
             // GET_DEV_INFO fails with ENODEV once the device's last reference is gone, a
             // moment before the driver frees the id (`ublk_cdev_rel`); DEL_DEV waits for the
             // latter, which only a `create` started in that moment could tell apart.
@@ -296,8 +286,13 @@ impl Control {
                         source,
                     })?;
                 match done.recv_deadline(deadline) {
-                    Ok(Ok(())) => true,
-                    Ok(result) if gone(&result) => true,
+                    Ok(
+                        Ok(())
+                        | Err(UblkError::Command {
+                            errno: libc::ENODEV,
+                            ..
+                        }),
+                    ) => true,
                     Ok(Err(error)) => return Err(error),
                     Err(_) => false,
                 }
