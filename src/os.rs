@@ -159,6 +159,14 @@ pub fn set_parent_death_signal(signal: nix::sys::signal::Signal) -> nix::Result<
 /// binary is called: `pidof trueno-ublk`, and `same_program_alive`, go by it.
 pub const DAEMON_NAME: &std::ffi::CStr = c"trueno-ublk";
 
+/// argv[0] of every process of the daemon (the detached one, the supervisor's serving process
+/// and standby; the systemd unit gives the supervisor the same). systemd-shutdown, the last
+/// step of every shutdown, kills every process but root's whose argv[0] starts with '@'
+/// (root storage daemons), then swaps off; where that swapoff has pages to read (a tmpfs's
+/// after `systemctl poweroff --force`, which stops no unit) it would otherwise wait for good
+/// on a device whose daemon it killed.
+pub const DAEMON_ARGV0: &str = "@trueno-ublk";
+
 /// Whether `pid` is a live daemon process (named `DAEMON_NAME`) of the same user as this
 /// process (so not a recycled pid of something else). The user counts because a name does
 /// not: any user may call a process of theirs "trueno-ublk", and one that got an old

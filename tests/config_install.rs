@@ -112,7 +112,7 @@ fn install_keeps_config_and_uninstall_removes_everything() {
     let unit =
         std::fs::read_to_string(dest.join("etc/systemd/system/trueno-ublk@.service")).unwrap();
     assert!(
-        unit.contains("ExecStart=/opt/tu/bin/trueno-ublk create "),
+        unit.contains("ExecStart=@/opt/tu/bin/trueno-ublk @trueno-ublk create "),
         "{unit}"
     );
     assert!(!unit.contains("/usr/local/bin"), "{unit}");

@@ -9,6 +9,7 @@ use std::io::Write;
 use std::os::fd::AsFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -66,6 +67,7 @@ pub(super) fn start_detached(settings: &DeviceSettings) -> Result<(), DaemonErro
     let mut child_args: Vec<OsString> = std::env::args_os().skip(1).collect();
     child_args.push("--foreground".into());
     let mut child = Command::new(exe)
+        .arg0(crate::os::DAEMON_ARGV0)
         .args(child_args)
         .env("NOTIFY_SOCKET", &socket_path)
         .env(DETACHED_ENV, &log_path)

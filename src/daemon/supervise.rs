@@ -698,7 +698,7 @@ pub(super) fn supervise(
 fn child_command(program: &Path, learnt_id: Option<u32>, standby: bool) -> Command {
     let mut command = Command::new(program);
     command
-        .arg0("trueno-ublk")
+        .arg0(crate::os::DAEMON_ARGV0)
         .args(std::env::args_os().skip(1))
         .arg("--serve-child");
     if standby {
