@@ -5,7 +5,8 @@
 # scripts/vm/systemd-test.sh runs inside (after multi-user.target) and powers the VM off
 # with pages still swapped out; this script then reads the console log of the whole boot
 # and shutdown. The same image is then booted once more with ublk_drv kept out
-# (module_blacklist=), where the swap unit must fail at once rather than hold the boot.
+# (module_blacklist=), where the swap unit must fail at once rather than hold the boot, and
+# a third time to be powered off with --force while tmpfs pages are out on the device.
 #
 #   scripts/vm/systemd-stage.sh KDIR BIN VMTOOL
 #     KDIR    the extracted kernel (vmlinuz, ublk_drv.ko) of scripts/vm-test.sh
@@ -178,6 +179,16 @@ MAIN_QEMU_RC=$QEMU_RC
 boot_systemd "$NO_DRIVER_CONSOLE" "$NO_DRIVER_RESULT" module_blacklist=ublk_drv trueno.test=no-driver
 NO_DRIVER_VM_S=$VM_S
 NO_DRIVER_QEMU_RC=$QEMU_RC
+# Once more, powered off with --force while tmpfs pages are out on the device: no unit is
+# stopped, systemd-shutdown kills every process it may and swaps off (systemd-test.sh,
+# section 0b). A daemon it killed would leave that swapoff waiting for good: a shorter limit.
+FORCED_CONSOLE="$VM_DIR/systemd-forced-console.log"
+FORCED_RESULT="$VM_DIR/systemd-forced-result.log"
+FORCED_TIMEOUT_S=$((TIMEOUT_S / 2))
+# loglevel=7: systemd-shutdown's own lines (the kill, the swapoff) on the console.
+TIMEOUT_S=$FORCED_TIMEOUT_S boot_systemd "$FORCED_CONSOLE" "$FORCED_RESULT" trueno.test=forced-poweroff loglevel=7
+FORCED_VM_S=$VM_S
+FORCED_QEMU_RC=$QEMU_RC
 VM_S=$MAIN_VM_S
 QEMU_RC=$MAIN_QEMU_RC
 rm -f "$INITRD"
@@ -225,13 +236,34 @@ bad=$(grep -E -e 'Kernel panic|Attempted to kill init|BUG:|Oops:|general protect
     "$NO_DRIVER_CONSOLE.txt" || true)
 host_check "without ublk_drv: no panic or Oops, and the VM powered off by itself" \
     eval '[ -z "$bad" ] && grep -q "reboot: Power down" "$NO_DRIVER_CONSOLE.txt"'
+# The forced poweroff: its own verdict, and a console free of the same faults.
+tr -d '\r' <"$FORCED_CONSOLE" | sed 's/\x1b\[[0-9;]*[A-Za-z]//g' >"$FORCED_CONSOLE.txt"
+forced_results=$(tr -d '\r' <"$FORCED_RESULT")
+echo
+echo "=== the boot powered off with --force ($FORCED_RESULT; console $FORCED_CONSOLE)"
+grep -E '^(ok|FAIL):' <<<"$forced_results" || true
+tail -n 12 "$FORCED_CONSOLE.txt"
+host_check "forced poweroff: the in-VM checks passed (qemu exit $FORCED_QEMU_RC, ${FORCED_VM_S} s)" \
+    grep -q '^VMTEST RESULT: PASS$' <<<"$forced_results"
+bad=$(grep -E -e 'Kernel panic|Attempted to kill init|BUG:|Oops:|general protection|Call Trace' \
+    -e 'Write-error on swap-device|Read-error on swap-device|I/O error|hung_task|blocked for more than' \
+    "$FORCED_CONSOLE.txt" || true)
+host_check "forced poweroff: no panic, Oops, swap I/O error or hung task" [ -z "$bad" ]
+[ -z "$bad" ] || echo "$bad" | head -n 20
+spared=$(grep -c 'systemd-shutdown.*(trueno-ublk) has been marked to be excluded from killing' "$FORCED_CONSOLE.txt" || true)
+host_check "forced poweroff: systemd-shutdown spared the daemon's processes from its kill ($spared)" [ "$spared" -ge 2 ]
+host_check "forced poweroff: systemd-shutdown's swapoff finished ('All swaps deactivated')" \
+    grep -q 'systemd-shutdown.*All swaps deactivated' "$FORCED_CONSOLE.txt"
+host_check "forced poweroff: the VM powered off by itself within ${FORCED_TIMEOUT_S} s" \
+    eval '[ "$FORCED_QEMU_RC" -eq 0 ] && grep -q "reboot: Power down" "$FORCED_CONSOLE.txt"'
 results=$(tr -d '\r' <"$RESULT")
 in_vm_fails=$(grep -c '^FAIL' <<<"$results" || true)
 echo
 echo "================ trueno-ublk VM test (real systemd): figures ================"
-sed -n 's/^FIGURE //p' <<<"$results" | while IFS='=' read -r k v; do printf '  %-34s %s\n' "$k" "$v"; done
+printf '%s\n%s\n' "$results" "$forced_results" | sed -n 's/^FIGURE //p' | while IFS='=' read -r k v; do printf '  %-34s %s\n' "$k" "$v"; done
 echo "  vm wall time                       ${VM_S} s (qemu exit $QEMU_RC)"
 echo "  vm wall time without ublk_drv      ${NO_DRIVER_VM_S} s (qemu exit $NO_DRIVER_QEMU_RC)"
+echo "  vm wall time, forced poweroff      ${FORCED_VM_S} s (qemu exit $FORCED_QEMU_RC)"
 echo "  whole stage                        $((SECONDS - START_S)) s"
 if grep -q '^VMTEST RESULT: PASS$' <<<"$results" && [ "$in_vm_fails" -eq 0 ] && [ "$fails" -eq 0 ]; then
     echo "================ systemd stage: PASS ================"

@@ -31,7 +31,8 @@
 # device that waits for its daemon; the pressure programs run in a scope of their own.
 #   4. Poweroff while pages (PID 1's and journald's among them) are still swapped out.
 # On the stage's second boot (ublk_drv kept out) only section 0 runs: the daemon fails for
-# good and the swap unit fails at once, without holding the boot.
+# good and the swap unit fails at once, without holding the boot. On its third only section
+# 0b: a tmpfs's pages are pushed out to the device and the VM is powered off with --force.
 # shellcheck disable=SC2317,SC2119,SC2120 # functions run through check; journal_units takes optional options
 set -u
 exec >/dev/ttyS1 2>&1
@@ -106,7 +107,7 @@ finish() {
         echo "VMTEST RESULT: FAIL"
     fi
     sync
-    systemctl poweroff --no-block
+    systemctl poweroff --no-block ${POWEROFF_FORCE:+--force}
     exit 0
 }
 
@@ -172,6 +173,32 @@ if grep -qw 'trueno.test=no-driver' /proc/cmdline; then
     systemctl list-jobs --no-pager
     check "no job is left but this test's own" eval "[ \"\$(systemctl list-jobs --no-legend | grep -vc trueno-test.service)\" = 0 ]"
     journal_units | tail -n 20
+    finish
+fi
+
+# --- 0b. a forced poweroff with pages out (systemd-stage.sh's third boot) -------------------
+# `systemctl poweroff --force` stops no unit: systemd-shutdown stops every process, sends
+# SIGTERM, then SIGKILL, to all but root's whose argv[0] starts with '@' (root storage
+# daemons), lets them go on, unmounts what it can and swaps off. A tmpfs under /run (an API
+# file system it never unmounts) whose pages are out on the device makes that swapoff read
+# them back: a daemon killed there would leave it waiting for good, and the machine with it
+# (the host checks that it powered off). Only the tmpfs's pages are pushed out (memory.reclaim
+# of the scope that wrote them): to tell whether a process is marked, systemd-shutdown reads
+# each root process's argv while every process, this daemon too, is stopped, and waits for
+# good if that page is out on the device (README, Limits).
+if grep -qw 'trueno.test=forced-poweroff' /proc/cmdline; then
+    section "forced poweroff with tmpfs pages out: kernel $(uname -r)"
+    check "swap is on $DEV" wait_for 60 eval "grep -q '^$DEV ' /proc/swaps"
+    for pid in $(pgrep -x trueno-ublk); do
+        check "daemon process $pid is spared by systemd-shutdown's kill: argv[0] '$(tr '\0' ' ' </proc/$pid/cmdline | cut -d' ' -f1)' starts with @" \
+            [ "$(head -c1 /proc/$pid/cmdline)" = @ ]
+    done
+    systemd-run --scope --quiet --collect -p MemorySwapMax=infinity /bin/sh -c \
+        'head -c 64M /dev/urandom >/run/trueno-test-keep && echo 64M >"/sys/fs/cgroup$(cut -d: -f3 /proc/self/cgroup)/memory.reclaim"'
+    cat /proc/swaps
+    figure systemd_forced_poweroff_swap_used_kib "$(swap_used_kib)"
+    check "pages of /run are out on $DEV ($(swap_used_kib) KiB)" [ "$(swap_used_kib)" -ge 32768 ]
+    POWEROFF_FORCE=1
     finish
 fi
 
