@@ -600,8 +600,8 @@ fn open_store(
         }
         (Opened::Fresh, true) => {
             store.shutdown();
+            let _ = store.free_shared_memory();
             drop(store);
-            let _ = remove_shared(id);
             Err(DaemonError::Ublk(UblkError::CannotResume {
                 id,
                 reason: "its pages are gone (its shared memory was removed); serving it \
@@ -833,7 +833,7 @@ fn serve(
                 // Nothing will resume a store whose device never went live (the device is
                 // deleted as `added` drops): its locked segment goes with the process, not
                 // at the next `create` of this id.
-                if let Err(error) = crate::store::remove_shared(id) {
+                if let Err(error) = store.free_shared_memory() {
                     tracing::warn!(%error, "the new store's shared memory was not freed");
                 }
             })?;
@@ -1165,8 +1165,11 @@ fn serve(
     stopped?;
     match action {
         StopAction::Delete => {
+            // The segment this process maps, not whatever is under the device's key: a
+            // `create` of this id since the device's DEL_DEV has made its own there.
+            let freed = store.free_shared_memory();
             drop(store);
-            if let Err(error) = remove_shared(id) {
+            if let Err(error) = freed {
                 tracing::warn!(%error, id, "could not free the store's shared memory");
             }
             tracing::info!(device = path, "device deleted");

@@ -246,6 +246,20 @@ impl Segment {
         Ok(true)
     }
 
+    /// Remove the SysV segment this is an attachment of, by its id (it is freed once no
+    /// process maps it, and its key is free at once): unlike `remove_shared`, never a
+    /// segment made under the same key since. False for private memory.
+    pub fn remove_attached(&self) -> std::io::Result<bool> {
+        match self.backing {
+            Backing::SysV(id) => {
+                // SAFETY: IPC_RMID takes no buffer.
+                cvt(unsafe { libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()) })?;
+                Ok(true)
+            }
+            Backing::Memfd => Ok(false),
+        }
+    }
+
     /// Whether the SysV segment `key` exists.
     pub fn shared_exists(key: i32) -> bool {
         // SAFETY: shmget takes no pointers.

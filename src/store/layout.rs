@@ -439,6 +439,22 @@ impl Shape {
 /// store is dropped; a process that dies leaves its pid, which no live process has.
 pub(super) struct Ownership {
     header: Words<AtomicU64>,
+    /// The memory claimed, for `free_shared`.
+    segment: Arc<Segment>,
+}
+
+impl Ownership {
+    /// Free the store's shared memory as its device is deleted: the segment this process
+    /// maps, by its id (freed once no process maps it). Never by its key: once the device is
+    /// deleted, a `create` of the same id makes its store under that key, and freeing that
+    /// one would leave the new device's pages unreachable for its next daemon. (A key record,
+    /// where another user holds the device's own key, is cleared by the next create of the
+    /// id, as is any segment left under the key.) False for private memory.
+    pub(super) fn free_shared(&self) -> Result<bool, StoreError> {
+        self.segment
+            .remove_attached()
+            .map_err(memory_error("removing the store's shared memory"))
+    }
 }
 
 impl Drop for Ownership {
@@ -683,6 +699,7 @@ impl Regions {
             shape,
             owner: Ownership {
                 header: view(segment.words(0, HEADER_WORDS))?,
+                segment: Arc::clone(segment),
             },
             table: view(segment.words(o.table, o.table_len))?,
             hints: view(segment.words16(o.hints, o.table_len))?,

@@ -167,7 +167,7 @@ pub struct BatchedPageStore {
     /// Asks for an OOM kill when writes starve and pages do not compress (see `oom`).
     oom: oom::OomNudge,
     /// This process's claim on the store's memory (a second process must not serve it).
-    _owner: Ownership,
+    owner: Ownership,
 }
 
 /// Check that a store of `size_bytes` can be made: a positive multiple of a page, and fewer
@@ -392,7 +392,7 @@ impl BatchedPageStore {
             counters: Counters::default(),
             oom: oom::OomNudge::new(config.oom_killer.clone()),
             config,
-            _owner: owner,
+            owner,
         };
         let opened = if resumed {
             store.resume()?
@@ -831,6 +831,13 @@ impl BatchedPageStore {
             self.flush_open_batch();
         }
         Ok(())
+    }
+
+    /// Free this store's shared memory, its device deleted: the segment it maps, not
+    /// whatever is under the device's key by now (see `layout::Ownership::free_shared`).
+    /// False for private memory.
+    pub fn free_shared_memory(&self) -> Result<bool, StoreError> {
+        self.owner.free_shared()
     }
 
     /// Stop the flusher (after flushing what is pending).

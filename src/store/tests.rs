@@ -867,6 +867,42 @@ fn a_store_whose_own_key_another_user_holds_is_made_under_a_recorded_key() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A deleted device's daemon frees the segment it maps, not the one under the device's key
+/// by then: a `create` of the same id after the device's DEL_DEV frees the old store by key
+/// and makes its own there, and that one must outlive the old daemon's late free (or the new
+/// device's next daemon would find nothing to resume).
+#[test]
+fn freeing_a_store_leaves_a_store_made_under_its_key_since() {
+    let (key, backing) = fresh_shared_backing(0x7a00_0000);
+    let (old, _) = BatchedPageStore::open(layout_test_config(), None, backing).unwrap();
+    old.write(0, &text(1)[..]).unwrap();
+    old.flush_pending().unwrap();
+    // The new device's create: the stale store freed by key, a new one made under it.
+    assert!(crate::mem::Segment::remove_shared(key).unwrap());
+    let (new, opened) = BatchedPageStore::open(layout_test_config(), None, backing).unwrap();
+    assert_eq!(opened, Opened::Fresh);
+    new.write(0, &text(2)[..]).unwrap();
+    new.flush_pending().unwrap();
+    assert!(old.free_shared_memory().unwrap());
+    drop(old);
+    assert!(crate::mem::Segment::shared_exists(key));
+    drop(new);
+    {
+        // The next daemon of the new device finds its page.
+        let (next, opened) = BatchedPageStore::open(layout_test_config(), None, backing).unwrap();
+        assert_eq!(opened, Opened::Resumed { pages: 1, lost: 0 });
+        let mut buf = vec![0u8; PAGE_SIZE];
+        next.read(0, &mut buf).unwrap();
+        assert_eq!(&buf[..], &text(2)[..]);
+        // Its own delete frees it: the key is free at once.
+        assert!(next.free_shared_memory().unwrap());
+        assert!(!crate::mem::Segment::shared_exists(key));
+    }
+    let (private, _) =
+        BatchedPageStore::open(layout_test_config(), None, Backing::Private).unwrap();
+    assert!(!private.free_shared_memory().unwrap());
+}
+
 /// An upgrade that cannot read the store leaves it as it was: a store whose header names
 /// another layout version is refused with a message that says what to do, its header and
 /// page metadata do not change, and a binary of the store's own version then resumes every
