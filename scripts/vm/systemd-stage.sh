@@ -205,13 +205,17 @@ host_check() { # description command...
         fails=$((fails + 1))
     fi
 }
-# Without carriage returns and colour codes; systemd shortens long unit names with "…".
-tr -d '\r' <"$CONSOLE" | sed 's/\x1b\[[0-9;]*[A-Za-z]//g' >"$CONSOLE.txt"
+# console_text LOG: LOG.txt, without carriage returns and colour codes (systemd shortens
+# long unit names with "…").
+console_text() { tr -d '\r' <"$1" | sed 's/\x1b\[[0-9;]*[A-Za-z]//g' >"$1.txt"; }
+# What no console of the stage's boots may show.
+KERNEL_FAULTS='Kernel panic|Attempted to kill init|BUG:|Oops:|general protection|Call Trace'
+SWAP_IO_ERRORS='Write-error on swap-device|Read-error on swap-device|I/O error'
+console_text "$CONSOLE"
 echo
 echo "=== console log of boot and shutdown ($CONSOLE)"
 grep -nE 'ublk|[Ss]wap|trueno|Power down|panic' "$CONSOLE.txt" | tail -n 40 || true
-bad=$(grep -E -e 'Kernel panic|Attempted to kill init|BUG:|Oops:|general protection|Call Trace' \
-    -e 'Write-error on swap-device|Read-error on swap-device|I/O error|attempt to access beyond end' \
+bad=$(grep -E -e "$KERNEL_FAULTS" -e "$SWAP_IO_ERRORS" -e 'attempt to access beyond end' \
     -e 'Out of memory|oom-kill' "$CONSOLE.txt" || true)
 host_check "console log (boot and shutdown): no panic, swap I/O error, Oops or OOM kill" [ -z "$bad" ]
 [ -z "$bad" ] || echo "$bad" | head -n 20
@@ -225,19 +229,18 @@ host_check "at poweroff swapoff of /dev/ublkb0 finished (line ${swapoff_line:-no
     [ "${swapoff_line:-999999}" -lt "${stop_line:-0}" ]
 host_check "at poweroff the daemon then stopped cleanly (line ${stopped_line:-none})" [ "${stopped_line:-0}" -gt "${stop_line:-999999}" ]
 # The boot without the driver: its own verdict, and a console free of the same faults.
-tr -d '\r' <"$NO_DRIVER_CONSOLE" | sed 's/\x1b\[[0-9;]*[A-Za-z]//g' >"$NO_DRIVER_CONSOLE.txt"
+console_text "$NO_DRIVER_CONSOLE"
 no_driver_results=$(tr -d '\r' <"$NO_DRIVER_RESULT")
 echo
 echo "=== the boot without ublk_drv ($NO_DRIVER_RESULT; console $NO_DRIVER_CONSOLE)"
 grep -E '^(ok|FAIL):' <<<"$no_driver_results" || true
 host_check "without ublk_drv: the in-VM checks passed (qemu exit $NO_DRIVER_QEMU_RC, ${NO_DRIVER_VM_S} s)" \
     grep -q '^VMTEST RESULT: PASS$' <<<"$no_driver_results"
-bad=$(grep -E -e 'Kernel panic|Attempted to kill init|BUG:|Oops:|general protection|Call Trace' \
-    "$NO_DRIVER_CONSOLE.txt" || true)
+bad=$(grep -E -e "$KERNEL_FAULTS" "$NO_DRIVER_CONSOLE.txt" || true)
 host_check "without ublk_drv: no panic or Oops, and the VM powered off by itself" \
     eval '[ -z "$bad" ] && grep -q "reboot: Power down" "$NO_DRIVER_CONSOLE.txt"'
 # The forced poweroff: its own verdict, and a console free of the same faults.
-tr -d '\r' <"$FORCED_CONSOLE" | sed 's/\x1b\[[0-9;]*[A-Za-z]//g' >"$FORCED_CONSOLE.txt"
+console_text "$FORCED_CONSOLE"
 forced_results=$(tr -d '\r' <"$FORCED_RESULT")
 echo
 echo "=== the boot powered off with --force ($FORCED_RESULT; console $FORCED_CONSOLE)"
@@ -245,8 +248,7 @@ grep -E '^(ok|FAIL):' <<<"$forced_results" || true
 tail -n 12 "$FORCED_CONSOLE.txt"
 host_check "forced poweroff: the in-VM checks passed (qemu exit $FORCED_QEMU_RC, ${FORCED_VM_S} s)" \
     grep -q '^VMTEST RESULT: PASS$' <<<"$forced_results"
-bad=$(grep -E -e 'Kernel panic|Attempted to kill init|BUG:|Oops:|general protection|Call Trace' \
-    -e 'Write-error on swap-device|Read-error on swap-device|I/O error|hung_task|blocked for more than' \
+bad=$(grep -E -e "$KERNEL_FAULTS" -e "$SWAP_IO_ERRORS" -e 'hung_task|blocked for more than' \
     "$FORCED_CONSOLE.txt" || true)
 host_check "forced poweroff: no panic, Oops, swap I/O error or hung task" [ -z "$bad" ]
 [ -z "$bad" ] || echo "$bad" | head -n 20

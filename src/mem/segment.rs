@@ -199,7 +199,7 @@ impl Segment {
         match locked.and_then(|()| Self::attach(id, len)) {
             Ok(segment) => Ok(segment),
             Err(error) => {
-                remove_id(id);
+                let _ = remove_id(id);
                 Err(error)
             }
         }
@@ -241,8 +241,7 @@ impl Segment {
                 _ => Err(error),
             };
         }
-        // SAFETY: IPC_RMID takes no buffer.
-        cvt(unsafe { libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()) })?;
+        remove_id(id)?;
         Ok(true)
     }
 
@@ -251,11 +250,7 @@ impl Segment {
     /// segment made under the same key since. False for private memory.
     pub fn remove_attached(&self) -> std::io::Result<bool> {
         match self.backing {
-            Backing::SysV(id) => {
-                // SAFETY: IPC_RMID takes no buffer.
-                cvt(unsafe { libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()) })?;
-                Ok(true)
-            }
+            Backing::SysV(id) => remove_id(id).map(|()| true),
             Backing::Memfd => Ok(false),
         }
     }
@@ -592,9 +587,10 @@ pub(crate) fn give_shared_to_user(key: i32, uid: libc::uid_t) -> std::io::Result
     Ok(())
 }
 
-fn remove_id(id: libc::c_int) {
+/// IPC_RMID: the segment `id` is freed once no process maps it; its key is free at once.
+fn remove_id(id: libc::c_int) -> std::io::Result<()> {
     // SAFETY: IPC_RMID takes no buffer.
-    let _ = unsafe { libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()) };
+    cvt(unsafe { libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()) }).map(|_| ())
 }
 
 /// Atomic words in a segment: like a `&[AtomicU64]` (or `AtomicU32`, `AtomicU16`) that keeps the
