@@ -1689,14 +1689,21 @@ fn the_page_table_holds_memory_only_for_the_part_of_the_device_in_use() {
         "groups before {groups_before:?}, after {:?}",
         (0..128).filter(|&g| committed(g)).collect::<Vec<u64>>()
     );
-    // Everything discarded: each group that held pages goes back; what stays is the groups
-    // asked for ahead of writes and never written (11, 18, 24, 28..=31, 51, 58).
+    // Everything discarded: each group that held pages goes back; what may stay is the groups
+    // asked for ahead of writes and never written (11, 18, 24, 28..=31, 51, 58). Which of them
+    // are still there depends on the clock: they go once no group was asked for `QUIET_FOR`,
+    // which a loaded machine may reach during the writes to group 50 above (kept committed
+    // throughout, it asks for nothing).
     s.discard(0, 1 << 30).unwrap();
     wait_for("the emptied groups given back", &|| {
         ![10, 20, 21, 22, 23, 50].into_iter().any(committed)
     });
+    let asked_ahead = [11, 18, 24, 28, 29, 30, 31, 51, 58];
     let stayed: Vec<u64> = (0..128).filter(|&g| committed(g)).collect();
-    assert_eq!(stayed, [11, 18, 24, 28, 29, 30, 31, 51, 58]);
+    assert!(
+        stayed.iter().all(|g| asked_ahead.contains(g)),
+        "stayed {stayed:?}"
+    );
     // Once no group was asked for a while, they go too, all but the spares.
     wait_for("the groups no write reached given back", &|| {
         s.table.bytes() == SPARES
