@@ -30,8 +30,9 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::ctrl::Control;
+use super::handler::BlockHandler;
 use super::params::{device_params, survives_daemon, unservable, DeviceSpec};
-use super::queue::{BlockHandler, Queue, QueueParts, QueueSetup};
+use super::queue::{Queue, QueueParts, QueueSetup};
 use super::sys::{self, CtrlDevInfo};
 use super::timing::IoTiming;
 use super::UblkError;

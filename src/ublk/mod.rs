@@ -2,10 +2,11 @@
 //! decoding (`io`), device parameters (`params`), the per-queue loop (`queue`) and its large
 //! reads served on two threads (`shared_read`), memory shared with the kernel (`mmap`) and
 //! one device's life cycle (`device`). Nothing here knows about compression: requests go to a
-//! `BlockHandler`.
+//! `BlockHandler` (`handler`).
 
 pub mod ctrl;
 pub mod device;
+mod handler;
 pub mod io;
 pub mod mmap;
 pub mod params;
@@ -16,9 +17,9 @@ pub mod timing;
 
 pub use ctrl::Control;
 pub use device::{AddedDevice, Device, Standby};
+pub use handler::{BlockHandler, Handled};
 pub use io::{Op, Request};
 pub use params::{survives_daemon, DeviceSpec};
-pub use queue::{BlockHandler, Handled};
 pub use timing::{IoTiming, IoTimingReport};
 
 /// Errors of the ublk layer, worded so a user knows what to do.

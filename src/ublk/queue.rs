@@ -14,6 +14,7 @@ use std::time::Instant;
 use io_uring::{opcode, types, IoUring};
 
 use super::ctrl::opcode_for;
+use super::handler::{BlockHandler, Handled};
 use super::io::{failure_result, Op, Request};
 use super::mmap::{DescArray, IoBuffers};
 use super::params::BLOCK_SIZE;
@@ -26,58 +27,6 @@ use super::UblkError;
 /// wider than a tag becomes one past every depth, which the loop retires as invalid.
 fn tag_of(user_data: u64) -> u16 {
     u16::try_from(user_data).unwrap_or(u16::MAX)
-}
-
-/// What serves the requests: the daemon's store adapter. Called from every queue thread.
-pub trait BlockHandler: Send + Sync {
-    /// Called once on each queue thread before its first request, its stack already faulted
-    /// in: make what `handle` needs on this thread now, while allocating cannot wait on this
-    /// device, and fault in the free heap it will allocate from while serving, beside what
-    /// the queue's setup and fetch allocate (a few KiB; see `mem::prepare_io_thread`).
-    fn prepare_thread(&self);
-
-    /// Whether the queue may watch its ring for the next request after serving some, before
-    /// it sleeps in it (hybrid polling, see `Queue::poll_briefly`). A handler says no while
-    /// the CPU is better left to others. By default yes.
-    fn may_poll(&self) -> bool {
-        true
-    }
-
-    /// Serve one checked request. For `Read` fill `data`, for `Write` take `data` (both exactly
-    /// `request.len` bytes); other ops get an empty slice. `Err` carries a negative errno.
-    fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32>;
-
-    /// As `handle`, but a request that would wait (a write waiting for memory) may be given
-    /// back as `Handled::Deferred`: the queue serves its other requests meanwhile and calls
-    /// again with the rest of it. `deferred_since`: when it was first deferred (`None` on its
-    /// first try). By default nothing is deferred.
-    fn try_handle(
-        &self,
-        request: &Request,
-        data: &mut [u8],
-        deferred_since: Option<Instant>,
-    ) -> Handled {
-        let _ = deferred_since;
-        Handled::Done(self.handle(request, data))
-    }
-
-    /// Run `job` on a thread of the handler's, if it has one to lend: a READ larger than the
-    /// user-copy staging buffer is then served in pieces on two threads (see `shared_read`;
-    /// `job` calls `handle` there). The job may run late, even once its request is done; it
-    /// then finds nothing to do. By default no thread is lent: the job is dropped and the
-    /// queue thread serves every piece.
-    fn lend_thread(&self, job: Box<dyn FnOnce() + Send>) {
-        drop(job);
-    }
-}
-
-/// What became of a request given to `BlockHandler::try_handle`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Handled {
-    /// Served: commit it with this result (`Err`: a negative errno).
-    Done(Result<(), i32>),
-    /// Its first `done_bytes` are served; the rest would wait: try it again later.
-    Deferred { done_bytes: u64 },
 }
 
 /// A request the queue holds from its arrival until it is served: its tag stays with the

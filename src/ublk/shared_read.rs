@@ -23,9 +23,9 @@ use std::thread::Thread;
 
 use parking_lot::Mutex;
 
+use super::handler::BlockHandler;
 use super::io::{failure_result, Request};
 use super::mmap::IoBuffers;
-use super::queue::BlockHandler;
 use super::sys;
 
 /// Bytes of a piece, of the lent thread's buffer and of the queue's staging buffer: 8 pages,
