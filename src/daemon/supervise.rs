@@ -46,10 +46,13 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use signal_hook::consts::{SIGCHLD, SIGHUP, SIGINT, SIGTERM};
+use signal_hook::iterator::exfiltrator::origin::{Origin, WithOrigin};
+use signal_hook::iterator::SignalsInfo;
 
 use super::detach::{Notifier, HANDOVER, TAKEOVER};
 use super::{io_error, DaemonError, RUN_DIR};
 use crate::config::DeviceSettings;
+use crate::stats::ReloadOutcomes;
 
 /// Tells the serving process who its supervisor is (its parent's pid), so that it can tell
 /// whether that parent is still there when it starts.
@@ -141,13 +144,22 @@ impl Restarts {
     }
 }
 
+/// The supervisor's signals, each with the process that sent it (a reload's outcome goes to
+/// the process that asked for it: `ReloadOutcomes`).
+type SupervisorSignals = SignalsInfo<WithOrigin>;
+
+/// The process that sent a signal, where the kernel says.
+fn sender(origin: &Origin) -> Option<i32> {
+    origin.process.as_ref().map(|process| process.pid)
+}
+
 /// Wait `delay`, or less if SIGTERM or SIGINT comes: then true. A SIGHUP (a reload) seen
-/// meanwhile sets `reload_asked`.
+/// meanwhile is added to `reloads_asked`, with its sender.
 fn wait_or_stop(
     wake: &UnixStream,
-    signals: &mut signal_hook::iterator::Signals,
+    signals: &mut SupervisorSignals,
     delay: Duration,
-    reload_asked: &mut bool,
+    reloads_asked: &mut Vec<Option<i32>>,
 ) -> bool {
     let deadline = Instant::now() + delay;
     let mut buffer = [0u8; 64];
@@ -164,9 +176,11 @@ fn wait_or_stop(
         let _ = poll(&mut fds, timeout);
         while std::io::Read::read(&mut &*wake, &mut buffer).is_ok_and(|n| n > 0) {}
         let mut stop = false;
-        for signal in signals.pending() {
-            stop |= signal == SIGTERM || signal == SIGINT;
-            *reload_asked |= signal == SIGHUP;
+        for origin in signals.pending() {
+            stop |= origin.signal == SIGTERM || origin.signal == SIGINT;
+            if origin.signal == SIGHUP {
+                reloads_asked.push(sender(&origin));
+            }
         }
         if stop {
             return true;
@@ -229,7 +243,7 @@ pub(super) fn supervise(
     }
 
     // Signals wake poll(2) through a socket; `Signals` then says which arrived.
-    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP, SIGCHLD])
+    let mut signals = SupervisorSignals::new([SIGTERM, SIGINT, SIGHUP, SIGCHLD])
         .map_err(io_error("installing signal handlers"))?;
     let (wake_rx, wake_tx) = UnixStream::pair().map_err(io_error("making the signal socket"))?;
     wake_rx
@@ -249,6 +263,10 @@ pub(super) fn supervise(
     // `--id` is in the arguments when the user gave it; otherwise it is learnt below, and a
     // standby (which must know the device) is made only then.
     let mut device = settings.id;
+    let mut reloads = ReloadOutcomes::default();
+    if let Some(id) = device {
+        reloads.set_device(Path::new(RUN_DIR), id);
+    }
     // The id the kernel picked, for the children's `--id` (none while the user gave it).
     let mut learnt_id = None;
     // The binary the children run: this one (even if a package upgrade replaced the file on
@@ -323,7 +341,8 @@ pub(super) fn supervise(
             }
         }
         while std::io::Read::read(&mut &wake_rx, &mut buffer).is_ok_and(|n| n > 0) {}
-        for signal in signals.pending() {
+        for origin in signals.pending() {
+            let signal = origin.signal;
             if signal == SIGTERM || signal == SIGINT {
                 if !stopping {
                     stopping = true;
@@ -344,6 +363,7 @@ pub(super) fn supervise(
                 }
                 if let Some(incoming) = incoming.take() {
                     incoming.dismiss();
+                    reloads.failed("stopping: the device's unit or daemon was told to stop");
                 }
             } else if signal == SIGHUP {
                 let refused = if stopping {
@@ -361,9 +381,16 @@ pub(super) fn supervise(
                     None
                 };
                 match (refused, &installed, device) {
-                    (Some(why), _, _) => tracing::warn!(why, "reload (SIGHUP) ignored"),
+                    (Some(why), _, _) => {
+                        tracing::warn!(why, "reload (SIGHUP) ignored");
+                        reloads.refused(sender(&origin), why);
+                    }
                     (None, Err(error), _) => {
-                        tracing::warn!(%error, "reload (SIGHUP) ignored: cannot tell which binary this is")
+                        tracing::warn!(%error, "reload (SIGHUP) ignored: cannot tell which binary this is");
+                        reloads.refused(
+                            sender(&origin),
+                            &format!("cannot tell which binary this is: {error}"),
+                        );
                     }
                     (None, Ok(path), Some(_)) => {
                         tracing::info!(binary = %path.display(), "reload: starting a standby of the binary on disk in place of the current one; the serving process hands the device over once it is ready");
@@ -376,8 +403,12 @@ pub(super) fn supervise(
                         }
                         standby_due = None;
                         // A failed start fails the reload, never the supervisor.
+                        reloads.asked(sender(&origin));
                         incoming = ServingProcess::spawn(child_command(path, learnt_id, true).env(RELOAD_ENV, "1"))
-                            .map_err(|error| tracing::error!(%error, "reload failed: cannot start the binary on disk; the device is still served by the running build"))
+                            .map_err(|error| {
+                                tracing::error!(%error, "reload failed: cannot start the binary on disk; the device is still served by the running build");
+                                reloads.failed(&format!("cannot start the binary on disk: {error}"));
+                            })
                             .ok();
                         if incoming.is_none() {
                             standby_due = Some(Instant::now());
@@ -404,6 +435,7 @@ pub(super) fn supervise(
             if std::mem::take(&mut switch_when_served) {
                 if let Ok(installed) = &installed {
                     tracing::info!(binary = %installed.display(), "reload: the new build serves the device; its binary runs the next processes");
+                    reloads.done();
                     program = installed.clone();
                     (serving_command, standby_command) =
                         child_commands(&program, learnt_id, device, true);
@@ -415,6 +447,9 @@ pub(super) fn supervise(
                     // The kernel picked the id: every later serving process resumes that one.
                     device = message.device;
                     learnt_id = device;
+                    if let Some(id) = device {
+                        reloads.set_device(Path::new(RUN_DIR), id);
+                    }
                 }
                 (serving_command, standby_command) =
                     child_commands(&program, learnt_id, device, true);
@@ -493,6 +528,9 @@ pub(super) fn supervise(
                 }
             } else if let Ok(Some(status)) = process.child.try_wait() {
                 tracing::error!(pid = process.child.id(), %status, "reload failed: the standby of the binary on disk ended before it was ready (its log says why); the device is still served by the running build");
+                reloads.failed(&format!(
+                    "the standby of the binary on disk ended before it was ready ({status})"
+                ));
                 incoming = None;
                 standby_due = Some(Instant::now());
             } else if incoming_deadline.is_some_and(|deadline| deadline <= Instant::now()) {
@@ -501,6 +539,10 @@ pub(super) fn supervise(
                     limit_s = RELOAD_READY_LIMIT.as_secs(),
                     "reload failed: the standby of the binary on disk was not ready in time (its log may say why); the device is still served by the running build"
                 );
+                reloads.failed(&format!(
+                    "the standby of the binary on disk was not ready within {} s",
+                    RELOAD_READY_LIMIT.as_secs()
+                ));
                 if let Some(process) = incoming.take() {
                     process.dismiss();
                 }
@@ -521,6 +563,7 @@ pub(super) fn supervise(
                     // The reload's new build, ready, died before it served: the process that
                     // takes over next is of the running build, and so are the ones after it.
                     tracing::error!("reload failed: the new build's standby ended before it took the device over; the running build's next process takes it over");
+                    reloads.failed("the new build's standby ended before it took the device over");
                 }
                 standby = None;
                 standby_failures.record(Instant::now());
@@ -647,13 +690,14 @@ pub(super) fn supervise(
                 notifier.send(
                     "STATUS=no process serves the device: its serving processes keep ending (see the log); trying again",
                 );
-                let mut reload_asked = false;
-                if wait_or_stop(&wake_rx, &mut signals, delay, &mut reload_asked) {
+                let mut reloads_asked = Vec::new();
+                if wait_or_stop(&wake_rx, &mut signals, delay, &mut reloads_asked) {
                     break None;
                 }
                 // A reload while no process serves has nothing to hand over; what it asks
-                // for is the binary on disk (a fixed build, say), which the next start runs.
-                if reload_asked {
+                // for is the binary on disk (a fixed build, say), which the next start runs:
+                // done as far as the supervisor goes (the command waits for that start).
+                if !reloads_asked.is_empty() {
                     match &installed {
                         Ok(path) => {
                             tracing::info!(binary = %path.display(), "reload while no process serves the device: the next start runs the binary on disk");
@@ -661,9 +705,19 @@ pub(super) fn supervise(
                             (serving_command, standby_command) =
                                 child_commands(&program, learnt_id, device, ready);
                             switch_when_served = false;
+                            for asker in reloads_asked {
+                                reloads.asked(asker);
+                                reloads.done();
+                            }
                         }
                         Err(error) => {
-                            tracing::warn!(%error, "reload (SIGHUP) ignored: cannot tell which binary this is")
+                            tracing::warn!(%error, "reload (SIGHUP) ignored: cannot tell which binary this is");
+                            for asker in reloads_asked {
+                                reloads.refused(
+                                    asker,
+                                    &format!("cannot tell which binary this is: {error}"),
+                                );
+                            }
                         }
                     }
                 }
@@ -688,6 +742,7 @@ pub(super) fn supervise(
     for process in [standby.take(), incoming.take()].into_iter().flatten() {
         process.dismiss();
     }
+    reloads.remove();
     result
 }
 

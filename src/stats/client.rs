@@ -7,10 +7,11 @@ use std::io::{self, Read};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use thiserror::Error;
 
+use super::reload::{outcome_for, outcome_path, ReloadOutcome};
 use super::render::{render, StatFormat};
 use super::{
     socket_path, DeviceReport, Probe, COMPACT_REQUEST, COMPACT_SIGNAL, IO_TIMEOUT,
@@ -47,6 +48,8 @@ pub enum StatError {
     NoReload { id: u32, pid: u32 },
     #[error("the serving process of ublkb{id} (pid {pid}) has no trueno-ublk supervisor to reload it{why}: restart it instead (`systemctl restart trueno-ublk@{id}` keeps its pages)")]
     NoSupervisor { id: u32, pid: u32, why: String },
+    #[error("reload of ublkb{id} failed: {why}; pid {pid} serves on (`journalctl -u trueno-ublk@{id}`, or /run/trueno-ublk/ublkb{id}.log for a daemon `create` started, says more)")]
+    ReloadFailed { id: u32, pid: u32, why: String },
     #[error("ublkb{id} is still served by pid {pid} {} s after the reload was asked for; its log says why (`journalctl -u trueno-ublk@{id}`, or /run/trueno-ublk/ublkb{id}.log for a daemon `create` started): a new binary that cannot start leaves the running one serving", waited.as_secs())]
     ReloadTimeout { id: u32, pid: u32, waited: Duration },
 }
@@ -110,6 +113,9 @@ pub fn reload(
             comm.trim()
         )));
     }
+    let outcomes = outcome_path(dir, id);
+    let me = i32::try_from(std::process::id()).unwrap_or(i32::MAX);
+    let asked_at = SystemTime::now();
     signal_daemon(id, parent, nix::sys::signal::Signal::SIGHUP)?;
     let asked = Instant::now();
     loop {
@@ -119,6 +125,14 @@ pub fn reload(
             if now.pid != before.pid {
                 return Ok((before, now));
             }
+        }
+        // `Done` comes as the new process serves: its report follows.
+        if let Some(ReloadOutcome::Failed(why)) = outcome_for(&outcomes, me, asked_at) {
+            return Err(StatError::ReloadFailed {
+                id,
+                pid: before.pid,
+                why,
+            });
         }
         if asked.elapsed() >= patience {
             return Err(StatError::ReloadTimeout {

@@ -1,11 +1,13 @@
 //! Live statistics: each daemon answers on a root-only unix socket
 //! (`/run/trueno-ublk/ublkb{id}.sock`, directory 0700, socket 0600) with one JSON line holding
 //! its `DeviceReport` (`server`); `trueno-ublk stat` reads every socket (`client`) and prints
-//! zramctl's columns (`render`).
+//! zramctl's columns (`render`). Beside each socket, the outcomes of the device's reloads
+//! (`reload`).
 
 #![forbid(unsafe_code)]
 
 mod client;
+mod reload;
 mod render;
 mod server;
 
@@ -21,6 +23,7 @@ use crate::store::StoreStats;
 use crate::ublk::device::block_path;
 use crate::ublk::IoTimingReport;
 pub use client::{collect, compact, reload, report_text, StatError};
+pub use reload::ReloadOutcomes;
 pub use render::{render, StatFormat, COLUMNS};
 pub use server::{serve, serve_in, StatsServer};
 
