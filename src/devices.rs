@@ -331,8 +331,11 @@ pub fn delete(
                 eprintln!("trueno-ublk: warning: {error}");
             }
         }
+        // Its store as it is before the delete: a `create` of the same id after it (a unit
+        // restarted) makes a store of its own under the same key, which must stay.
+        let store = crate::store::shared_store(id);
         let daemon_left = delete_one(&mut control, id, usage.served)?;
-        if let Err(error) = crate::store::remove_shared(id) {
+        if let Err(error) = store.and_then(crate::store::SharedStore::remove) {
             eprintln!("trueno-ublk: warning: device {id}'s shared memory was not freed: {error}");
         }
         let note = match daemon_left {

@@ -29,7 +29,7 @@ pub use lists::{
 };
 #[cfg(test)]
 pub(crate) use segment::give_shared_to_user;
-pub use segment::{PageSlots, Segment, SlotRead, SlotWrite, Words};
+pub use segment::{PageSlots, Segment, SharedId, SlotRead, SlotWrite, Words};
 pub use throttle::{free_memory_is_back, ThrottledThread};
 
 /// The MMU's base page: what the arena and the segment align to, and what

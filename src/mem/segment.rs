@@ -232,17 +232,24 @@ impl Segment {
 
     /// Remove the SysV segment `key` (freed once no process maps it); false if there was none.
     pub fn remove_shared(key: i32) -> std::io::Result<bool> {
+        match Self::shared_id(key)? {
+            Some(id) => id.remove(),
+            None => Ok(false),
+        }
+    }
+
+    /// The SysV segment under `key` now, by its id; `None` if there is none.
+    pub fn shared_id(key: i32) -> std::io::Result<Option<SharedId>> {
         // SAFETY: shmget takes no pointers.
         let id = unsafe { libc::shmget(key, 0, 0) };
         if id < 0 {
             let error = std::io::Error::last_os_error();
             return match error.raw_os_error() {
-                Some(libc::ENOENT) => Ok(false),
+                Some(libc::ENOENT) => Ok(None),
                 _ => Err(error),
             };
         }
-        remove_id(id)?;
-        Ok(true)
+        Ok(Some(SharedId(id)))
     }
 
     /// Remove the SysV segment this is an attachment of, by its id (it is freed once no
@@ -585,6 +592,24 @@ pub(crate) fn give_shared_to_user(key: i32, uid: libc::uid_t) -> std::io::Result
     // SAFETY: IPC_SET reads one shmid_ds from the buffer we own.
     cvt(unsafe { libc::shmctl(id, libc::IPC_SET, &mut ds) })?;
     Ok(())
+}
+
+/// A SysV segment named by its id: the one a key held when it was looked up (`shared_id`),
+/// never a segment made under that key since (it has another id).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedId(libc::c_int);
+
+impl SharedId {
+    /// Remove the segment (freed once no process maps it); false if it is gone already.
+    pub fn remove(self) -> std::io::Result<bool> {
+        match remove_id(self.0) {
+            Ok(()) => Ok(true),
+            Err(error) if matches!(error.raw_os_error(), Some(libc::EINVAL | libc::EIDRM)) => {
+                Ok(false)
+            }
+            Err(error) => Err(error),
+        }
+    }
 }
 
 /// IPC_RMID: the segment `id` is freed once no process maps it; its key is free at once.

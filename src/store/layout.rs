@@ -217,26 +217,61 @@ pub(super) fn memory_error(what: &str) -> impl FnOnce(std::io::Error) -> StoreEr
 
 /// Free device `device_id`'s shared store (once no process maps it). False if it had none.
 pub fn remove_shared(device_id: u32) -> Result<bool, StoreError> {
-    remove_shared_under(device_key(device_id)?)
+    shared_store(device_id)?.remove()
 }
 
-/// Free the shared store whose own key is `own_key`: the segment under the key recorded for
-/// it, the record, and whatever segment is under its own key (another user's, there to keep
-/// it from being made, goes too: freeing it needs CAP_SYS_ADMIN, which the daemon has).
-pub(super) fn remove_shared_under(own_key: i32) -> Result<bool, StoreError> {
-    let removing = || memory_error("removing the store's shared memory");
-    let mut removed = false;
-    if let Some(key) = recorded_key(own_key) {
-        removed |= Segment::remove_shared(key).map_err(removing())?;
+/// Device `device_id`'s shared store as it is now, to be freed later (`SharedStore::remove`).
+pub fn shared_store(device_id: u32) -> Result<SharedStore, StoreError> {
+    shared_store_under(device_key(device_id)?)
+}
+
+/// The shared store whose own key is `own_key`, as it is now: the segment under the key
+/// recorded for it, the record, and whatever segment is under its own key (another user's,
+/// there to keep it from being made, too).
+pub(super) fn shared_store_under(own_key: i32) -> Result<SharedStore, StoreError> {
+    let looking = || memory_error("looking up the store's shared memory");
+    let recorded = recorded_key(own_key);
+    let mut segments = Vec::new();
+    for key in recorded.into_iter().chain([own_key]) {
+        segments.extend(Segment::shared_id(key).map_err(looking())?);
     }
-    match std::fs::remove_file(key_record(own_key)) {
-        Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
-            return Err(removing()(error))
+    Ok(SharedStore {
+        own_key,
+        recorded,
+        segments,
+    })
+}
+
+/// A shared store's segments and key record as they were when looked up. Why not by key at
+/// the time of freeing: `trueno-ublk delete` frees a store after its device is deleted, and
+/// by then a `create` of the same id (a unit restarted, say) may have made a store of its own
+/// under the same keys, which freeing by key would take from under it.
+#[derive(Debug)]
+pub struct SharedStore {
+    own_key: i32,
+    recorded: Option<i32>,
+    segments: Vec<crate::mem::SharedId>,
+}
+
+impl SharedStore {
+    /// Free the segments (each once no process maps it) and the key record, if it still
+    /// names the key it did. False if there was no segment to free.
+    pub fn remove(self) -> Result<bool, StoreError> {
+        let removing = || memory_error("removing the store's shared memory");
+        let mut removed = false;
+        for segment in self.segments {
+            removed |= segment.remove().map_err(removing())?;
         }
-        _ => {}
+        if self.recorded.is_some() && recorded_key(self.own_key) == self.recorded {
+            match std::fs::remove_file(key_record(self.own_key)) {
+                Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(removing()(error))
+                }
+                _ => {}
+            }
+        }
+        Ok(removed)
     }
-    removed |= Segment::remove_shared(own_key).map_err(removing())?;
-    Ok(removed)
 }
 
 /// Whether device `device_id` has a shared store.

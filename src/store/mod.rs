@@ -68,7 +68,10 @@ pub use counters::StoreStats;
 use counters::{add, sub, Counters};
 pub use error::StoreError;
 pub use flusher::{FlusherHandle, StoreThread, StoreThreads};
-pub use layout::{remove_shared, shared_exists, AttachedStore, Backing, Opened, LAYOUT_VERSION};
+pub use layout::{
+    remove_shared, shared_exists, shared_store, AttachedStore, Backing, Opened, SharedStore,
+    LAYOUT_VERSION,
+};
 use layout::{Ownership, Regions, Shape};
 pub use oom::OomKiller;
 use pending::{BatchSpan, PendingBatch};

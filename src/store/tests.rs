@@ -859,9 +859,54 @@ fn a_store_whose_own_key_another_user_holds_is_made_under_a_recorded_key() {
         assert!(drawn > 0 && drawn & !0xf_ffff != 0x7400_0000, "{drawn:#x}");
     }
     std::fs::write(&record, format!("{key}\n")).unwrap();
-    assert!(layout::remove_shared_under(own_key).unwrap());
+    assert!(layout::shared_store_under(own_key)
+        .unwrap()
+        .remove()
+        .unwrap());
     assert!(!crate::mem::Segment::shared_exists(key));
     assert!(!crate::mem::Segment::shared_exists(own_key));
+    assert!(!record.exists());
+    layout::KEY_RECORD_DIR_FOR_TESTS.with(|records| *records.borrow_mut() = None);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `trueno-ublk delete` looks up a store without a daemon before it deletes the device, and
+/// frees what it found after: a `create` of the same id in between (a unit restarted, say)
+/// freed that store by key and made its own, which must stay, with its key record.
+#[test]
+fn a_store_looked_up_before_a_create_of_its_id_frees_only_itself() {
+    let dir = std::env::temp_dir().join(format!("trueno-key-looked-up-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    layout::KEY_RECORD_DIR_FOR_TESTS.with(|records| *records.borrow_mut() = Some(dir.clone()));
+    let (key, backing) = shared_store_holding_16_pages(0x7a40_0000, |_, _| ());
+    let looked_up = layout::shared_store_under(key).unwrap();
+    // The create: the stale store freed by key, a new one made under it.
+    assert!(crate::mem::Segment::remove_shared(key).unwrap());
+    let (new, opened) = BatchedPageStore::open(layout_test_config(), None, backing).unwrap();
+    assert_eq!(opened, Opened::Fresh);
+    new.write(0, &text(99)[..]).unwrap();
+    new.flush_pending().unwrap();
+    drop(new);
+    assert!(
+        !looked_up.remove().unwrap(),
+        "the old store was gone already"
+    );
+    let (next, opened) = BatchedPageStore::open(layout_test_config(), None, backing).unwrap();
+    assert_eq!(opened, Opened::Resumed { pages: 1, lost: 0 });
+    let mut buf = vec![0u8; PAGE_SIZE];
+    next.read(0, &mut buf).unwrap();
+    assert_eq!(&buf[..], &text(99)[..]);
+    drop(next);
+    // A key record the create wrote since (another key) stays; the one looked up goes.
+    let record = dir.join(format!("shm-{key:#x}.key"));
+    std::fs::write(&record, "4660\n").unwrap();
+    let looked_up = layout::shared_store_under(key).unwrap();
+    std::fs::write(&record, "4661\n").unwrap();
+    assert!(looked_up.remove().unwrap(), "the store under its own key");
+    assert_eq!(std::fs::read_to_string(&record).unwrap(), "4661\n");
+    let looked_up = layout::shared_store_under(key).unwrap();
+    assert!(!looked_up.remove().unwrap());
     assert!(!record.exists());
     layout::KEY_RECORD_DIR_FOR_TESTS.with(|records| *records.borrow_mut() = None);
     std::fs::remove_dir_all(&dir).unwrap();
