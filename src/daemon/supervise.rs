@@ -52,7 +52,7 @@ use signal_hook::iterator::SignalsInfo;
 use super::detach::{Notifier, HANDOVER, TAKEOVER};
 use super::{io_error, DaemonError, RUN_DIR};
 use crate::config::DeviceSettings;
-use crate::stats::ReloadOutcomes;
+use crate::stats::{ReloadOutcome, ReloadOutcomes};
 
 /// Tells the serving process who its supervisor is (its parent's pid), so that it can tell
 /// whether that parent is still there when it starts.
@@ -147,6 +147,11 @@ impl Restarts {
 /// The supervisor's signals, each with the process that sent it (a reload's outcome goes to
 /// the process that asked for it: `ReloadOutcomes`).
 type SupervisorSignals = SignalsInfo<WithOrigin>;
+
+/// Why a reload is refused when this process cannot find its own binary's path.
+fn unknown_binary(error: &std::io::Error) -> String {
+    format!("cannot tell which binary this is: {error}")
+}
 
 /// The process that sent a signal, where the kernel says.
 fn sender(origin: &Origin) -> Option<i32> {
@@ -383,14 +388,12 @@ pub(super) fn supervise(
                 match (refused, &installed, device) {
                     (Some(why), _, _) => {
                         tracing::warn!(why, "reload (SIGHUP) ignored");
-                        reloads.refused(sender(&origin), why);
+                        reloads.answer(sender(&origin), &ReloadOutcome::Failed(why.into()));
                     }
                     (None, Err(error), _) => {
-                        tracing::warn!(%error, "reload (SIGHUP) ignored: cannot tell which binary this is");
-                        reloads.refused(
-                            sender(&origin),
-                            &format!("cannot tell which binary this is: {error}"),
-                        );
+                        let why = unknown_binary(error);
+                        tracing::warn!(why, "reload (SIGHUP) ignored");
+                        reloads.answer(sender(&origin), &ReloadOutcome::Failed(why));
                     }
                     (None, Ok(path), Some(_)) => {
                         tracing::info!(binary = %path.display(), "reload: starting a standby of the binary on disk in place of the current one; the serving process hands the device over once it is ready");
@@ -706,17 +709,14 @@ pub(super) fn supervise(
                                 child_commands(&program, learnt_id, device, ready);
                             switch_when_served = false;
                             for asker in reloads_asked {
-                                reloads.asked(asker);
-                                reloads.done();
+                                reloads.answer(asker, &ReloadOutcome::Done);
                             }
                         }
                         Err(error) => {
-                            tracing::warn!(%error, "reload (SIGHUP) ignored: cannot tell which binary this is");
+                            let why = unknown_binary(error);
+                            tracing::warn!(why, "reload (SIGHUP) ignored");
                             for asker in reloads_asked {
-                                reloads.refused(
-                                    asker,
-                                    &format!("cannot tell which binary this is: {error}"),
-                                );
+                                reloads.answer(asker, &ReloadOutcome::Failed(why.clone()));
                             }
                         }
                     }

@@ -23,7 +23,7 @@ use crate::store::StoreStats;
 use crate::ublk::device::block_path;
 use crate::ublk::IoTimingReport;
 pub use client::{collect, compact, reload, report_text, StatError};
-pub use reload::ReloadOutcomes;
+pub use reload::{ReloadOutcome, ReloadOutcomes};
 pub use render::{render, StatFormat, COLUMNS};
 pub use server::{serve, serve_in, StatsServer};
 

@@ -93,10 +93,11 @@ impl ReloadOutcomes {
         self.asker = asker;
     }
 
-    /// A SIGHUP from `asker` refused (no reload started: `why`).
-    pub fn refused(&mut self, asker: Option<i32>, why: &str) {
+    /// A SIGHUP from `asker` answered at once: refused (no reload started), or done at once
+    /// (no process serves: the next start runs the binary on disk).
+    pub fn answer(&mut self, asker: Option<i32>, outcome: &ReloadOutcome) {
         if let Some(asker) = asker {
-            self.record(asker, &ReloadOutcome::Failed(why.to_owned()));
+            self.record(asker, outcome);
         }
     }
 
@@ -195,11 +196,14 @@ mod tests {
         let path = outcome_path(dir.path(), 3);
         let mut outcomes = ReloadOutcomes::default();
         // Before the id is known nothing is written, and nothing fails.
-        outcomes.refused(Some(7), "the device is not live yet");
+        outcomes.answer(
+            Some(7),
+            &ReloadOutcome::Failed("the device is not live yet".into()),
+        );
         assert!(!path.exists());
         outcomes.set_device(dir.path(), 3);
         let before = SystemTime::now() - Duration::from_secs(1);
-        outcomes.refused(Some(7), "stopping");
+        outcomes.answer(Some(7), &ReloadOutcome::Failed("stopping".into()));
         let since = SystemTime::now();
         assert_eq!(
             outcome_for(&path, 7, since),
@@ -211,9 +215,12 @@ mod tests {
             Some(ReloadOutcome::Failed("stopping".into()))
         );
         outcomes.asked(Some(8));
-        outcomes.refused(Some(9), "a reload is under way");
+        outcomes.answer(
+            Some(9),
+            &ReloadOutcome::Failed("a reload is under way".into()),
+        );
         // A signal the kernel named no sender of is answered to nobody.
-        outcomes.refused(None, "stopping");
+        outcomes.answer(None, &ReloadOutcome::Failed("stopping".into()));
         assert_eq!(outcome_for(&path, 8, since), None, "still under way");
         assert_eq!(
             outcome_for(&path, 9, since),
@@ -226,7 +233,7 @@ mod tests {
         assert_eq!(outcome_for(&path, 8, since), Some(ReloadOutcome::Done));
         // Only the last few are kept.
         for asker in (100..).take(KEPT_OUTCOMES) {
-            outcomes.refused(Some(asker), "stopping");
+            outcomes.answer(Some(asker), &ReloadOutcome::Done);
         }
         assert_eq!(outcome_for(&path, 8, since), None);
         assert_eq!(
