@@ -27,7 +27,8 @@
 #      is a figure.
 #   3. The stop the README gives (swap unit, then the daemon: the device is deleted), a fresh
 #      start of the swap unit (a new device, of the edited size, gets a new signature), a
-#      second pressure run.
+#      second pressure run. Then `create --foreground` on a pseudo-terminal that hangs up:
+#      the daemon serves on, the same processes (the kernel's SIGHUP is no reload).
 # The test runs with MemorySwapMax=0 (its unit), so that its own pages never wait for a
 # device that waits for its daemon; the pressure programs run in a scope of their own.
 #   4. Poweroff while pages (PID 1's and journald's among them) are still swapped out.
@@ -459,6 +460,36 @@ fill=$(($(avail_mib) + 32))
 section "pressure 2: $fill MiB (available $(avail_mib) MiB)"
 pressure_start "$fill" 0
 pressure_finish pressure2
+
+# --- 3b. a terminal that hangs up is no reload ----------------------------------------------
+# `create --foreground` on a pseudo-terminal (script(1)), whose `script` is then killed: the
+# kernel hangs the terminal up, sending SIGHUP to its session. The daemon serves on: the same
+# supervisor and serving process (a SIGHUP the kernel sends is no reload), its log on the
+# hung-up terminal failing quietly.
+section "a terminal's hang-up: create --foreground on a pseudo-terminal that goes away"
+HUP_ID=7
+hup_serving() { trueno-ublk list 2>/dev/null | awk -v id=$HUP_ID '$1 == id && $6 == "live" && NF == 7 { print $7 }'; }
+script -qfc "exec trueno-ublk create --size 64M --id $HUP_ID --foreground" /dev/null </dev/null >/dev/null 2>&1 &
+term=$!
+if check "create --foreground on a pseudo-terminal: /dev/ublkb$HUP_ID is live" \
+    wait_for 60 eval '[ -n "$(hup_serving)" ]'; then
+    # Its standby ready, so that a reload, if the hang-up made one, would not wait for it.
+    sleep 5
+    hup_pid=$(hup_serving)
+    hup_supervisor=$(awk '/^PPid:/ { print $2 }' /proc/$hup_pid/status)
+    kill -KILL "$term"
+    sleep 8
+    check "... after the hang-up the same process $hup_pid serves it ($(hup_serving))" \
+        [ "$(hup_serving)" = "$hup_pid" ]
+    check "... and its supervisor $hup_supervisor is alive" \
+        eval "[ \"\$(cat /proc/$hup_supervisor/comm 2>/dev/null)\" = trueno-ublk ]"
+    check "... and /dev/ublkb$HUP_ID reads" \
+        eval "dd if=/dev/ublkb$HUP_ID of=/dev/null bs=4096 count=1 iflag=direct status=none"
+fi
+kill -KILL "$term" 2>/dev/null
+check "trueno-ublk delete --id $HUP_ID" eval "timeout 60 trueno-ublk delete --id $HUP_ID >/dev/null"
+check "... and no process of it is left" \
+    wait_for 10 eval "! pgrep -f -- '--id $HUP_ID --foreground' >/dev/null"
 
 # --- 4. poweroff with pages out ----------------------------------------------------------
 section "poweroff with pages swapped out"

@@ -153,18 +153,20 @@ fn unknown_binary(error: &std::io::Error) -> String {
     format!("cannot tell which binary this is: {error}")
 }
 
-/// The process that sent a signal, where the kernel says.
+/// The process that sent a signal; `None` for one the kernel sent. A SIGHUP of the kernel's is
+/// the hang-up of a terminal (that of a `create --foreground` closed), not a reload: a swap
+/// device's daemon goes on as it was.
 fn sender(origin: &Origin) -> Option<i32> {
     origin.process.as_ref().map(|process| process.pid)
 }
 
-/// Wait `delay`, or less if SIGTERM or SIGINT comes: then true. A SIGHUP (a reload) seen
-/// meanwhile is added to `reloads_asked`, with its sender.
+/// Wait `delay`, or less if SIGTERM or SIGINT comes: then true. A process's SIGHUP (a reload)
+/// seen meanwhile adds that process to `reloads_asked`.
 fn wait_or_stop(
     wake: &UnixStream,
     signals: &mut SupervisorSignals,
     delay: Duration,
-    reloads_asked: &mut Vec<Option<i32>>,
+    reloads_asked: &mut Vec<i32>,
 ) -> bool {
     let deadline = Instant::now() + delay;
     let mut buffer = [0u8; 64];
@@ -184,7 +186,7 @@ fn wait_or_stop(
         for origin in signals.pending() {
             stop |= origin.signal == SIGTERM || origin.signal == SIGINT;
             if origin.signal == SIGHUP {
-                reloads_asked.push(sender(&origin));
+                reloads_asked.extend(sender(&origin));
             }
         }
         if stop {
@@ -371,6 +373,10 @@ pub(super) fn supervise(
                     reloads.failed("stopping: the device's unit or daemon was told to stop");
                 }
             } else if signal == SIGHUP {
+                let Some(asker) = sender(&origin) else {
+                    tracing::info!("SIGHUP from the kernel (a terminal hung up): not a reload");
+                    continue;
+                };
                 let refused = if stopping {
                     Some("stopping")
                 } else if incoming.is_some() || handing_over {
@@ -388,12 +394,12 @@ pub(super) fn supervise(
                 match (refused, &installed, device) {
                     (Some(why), _, _) => {
                         tracing::warn!(why, "reload (SIGHUP) ignored");
-                        reloads.answer(sender(&origin), &ReloadOutcome::Failed(why.into()));
+                        reloads.answer(asker, &ReloadOutcome::Failed(why.into()));
                     }
                     (None, Err(error), _) => {
                         let why = unknown_binary(error);
                         tracing::warn!(why, "reload (SIGHUP) ignored");
-                        reloads.answer(sender(&origin), &ReloadOutcome::Failed(why));
+                        reloads.answer(asker, &ReloadOutcome::Failed(why));
                     }
                     (None, Ok(path), Some(_)) => {
                         tracing::info!(binary = %path.display(), "reload: starting a standby of the binary on disk in place of the current one; the serving process hands the device over once it is ready");
@@ -406,7 +412,7 @@ pub(super) fn supervise(
                         }
                         standby_due = None;
                         // A failed start fails the reload, never the supervisor.
-                        reloads.asked(sender(&origin));
+                        reloads.asked(asker);
                         incoming = ServingProcess::spawn(child_command(path, learnt_id, true).env(RELOAD_ENV, "1"))
                             .map_err(|error| {
                                 tracing::error!(%error, "reload failed: cannot start the binary on disk; the device is still served by the running build");

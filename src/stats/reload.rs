@@ -77,7 +77,7 @@ pub struct ReloadOutcomes {
     /// `None` until the device's id is known (the kernel picks it unless `--id` was given).
     path: Option<PathBuf>,
     kept: VecDeque<String>,
-    /// The process whose SIGHUP the reload under way answers, if the kernel said who sent it.
+    /// The process whose SIGHUP the reload under way answers (`None`: no reload under way).
     asker: Option<i32>,
 }
 
@@ -89,16 +89,14 @@ impl ReloadOutcomes {
     }
 
     /// A reload is under way for `asker`: `done` or `failed` tells it how it ended.
-    pub fn asked(&mut self, asker: Option<i32>) {
-        self.asker = asker;
+    pub fn asked(&mut self, asker: i32) {
+        self.asker = Some(asker);
     }
 
     /// A SIGHUP from `asker` answered at once: refused (no reload started), or done at once
     /// (no process serves: the next start runs the binary on disk).
-    pub fn answer(&mut self, asker: Option<i32>, outcome: &ReloadOutcome) {
-        if let Some(asker) = asker {
-            self.record(asker, outcome);
-        }
+    pub fn answer(&mut self, asker: i32, outcome: &ReloadOutcome) {
+        self.record(asker, outcome);
     }
 
     /// The reload under way succeeded.
@@ -197,13 +195,15 @@ mod tests {
         let mut outcomes = ReloadOutcomes::default();
         // Before the id is known nothing is written, and nothing fails.
         outcomes.answer(
-            Some(7),
+            7,
             &ReloadOutcome::Failed("the device is not live yet".into()),
         );
         assert!(!path.exists());
         outcomes.set_device(dir.path(), 3);
         let before = SystemTime::now() - Duration::from_secs(1);
-        outcomes.answer(Some(7), &ReloadOutcome::Failed("stopping".into()));
+        outcomes.answer(7, &ReloadOutcome::Failed("stopping".into()));
+        // Lines are stamped to the nanosecond: the command's time is after that one.
+        std::thread::sleep(Duration::from_millis(2));
         let since = SystemTime::now();
         assert_eq!(
             outcome_for(&path, 7, since),
@@ -214,13 +214,8 @@ mod tests {
             outcome_for(&path, 7, before),
             Some(ReloadOutcome::Failed("stopping".into()))
         );
-        outcomes.asked(Some(8));
-        outcomes.answer(
-            Some(9),
-            &ReloadOutcome::Failed("a reload is under way".into()),
-        );
-        // A signal the kernel named no sender of is answered to nobody.
-        outcomes.answer(None, &ReloadOutcome::Failed("stopping".into()));
+        outcomes.asked(8);
+        outcomes.answer(9, &ReloadOutcome::Failed("a reload is under way".into()));
         assert_eq!(outcome_for(&path, 8, since), None, "still under way");
         assert_eq!(
             outcome_for(&path, 9, since),
@@ -233,7 +228,7 @@ mod tests {
         assert_eq!(outcome_for(&path, 8, since), Some(ReloadOutcome::Done));
         // Only the last few are kept.
         for asker in (100..).take(KEPT_OUTCOMES) {
-            outcomes.answer(Some(asker), &ReloadOutcome::Done);
+            outcomes.answer(asker, &ReloadOutcome::Done);
         }
         assert_eq!(outcome_for(&path, 8, since), None);
         assert_eq!(
