@@ -25,7 +25,9 @@
 //! process is asked (`HANDOVER=1` on its channel) to hand the device over, and the new standby
 //! takes it over as after a death. A start that fails, or a standby that ends before it is
 //! ready, leaves the running build serving. Later restarts run the binary on disk; the
-//! supervisor itself stays (a restart of the unit replaces it).
+//! supervisor itself stays (a restart of the unit replaces it). How each reload ended is
+//! written for the process that sent its SIGHUP (`stats::ReloadOutcomes`: `trueno-ublk
+//! reload` reads it). A SIGHUP the kernel sends (a terminal hung up) is no reload.
 //!
 //! Why exec and not fork: the serving process is multi-threaded and owns everything the I/O
 //! path needs; a fresh program image starts clean, and `/proc/self/exe` names the binary this
