@@ -93,34 +93,9 @@ impl ReloadOutcomes {
         self.asker = Some(asker);
     }
 
-    /// A SIGHUP from `asker` answered at once: refused (no reload started), or done at once
-    /// (no process serves: the next start runs the binary on disk).
+    /// Write `outcome` for `asker`: a SIGHUP answered at once (refused, or done at once when no
+    /// process serves: the next start runs the binary on disk), or the reload under way ended.
     pub fn answer(&mut self, asker: i32, outcome: &ReloadOutcome) {
-        self.record(asker, outcome);
-    }
-
-    /// The reload under way succeeded.
-    pub fn done(&mut self) {
-        if let Some(asker) = self.asker.take() {
-            self.record(asker, &ReloadOutcome::Done);
-        }
-    }
-
-    /// The reload under way failed (`why`).
-    pub fn failed(&mut self, why: &str) {
-        if let Some(asker) = self.asker.take() {
-            self.record(asker, &ReloadOutcome::Failed(why.to_owned()));
-        }
-    }
-
-    /// The file is gone with the supervisor (a device deleted, a stop).
-    pub fn remove(&self) {
-        if let Some(path) = &self.path {
-            let _ = fs::remove_file(path);
-        }
-    }
-
-    fn record(&mut self, asker: i32, outcome: &ReloadOutcome) {
         if self.kept.len() == KEPT_OUTCOMES {
             self.kept.pop_front();
         }
@@ -129,6 +104,27 @@ impl ReloadOutcomes {
         if let Err(error) = self.write() {
             // The outcome is in the log too; the command then waits for its timeout.
             tracing::warn!(%error, "cannot write the reload's outcome for `trueno-ublk reload`");
+        }
+    }
+
+    /// The reload under way succeeded.
+    pub fn done(&mut self) {
+        if let Some(asker) = self.asker.take() {
+            self.answer(asker, &ReloadOutcome::Done);
+        }
+    }
+
+    /// The reload under way failed (`why`).
+    pub fn failed(&mut self, why: &str) {
+        if let Some(asker) = self.asker.take() {
+            self.answer(asker, &ReloadOutcome::Failed(why.to_owned()));
+        }
+    }
+
+    /// The file is gone with the supervisor (a device deleted, a stop).
+    pub fn remove(&self) {
+        if let Some(path) = &self.path {
+            let _ = fs::remove_file(path);
         }
     }
 
