@@ -78,13 +78,13 @@ fio_job() {
 # far, by thread name: which of them a fio job kept busy (the queue thread, the flusher or the
 # compression pool, the reserve's refill thread); and the time the vCPUs have idled so far,
 # waiting for I/O or not (`idle`: /proc/stat's idle and iowait), so that what neither the
-# daemon nor idling took is fio's and the kernel's.
+# daemon nor idling took is fio's and the kernel's; and kswapd's (which compresses for zram).
 cpu_report() {
     local stats idle
     stats=$(cat /proc/[0-9]*/task/[0-9]*/stat 2>/dev/null)
     idle=$(awk '$1 == "cpu" { print $5 + $6; exit }' /proc/stat)
     echo "$stats" | awk -v label="$1" -v idle="$idle" '
-        $2 ~ /^\((trueno|ublk)/ { t[$2] += $14 + $15 }
+        $2 ~ /^\((trueno|ublk|kswapd)/ { t[$2] += $14 + $15 }
         END { printf "CPU %s: idle=%d", label, idle; for (n in t) printf " %s=%d", n, t[n]; print "" }'
 }
 
@@ -118,9 +118,11 @@ storm() { # NAME DEV
     local name=$1 dev=$2 t0 rc bad
     $UL/mkswap "$dev" >/dev/null || fail "$name: mkswap"
     $UL/swapon -d "$dev" || fail "$name: swapon -d"
+    cpu_report "$name before the storm"
     t0=$($VT now)
     VMTOOL_PASSES=2 $VT pressure "$FILL_MIB" 7 >/tmp/storm.out 2>&1
     rc=$?
+    cpu_report "$name after the storm"
     bad=$(sed -n 's/^PRESSURE_BAD_WORDS=//p' /tmp/storm.out)
     if [ "$rc" -eq 0 ] && [ "$bad" = 0 ]; then
         figure "storm_${name}_seconds" "$(awk -v a="$($VT now)" -v b="$t0" 'BEGIN { printf "%.1f", a - b }')"
