@@ -115,17 +115,18 @@ fio_table() { # NAME DEV
 }
 
 storm() { # NAME DEV
-    local name=$1 dev=$2 t0 rc bad
+    local name=$1 dev=$2 t0 t1 rc bad
     $UL/mkswap "$dev" >/dev/null || fail "$name: mkswap"
     $UL/swapon -d "$dev" || fail "$name: swapon -d"
     cpu_report "$name before the storm"
     t0=$($VT now)
     VMTOOL_PASSES=2 $VT pressure "$FILL_MIB" 7 >/tmp/storm.out 2>&1
     rc=$?
+    t1=$($VT now)
     cpu_report "$name after the storm"
     bad=$(sed -n 's/^PRESSURE_BAD_WORDS=//p' /tmp/storm.out)
     if [ "$rc" -eq 0 ] && [ "$bad" = 0 ]; then
-        figure "storm_${name}_seconds" "$(awk -v a="$($VT now)" -v b="$t0" 'BEGIN { printf "%.1f", a - b }')"
+        figure "storm_${name}_seconds" "$(awk -v a="$t1" -v b="$t0" 'BEGIN { printf "%.1f", a - b }')"
     else
         fail "$name: the swap storm failed (rc $rc, ${bad:-?} bad words)"
         tail -n 5 /tmp/storm.out
