@@ -13,9 +13,14 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         .unwrap_or(text.len());
     let (number, suffix) = text.split_at(number_end);
     let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
-    if whole.is_empty() || fraction.contains('.') || fraction.len() > 9 || number.ends_with('.') {
+    if whole.is_empty() || fraction.contains('.') || number.ends_with('.') {
         return Err(format!(
             "bad size '{text}': expected a number like 8G, 1.5G or 512M"
+        ));
+    }
+    if fraction.len() > 9 {
+        return Err(format!(
+            "bad size '{text}': at most 9 digits after the point"
         ));
     }
     let whole: u64 = whole
@@ -190,6 +195,11 @@ mod tests {
                 "parse_size({text:?})"
             );
         }
+        let error = parse_size("1.0000000001G").unwrap_err();
+        assert!(
+            error.contains("at most 9 digits after the point"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -63,6 +63,13 @@ fn example_config_parses_and_means_the_defaults() {
 }
 
 #[test]
+fn a_byte_order_mark_before_the_first_section_is_skipped() {
+    let with_mark = conf("\u{feff}[ublkb0]\nswap = yes\nswap-priority = 5\n");
+    assert_eq!(with_mark, conf("[ublkb0]\nswap = yes\nswap-priority = 5\n"));
+    assert_eq!(with_mark.swap_priority(0), 5);
+}
+
+#[test]
 fn defaults_follow_zram_generator() {
     let args = create_args(&[]);
     let cases = [
@@ -307,6 +314,15 @@ fn recompression_from_file_and_command_line() {
         "zstd:7,idle=2m"
     );
     assert_eq!(recompress(&[], "recompress = zstd\n").0, "zstd:3,idle=30s");
+    // Spaces around the colon, as around the `=`, are no part of the name or the level.
+    assert_eq!(
+        recompress(&[], "recompress = zstd : 5\n").0,
+        "zstd:5,idle=30s"
+    );
+    assert_eq!(
+        recompress(&["--recompress", "zstd: 7"], "").0,
+        "zstd:7,idle=30s"
+    );
     assert_eq!(
         recompress(&[], "recompress = off\n"),
         ("off".to_string(), None)
@@ -618,6 +634,11 @@ fn size_expressions() {
     ];
     for (text, want) in cases {
         assert_eq!(config::parse_size_expr(text).ok(), *want, "{text:?}");
+    }
+    // Too many digits is said as such, not as something that is no number.
+    for text in ["ram * 0.3333333", "ram * 1000000"] {
+        let error = config::parse_size_expr(text).expect_err(text);
+        assert!(error.contains("more than 6 digits"), "{text}: {error}");
     }
     let third = SizeExpr::RamFraction {
         numerator: 1,

@@ -97,6 +97,9 @@ pub fn load(path: &Path) -> Result<ConfigFile, ConfigError> {
 
 /// Parse the text of a configuration file; `path` is only used in messages.
 pub fn parse(text: &str, path: &Path) -> Result<ConfigFile, ConfigError> {
+    // A byte-order mark, which some editors on other systems write first: invisible in a
+    // message, it made the first section header read as a bad line (systemd skips it too).
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let mut file = ConfigFile {
         path: path.to_path_buf(),
         devices: Vec::new(),

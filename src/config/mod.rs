@@ -202,7 +202,7 @@ impl RecompressChoice {
             return Ok(Self::Off);
         }
         let (name, level) = match text.split_once(':') {
-            Some((name, level)) => (name, Some(level)),
+            Some((name, level)) => (name.trim(), Some(level.trim())),
             None => (text, None),
         };
         if !name.eq_ignore_ascii_case("zstd") {

@@ -72,10 +72,13 @@ fn parse_decimal(text: &str) -> Result<(u64, u64), String> {
     if whole.is_empty() && fraction.is_empty()
         || !whole.bytes().all(|b| b.is_ascii_digit())
         || !fraction.bytes().all(|b| b.is_ascii_digit())
-        || fraction.len() > 6
-        || whole.len() > 6
     {
         return Err(bad());
+    }
+    if fraction.len() > 6 || whole.len() > 6 {
+        return Err(format!(
+            "'{text}' has more than 6 digits before or after the point"
+        ));
     }
     let denominator = 10u64.pow(u32::try_from(fraction.len()).map_err(|_| bad())?);
     let digits = format!("{whole}{fraction}");
