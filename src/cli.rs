@@ -365,7 +365,7 @@ pub fn main() -> i32 {
     match result {
         Ok(()) => 0,
         Err(error) => {
-            eprintln!("trueno-ublk: {error}");
+            crate::os::print_err(&format!("trueno-ublk: {error}"));
             1
         }
     }
@@ -433,7 +433,7 @@ fn delete(args: &DeleteArgs) -> CommandResult {
         // A closed stdout (`| head`) is no reason to stop deleting.
         let _ = print_out(&format!("deleted {path}\n"));
         if let Some(note) = note {
-            eprintln!("trueno-ublk: note: {note}");
+            crate::os::print_err(&format!("trueno-ublk: note: {note}"));
         }
     };
     crate::devices::delete(target, args.force, args.lose_pages, &mut said)?;
@@ -491,11 +491,11 @@ fn run_bench(args: &BenchArgs) -> CommandResult {
     progress.finish();
     let report = report?;
     if report.request_bytes as u64 != options.request_size {
-        eprintln!(
+        crate::os::print_err(&format!(
             "trueno-ublk: note: requests of {} bytes, not the {} asked for: a whole number of \
              pages that divides the corpus's {} pages",
             report.request_bytes, options.request_size, report.pages
-        );
+        ));
     }
     if args.json {
         print_out(&format!("{}\n", serde_json::to_string_pretty(&report)?))?;

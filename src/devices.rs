@@ -328,7 +328,7 @@ pub fn delete(
             // The kernel cannot open a deleted block device by name, so this fails (the
             // area stays until reboot); its pages were lost when the disk went.
             if let Err(error) = swapoff(name) {
-                eprintln!("trueno-ublk: warning: {error}");
+                crate::os::print_err(&format!("trueno-ublk: warning: {error}"));
             }
         }
         // Its store as it is before the delete: a `create` of the same id after it (a unit
@@ -336,7 +336,9 @@ pub fn delete(
         let store = crate::store::shared_store(id);
         let daemon_left = delete_one(&mut control, id, usage.served)?;
         if let Err(error) = store.and_then(crate::store::SharedStore::remove) {
-            eprintln!("trueno-ublk: warning: device {id}'s shared memory was not freed: {error}");
+            crate::os::print_err(&format!(
+                "trueno-ublk: warning: device {id}'s shared memory was not freed: {error}"
+            ));
         }
         let note = match daemon_left {
             Some(pid) => Some(format!(

@@ -85,7 +85,9 @@ fn startable_swap_devices(file: &ConfigFile, config: &Path) -> Vec<(u32, u16)> {
     let ram_bytes = match config::ram_bytes() {
         Ok(bytes) => bytes,
         Err(error) => {
-            eprintln!("{GENERATOR_NAME}: {error}; the sections are not checked");
+            crate::os::print_err(&format!(
+                "{GENERATOR_NAME}: {error}; the sections are not checked"
+            ));
             return swap_devices(file);
         }
     };
@@ -113,14 +115,14 @@ fn startable_swap_devices(file: &ConfigFile, config: &Path) -> Vec<(u32, u16)> {
             return true;
         };
         let exists = crate::ublk::device::device_exists(id);
-        eprintln!(
+        crate::os::print_err(&format!(
             "{GENERATOR_NAME}: {error}; {}",
             if exists {
                 "the device exists: its swap unit is kept"
             } else {
                 "no swap unit written for this device"
             }
-        );
+        ));
         exists
     });
     devices
@@ -174,11 +176,11 @@ pub fn generate(
         if !write_unit(dir, &name, &text)? {
             // Generators run side by side, and the first to write a unit keeps it (as
             // systemd's own do): an fstab line for the device, say.
-            eprintln!(
+            crate::os::print_err(&format!(
                 "{GENERATOR_NAME}: {} was written by another generator (an fstab line for \
                  /dev/ublkb{id}?); left as it is",
                 path.display()
-            );
+            ));
             continue;
         }
         std::fs::create_dir_all(&wants)?;
@@ -222,7 +224,7 @@ fn write_unit(dir: &Path, name: &str, text: &str) -> std::io::Result<bool> {
 pub fn main() -> i32 {
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
     let Some(dir) = args.first().map(PathBuf::from) else {
-        eprintln!("{GENERATOR_NAME}: usage: {GENERATOR_NAME} NORMAL_DIR [EARLY_DIR LATE_DIR] (systemd runs it at boot)");
+        crate::os::print_err(&format!("{GENERATOR_NAME}: usage: {GENERATOR_NAME} NORMAL_DIR [EARLY_DIR LATE_DIR] (systemd runs it at boot)"));
         return 2;
     };
     let config_path = std::env::var_os("TRUENO_UBLK_CONFIG")
@@ -235,14 +237,14 @@ pub fn main() -> i32 {
             // is not ordered before the daemon's stop, and at poweroff swapoff would wait
             // on a device whose daemon has handed it over.
             let on = ublk_swaps_on(&std::fs::read_to_string("/proc/swaps").unwrap_or_default());
-            eprintln!(
+            crate::os::print_err(&format!(
                 "{GENERATOR_NAME}: {error}; no swap units written{}",
                 if on.is_empty() {
                     String::new()
                 } else {
                     format!(" but for the ublk swap areas that are on ({})", on.len())
                 }
-            );
+            ));
             if on.is_empty() {
                 return 1;
             }
@@ -255,11 +257,11 @@ pub fn main() -> i32 {
         .filter(|&(id, _)| {
             let listed = in_fstab.contains(&id);
             if listed {
-                eprintln!(
+                crate::os::print_err(&format!(
                     "{GENERATOR_NAME}: /etc/fstab lists /dev/ublkb{id} as swap: its line makes \
                      the swap unit, not `swap = yes` (give it \
                      x-systemd.requires=trueno-ublk@{id}.service, or remove it)"
-                );
+                ));
             }
             !listed
         })
@@ -267,10 +269,10 @@ pub fn main() -> i32 {
     match generate(&devices, &config_path, &dir) {
         Ok(_) => 0,
         Err(error) => {
-            eprintln!(
+            crate::os::print_err(&format!(
                 "{GENERATOR_NAME}: writing units into {}: {error}",
                 dir.display()
-            );
+            ));
             1
         }
     }

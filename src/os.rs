@@ -13,6 +13,14 @@ pub fn cvt(rc: libc::c_int) -> std::io::Result<()> {
     }
 }
 
+/// Write `line` and a newline to standard error. A reader that has gone (`2>&1 | head`) loses
+/// it quietly, where `eprintln!` would panic, and a panic part-way through a command (`delete
+/// --all`) leaves the devices after it undeleted.
+pub fn print_err(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
+}
+
 /// `PR_SET_IO_FLUSHER` from `include/uapi/linux/prctl.h` (Linux 5.6+).
 const PR_SET_IO_FLUSHER: libc::c_int = 57;
 

@@ -105,6 +105,20 @@ fn output_into_a_pipe_nobody_reads_ends_quietly() {
 }
 
 #[test]
+fn an_error_into_a_pipe_nobody_reads_is_still_exit_1() {
+    // `trueno-ublk ... 2>&1 | head`: the reader has gone before the error is said.
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    let status = Command::new(env!("CARGO_BIN_EXE_trueno-ublk"))
+        .args(["stat", "--id", "5"])
+        .env("RUST_BACKTRACE", "1")
+        .stderr(writer)
+        .status()
+        .expect("the binary runs");
+    assert_eq!(status.code(), Some(1), "{status:?}");
+}
+
+#[test]
 fn fault_in_names_a_missing_process() {
     // Pid numbers end at pid_max (at most 2^22): this one never names a process.
     let output = trueno_ublk(&["fault-in", "--pid", "999999999"]);

@@ -224,12 +224,12 @@ impl Drop for ZramDevice {
                     } else {
                         format!("echo 1 > {}", self.sys_path("reset"))
                     };
-                    eprintln!(
+                    crate::os::print_err(&format!(
                         "trueno-ublk bench: could not {} zram{} after the bench ({error}): it still \
                          holds the corpus; once nothing has it open: {undo}",
                         if self.added { "remove" } else { "reset" },
                         self.index
-                    );
+                    ));
                     return;
                 }
             }
