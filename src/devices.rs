@@ -325,11 +325,12 @@ pub fn delete(
             }
         }
         if let Some(name) = &usage.deleted_swap {
-            // The kernel cannot open a deleted block device by name, so this fails (the
-            // area stays until reboot); its pages were lost when the disk went.
-            if let Err(error) = swapoff(name) {
-                crate::os::print_err(&format!("trueno-ublk: warning: {error}"));
-            }
+            // No swapoff reaches it: the kernel cannot open a deleted block device by name.
+            // Its pages were lost when that disk went; the device now under the id goes all
+            // the same (`--force` or `--lose-pages` said so).
+            crate::os::print_err(&format!(
+                "trueno-ublk: warning: the swap area {name} stays until reboot (no swapoff reaches a deleted device); deleting {path} all the same"
+            ));
         }
         // Its store as it is before the delete: a `create` of the same id after it (a unit
         // restarted) makes a store of its own under the same key, which must stay.
