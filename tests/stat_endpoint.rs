@@ -288,6 +288,13 @@ fn stale_socket_is_reported_then_replaced() {
         last.starts_with("ublkb2: stale socket") && last.contains("ublkb2.sock"),
         "{text}"
     );
+    // No daemon answering is not "no running devices": the reasons follow.
+    let text = render(&probes[1..], StatFormat::Table);
+    assert_eq!(
+        text.lines().next(),
+        Some("no trueno-ublk device answered"),
+        "{text}"
+    );
     let json = render(&probes, StatFormat::Json);
     let value: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(value["unreachable"][0]["id"], 2);

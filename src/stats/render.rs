@@ -75,7 +75,13 @@ pub fn render(probes: &[Probe], format: StatFormat) -> String {
         .collect();
     let mut out = String::new();
     if reports.is_empty() {
-        out.push_str("no running trueno-ublk devices\n");
+        // Sockets whose daemons did not answer are said below, each with its reason: a
+        // daemon alive but stuck is no "no running device".
+        out.push_str(if probes.is_empty() {
+            "no running trueno-ublk devices\n"
+        } else {
+            "no trueno-ublk device answered\n"
+        });
     } else {
         let size = |bytes: u64| match format {
             StatFormat::RawTable => bytes.to_string(),
@@ -146,7 +152,8 @@ fn slot_frees(report: &DeviceReport) -> String {
     }
 }
 
-/// A request-time quantile as the bucket's upper bound in µs (`<=64us`), `-` with no requests.
+/// A request-time quantile as the bucket's upper bound (a power of two of ns) rounded up to
+/// whole µs (`<=66us` for 2^16 ns), `-` with no requests.
 fn latency(buckets: &Buckets, quantile: f64) -> String {
     buckets.quantile_upper_bound(quantile).map_or_else(
         || "-".to_string(),
