@@ -230,7 +230,10 @@ pub struct ReloadArgs {
     #[arg(long)]
     pub id: u32,
     /// How long to wait for the new process to serve the device
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "60s")]
+    // Longer than the supervisor's limit for the standby to be ready (60 s,
+    // `daemon::RELOAD_READY_LIMIT`), so that a standby not ready in time is said with the
+    // supervisor's reason, not as this command's own time-out.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "70s")]
     pub timeout: std::time::Duration,
 }
 
@@ -556,6 +559,15 @@ fn fault_in(args: &FaultInArgs) -> CommandResult {
 mod tests {
     use super::*;
     use crate::config::SizeExpr;
+
+    #[test]
+    fn reload_waits_past_the_supervisors_limit_for_its_standby() {
+        let cli = Cli::try_parse_from(["trueno-ublk", "reload", "--id", "0"]).unwrap();
+        let Command::Reload(args) = cli.command else {
+            panic!("not reload");
+        };
+        assert!(args.timeout > crate::daemon::RELOAD_READY_LIMIT);
+    }
 
     #[test]
     fn create_parses_documented_flags() {

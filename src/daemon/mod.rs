@@ -50,6 +50,9 @@ use harden::{
 
 /// Where daemons keep their logs and endpoints (root only).
 pub const RUN_DIR: &str = stats::SOCKET_DIR;
+/// For the command line's check that `reload` waits past it.
+#[cfg(test)]
+pub(crate) use supervise::RELOAD_READY_LIMIT;
 /// Environment variable telling a started daemon that it was detached by `create`.
 const DETACHED_ENV: &str = "TRUENO_UBLK_DETACHED_LOG";
 /// Set by the supervisor for its children when a service manager restarts it should it die

@@ -68,7 +68,7 @@ pub(super) const RELOAD_ENV: &str = "TRUENO_UBLK_RELOAD";
 /// How long a reload's standby may take to be ready before the reload fails: meanwhile the
 /// device has no standby (the reload dismissed it) and further reloads are refused. A standby
 /// is ready in about a second, several under emulation.
-const RELOAD_READY_LIMIT: Duration = Duration::from_secs(60);
+pub(crate) const RELOAD_READY_LIMIT: Duration = Duration::from_secs(60);
 /// Processes started at once after deaths by a signal within `RESTART_WINDOW`; after more
 /// deaths, each start waits twice as long as the one before (from `FIRST_BACKOFF` up to
 /// `MAX_BACKOFF`): something kills every new process (a bug that crashes it on resume, say),
