@@ -259,8 +259,10 @@ pub fn main() -> i32 {
             if listed {
                 crate::os::print_err(&format!(
                     "{GENERATOR_NAME}: /etc/fstab lists /dev/ublkb{id} as swap: its line makes \
-                     the swap unit, not `swap = yes` (give it \
-                     x-systemd.requires=trueno-ublk@{id}.service, or remove it)"
+                     the swap unit, not `swap = yes` (remove it, or give dev-ublkb{id}.swap a \
+                     drop-in with Wants= and After=trueno-ublk@{id}.service, Requires= and \
+                     After=trueno-ublk-mkswap@{id}.service: x-systemd options do nothing on a \
+                     swap line; see the README)"
                 ));
             }
             !listed
