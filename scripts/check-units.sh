@@ -6,8 +6,9 @@
 #
 # verify also checks that each command exists. The units name the installed binary
 # /usr/local/bin/trueno-ublk; this script verifies copies that name the binary built in
-# target/ instead (the same rewrite install.sh does for another --prefix), building it if
-# there is none.
+# target/ instead (the same rewrite install.sh does for another --prefix): the debug build of
+# the sources as they are (a no-op after scripts/test.sh's cargo test; a release binary left
+# from earlier could be of older sources, and its generator would be what gets checked).
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -20,17 +21,8 @@ if ! command -v systemd-analyze >/dev/null 2>&1; then
     apt_install systemd
 fi
 
-binary=""
-for candidate in target/release/trueno-ublk target/debug/trueno-ublk; do
-    if [ -x "$candidate" ]; then
-        binary="$repo/$candidate"
-        break
-    fi
-done
-if [ -z "$binary" ]; then
-    cargo build --release --bin trueno-ublk
-    binary="$repo/target/release/trueno-ublk"
-fi
+cargo build --quiet --bin trueno-ublk
+binary="$repo/target/debug/trueno-ublk"
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -3,19 +3,21 @@
 # to the binary), the example config (as /etc/trueno-ublk.conf unless that exists) and a
 # modules-load.d entry for ublk_drv.
 #
-#   sudo scripts/install.sh                  install under /usr/local (builds if needed)
+#   cargo build --release && sudo scripts/install.sh   install under /usr/local
 #   sudo scripts/install.sh --uninstall      stop the units and remove what was installed
 #   DESTDIR=/tmp/stage scripts/install.sh    stage into a directory (packaging, tests)
 #
 # Options: --prefix DIR (default /usr/local), --unitdir DIR (default /etc/systemd/system),
-# --binary FILE (install this binary instead of building target/release/trueno-ublk).
+# --binary FILE (install this binary instead of target/release/trueno-ublk). It never builds:
+# under sudo, root's PATH has no rustup toolchain (Debian's own cargo is too old for this
+# project), and a build as root would leave root's files in your target/.
 # The config and modules-load.d entry always go under /etc, where the units look. The
 # generator goes to PREFIX/lib/systemd/system-generators for the prefixes systemd searches
 # (/usr/local, /usr), else to /etc/systemd/system-generators.
 set -euo pipefail
 
 usage() {
-    sed -n '2,15s/^# \{0,1\}//p' "$0"
+    sed -n '2,17s/^# \{0,1\}//p' "$0"
     exit "${1:-0}"
 }
 
@@ -111,10 +113,16 @@ fi
 
 if [ -z "$binary" ]; then
     binary="$repo/target/release/trueno-ublk"
-    if command -v cargo >/dev/null 2>&1; then
-        (cd "$repo" && cargo build --release --locked --bin trueno-ublk)
-    elif [ ! -x "$binary" ]; then
-        echo "install.sh: no $binary and no cargo to build it; run 'cargo build --release' first" >&2
+    if [ ! -x "$binary" ]; then
+        echo "install.sh: no $binary: run 'cargo build --release' as your user first" >&2
+        exit 1
+    fi
+    # Sources changed since the build (a git pull, an edit): installing the old build would
+    # then be reloaded into use as if it were the new one.
+    newer=$(find "$repo/src" "$repo/Cargo.toml" "$repo/Cargo.lock" "$repo/build.rs" \
+        -newer "$binary" -type f -print -quit 2>/dev/null)
+    if [ -n "$newer" ]; then
+        echo "install.sh: $binary is older than ${newer#"$repo"/}: run 'cargo build --release' as your user first (or name a build with --binary)" >&2
         exit 1
     fi
 fi
