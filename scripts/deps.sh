@@ -4,7 +4,8 @@
 # C++), pkg-config, python3 with pip (the PTX check's NVIDIA wheels), curl; and, where no
 # Rust at least as new as Cargo.toml's rust-version is on PATH, the toolchain the project's
 # formatting and lints are checked with (RUST_TOOLCHAIN: a newer clippy may warn of more),
-# with rustfmt and clippy, through rustup (Debian's and Ubuntu's own rustc are older). What only the VM test needs (qemu, the
+# with rustfmt and clippy, through rustup (Debian's and Ubuntu's own rustc are older); a new
+# enough Rust without rustfmt or clippy gets them through its rustup. What only the VM test needs (qemu, the
 # kernel, mmdebstrap) scripts/vm-test.sh installs itself.
 #
 #   bash scripts/deps.sh       install what is missing
@@ -41,7 +42,17 @@ deps_main() {
     wanted=$(sed -n 's/^rust-version *= *"\([0-9.]*\)".*/\1/p' "$root/Cargo.toml")
     have=$(rustc --version 2>/dev/null | awk '{print $2}')
     if [ -n "$have" ] && [ "$(printf '%s\n%s\n' "$wanted" "$have" | sort -V | head -n1)" = "$wanted" ]; then
-        return 0
+        # New enough; the test command also runs cargo fmt and cargo clippy, which a distro's
+        # or a minimal toolchain may lack.
+        if cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1; then
+            return 0
+        fi
+        if command -v rustup >/dev/null 2>&1; then
+            echo "deps: rustc $have has no rustfmt or clippy: rustup component add rustfmt clippy" >&2
+            rustup component add rustfmt clippy >/dev/null || return 1
+            return 0
+        fi
+        echo "deps: rustc $have has no rustfmt or clippy" >&2
     fi
     if command -v rustup >/dev/null 2>&1; then
         echo "deps: rustc ${have:-missing}, $wanted needed: rustup toolchain install $RUST_TOOLCHAIN" >&2
