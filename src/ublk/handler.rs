@@ -1,6 +1,8 @@
 //! What a ublk server implements to answer block requests: `BlockHandler`, called from every
 //! queue thread (`queue`) and from a thread it lends to large reads (`shared_read`).
 
+#![forbid(unsafe_code)]
+
 use std::time::Instant;
 
 use super::io::Request;
