@@ -1,9 +1,9 @@
 //! trueno-ublk: a compressed-RAM block device (for swap) served in user space through the
 //! Linux ublk driver.
 //!
-//! Dependencies flow one way (see ARCHITECTURE.md): the leaves `units`, `os`, `mem` and
-//! `codec`; then `ublk` (the kernel protocol), `store` (the pages) and `gpu` (one more batch
-//! codec); then `config` (everything a user can set, every default); then `daemon`,
+//! Dependencies flow one way (see ARCHITECTURE.md): the leaves `units` and `os`; then `mem`
+//! and `codec`; then `ublk` (the kernel protocol), `store` (the pages) and `gpu` (one more
+//! batch codec); then `config` (everything a user can set, every default); then `daemon`,
 //! `devices`, `stats`, `swap` and `bench`; then `cli`, which parses and prints.
 
 pub mod bench;
