@@ -370,6 +370,20 @@ mod tests {
     }
 
     #[test]
+    fn add_dev_refused_with_eacces_is_the_device_limit() {
+        let limit = UblkError::command(sys::UBLK_U_CMD_ADD_DEV, 0, libc::EACCES);
+        assert!(matches!(limit, UblkError::DeviceLimit), "{limit}");
+        assert!(limit.to_string().contains("ublks_max"), "{limit}");
+        for (op, errno) in [
+            (sys::UBLK_U_CMD_ADD_DEV, libc::EPERM),
+            (sys::UBLK_U_CMD_START_DEV, libc::EACCES),
+        ] {
+            let error = UblkError::command(op, 0, errno);
+            assert!(matches!(error, UblkError::PermissionDenied), "{error}");
+        }
+    }
+
+    #[test]
     fn opening_without_a_driver_says_what_to_do() {
         if std::path::Path::new(CONTROL_PATH).exists() {
             return; // this host has the driver; the error path is not reachable here

@@ -30,8 +30,14 @@ pub enum UblkError {
          it needs Linux >= 6.0 built with CONFIG_BLK_DEV_UBLK"
     )]
     DriverMissing,
-    #[error("permission denied on /dev/ublk-control: run as root (or with CAP_SYS_ADMIN)")]
+    #[error("permission denied on /dev/ublk-control: run as root")]
     PermissionDenied,
+    #[error(
+        "the ublk driver refused another device: before Linux 6.15 (and its backports) it \
+         takes at most `ublks_max` devices (64 unless /sys/module/ublk_drv/parameters/ublks_max \
+         says otherwise), root's too: delete devices no longer used (`trueno-ublk list`)"
+    )]
+    DeviceLimit,
     #[error(
         "device id {0} is already in use (a running daemon serves it): pick another --id or \
          delete it first"
@@ -82,6 +88,11 @@ impl UblkError {
             0x14 => "DEL_DEV_ASYNC",
             _ => "command",
         };
+        // Before Linux 6.15 ADD_DEV answers EACCES at its device limit, whoever asks; a
+        // caller without CAP_SYS_ADMIN gets EPERM there (and cannot open the node at all).
+        if command == "ADD_DEV" && errno == libc::EACCES {
+            return UblkError::DeviceLimit;
+        }
         if errno == libc::EPERM || errno == libc::EACCES {
             return UblkError::PermissionDenied;
         }
