@@ -201,7 +201,7 @@ fn decide_stop(request: StopRequest, path: &str, survives_daemon: bool) -> Optio
         ),
         (None, Ok(true)) => tracing::warn!(
             device = path,
-            "not stopping: the device is in use (active swap or mounted) and this kernel's ublk driver has no user recovery, so stopping it would fail every page it holds. Run `swapoff {path}` (or stop its swap unit) first, then stop again"
+            "not stopping: the device is in use (active swap or mounted) and this kernel's ublk driver offers no user recovery (Linux 6.5+), so stopping it would fail every page it holds. Run `swapoff {path}` (or stop its swap unit) first, then stop again"
         ),
         (None, _) => tracing::warn!(
             device = path,
@@ -821,7 +821,7 @@ fn serve(
             if !added.survives_daemon() {
                 tracing::warn!(
                     id,
-                    "this kernel's ublk driver has no user recovery (UBLK_F_USER_RECOVERY with _REISSUE, Linux 6.0+): the device will not survive this daemon; if it dies, every page on the device is lost"
+                    "this kernel's ublk driver offers no user recovery to this daemon (UBLK_F_USER_RECOVERY with _REISSUE, asked only of a driver that reports its features: Linux 6.5+): the device will not survive this daemon; if it dies, every page on the device is lost"
                 );
             }
             let found = Instant::now();
