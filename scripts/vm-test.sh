@@ -42,7 +42,7 @@
 #   TRUENO_UBLK_BIN   use this binary instead of building target/release/trueno-ublk
 #   UBLK_RAMDISK_BIN  use this binary instead of target/release/examples/ublk_ramdisk
 #   VM_TEST_SKIP      debugging: steps to leave out ("ramdisk ramdisk-recovery zram ublk-swap
-#                     daemon-recovery systemd"); the run then fails
+#                     daemon-recovery early-death systemd"); the run then fails
 #   VM_TEST_ONLY      debugging: "systemd" runs only the real-systemd stage (the run then fails)
 #   VM_SYSTEMD_RAM_MIB [768]  VM_SYSTEMD_TIMEOUT_S [900]  the real-systemd stage's VM
 #   VM_KERNEL_ARGS    debugging: more kernel command-line options (loglevel=7 puts the stacks
@@ -118,6 +118,8 @@ need swapon util-linux
 need blkdiscard util-linux
 need mkswap util-linux
 if [ "$MODE" = bench-fio ]; then need fio fio; fi
+# The recovery step holds a start up with it (a serving process killed before its device is live).
+if [ "$MODE" = full ] || [ "$MODE" = recovery ]; then need strace strace; fi
 [ -e /usr/lib/x86_64-linux-gnu/libc.a ] || missing+=(libc6-dev)
 if [ "${#missing[@]}" -gt 0 ]; then
     # shellcheck disable=SC2207
@@ -345,6 +347,10 @@ esac
 if [ "$MODE" = bench-fio ]; then
     cp -L "$(command -v fio)" "$STAGE/usr/bin/fio"
     copy_libs "$(command -v fio)"
+fi
+if [ "$MODE" = full ] || [ "$MODE" = recovery ]; then
+    cp -L "$(command -v strace)" "$STAGE/usr/bin/strace"
+    copy_libs "$(command -v strace)"
 fi
 if [ "$MODE" != kernel-only ]; then
     # Debug info stripped: the initramfs lives in the VM's unswappable RAM.

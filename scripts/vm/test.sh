@@ -39,7 +39,7 @@
 #      zram lz4 and on a fresh trueno-ublk device, compared; the serving process's memory
 #      comes back when a program's swap is freed.
 # MODE=kernel-only: steps 1, 2 and 10, plus the pattern checks of step 4 on zram.
-# MODE=recovery: steps 1, 1c, 8b and 10 (what survives a daemon's death, and nothing else).
+# MODE=recovery: steps 1, 1c, 8b, 8c and 10 (what survives a daemon's death, and nothing else).
 # MODE=stress: steps 1, 10 and 11.
 #  8b. (MODE full and recovery) The daemon's recovery: device 0 as swap under the pressure
 #      program (1.5x the RAM, every word verified, and once more after a hold), started by
@@ -57,6 +57,9 @@
 #      `create` refuses to resume it (it would serve zeros), the device stays quiesced,
 #      `delete` refuses it while it is in use (mounted), --lose-pages deletes it, and its id
 #      is free once its last user lets go.
+#  8c. (MODE full and recovery) A serving process killed before its device went live (its start
+#      held up by strace): the device it added and its store's memory are removed, `create`
+#      fails saying so, nothing is left behind.
 # A monitor prints free memory and swap counters every 20 s and, if the test is still running
 # at WATCHDOG_S or swap stops moving for STALL_S during a pressure run, dumps the blocked tasks
 # to the console and fails the run. If this shell dies (the OOM killer took it, say), the VM's
@@ -758,6 +761,53 @@ daemon_refusal_checks() {
     check "refusal: and delete --id $id" trueno-ublk delete --id $id
 }
 
+# early_death_checks: a serving process killed (-9) before its device went live, held up 5 s
+# by strace in the shmat of its store's new segment (after ADD_DEV, before START_DEV): the supervisor
+# removes the device it had added and the store's shared memory, and `create` fails saying
+# so; no device, segment or process is left. With the id the kernel picks, and with --id.
+serving_child() {
+    local p
+    for p in $(daemon_pids); do
+        tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -- '--serve-child' | grep -qv -- '--standby' && echo "$p"
+    done
+}
+early_death_checks() {
+    local args shm_before rc pid st
+    for args in "" "--id 6"; do
+        shm_before=$(grep -c . /proc/sysvipc/shm)
+        # shellcheck disable=SC2086 # $args: no option, or two words
+        strace -f -qq -o /dev/null --seccomp-bpf -e trace=shmat -e inject=shmat:delay_enter=5s \
+            trueno-ublk create --size 64M $args >/tmp/early.out 2>&1 &
+        st=$!
+        pid=
+        if wait_until 30 eval 'ls /dev/ublkc* >/dev/null 2>&1 && pid=$(serving_child) && [ -n "$pid" ]'; then
+            check "early death ($args): its store's segment is made when it is killed" \
+                wait_until 10 eval '[ "$(grep -c . /proc/sysvipc/shm)" -gt "$shm_before" ]'
+            kill -9 "$pid"
+        else
+            fail "early death ($args): no serving process with a device within 30 s ($(ls /dev/ublk* 2>&1))"
+        fi
+        rc=0
+        if wait_until 30 not alive $st; then
+            wait $st || rc=$?
+        else
+            kill -9 $st
+            rc=timeout
+        fi
+        cat /tmp/early.out
+        check "early death ($args): create fails at once (exit $rc), saying the device was removed" \
+            eval "[ '$rc' != 0 ] && [ '$rc' != timeout ] && grep -q 'before device [0-9]* went live; the device and its memory were removed' /tmp/early.out"
+        check "early death ($args): no device is left ($(trueno-ublk list 2>&1 | tail -n +2))" \
+            wait_until 10 eval '[ -z "$(ls /dev/ublkc* 2>/dev/null)" ]'
+        check "early death ($args): no shared memory is left ($shm_before lines of /proc/sysvipc/shm before)" \
+            wait_until 10 eval '[ "$(grep -c . /proc/sysvipc/shm)" -eq "$shm_before" ]'
+        check "early death ($args): no trueno-ublk process is left" wait_until 10 no_daemon_runs
+        [ -z "$(daemon_pids)" ] || kill -9 $(daemon_pids) 2>/dev/null
+    done
+    check "early death: create --size 64M --id 6 works after it" trueno-ublk create --size 64M --id 6
+    check "early death: and delete --id 6" trueno-ublk delete --id 6
+}
+
 # --- dd speed ------------------------------------------------------------------------------
 # dd_speed NAME DEV: O_DIRECT bs=1M write then read of 32 MiB of the mixed pattern (3 runs,
 # median), then a checksum of what reads back. The pattern lives in RAM only meanwhile.
@@ -1216,6 +1266,10 @@ if { [ "$MODE" = full ] || [ "$MODE" = recovery ]; } && ! skipped daemon-recover
     [ -n "$PREVIOUS_BIN" ] && rm -f "$PREVIOUS_BIN"
     section "the daemon refuses to resume a device whose pages are gone"
     daemon_refusal_checks
+fi
+if { [ "$MODE" = full ] || [ "$MODE" = recovery ]; } && ! skipped early-death; then
+    section "a serving process killed before its device went live"
+    early_death_checks
 fi
 if [ "$MODE" = kernel-only ]; then
     section "pattern checks on /dev/zram0 (kernel-only dry run)"

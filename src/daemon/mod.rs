@@ -798,6 +798,11 @@ fn serve(
         )
     } else {
         let target = find_target(&settings, handler.clone())?;
+        if let Target::Fresh(added) = &target {
+            // At once: should this process die by a signal before the device is live, the
+            // supervisor removes the device (see `supervise`).
+            notifier.send(&format!("ADDED=1\nDEVICE={}", added.id()));
+        }
         (target, start_store_threads()?, started)
     };
     // What the start from here to live faults in (for a standby: what the takeover needed

@@ -83,12 +83,14 @@ const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// Deaths remembered: enough to tell how deep into backing off the supervisor is.
 const DEATHS_KEPT: usize = 16;
 
-/// What a serving process tells the supervisor, one datagram per event: `READY=1` with
+/// What a serving process tells the supervisor, one datagram per event: `ADDED=1` with
+/// `DEVICE=N` once it has added a new device (before the device goes live), `READY=1` with
 /// `DEVICE=N`, `STATUS=/dev/ublkbN` and `PID=P` once the device is live (at start and after
 /// each resume), `STANDBY=1` when a standby is ready, `STATUS=...` with `ERRNO=...` when it
 /// fails. The supervisor answers a standby `TAKEOVER=1` when it is to take the device over.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(super) struct ChildMessage<'a> {
+    pub added: bool,
     pub ready: bool,
     pub standby: bool,
     pub device: Option<u32>,
@@ -102,6 +104,7 @@ impl<'a> ChildMessage<'a> {
         let mut message = Self::default();
         for line in text.lines() {
             match line.split_once('=') {
+                Some(("ADDED", "1")) => message.added = true,
                 Some(("READY", "1")) => message.ready = true,
                 Some(("STANDBY", "1")) => message.standby = true,
                 Some(("DEVICE", id)) => message.device = id.parse().ok(),
@@ -301,6 +304,8 @@ pub(super) fn supervise(
     // When to make the next standby: once the device is live, later while backing off.
     let mut standby_due: Option<Instant> = None;
     let mut ready = false;
+    // The new device the serving process added (`ADDED=1`), until it is live.
+    let mut added: Option<u32> = None;
     let mut stopping = false;
     let mut restarts = Restarts::default();
     // Standbys that failed to start or died, apart: a standby that keeps failing (no memory
@@ -430,6 +435,12 @@ pub(super) fn supervise(
                 }
             }
         }
+        // Reaped before its words are read: all it said before it ended is then read below
+        // (a READY=1 just before a death makes the death one after the start).
+        let ended = serving
+            .child
+            .try_wait()
+            .map_err(io_error("waiting for the serving process"))?;
         while let Ok(n) = serving.channel.recv(&mut buffer) {
             let Ok(text) = std::str::from_utf8(&buffer[..n]) else {
                 continue;
@@ -438,6 +449,9 @@ pub(super) fn supervise(
             if message.errno.is_some() {
                 // The serving process failed; pass its reason on (`create` prints it).
                 notifier.send(text);
+            }
+            if message.added && !ready {
+                added = message.device;
             }
             if !message.ready {
                 continue;
@@ -454,6 +468,7 @@ pub(super) fn supervise(
             }
             if !ready {
                 ready = true;
+                added = None;
                 if device.is_none() {
                     // The kernel picked the id: every later serving process resumes that one.
                     device = message.device;
@@ -581,13 +596,32 @@ pub(super) fn supervise(
                 standby_due = Some(Instant::now() + standby_failures.delay(Instant::now()));
             }
         }
-        let Some(status) = serving
-            .child
-            .try_wait()
-            .map_err(io_error("waiting for the serving process"))?
-        else {
+        let Some(status) = ended else {
             continue;
         };
+        // A device it added and died with, by a signal (its own clean-up never ran), before
+        // the device went live: nobody was told of it, and left behind it would keep its id
+        // and its store's locked memory. Removed, and the start fails: a start that dies is
+        // the administrator's (or the service manager's) to repeat, not a loop's.
+        if let (Some(signal), Some(id)) = (status.signal(), added.take()) {
+            let removed = remove_unstarted(id, serving.child.id());
+            if let Err(error) = &removed {
+                tracing::error!(id, %error, "the device the dead serving process added could not be removed");
+            }
+            if !stopping {
+                break Err(DaemonError::Daemon(match removed {
+                    Ok(()) => format!(
+                        "the serving process was killed by signal {signal} before device {id} \
+                         went live; the device and its memory were removed: create it again"
+                    ),
+                    Err(error) => format!(
+                        "the serving process was killed by signal {signal} before device {id} \
+                         went live, and the device could not be removed ({error}): delete it \
+                         with `trueno-ublk delete --id {id}`"
+                    ),
+                }));
+            }
+        }
         let signal = match (status.code(), status.signal()) {
             (Some(0), _) if handing_over && standby.is_some() => {
                 handing_over = false;
@@ -754,6 +788,41 @@ pub(super) fn supervise(
     result
 }
 
+/// Remove device `id` and its store's shared memory, made by serving process `pid`, which
+/// died by a signal before the device went live. Only while the device is as that process
+/// left it (never started, or started by it and now waiting for it): one deleted and made
+/// again meanwhile is someone else's. A device gone already is nothing to remove.
+fn remove_unstarted(id: u32, pid: u32) -> Result<(), DaemonError> {
+    use crate::ublk::{sys, UblkError};
+    let mut control = crate::ublk::Control::open()?;
+    let info = match control.dev_info(id) {
+        Err(UblkError::Command {
+            errno: libc::ENODEV,
+            ..
+        }) => return Ok(()),
+        info => info?,
+    };
+    // Until START_DEV the pid is -1 (Linux 6.12) or the 0 ADD_DEV sent (older drivers).
+    let as_left = match info.state {
+        sys::UBLK_S_DEV_DEAD => info.ublksrv_pid <= 0,
+        _ => u32::try_from(info.ublksrv_pid) == Ok(pid),
+    };
+    if !as_left {
+        return Err(DaemonError::Daemon(format!(
+            "device {id} is no longer as the dead process left it (state {}, pid {}): left alone",
+            info.state, info.ublksrv_pid
+        )));
+    }
+    tracing::warn!(
+        id,
+        pid,
+        "removing the device the serving process added and died with before it went live"
+    );
+    control.del_dev_bounded(id)?;
+    crate::store::remove_shared(id)?;
+    Ok(())
+}
+
 /// A serving process's command, made once (and again when the device's id is learnt, or a
 /// reload switches to the binary on disk) so that a restart has nothing to build: `program`
 /// (this supervisor's own binary, `/proc/self/exe`, until a reload) with the supervisor's arguments,
@@ -822,6 +891,7 @@ mod tests {
         assert_eq!(
             ready,
             ChildMessage {
+                added: false,
                 ready: true,
                 standby: false,
                 device: Some(3),
@@ -830,6 +900,9 @@ mod tests {
                 pid: Some(42),
             }
         );
+        let added = ChildMessage::parse("ADDED=1\nDEVICE=7");
+        assert!(added.added && !added.ready);
+        assert_eq!(added.device, Some(7));
         let failed = ChildMessage::parse("STATUS=no such thing = here\nERRNO=5");
         assert!(!failed.ready);
         assert_eq!(failed.status, Some("no such thing = here"));

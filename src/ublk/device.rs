@@ -215,18 +215,13 @@ impl Standby {
                 || !crate::os::same_program_alive(info.ublksrv_pid);
             match info.state {
                 sys::UBLK_S_DEV_DEAD => {
-                    // The driver leaves the pid a daemon sent at ADD_DEV (0) until START_DEV,
-                    // and sets -1 at STOP_DEV.
-                    let reason = if device_exists(id) && info.ublksrv_pid == 0 {
+                    // Never started and stopped look the same (Linux 6.12 sets the pid to -1
+                    // at ADD_DEV as at STOP_DEV).
+                    let reason = if device_exists(id) {
                         format!(
-                            "it was added but never started (its daemon ended before it \
-                             served): delete it (`trueno-ublk delete --id {id}`) and create it \
+                            "it is not started (its daemon ended before it served, or it was \
+                             stopped): delete it (`trueno-ublk delete --id {id}`) and create it \
                              again"
-                        )
-                    } else if device_exists(id) {
-                        format!(
-                            "it is stopped (its block device is gone): delete it \
-                             (`trueno-ublk delete --id {id}`) and create it again"
                         )
                     } else {
                         format!(
