@@ -163,6 +163,18 @@ pub fn set_parent_death_signal(signal: nix::sys::signal::Signal) -> nix::Result<
     nix::sys::prctl::set_pdeathsig(signal)
 }
 
+/// Ignore terminal job control (SIGTSTP: Ctrl-Z; SIGTTIN, SIGTTOU: a background job's
+/// terminal I/O), in this process and, since an ignored signal stays ignored across exec, in
+/// the processes it starts: a stopped daemon would freeze every swap-in from its device.
+pub fn ignore_job_control() -> nix::Result<()> {
+    use nix::sys::signal::{signal, SigHandler, Signal};
+    for job_control in [Signal::SIGTSTP, Signal::SIGTTIN, Signal::SIGTTOU] {
+        // SAFETY: SIG_IGN installs no handler, so no code of ours runs in signal context.
+        unsafe { signal(job_control, SigHandler::SigIgn) }?;
+    }
+    Ok(())
+}
+
 /// The name every process of the daemon gives itself (`set_process_name`), whatever its
 /// binary is called: `pidof trueno-ublk`, and `same_program_alive`, go by it.
 pub const DAEMON_NAME: &std::ffi::CStr = c"trueno-ublk";

@@ -39,7 +39,7 @@
 #      zram lz4 and on a fresh trueno-ublk device, compared; the serving process's memory
 #      comes back when a program's swap is freed.
 # MODE=kernel-only: steps 1, 2 and 10, plus the pattern checks of step 4 on zram.
-# MODE=recovery: steps 1, 1c, 8b, 8c and 10 (what survives a daemon's death, and nothing else).
+# MODE=recovery: steps 1, 1c, 8b, 8c, 8d and 10 (what survives a daemon's death, and nothing else).
 # MODE=stress: steps 1, 10 and 11.
 #  8b. (MODE full and recovery) The daemon's recovery: device 0 as swap under the pressure
 #      program (1.5x the RAM, every word verified, and once more after a hold), started by
@@ -60,6 +60,8 @@
 #  8c. (MODE full and recovery) A serving process killed before its device went live (its start
 #      held up by strace): the device it added and its store's memory are removed, `create`
 #      fails saying so, nothing is left behind.
+#  8d. (MODE full and recovery) Signals to every process of a daemon: job control stops none;
+#      SIGUSR2 to the supervisor compacts, SIGUSR1 does nothing; SIGQUIT stops it cleanly.
 # A monitor prints free memory and swap counters every 20 s and, if the test is still running
 # at WATCHDOG_S or swap stops moving for STALL_S during a pressure run, dumps the blocked tasks
 # to the console and fails the run. If this shell dies (the OOM killer took it, say), the VM's
@@ -808,6 +810,58 @@ early_death_checks() {
     check "early death: and delete --id 6" trueno-ublk delete --id 6
 }
 
+# signal_checks: signals as a terminal or an administrator sends them to every process of a
+# daemon: `create --foreground` of device 7 run as a terminal's job (`vmtool job`: a process
+# group that job control stops), as in the terminal of `sudo trueno-ublk create --foreground`.
+# Job control (Ctrl-Z's SIGTSTP, SIGTTIN, SIGTTOU) stops none of its processes; SIGUSR2 to
+# the supervisor is a compaction, SIGUSR1 nothing; SIGQUIT (Ctrl-\) to every process stops
+# the daemon as Ctrl-C does: the device and its memory go, nothing is left.
+proc_state() { sed 's/^.*) \(.\).*/\1/' "/proc/$1/stat" 2>/dev/null; }
+none_stopped() {
+    local p
+    for p in "$@"; do
+        [ "$(proc_state "$p")" != T ] || return 1
+    done
+}
+signal_checks() {
+    local id=7 dev=/dev/ublkb7 pids serving supervisor shm_before job rc
+    shm_before=$(grep -c . /proc/sysvipc/shm)
+    $VT job trueno-ublk create --foreground --size 64M --id $id >/tmp/fg7.out 2>&1 &
+    job=$!
+    if ! wait_until 30 grep -q "^$dev\$" /tmp/fg7.out; then
+        fail "signals: create --foreground --size 64M --id $id did not print $dev: $(tail -n 5 /tmp/fg7.out)"
+        return
+    fi
+    check "signals: O_DIRECT write on $dev" pat_write dev7 $dev $MIB 0 $((4 * MIB))
+    check "signals: its standby is ready" wait_until 30 grep -q 'supervise: standby ready' /tmp/fg7.out
+    serving=$(serving_pid $id)
+    supervisor=$(awk '{ print $4 }' "/proc/$serving/stat")
+    pids=$(daemon_pids)
+    # shellcheck disable=SC2086 # one pid per word
+    kill -TSTP $pids && kill -TTIN $pids && kill -TTOU $pids
+    sleep 1
+    # shellcheck disable=SC2086
+    check "signals: SIGTSTP, SIGTTIN and SIGTTOU to every process ($(echo $pids)) stop none of them" none_stopped $pids
+    # shellcheck disable=SC2086
+    kill -CONT $pids
+    check "signals: ... and $dev reads back" pat_read dev7
+    kill -USR2 "$supervisor"
+    check "signals: SIGUSR2 to the supervisor ($supervisor) is a compaction" \
+        wait_until 10 grep -q 'compaction asked for' /tmp/fg7.out
+    kill -USR1 "$supervisor"
+    check "signals: SIGUSR1 to the supervisor changes nothing" eval "sleep 1; alive $supervisor && dev_live_with $id $serving"
+    # shellcheck disable=SC2086
+    kill -QUIT $pids
+    check "signals: SIGQUIT to every process (Ctrl-\\) stops the daemon: $dev is gone" wait_until 20 not test -e $dev
+    rc=0
+    wait_until 10 not alive $job && wait $job || rc=$?
+    check "signals: ... create --foreground exits 0 (exit $rc)" [ "$rc" -eq 0 ]
+    check "signals: ... every process has exited" wait_until 10 no_daemon_runs
+    check "signals: ... and its shared memory is freed" \
+        wait_until 10 eval '[ "$(grep -c . /proc/sysvipc/shm)" -eq "$shm_before" ]'
+    [ -z "$(daemon_pids)" ] || kill -9 $(daemon_pids) 2>/dev/null
+}
+
 # --- dd speed ------------------------------------------------------------------------------
 # dd_speed NAME DEV: O_DIRECT bs=1M write then read of 32 MiB of the mixed pattern (3 runs,
 # median), then a checksum of what reads back. The pattern lives in RAM only meanwhile.
@@ -1270,6 +1324,10 @@ fi
 if { [ "$MODE" = full ] || [ "$MODE" = recovery ]; } && ! skipped early-death; then
     section "a serving process killed before its device went live"
     early_death_checks
+fi
+if { [ "$MODE" = full ] || [ "$MODE" = recovery ]; } && ! skipped signals; then
+    section "signals from a terminal or an administrator to every process of a daemon"
+    signal_checks
 fi
 if [ "$MODE" = kernel-only ]; then
     section "pattern checks on /dev/zram0 (kernel-only dry run)"

@@ -62,6 +62,12 @@
  *       start, "ready SECONDS" when CMD sends READY=1, "timeout" if that takes
  *       longer than TIMEOUT_S, and "exit CODE" when CMD ends. Runs until CMD ends
  *       (start it in the background); exits 0 if CMD was ready and exited 0.
+ *   vmtool job CMD [ARGS...]
+ *       Runs CMD as an interactive shell runs a job: in a process group of its own, below
+ *       vmtool in a session of its own, so that the group is not orphaned and job control
+ *       (SIGTSTP, SIGTTIN, SIGTTOU) stops it by default (the kernel drops those signals for
+ *       an orphaned group, as is every group in the VM's init session). Exits with its
+ *       status (128 + the signal if one ended it).
  *   vmtool heartbeat DEV OFFSET STOPFILE
  *       Until STOPFILE exists: writes 64 KiB at byte OFFSET of block device DEV with
  *       O_DIRECT (a pattern made of the round number), reads it back and compares, as
@@ -537,6 +543,39 @@ static int cmd_notify_run(int argc, char **argv)
 			}
 		}
 	}
+}
+
+static int cmd_job(int argc, char **argv)
+{
+	if (argc < 1) {
+		fprintf(stderr, "usage: vmtool job CMD [ARGS...]\n");
+		return 2;
+	}
+	if (setsid() < 0) {
+		perror("vmtool job: setsid");
+		return 1;
+	}
+	pid_t child = fork();
+	if (child < 0) {
+		perror("vmtool job: fork");
+		return 1;
+	}
+	if (child == 0) {
+		if (setpgid(0, 0) < 0) {
+			perror("vmtool job: setpgid");
+			_exit(127);
+		}
+		execvp(argv[0], argv);
+		perror("vmtool job: exec");
+		_exit(127);
+	}
+	int status;
+	while (waitpid(child, &status, 0) < 0)
+		if (errno != EINTR) {
+			perror("vmtool job: waitpid");
+			return 1;
+		}
+	return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
 static int cmd_heartbeat(int argc, char **argv)
@@ -1341,6 +1380,8 @@ int main(int argc, char **argv)
 		return cmd_monitor(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "notify-run") == 0)
 		return cmd_notify_run(argc - 2, argv + 2);
+	if (argc >= 2 && strcmp(argv[1], "job") == 0)
+		return cmd_job(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "heartbeat") == 0)
 		return cmd_heartbeat(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "shm-remove") == 0)
@@ -1357,7 +1398,8 @@ int main(int argc, char **argv)
 		return cmd_rss_settle(argc - 2, argv + 2);
 	fprintf(stderr, "usage: vmtool now | clock | gen BYTES SEED | pressure MIB SEED [HOLDFILE] | "
 			"scatter MIB PROCS SEED | "
-			"notify-run TIMEOUT_S STATEFILE CMD [ARGS...] | heartbeat DEV OFFSET STOPFILE | "
+			"notify-run TIMEOUT_S STATEFILE CMD [ARGS...] | job CMD [ARGS...] | "
+			"heartbeat DEV OFFSET STOPFILE | "
 			"shm-remove KEY | pageout MIB SEED | pageout-pid PID | wakeup PERIOD_MS SECONDS | stalls PID SECONDS | "
 			"rss-settle PID LIMIT_KB TIMEOUT_S | "
 			"monitor INTERVAL_S DEADLINE_S STALL_S FLAGFILE\n");

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2};
 use thiserror::Error;
 use tracing::level_filters::LevelFilter;
 use tracing_subscriber::filter::Targets;
@@ -126,10 +126,16 @@ fn check_size_against_ram(size_bytes: u64) -> Result<(), DaemonError> {
     Ok(())
 }
 
+/// Signals that stop the daemon: `systemctl stop` or `restart`, a package upgrade, `delete`,
+/// and Ctrl-C or Ctrl-\\ in the terminal of a `create --foreground` (which reach all of its
+/// processes at once: a SIGQUIT's default, a core dump of each, would leave the device with
+/// no daemon).
+const STOP_SIGNALS: [i32; 3] = [SIGTERM, SIGINT, SIGQUIT];
+
 /// Why the serving process was asked to stop.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum StopRequest {
-    /// SIGTERM or SIGINT: `systemctl stop` or `restart`, a package upgrade, `delete`.
+    /// One of `STOP_SIGNALS`.
     Stop,
     /// SIGUSR1, the parent-death signal: the supervisor is gone, so nobody would restart
     /// this process if it died; the service manager starts a new supervisor.
@@ -354,6 +360,13 @@ fn keep_existing_size(settings: &mut DeviceSettings) -> Option<SizeKept> {
     (asked != device).then_some(SizeKept { asked, device })
 }
 
+/// A failure as told to the supervisor, `create` or systemd: `STATUS=` and `ERRNO=`, the
+/// error on one line (a line of its text must never read as another field, `READY=1` say).
+fn failure_status(error: &DaemonError) -> String {
+    let text = error.to_string().replace(['\n', '\r'], " ");
+    format!("STATUS={text}\nERRNO={}", libc::EIO)
+}
+
 /// The supervisor's life: start serving processes until one exits (see `supervise`).
 fn run_supervisor(settings: &DeviceSettings) -> Result<(), DaemonError> {
     // Fail before anything else on what needs no set-up: no driver, no permission.
@@ -368,7 +381,7 @@ fn run_supervisor(settings: &DeviceSettings) -> Result<(), DaemonError> {
     let result = supervise::supervise(settings, &notifier, detached_log.as_deref());
     if let Err(error) = &result {
         tracing::error!(%error, "trueno-ublk supervisor failed");
-        notifier.send(&format!("STATUS={error}\nERRNO={}", libc::EIO));
+        notifier.send(&failure_status(error));
     }
     result
 }
@@ -402,7 +415,7 @@ fn run_serving_process(
     let result = serve(settings, &notifier, started, standby);
     if let Err(error) = &result {
         tracing::error!(%error, "trueno-ublk daemon failed");
-        notifier.send(&format!("STATUS={error}\nERRNO={}", libc::EIO));
+        notifier.send(&failure_status(error));
     }
     result
 }
@@ -643,8 +656,9 @@ fn serve(
 ) -> Result<(), DaemonError> {
     // Signals first, so a SIGTERM during start-up is not lost (nor kills the process with the
     // default action, which the supervisor took for a failed stop).
+    // (Job control is ignored already: the supervisor's ignoring it carries over exec.)
     let mut signals =
-        signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2])
+        signal_hook::iterator::Signals::new(STOP_SIGNALS.iter().chain(&[SIGHUP, SIGUSR1, SIGUSR2]))
             .map_err(io_error("installing signal handlers"))?;
     // The daemon serves swap, so none of its own memory may ever need swap to come back:
     // lock what is mapped now and every page faulted in later. What the I/O path uses is

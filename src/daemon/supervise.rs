@@ -1,7 +1,7 @@
 //! The supervisor: the process `create` runs (in the foreground under systemd, or the one
 //! `create` detaches). It serves nothing itself: it starts the serving process (this program
-//! again, `create ... --serve-child`), passes its readiness on (sd_notify, once), forwards
-//! SIGTERM and SIGINT to it, and keeps a standby (`--serve-child --standby`) ready beside it:
+//! again, `create ... --serve-child`), passes its readiness on (sd_notify, once), passes a
+//! stop (`super::STOP_SIGNALS`) on to it as SIGTERM and SIGUSR2 (a compaction) as it is, and keeps a standby (`--serve-child --standby`) ready beside it:
 //! when the serving process dies by a signal (`kill -9`, a crash), the standby takes the
 //! device over at once, which the kernel keeps quiesced meanwhile, and a new standby is made.
 //!
@@ -47,12 +47,12 @@ use std::time::{Duration, Instant};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use signal_hook::consts::{SIGCHLD, SIGHUP, SIGINT, SIGTERM};
+use signal_hook::consts::{SIGCHLD, SIGHUP, SIGUSR1, SIGUSR2};
 use signal_hook::iterator::exfiltrator::origin::{Origin, WithOrigin};
 use signal_hook::iterator::SignalsInfo;
 
 use super::detach::{Notifier, HANDOVER, TAKEOVER};
-use super::{io_error, DaemonError, RUN_DIR};
+use super::{io_error, DaemonError, RUN_DIR, STOP_SIGNALS};
 use crate::config::DeviceSettings;
 use crate::stats::{ReloadOutcome, ReloadOutcomes};
 
@@ -165,7 +165,7 @@ fn sender(origin: &Origin) -> Option<i32> {
     origin.process.as_ref().map(|process| process.pid)
 }
 
-/// Wait `delay`, or less if SIGTERM or SIGINT comes: then true. A process's SIGHUP (a reload)
+/// Wait `delay`, or less if one of `STOP_SIGNALS` comes: then true. A process's SIGHUP (a reload)
 /// seen meanwhile adds that process to `reloads_asked`.
 fn wait_or_stop(
     wake: &UnixStream,
@@ -189,9 +189,12 @@ fn wait_or_stop(
         while std::io::Read::read(&mut &*wake, &mut buffer).is_ok_and(|n| n > 0) {}
         let mut stop = false;
         for origin in signals.pending() {
-            stop |= origin.signal == SIGTERM || origin.signal == SIGINT;
+            stop |= STOP_SIGNALS.contains(&origin.signal);
             if origin.signal == SIGHUP {
-                reloads_asked.extend(sender(&origin));
+                // One answer per process: a flood of SIGHUPs from one adds it once.
+                if let Some(asker) = sender(&origin).filter(|pid| !reloads_asked.contains(pid)) {
+                    reloads_asked.push(asker);
+                }
             }
         }
         if stop {
@@ -254,9 +257,20 @@ pub(super) fn supervise(
         tracing::warn!(%error, "PR_SET_IO_FLUSHER failed: a serving process starting under memory pressure may wait on its own device");
     }
 
-    // Signals wake poll(2) through a socket; `Signals` then says which arrived.
-    let mut signals = SupervisorSignals::new([SIGTERM, SIGINT, SIGHUP, SIGCHLD])
-        .map_err(io_error("installing signal handlers"))?;
+    // Before any child: it inherits the ignoring (see `os::ignore_job_control`).
+    if let Err(error) = crate::os::ignore_job_control() {
+        tracing::warn!(%error, "could not ignore terminal job control: Ctrl-Z in the daemon's terminal would stop it");
+    }
+    // Signals wake poll(2) through a socket; `Signals` then says which arrived. Each has a
+    // handler, so that none ends the supervisor (SIGUSR2 is the serving process's, passed
+    // on; SIGUSR1 is ignored), and a child's exec resets it.
+    let handled: Vec<i32> = STOP_SIGNALS
+        .iter()
+        .chain(&[SIGHUP, SIGCHLD, SIGUSR1, SIGUSR2])
+        .copied()
+        .collect();
+    let mut signals =
+        SupervisorSignals::new(&handled).map_err(io_error("installing signal handlers"))?;
     let (wake_rx, wake_tx) = UnixStream::pair().map_err(io_error("making the signal socket"))?;
     wake_rx
         .set_nonblocking(true)
@@ -264,7 +278,7 @@ pub(super) fn supervise(
     wake_tx
         .set_nonblocking(true)
         .map_err(io_error("making the signal socket"))?;
-    for signal in [SIGTERM, SIGINT, SIGHUP, SIGCHLD] {
+    for &signal in &handled {
         let tx = wake_tx
             .try_clone()
             .map_err(io_error("making the signal socket"))?;
@@ -357,7 +371,11 @@ pub(super) fn supervise(
         while std::io::Read::read(&mut &wake_rx, &mut buffer).is_ok_and(|n| n > 0) {}
         for origin in signals.pending() {
             let signal = origin.signal;
-            if signal == SIGTERM || signal == SIGINT {
+            if signal == SIGUSR2 {
+                // A compaction asked of the unit's main process (`systemctl kill -s USR2
+                // --kill-whom=main`): the serving process's to do.
+                serving.signal(Signal::SIGUSR2);
+            } else if STOP_SIGNALS.contains(&signal) {
                 if !stopping {
                     stopping = true;
                     notifier.send("STOPPING=1");
