@@ -235,7 +235,7 @@ fn run(args: &Args) -> Result<(), String> {
             (device, disk, true)
         }
         _ => {
-            let added = Device::add(spec).map_err(|e| e.to_string())?;
+            let added = Device::add(spec, |_| {}).map_err(|e| e.to_string())?;
             if !added.survives_daemon() {
                 eprintln!(
                     "ublk_ramdisk: this kernel's ublk driver has no user recovery: the \

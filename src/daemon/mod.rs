@@ -478,6 +478,7 @@ impl Target {
 fn find_target(
     settings: &DeviceSettings,
     handler: Arc<dyn crate::ublk::BlockHandler>,
+    notifier: &Notifier,
 ) -> Result<Target, DaemonError> {
     if let Some(id) = settings.id {
         if device_exists(id) {
@@ -490,7 +491,10 @@ fn find_target(
             return Err(crate::ublk::UblkError::NoSuchDevice(id).into());
         }
     }
-    Ok(Target::Fresh(Device::add(device_spec(settings))?))
+    // At once: should this process die by a signal before the device is live, the supervisor
+    // removes the device (see `supervise`).
+    let added = |id| notifier.send(&format!("ADDED=1\nDEVICE={id}"));
+    Ok(Target::Fresh(Device::add(device_spec(settings), added)?))
 }
 
 /// A standby's wait for the supervisor's word to take the device over: true on `TAKEOVER=1`,
@@ -811,12 +815,7 @@ fn serve(
             Instant::now(),
         )
     } else {
-        let target = find_target(&settings, handler.clone())?;
-        if let Target::Fresh(added) = &target {
-            // At once: should this process die by a signal before the device is live, the
-            // supervisor removes the device (see `supervise`).
-            notifier.send(&format!("ADDED=1\nDEVICE={}", added.id()));
-        }
+        let target = find_target(&settings, handler.clone(), notifier)?;
         (target, start_store_threads()?, started)
     };
     // What the start from here to live faults in (for a standby: what the takeover needed

@@ -628,7 +628,12 @@ pub(super) fn supervise(
             }
             if !stopping {
                 break Err(DaemonError::Daemon(match removed {
-                    Ok(()) => format!(
+                    Ok(false) => format!(
+                        "the serving process was killed by signal {signal} before device {id} \
+                         went live; device {id} is no longer as it left it (deleted and made \
+                         again meanwhile?) and was left alone"
+                    ),
+                    Ok(true) => format!(
                         "the serving process was killed by signal {signal} before device {id} \
                          went live; the device and its memory were removed: create it again"
                     ),
@@ -721,8 +726,14 @@ pub(super) fn supervise(
         // ready: `standby` with a switch pending): it takes over, and the next ones are of its
         // binary once it serves (`switch_when_served`). One that died before it served leaves
         // this binary in place.
+        let was_switching = switch_when_served;
         switch_when_served =
             (switch_when_served && standby.is_some()) || (standby.is_none() && incoming.is_some());
+        if was_switching && !switch_when_served {
+            // The new build's process took the device over and ended before it served it.
+            tracing::error!(pid = dead, "reload failed: the new build's process ended before it served the device; this build's next process takes it over");
+            reloads.failed("the new build's process ended before it served the device (its log says why); the running build's next process takes it over");
+        }
         if let Some(process) = standby.take().or_else(|| incoming.take()) {
             // It takes over as soon as it has its ring ready; if it is still making it, as
             // soon as that is done.
@@ -807,17 +818,17 @@ pub(super) fn supervise(
 }
 
 /// Remove device `id` and its store's shared memory, made by serving process `pid`, which
-/// died by a signal before the device went live. Only while the device is as that process
-/// left it (never started, or started by it and now waiting for it): one deleted and made
-/// again meanwhile is someone else's. A device gone already is nothing to remove.
-fn remove_unstarted(id: u32, pid: u32) -> Result<(), DaemonError> {
+/// died by a signal before the device went live: true once done (or gone already). Only while
+/// the device is as that process left it (never started, or started by it and now waiting
+/// for it): one deleted and made again meanwhile is someone else's, left alone (false).
+fn remove_unstarted(id: u32, pid: u32) -> Result<bool, DaemonError> {
     use crate::ublk::{sys, UblkError};
     let mut control = crate::ublk::Control::open()?;
     let info = match control.dev_info(id) {
         Err(UblkError::Command {
             errno: libc::ENODEV,
             ..
-        }) => return Ok(()),
+        }) => return Ok(true),
         info => info?,
     };
     // Until START_DEV the pid is -1 (Linux 6.12) or the 0 ADD_DEV sent (older drivers).
@@ -826,10 +837,13 @@ fn remove_unstarted(id: u32, pid: u32) -> Result<(), DaemonError> {
         _ => u32::try_from(info.ublksrv_pid) == Ok(pid),
     };
     if !as_left {
-        return Err(DaemonError::Daemon(format!(
-            "device {id} is no longer as the dead process left it (state {}, pid {}): left alone",
-            info.state, info.ublksrv_pid
-        )));
+        tracing::warn!(
+            id,
+            state = info.state,
+            pid = info.ublksrv_pid,
+            "the device the dead serving process added is no longer as it left it: left alone"
+        );
+        return Ok(false);
     }
     tracing::warn!(
         id,
@@ -838,7 +852,7 @@ fn remove_unstarted(id: u32, pid: u32) -> Result<(), DaemonError> {
     );
     control.del_dev_bounded(id)?;
     crate::store::remove_shared(id)?;
-    Ok(())
+    Ok(true)
 }
 
 /// A serving process's command, made once (and again when the device's id is learnt, or a

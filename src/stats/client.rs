@@ -120,19 +120,21 @@ pub fn reload(
     let asked = Instant::now();
     loop {
         std::thread::sleep(Duration::from_millis(100));
-        // Between the hand-over and the new process's socket the device has none for a moment.
-        if let Ok(now) = device_report(dir, id) {
-            if now.pid != before.pid {
-                return Ok((before, now));
-            }
-        }
-        // `Done` comes as the new process serves: its report follows.
+        // A failure first: a new build's process that failed its takeover is followed by one
+        // of the running build, another pid too.
         if let Some(ReloadOutcome::Failed(why)) = outcome_for(&outcomes, me, asked_at) {
             return Err(StatError::ReloadFailed {
                 id,
                 pid: before.pid,
                 why,
             });
+        }
+        // Between the hand-over and the new process's socket the device has none for a moment.
+        // `Done` comes as the new process serves: its report follows.
+        if let Ok(now) = device_report(dir, id) {
+            if now.pid != before.pid {
+                return Ok((before, now));
+            }
         }
         if asked.elapsed() >= patience {
             return Err(StatError::ReloadTimeout {

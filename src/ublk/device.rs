@@ -417,8 +417,10 @@ struct Go {
 
 impl Device {
     /// ADD_DEV and SET_PARAMS: the device exists (its id is known, `/dev/ublkcN` appears) but
-    /// serves nothing yet. On failure nothing is left behind in the kernel.
-    pub fn add(spec: DeviceSpec) -> Result<AddedDevice, UblkError> {
+    /// serves nothing yet. On failure nothing is left behind in the kernel. `added` hears the
+    /// id the moment ADD_DEV made it (before SET_PARAMS), for whoever must remove the device
+    /// should this process be killed before it is live.
+    pub fn add(spec: DeviceSpec, added: impl FnOnce(u32)) -> Result<AddedDevice, UblkError> {
         spec.validate()?;
         let mut control = Control::open()?;
         let features = control.features();
@@ -451,6 +453,7 @@ impl Device {
             }
             (Err(error), _) => return Err(error),
         }
+        added(info.dev_id);
         let mut added = AddedDevice {
             control: Some(control),
             info,
