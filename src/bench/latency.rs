@@ -6,9 +6,9 @@ use std::time::Instant;
 
 use super::corpus::{Corpus, SplitMix64};
 use super::progress::Progress;
-use super::report::{LatencyReport, Percentiles};
+use super::report::{LatencyReport, Percentiles, RecompressorWork};
 use super::workers::{flush, verify};
-use super::BenchError;
+use super::{BenchError, Plan};
 use crate::codec::PAGE_SIZE;
 use crate::store::BatchedPageStore;
 
@@ -16,11 +16,13 @@ use crate::store::BatchedPageStore;
 const LATENCY_BATCH_PAGES: usize = 1000;
 
 /// Single-page and 1000-page latencies on a store holding `content[p]` at page `p`, with the
-/// flusher running. Writes put back the same content, so the store's contents do not change.
-/// A flushed batch is 1000 pages, or the store's threshold if that is smaller (it flushes there).
+/// flusher running, and with recompression on the recompressor's work during the single-page
+/// phases (`super::recompressor_at_work` has it at work then). Writes put back the same
+/// content, so the store's contents do not change. A flushed batch is 1000 pages, or the
+/// store's threshold if that is smaller (it flushes there).
 pub(super) fn measure_latency(
     store: &BatchedPageStore,
-    batch_threshold: usize,
+    plan: &Plan,
     corpus: &Corpus,
     content: &[u32],
     samples: usize,
@@ -32,6 +34,7 @@ pub(super) fn measure_latency(
     let offset = |position: usize| (position * PAGE_SIZE) as u64;
     let store_error = |phase| move |source| BenchError::Store { phase, source };
 
+    let single_start = (Instant::now(), store.stats());
     progress.phase("latency: write", samples as u64);
     let mut times = Vec::with_capacity(samples);
     for _ in 0..samples {
@@ -60,9 +63,23 @@ pub(super) fn measure_latency(
         progress.advance(1);
     }
     let read_page = Percentiles::from_samples(std::mem::take(&mut times));
+    let recompressor = plan.config.recompress.is_some().then(|| {
+        let (at, before) = &single_start;
+        let after = store.stats();
+        RecompressorWork {
+            pages: after
+                .recompressed_pages
+                .saturating_sub(before.recompressed_pages),
+            cpu_seconds: after
+                .recompress_cpu_ns
+                .saturating_sub(before.recompress_cpu_ns) as f64
+                / 1e9,
+            seconds: at.elapsed().as_secs_f64(),
+        }
+    });
 
     let batch_pages = LATENCY_BATCH_PAGES.min(pages);
-    let flush_pages = batch_pages.min(batch_threshold.max(1));
+    let flush_pages = batch_pages.min(plan.config.batch_threshold.max(1));
     let batch_samples = (samples / 10).max(1);
     progress.phase("latency: batch flush", batch_samples as u64);
     for _ in 0..batch_samples {
@@ -108,5 +125,6 @@ pub(super) fn measure_latency(
         batch_flush,
         batch_pages,
         batch_read,
+        recompressor,
     })
 }

@@ -61,6 +61,20 @@ pub struct LatencyReport {
     pub batch_pages: usize,
     /// One `read` of `batch_pages` consecutive stored pages.
     pub batch_read: Percentiles,
+    /// What the recompressor did while the single-page figures were taken; `None` with
+    /// recompression off.
+    pub recompressor: Option<RecompressorWork>,
+}
+
+/// The recompressor's work over a span of the bench.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct RecompressorWork {
+    /// Pages it recompressed.
+    pub pages: u64,
+    /// CPU seconds it spent.
+    pub cpu_seconds: f64,
+    /// The span's length in seconds.
+    pub seconds: f64,
 }
 
 /// The codec alone on the same pages and cores: every page through `compress_batch` and
@@ -337,6 +351,13 @@ impl BenchReport {
         );
         latency_row(&mut out, "write 1 page", &l.write_page);
         latency_row(&mut out, "read 1 page", &l.read_page);
+        if let Some(r) = &l.recompressor {
+            let _ = writeln!(
+                out,
+                "  (meanwhile the recompressor recompressed {} pages in {:.3} CPU s of {:.3} s)",
+                r.pages, r.cpu_seconds, r.seconds
+            );
+        }
         latency_row(
             &mut out,
             &format!("flush {}-page batch", l.flush_pages),
