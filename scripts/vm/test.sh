@@ -39,7 +39,7 @@
 #      zram lz4 and on a fresh trueno-ublk device, compared; the serving process's memory
 #      comes back when a program's swap is freed.
 # MODE=kernel-only: steps 1, 2 and 10, plus the pattern checks of step 4 on zram.
-# MODE=recovery: steps 1, 1c, 8b, 8c, 8d and 10 (what survives a daemon's death, and nothing else).
+# MODE=recovery: steps 1, 1c, 8b, 8c, 8d, 8e and 10 (what survives a daemon's death, and nothing else).
 # MODE=stress: steps 1, 10 and 11.
 #  8b. (MODE full and recovery) The daemon's recovery: device 0 as swap under the pressure
 #      program (1.5x the RAM, every word verified, and once more after a hold), started by
@@ -62,6 +62,8 @@
 #      fails saying so, nothing is left behind.
 #  8d. (MODE full and recovery) Signals to every process of a daemon: job control stops none;
 #      SIGUSR2 to the supervisor compacts, SIGUSR1 does nothing; SIGQUIT stops it cleanly.
+#  8e. (MODE full and recovery) A second `create` of a device whose supervisor is about to
+#      resume it is refused; the supervisor resumes it.
 # A monitor prints free memory and swap counters every 20 s and, if the test is still running
 # at WATCHDOG_S or swap stops moving for STALL_S during a pressure run, dumps the blocked tasks
 # to the console and fails the run. If this shell dies (the OOM killer took it, say), the VM's
@@ -862,6 +864,38 @@ signal_checks() {
     [ -z "$(daemon_pids)" ] || kill -9 $(daemon_pids) 2>/dev/null
 }
 
+# claim_checks: a second `create` of a device whose supervisor is about to resume it (its
+# serving process and standby killed, the device quiesced, the supervisor held with SIGSTOP
+# before it starts the next process) is refused, saying so, and touches nothing; let go on,
+# the supervisor resumes the device with its data.
+claim_checks() {
+    local id=8 dev=/dev/ublkb8 serving supervisor p rc
+    trueno-ublk create --size 64M --id $id >/tmp/create8.out 2>&1 || {
+        fail "claim: create --size 64M --id $id: $(cat /tmp/create8.out)"
+        return
+    }
+    check "claim: O_DIRECT write on $dev" pat_write dev8 $dev $MIB 0 $((4 * MIB))
+    check "claim: its standby is ready" wait_until 30 standby_ready $id
+    serving=$(serving_pid $id)
+    supervisor=$(awk '{ print $4 }' "/proc/$serving/stat")
+    kill -STOP "$supervisor"
+    for p in $(daemon_pids); do
+        [ "$p" = "$supervisor" ] || kill -9 "$p"
+    done
+    check "claim: with its serving process and standby killed, $dev is quiesced" wait_until 10 dev_state_is $id quiesced
+    rc=0
+    timeout 60 trueno-ublk create --size 64M --id $id >/tmp/create8b.out 2>&1 || rc=$?
+    cat /tmp/create8b.out
+    check "claim: a second create --id $id is refused while its supervisor ($supervisor) lives (exit $rc)" \
+        eval "[ $rc -ne 0 ] && grep -q 'has a daemon already' /tmp/create8b.out"
+    check "claim: ... and leaves $dev quiesced" dev_state_is $id quiesced
+    kill -CONT "$supervisor"
+    check "claim: let go on, the supervisor resumes $dev" wait_until 30 eval '[ -n "$(serving_pid $id)" ]'
+    check "claim: ... its pages intact" pat_read dev8
+    check "claim: trueno-ublk delete --id $id" trueno-ublk delete --id $id
+    check "claim: ... every process has exited" wait_until 10 no_daemon_runs
+}
+
 # --- dd speed ------------------------------------------------------------------------------
 # dd_speed NAME DEV: O_DIRECT bs=1M write then read of 32 MiB of the mixed pattern (3 runs,
 # median), then a checksum of what reads back. The pattern lives in RAM only meanwhile.
@@ -1328,6 +1362,10 @@ fi
 if { [ "$MODE" = full ] || [ "$MODE" = recovery ]; } && ! skipped signals; then
     section "signals from a terminal or an administrator to every process of a daemon"
     signal_checks
+fi
+if { [ "$MODE" = full ] || [ "$MODE" = recovery ]; } && ! skipped claim; then
+    section "a second create of a device whose supervisor is resuming it"
+    claim_checks
 fi
 if [ "$MODE" = kernel-only ]; then
     section "pattern checks on /dev/zram0 (kernel-only dry run)"

@@ -289,6 +289,8 @@ pub(super) fn supervise(
     // `--id` is in the arguments when the user gave it; otherwise it is learnt below, and a
     // standby (which must know the device) is made only then.
     let mut device = settings.id;
+    // Held for this supervisor's life (see `claim_device`); taken once the id is known.
+    let mut _claim = device.map(claim_device).transpose()?;
     let mut reloads = ReloadOutcomes::default();
     if let Some(id) = device {
         reloads.set_device(Path::new(RUN_DIR), id);
@@ -493,6 +495,11 @@ pub(super) fn supervise(
                     learnt_id = device;
                     if let Some(id) = device {
                         reloads.set_device(Path::new(RUN_DIR), id);
+                        // A new id nobody else had: a claim on it fails only if the run
+                        // directory does, which the device does not need.
+                        _claim = claim_device(id)
+                            .inspect_err(|error| tracing::warn!(%error, "no claim on the device: a second `create` of it while no process serves it would not be refused"))
+                            .ok();
                     }
                 }
                 (serving_command, standby_command) =
@@ -815,6 +822,57 @@ pub(super) fn supervise(
     }
     reloads.remove();
     result
+}
+
+/// How long a supervisor waits for another's claim on its device to go (`claim_device`): one
+/// told to stop (an upgrade's hand-over, a unit's restart) ends within seconds.
+const CLAIM_WAIT: Duration = Duration::from_secs(20);
+
+/// This supervisor's claim on device `id`, for its whole life: an exclusive lock on
+/// `RUN_DIR/ublkbN.lock`, which the kernel lets go however the supervisor ends (the descriptor
+/// is close-on-exec: no child holds it). Without it, a second `create` of the device while
+/// this supervisor starts a new serving process (backing off after deaths), its device
+/// quiesced, would resume the device beside it: two daemons recovering one device. Waits up
+/// to `CLAIM_WAIT` for a supervisor that is ending.
+fn claim_device(id: u32) -> Result<std::fs::File, DaemonError> {
+    std::fs::create_dir_all(RUN_DIR).map_err(io_error(format!("creating {RUN_DIR}")))?;
+    super::detach::set_mode(Path::new(RUN_DIR), 0o700)?;
+    let path = format!("{RUN_DIR}/ublkb{id}.lock");
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(io_error(format!("opening {path}")))?;
+    let deadline = Instant::now() + CLAIM_WAIT;
+    loop {
+        match file.try_lock() {
+            Ok(()) => break,
+            Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let holder = std::fs::read_to_string(&path).unwrap_or_default();
+                return Err(DaemonError::Daemon(format!(
+                    "device {id} has a daemon already: its supervisor (pid {}) holds {path} and \
+                     resumes the device itself; wait for it, or stop that daemon first",
+                    holder.trim()
+                )));
+            }
+            Err(std::fs::TryLockError::Error(error)) => {
+                return Err(io_error(format!("locking {path}"))(error))
+            }
+        }
+    }
+    // Whose claim it is, for the message above.
+    let written = file
+        .set_len(0)
+        .and_then(|()| writeln!(file, "{}", std::process::id()));
+    if let Err(error) = written {
+        tracing::warn!(%error, path, "could not write this supervisor's pid into its claim");
+    }
+    Ok(file)
 }
 
 /// Remove device `id` and its store's shared memory, made by serving process `pid`, which
