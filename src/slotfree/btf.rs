@@ -30,11 +30,13 @@ const MAX_ALIAS_CHAIN: usize = 16;
 
 /// The function every freed swap slot passes through (`mm/swapfile.c`; each calls what tells
 /// zram of the slot, `swap_range_free`, which the compiler inlines), newest kernels first: the
-/// probe goes on the first one this kernel's BTF has. In Debian's kernels:
-/// `__swap_cluster_free_entries(si, ci, ci_start, nr_pages)` in 7.3 (the swap table's: a
-/// slot by its place in its cluster), `swap_entries_free(si, ci, entry, nr_pages)` in
-/// 6.16-6.19 and `swap_entries_free(si, ci, offset, nr_pages)` in 7.0,
-/// `swap_entry_range_free(si, entry, nr_pages)` in 6.12.
+/// probe goes on the first one this kernel's BTF has. Seen in Debian's kernels (the VM test
+/// on each): `__swap_cluster_free_entries(si, ci, ci_start, nr_pages)` in 7.3 (the swap
+/// table's: a slot by its place in its cluster), `swap_entries_free(si, ci, entry, nr_pages)`
+/// in 6.18, `swap_entry_range_free(si, entry, nr_pages)` in 6.12. Between 6.18 and 7.3 the
+/// kernel had a `swap_entries_free` with the slot's offset in place of the entry, whose layout
+/// is handled too but was never tried: a parameter of another name there leaves the probe
+/// off (discards then free the memory), never a wrong slot freed.
 pub const FREE_FUNCTIONS: [&str; 3] = [
     "__swap_cluster_free_entries",
     "swap_entries_free",
