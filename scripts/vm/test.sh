@@ -63,7 +63,8 @@
 #  8d. (MODE full and recovery) Signals to every process of a daemon: job control stops none;
 #      SIGUSR2 to the supervisor compacts, SIGUSR1 does nothing; SIGQUIT stops it cleanly.
 #  8e. (MODE full and recovery) A second `create` of a device whose supervisor is about to
-#      resume it is refused; the supervisor resumes it.
+#      resume it is refused; the supervisor resumes it. A stop that comes as the serving
+#      process dies still deletes the unused device.
 # A monitor prints free memory and swap counters every 20 s and, if the test is still running
 # at WATCHDOG_S or swap stops moving for STALL_S during a pressure run, dumps the blocked tasks
 # to the console and fails the run. If this shell dies (the OOM killer took it, say), the VM's
@@ -896,6 +897,32 @@ claim_checks() {
     check "claim: ... every process has exited" wait_until 10 no_daemon_runs
 }
 
+# stop_at_death_checks: a stop (SIGTERM to the supervisor) that comes as the serving process
+# dies (kill -9 of it right before): the standby takes the device over and is stopped in its
+# turn, so the unused device is deleted and nothing is left (until 2026-12-05, when both came
+# in one round of the supervisor's loop, it dismissed the standby and left the device
+# quiesced, its memory locked, and failed).
+stop_at_death_checks() {
+    local id=9 dev=/dev/ublkb9 serving supervisor shm_before
+    shm_before=$(grep -c . /proc/sysvipc/shm)
+    trueno-ublk create --size 64M --id $id >/tmp/create9.out 2>&1 || {
+        fail "stop at death: create --size 64M --id $id: $(cat /tmp/create9.out)"
+        return
+    }
+    check "stop at death: its standby is ready" wait_until 30 standby_ready $id
+    serving=$(serving_pid $id)
+    supervisor=$(awk '{ print $4 }' "/proc/$serving/stat")
+    kill -9 "$serving"
+    kill -TERM "$supervisor"
+    check "stop at death: kill -9 of the serving process and SIGTERM to the supervisor at once: $dev is deleted" \
+        wait_until 30 not test -e $dev
+    check "stop at death: ... every process has exited" wait_until 10 no_daemon_runs
+    check "stop at death: ... and its shared memory is freed" \
+        wait_until 10 eval '[ "$(grep -c . /proc/sysvipc/shm)" -eq "$shm_before" ]'
+    trueno-ublk list 2>&1 | grep -q "ublkb$id" && trueno-ublk delete --id $id --lose-pages >/dev/null 2>&1
+    [ -z "$(daemon_pids)" ] || kill -9 $(daemon_pids) 2>/dev/null
+}
+
 # --- dd speed ------------------------------------------------------------------------------
 # dd_speed NAME DEV: O_DIRECT bs=1M write then read of 32 MiB of the mixed pattern (3 runs,
 # median), then a checksum of what reads back. The pattern lives in RAM only meanwhile.
@@ -1366,6 +1393,8 @@ fi
 if { [ "$MODE" = full ] || [ "$MODE" = recovery ]; } && ! skipped claim; then
     section "a second create of a device whose supervisor is resuming it"
     claim_checks
+    section "a stop that comes as the serving process dies"
+    stop_at_death_checks
 fi
 if [ "$MODE" = kernel-only ]; then
     section "pattern checks on /dev/zram0 (kernel-only dry run)"

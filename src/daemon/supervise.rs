@@ -388,13 +388,13 @@ pub(super) fn supervise(
                     );
                 }
                 serving.signal(Signal::SIGTERM);
-                // During a reload's hand-over the new standby stays: the serving process may
-                // have handed the device over already, and the standby then takes it over and
-                // is stopped in its turn (below), which deletes a device nothing uses where
-                // dismissing it would leave that device quiesced, its memory locked.
-                if let Some(standby) = standby.take_if(|_| !handing_over) {
-                    standby.dismiss();
-                }
+                // The standby stays until the serving process has ended: during a reload's
+                // hand-over it is the new build's, and the serving process may have handed
+                // the device over already; and a serving process may die as the stop comes
+                // (a kill -9 a moment before). Either way the standby then takes the device
+                // over and is stopped in its turn (below), which deletes a device nothing
+                // uses, where dismissing it would leave that device quiesced, its memory
+                // locked. Once the serving process has stopped, it goes with the supervisor.
                 if let Some(incoming) = incoming.take() {
                     incoming.dismiss();
                     reloads.failed("stopping: the device's unit or daemon was told to stop");
@@ -718,9 +718,23 @@ pub(super) fn supervise(
                 break Ok(());
             }
             (_, Some(signal)) if stopping => {
+                if let Some(process) = standby.take() {
+                    // Died as the stop came: its standby (kept, above) takes the device over
+                    // and is stopped in its turn.
+                    let _ = process.channel.send(TAKEOVER.as_bytes());
+                    process.signal(Signal::SIGTERM);
+                    tracing::warn!(
+                        pid = serving.child.id(),
+                        signal,
+                        standby = process.child.id(),
+                        "the serving process died as the daemon was stopping; its standby takes the device over to stop it"
+                    );
+                    serving = process;
+                    continue;
+                }
                 break Err(DaemonError::Daemon(format!(
                     "the serving process was killed by signal {signal} while stopping"
-                )))
+                )));
             }
             (_, signal) => signal,
         };
