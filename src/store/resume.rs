@@ -112,11 +112,17 @@ impl BatchedPageStore {
         }
         for &index in &pending {
             if !self.install_resumed(index) {
-                lost += 1;
-                tracing::error!(
-                    page = index,
-                    "page lost: no memory to store it from its pending batch"
-                );
+                // Its entry and slot are as the dead process left them, and every step before
+                // is one the next process takes again: that one stores it, with the memory
+                // this process's end gives back. Lost here, an acknowledged write would read
+                // as EIO for good.
+                return Err(StoreError::Memory {
+                    what: format!(
+                        "storing page {index}, left pending by the dead process (the next \
+                         process tries again; nothing is lost)"
+                    ),
+                    source: std::io::Error::from_raw_os_error(libc::ENOMEM),
+                });
             }
         }
         held += pending.len() as u64;
@@ -163,7 +169,7 @@ impl BatchedPageStore {
     }
 
     /// Compress and store a pending page of the resumed store (its batch is not reopened:
-    /// every batch starts empty). False if the page is lost: no memory could be had for it.
+    /// every batch starts empty). False, the page left pending, if no memory could be had.
     fn install_resumed(&self, index: u64) -> bool {
         let Some(mut entry) = self.table.lock(index) else {
             return true;
@@ -174,18 +180,18 @@ impl BatchedPageStore {
         let source = self.batches[batch as usize].slot(slot as usize);
         let mut out = [0u8; PAGE_SIZE];
         let (encoding, len) = compress_page(self.config.algorithm, &source.page, &mut out);
-        let new = match self.alloc.store(&out[..len]) {
-            Some(handle) => PageState::Stored {
-                handle,
-                len: crate::codec::page_len(len),
-                encoding,
-            },
-            None => PageState::Lost,
+        let Some(handle) = self.alloc.store(&out[..len]) else {
+            return false;
+        };
+        let new = PageState::Stored {
+            handle,
+            len: crate::codec::page_len(len),
+            encoding,
         };
         entry.set_checksum(self.checksum.of(&source.page));
         entry.replace(new);
         self.counters.transition(PageState::Empty, new);
         add(&self.counters.pages_simd, 1);
-        new != PageState::Lost
+        true
     }
 }
