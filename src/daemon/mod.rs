@@ -127,7 +127,7 @@ fn check_size_against_ram(size_bytes: u64) -> Result<(), DaemonError> {
 }
 
 /// Signals that stop the daemon: `systemctl stop` or `restart`, a package upgrade, `delete`,
-/// and Ctrl-C or Ctrl-\\ in the terminal of a `create --foreground` (which reach all of its
+/// and Ctrl-C or Ctrl-\ in the terminal of a `create --foreground` (which reach all of its
 /// processes at once: a SIGQUIT's default, a core dump of each, would leave the device with
 /// no daemon).
 const STOP_SIGNALS: [i32; 3] = [SIGTERM, SIGINT, SIGQUIT];
@@ -659,8 +659,8 @@ fn serve(
     standby: bool,
 ) -> Result<(), DaemonError> {
     // Signals first, so a SIGTERM during start-up is not lost (nor kills the process with the
-    // default action, which the supervisor took for a failed stop).
-    // (Job control is ignored already: the supervisor's ignoring it carries over exec.)
+    // default action, which the supervisor took for a failed stop). Job control is ignored
+    // already: the supervisor's ignoring it carries over exec.
     let mut signals =
         signal_hook::iterator::Signals::new(STOP_SIGNALS.iter().chain(&[SIGHUP, SIGUSR1, SIGUSR2]))
             .map_err(io_error("installing signal handlers"))?;

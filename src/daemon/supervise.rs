@@ -1,9 +1,10 @@
 //! The supervisor: the process `create` runs (in the foreground under systemd, or the one
 //! `create` detaches). It serves nothing itself: it starts the serving process (this program
 //! again, `create ... --serve-child`), passes its readiness on (sd_notify, once), passes a
-//! stop (`super::STOP_SIGNALS`) on to it as SIGTERM and SIGUSR2 (a compaction) as it is, and keeps a standby (`--serve-child --standby`) ready beside it:
-//! when the serving process dies by a signal (`kill -9`, a crash), the standby takes the
-//! device over at once, which the kernel keeps quiesced meanwhile, and a new standby is made.
+//! stop (`super::STOP_SIGNALS`) on to it as SIGTERM and a compaction (SIGUSR2) as it is, and
+//! keeps a standby (`--serve-child --standby`) ready beside it: when the serving process dies
+//! by a signal (`kill -9`, a crash), the standby takes the device over at once, which the
+//! kernel keeps quiesced meanwhile, and a new standby is made.
 //!
 //! Why a standby made in advance: while the device has no daemon, every task that reclaims
 //! memory by swapping to it blocks until it has one again (for a tag of the quiesced queue).
@@ -165,8 +166,8 @@ fn sender(origin: &Origin) -> Option<i32> {
     origin.process.as_ref().map(|process| process.pid)
 }
 
-/// Wait `delay`, or less if one of `STOP_SIGNALS` comes: then true. A process's SIGHUP (a reload)
-/// seen meanwhile adds that process to `reloads_asked`.
+/// Wait `delay`, or less if one of `STOP_SIGNALS` comes: then true. A process's SIGHUP (a
+/// reload) seen meanwhile adds that process to `reloads_asked`.
 fn wait_or_stop(
     wake: &UnixStream,
     signals: &mut SupervisorSignals,
