@@ -174,6 +174,27 @@ fn server_answers_live_reports_and_cleans_up() {
     assert!(collect(&dir, None).unwrap().is_empty());
 }
 
+/// A server whose socket file was removed and made again by someone else (a new listener
+/// that never accepts) stops without waiting: woken through the other socket, its thread would
+/// never see the flag, and the join would wait for good.
+#[test]
+fn a_server_whose_socket_was_replaced_stops_at_once() {
+    let (_root, dir) = temp_dir("replaced");
+    let server = serve_in(&dir, 0, || report(0, 0)).unwrap();
+    let path = socket_path(&dir, 0);
+    std::fs::remove_file(&path).unwrap();
+    let other = UnixListener::bind(&path).unwrap();
+    let (done_tx, done) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(server);
+        let _ = done_tx.send(());
+    });
+    done.recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the server's drop waited on a socket not its own");
+    assert!(path.exists(), "another's socket was removed");
+    drop(other);
+}
+
 #[test]
 fn table_json_and_raw_output() {
     let (_root, dir) = temp_dir("render");

@@ -38,10 +38,17 @@ impl StatsServer {
 
 impl Drop for StatsServer {
     fn drop(&mut self) {
+        let ours = || {
+            fs::symlink_metadata(&self.path)
+                .map(|m| (m.dev(), m.ino()) == self.identity)
+                .unwrap_or(false)
+        };
         if let Some(thread) = self.thread.take() {
             self.stop.store(true, Ordering::Release);
-            // The thread sits in accept(): one connection wakes it to see the flag.
-            if UnixStream::connect(&self.path).is_ok() {
+            // The thread sits in accept(): one connection wakes it to see the flag. Only
+            // through this socket: at the path another's (this one's file removed, a new
+            // daemon's made there) would answer instead, and the join would wait for good.
+            if ours() && UnixStream::connect(&self.path).is_ok() {
                 let _ = thread.join();
             } else {
                 tracing::warn!(
@@ -50,10 +57,7 @@ impl Drop for StatsServer {
                 );
             }
         }
-        let ours = fs::symlink_metadata(&self.path)
-            .map(|m| (m.dev(), m.ino()) == self.identity)
-            .unwrap_or(false);
-        if ours {
+        if ours() {
             let _ = fs::remove_file(&self.path);
         }
     }
