@@ -813,6 +813,8 @@ early_death_checks() {
     check "early death: and delete --id 6" trueno-ublk delete --id 6
 }
 
+# parent_of PID: its parent's pid (a serving process's is its supervisor).
+parent_of() { awk '{ print $4 }' "/proc/$1/stat"; }
 # signal_checks: signals as a terminal or an administrator sends them to every process of a
 # daemon: `create --foreground` of device 7 run as a terminal's job (`vmtool job`: a process
 # group that job control stops), as in the terminal of `sudo trueno-ublk create --foreground`.
@@ -838,7 +840,7 @@ signal_checks() {
     check "signals: O_DIRECT write on $dev" pat_write dev7 $dev $MIB 0 $((4 * MIB))
     check "signals: its standby is ready" wait_until 30 grep -q 'supervise: standby ready' /tmp/fg7.out
     serving=$(serving_pid $id)
-    supervisor=$(awk '{ print $4 }' "/proc/$serving/stat")
+    supervisor=$(parent_of "$serving")
     pids=$(daemon_pids)
     # shellcheck disable=SC2086 # one pid per word
     kill -TSTP $pids && kill -TTIN $pids && kill -TTOU $pids
@@ -878,7 +880,7 @@ claim_checks() {
     check "claim: O_DIRECT write on $dev" pat_write dev8 $dev $MIB 0 $((4 * MIB))
     check "claim: its standby is ready" wait_until 30 standby_ready $id
     serving=$(serving_pid $id)
-    supervisor=$(awk '{ print $4 }' "/proc/$serving/stat")
+    supervisor=$(parent_of "$serving")
     kill -STOP "$supervisor"
     for p in $(daemon_pids); do
         [ "$p" = "$supervisor" ] || kill -9 "$p"
@@ -911,7 +913,7 @@ stop_at_death_checks() {
     }
     check "stop at death: its standby is ready" wait_until 30 standby_ready $id
     serving=$(serving_pid $id)
-    supervisor=$(awk '{ print $4 }' "/proc/$serving/stat")
+    supervisor=$(parent_of "$serving")
     kill -9 "$serving"
     kill -TERM "$supervisor"
     check "stop at death: kill -9 of the serving process and SIGTERM to the supervisor at once: $dev is deleted" \

@@ -229,6 +229,15 @@ impl ServingProcess {
         let _ = kill(child_pid(&self.child), signal);
     }
 
+    /// Tell a standby to take the device over; `then_stop`: and to stop it after (SIGTERM
+    /// behind the word, which it reads first).
+    fn take_over(&self, then_stop: bool) {
+        let _ = self.channel.send(TAKEOVER.as_bytes());
+        if then_stop {
+            self.signal(Signal::SIGTERM);
+        }
+    }
+
     /// A standby that never took the device over holds nothing: kill it and reap it.
     fn dismiss(mut self) {
         self.signal(Signal::SIGKILL);
@@ -657,16 +666,13 @@ pub(super) fn supervise(
             (Some(0), _) if handing_over && standby.is_some() => {
                 handing_over = false;
                 if let Some(process) = standby.take() {
-                    let _ = process.channel.send(TAKEOVER.as_bytes());
+                    // While stopping, it takes the device over first, then stops it.
+                    process.take_over(stopping);
                     tracing::info!(
                         pid = serving.child.id(),
                         standby = process.child.id(),
                         "reload: the serving process handed the device over; the new build's standby takes it over"
                     );
-                    if stopping {
-                        // After the word: it takes the device over first, then stops it.
-                        process.signal(Signal::SIGTERM);
-                    }
                     serving = process;
                 }
                 continue;
@@ -722,8 +728,7 @@ pub(super) fn supervise(
                 if let Some(process) = standby.take() {
                     // Died as the stop came: its standby (kept, above) takes the device over
                     // and is stopped in its turn.
-                    let _ = process.channel.send(TAKEOVER.as_bytes());
-                    process.signal(Signal::SIGTERM);
+                    process.take_over(true);
                     tracing::warn!(
                         pid = serving.child.id(),
                         signal,
@@ -759,7 +764,7 @@ pub(super) fn supervise(
         if let Some(process) = standby.take().or_else(|| incoming.take()) {
             // It takes over as soon as it has its ring ready; if it is still making it, as
             // soon as that is done.
-            let _ = process.channel.send(TAKEOVER.as_bytes());
+            process.take_over(false);
             tracing::warn!(
                 pid = dead,
                 signal = signal.unwrap_or(0),
