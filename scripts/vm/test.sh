@@ -1120,10 +1120,16 @@ swap_run() {
         # gave those slots back again (quiet for a second; see src/store/pending.rs).
         figure ublk_batch_span_grows "$(ublk_json_count batch_span_grows)"
         figure ublk_batch_span_shrinks "$(ublk_json_count batch_span_shrinks)"
+        # The detached daemon's log (tmpfs: RAM) is kept under 1 MiB: filled past that from
+        # outside, the next line the daemon logs (the compaction's) empties it first.
+        local log=/run/trueno-ublk/ublkb0.log
+        dd if=/dev/zero bs=1024 count=1100 2>/dev/null | tr '\0' x >>"$log"
         # A compaction asked for, after the discards of two runs left chunks half empty.
         trueno-ublk compact --id 0 >/tmp/compact.out 2>&1
         check "$name: trueno-ublk compact --id 0 ($(cat /tmp/compact.out))" \
             grep -q '^/dev/ublkb0: compacted: ' /tmp/compact.out
+        check "$name: the daemon's log, filled past 1 MiB, was emptied and says so ($(wc -c <"$log") bytes)" \
+            wait_until 10 eval "[ \$(wc -c <$log) -lt 1048576 ] && head -n1 $log | grep -q '^(this log was emptied' && grep -q 'compaction done' $log"
         # The checksum the store took where it was made, and the layout version that says
         # which (src/store/layout.rs): 5 with XXH64, 6 with CRC32C.
         local kind

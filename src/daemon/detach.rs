@@ -43,7 +43,13 @@ pub(super) fn start_detached(settings: &DeviceSettings) -> Result<(), DaemonErro
     std::fs::create_dir_all(RUN_DIR).map_err(io_error(format!("creating {RUN_DIR}")))?;
     set_mode(Path::new(RUN_DIR), 0o700)?;
     let log_path = PathBuf::from(format!("{RUN_DIR}/starting-{}.log", std::process::id()));
-    let log = std::fs::File::create(&log_path)
+    // Appended to: the daemon's three processes share it, and one of them may empty it
+    // (`log_file`), after which every process's next line must land at its new end.
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .and_then(|log| log.set_len(0).map(|()| log))
         .map_err(io_error(format!("creating {}", log_path.display())))?;
 
     // A socket in the root-only run directory, not an abstract one: any local user can send to
