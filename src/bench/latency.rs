@@ -54,6 +54,9 @@ pub(super) fn measure_latency(
     let mut page = vec![0u8; PAGE_SIZE];
     for _ in 0..samples {
         let position = rng.index_below(pages);
+        // Poisoned before every read: a read that wrote nothing must not pass on the page
+        // the one before left (same-filled pages abound).
+        page.fill(0xA5);
         let start = Instant::now();
         store
             .read(offset(position), &mut page)
@@ -106,6 +109,7 @@ pub(super) fn measure_latency(
     let mut batch = vec![0u8; batch_pages * PAGE_SIZE];
     for _ in 0..batch_samples {
         let first = rng.index_below(pages - batch_pages + 1);
+        batch.fill(0xA5);
         let start = Instant::now();
         store
             .read(offset(first), &mut batch)

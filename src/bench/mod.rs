@@ -235,14 +235,16 @@ pub fn load_corpus(args: &BenchOptions) -> Result<Corpus, BenchError> {
             .min(args.size.unwrap_or(u64::MAX)),
         None => args.size.unwrap_or(DEFAULT_MIX_BYTES),
     };
-    let ram = crate::os::ram_bytes()
-        .map_err(|error| BenchError::Settings(format!("cannot read the RAM size: {error}")))?;
-    if wanted > ram / 3 {
+    let memory = crate::os::MeminfoReader::open()
+        .and_then(|mut meminfo| meminfo.read())
+        .map_err(|error| BenchError::Settings(format!("cannot read /proc/meminfo: {error}")))?;
+    if wanted > memory.available / 3 {
         return Err(BenchError::Settings(format!(
-            "a corpus of {} is more than a third of RAM ({}): the bench holds it about three \
-             times over; give a smaller --size",
+            "a corpus of {} is more than a third of the memory available now ({} of {}): the \
+             bench holds it about three times over; give a smaller --size",
             crate::units::human_size(wanted),
-            crate::units::human_size(ram)
+            crate::units::human_size(memory.available),
+            crate::units::human_size(memory.total)
         )));
     }
     match &args.input {

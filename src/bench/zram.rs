@@ -13,10 +13,10 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
 use signal_hook::SigId;
 
 use serde::Serialize;
@@ -79,11 +79,15 @@ impl MmStat {
     }
 }
 
-/// The zram device the bench uses: reset when dropped, so an error half-way leaves no pages in
-/// kernel memory, and removed if the bench added it.
+/// The zram device the bench uses: removed when dropped if the bench added it, else reset if
+/// the bench set it up, so an error half-way leaves no pages in kernel memory; a device the
+/// bench did not touch is left alone.
 struct ZramDevice {
     index: u32,
     added: bool,
+    /// The bench has written its settings to the device (which then holds the bench's, not
+    /// an administrator's).
+    set_up: bool,
 }
 
 impl ZramDevice {
@@ -105,13 +109,18 @@ impl ZramDevice {
             let index = text.trim().parse().map_err(|_| {
                 BenchError::ZramUnavailable(format!("{hot_add} answered '{}'", text.trim()))
             })?;
-            let device = Self { index, added: true };
+            let device = Self {
+                index,
+                added: true,
+                set_up: false,
+            };
             device.wait_for_node()?;
             return Ok(device);
         }
         let zram0 = Self {
             index: 0,
             added: false,
+            set_up: false,
         };
         if !Path::new(&zram0.sys_path("")).exists() {
             return Err(BenchError::ZramUnavailable(
@@ -185,7 +194,9 @@ impl ZramDevice {
         format!("/sys/block/zram{}/{attribute}", self.index)
     }
 
-    fn set(&self, attribute: &str, value: &str) -> Result<(), BenchError> {
+    /// Write one of the bench's settings; from then on the device is the bench's to reset.
+    fn set(&mut self, attribute: &str, value: &str) -> Result<(), BenchError> {
+        self.set_up = true;
         std::fs::write(self.sys_path(attribute), value).map_err(|source| BenchError::Zram {
             what: format!("writing '{value}' to {}", self.sys_path(attribute)),
             source,
@@ -202,6 +213,10 @@ impl ZramDevice {
 
 impl Drop for ZramDevice {
     fn drop(&mut self) {
+        if !self.added && !self.set_up {
+            // zram0 refused (in use, set up) or never written: not the bench's.
+            return;
+        }
         // A reset (or a removal) is refused while the device is open: udev's probe after our
         // close may hold it a moment.
         let mut tries = 0;
@@ -237,8 +252,37 @@ impl Drop for ZramDevice {
     }
 }
 
-/// SIGINT and SIGTERM caught while the bench holds a zram device, so that the device is
-/// removed (`ZramDevice`'s drop) rather than left behind by a process the signal ended.
+/// The signals that end the bench: caught while it holds a zram device, so that the device is
+/// removed (`ZramDevice`'s drop) rather than left behind, holding the corpus in kernel memory,
+/// by a process the signal ended.
+const INTERRUPTS: [libc::c_int; 4] = [SIGINT, SIGTERM, SIGHUP, SIGQUIT];
+
+/// Whether one of `INTERRUPTS` came while a zram device was held; true while none is held, so
+/// that such a signal then ends the process as if nothing were caught.
+static INTERRUPTED: OnceLock<Result<Arc<AtomicBool>, std::io::ErrorKind>> = OnceLock::new();
+
+/// The flag of `INTERRUPTED`, with each signal's conditional default registered the first
+/// time. Those stay for the process's life: signal-hook cannot give a signal its default back
+/// once a handler is gone (it would be ignored), so between zram phases they end the process.
+fn interrupted_flag() -> Result<Arc<AtomicBool>, BenchError> {
+    INTERRUPTED
+        .get_or_init(|| {
+            let flag = Arc::new(AtomicBool::new(true));
+            for signal in INTERRUPTS {
+                signal_hook::flag::register_conditional_default(signal, Arc::clone(&flag))
+                    .map_err(|error| error.kind())?;
+            }
+            Ok(flag)
+        })
+        .clone()
+        .map_err(|kind| BenchError::Zram {
+            what: "catching Ctrl-C, SIGTERM, SIGHUP and SIGQUIT".to_string(),
+            source: kind.into(),
+        })
+}
+
+/// The bench's signals caught while it holds a zram device: the first one only sets a flag,
+/// which ends the I/O; a second one, or one after the device is gone, ends the process.
 struct Interrupts {
     caught: Arc<AtomicBool>,
     handlers: Vec<SigId>,
@@ -246,27 +290,24 @@ struct Interrupts {
 
 impl Interrupts {
     fn catch() -> Result<Self, BenchError> {
-        let caught = Arc::new(AtomicBool::new(false));
+        let caught = interrupted_flag()?;
         let mut interrupts = Self {
             caught: Arc::clone(&caught),
             handlers: Vec::new(),
         };
-        for signal in [SIGINT, SIGTERM] {
-            // The conditional default first: the first signal only sets the flag (the
-            // condition is read before the second handler sets it), a second one ends the
-            // process as if nothing were caught.
-            for register in [
-                signal_hook::flag::register_conditional_default,
-                signal_hook::flag::register,
-            ] {
-                let handler =
-                    register(signal, Arc::clone(&caught)).map_err(|source| BenchError::Zram {
-                        what: "catching Ctrl-C and SIGTERM".to_string(),
+        // Runs after the conditional default (registered first), which reads the flag before
+        // this sets it.
+        for signal in INTERRUPTS {
+            let handler =
+                signal_hook::flag::register(signal, Arc::clone(&caught)).map_err(|source| {
+                    BenchError::Zram {
+                        what: "catching Ctrl-C, SIGTERM, SIGHUP and SIGQUIT".to_string(),
                         source,
-                    })?;
-                interrupts.handlers.push(handler);
-            }
+                    }
+                })?;
+            interrupts.handlers.push(handler);
         }
+        caught.store(false, Ordering::SeqCst);
         Ok(interrupts)
     }
 
@@ -282,6 +323,8 @@ impl Interrupts {
 
 impl Drop for Interrupts {
     fn drop(&mut self) {
+        // From here on the conditional defaults end the process at the first signal.
+        self.caught.store(true, Ordering::SeqCst);
         for handler in self.handlers.drain(..) {
             signal_hook::low_level::unregister(handler);
         }
@@ -338,7 +381,7 @@ pub fn compare(
 ) -> Result<ZramReport, BenchError> {
     // Caught before the device exists and let go after it is gone (drops run in reverse).
     let interrupts = Interrupts::catch()?;
-    let zram = ZramDevice::acquire()?;
+    let mut zram = ZramDevice::acquire()?;
     let algorithms = zram.read("comp_algorithm")?;
     if !algorithms
         .split_whitespace()
@@ -350,7 +393,8 @@ pub fn compare(
         )));
     }
     let data = corpus.bytes();
-    zram.set("reset", "1")?;
+    // No reset first: the device is fresh (added) or was found with no disksize (zram0),
+    // and a reset of one udev still probes is refused.
     zram.set("comp_algorithm", algorithm)?;
     let disksize = data.len().div_ceil(IO_CHUNK) * IO_CHUNK;
     zram.set("disksize", &disksize.to_string())?;
