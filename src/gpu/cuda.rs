@@ -222,6 +222,9 @@ impl CudaSlot {
 
         self.faults.check(FaultPoint::Launch)?;
         let count = pages as u32;
+        // The kernel's writes stay inside a page's slot only up to a page: checked here, where
+        // the launch relies on it, whatever the caller asked for.
+        let max_out = max_out.min(PAGE_SIZE as u32);
         let mut launch = self.stream.launch_builder(&self.compress);
         launch
             .arg(&self.dev_in)
@@ -231,7 +234,8 @@ impl CudaSlot {
             .arg(&max_out);
         // SAFETY: the arguments match `lz4_compress_pages(const uint4 *pages, u8 *out,
         // u32 *out_lens, u32 n_pages, u32 max_out)`; every buffer holds `chunk_pages >= pages`
-        // pages or words, and `max_out <= PAGE_SIZE` keeps each page's output inside its slot.
+        // pages or words, and `max_out`, clamped to PAGE_SIZE above, keeps each page's output
+        // inside its slot.
         unsafe { launch.launch(Self::launch_config(pages)) }
             .map_err(driver("launching lz4_compress_pages"))?;
         self.record(&self.ran)?;
