@@ -593,6 +593,15 @@ impl ZsAllocator {
         loop {
             let chunk = match st.partial.last() {
                 Some(&id) => id,
+                None if matches!(taker, Taker::Io(_)) && st.evacuating > 0 => {
+                    // The class's other chunks are full and its sparsest are marked for
+                    // compaction: new objects go into their room, not into a chunk taken
+                    // for them (memory the system may not have; seen by a review: writes
+                    // starving while marked chunks held room until the recompressor's next
+                    // pass).
+                    unmark_evacuating(class, &mut st);
+                    continue;
+                }
                 None => {
                     // Taking a chunk may wait for the reserve's refill thread: not under the
                     // class lock, which frees (discards, overwrites) need meanwhile, and which
@@ -900,29 +909,7 @@ impl ZsAllocator {
             if class.evacuating.load(Ordering::Relaxed) == 0 {
                 continue;
             }
-            let mut st = class.state.lock();
-            let ClassState {
-                usage,
-                partial,
-                evacuating,
-                ..
-            } = &mut *st;
-            for id in 0..usage.len() {
-                let Some(Some(u)) = usage.get_mut(id) else {
-                    continue;
-                };
-                if !u.evacuating {
-                    continue;
-                }
-                u.evacuating = false;
-                *evacuating -= 1;
-                class.evacuating.fetch_sub(1, Ordering::Relaxed);
-                unmarked += 1;
-                if (u.used as usize) < class.objs_per_chunk && u.partial_pos.is_none() {
-                    u.partial_pos = Some(partial.len() as u32);
-                    partial.push(id as u32);
-                }
-            }
+            unmarked += unmark_evacuating(class, &mut class.state.lock());
         }
         unmarked
     }
@@ -1233,6 +1220,36 @@ fn has_room(st: &ClassState) -> bool {
     !st.free_ids.is_empty() || st.usage.len() < st.usage.capacity()
 }
 
+/// Take `class`'s chunks marked evacuating back into use (`abandon_evacuation`), under its
+/// lock `st`. The pushes grow no list: `partial` has room for every id (see `has_room`).
+/// Returns the chunks unmarked.
+fn unmark_evacuating(class: &SizeClass, st: &mut ClassState) -> usize {
+    let ClassState {
+        usage,
+        partial,
+        evacuating,
+        ..
+    } = st;
+    let mut unmarked = 0;
+    for id in 0..usage.len() {
+        let Some(Some(u)) = usage.get_mut(id) else {
+            continue;
+        };
+        if !u.evacuating {
+            continue;
+        }
+        u.evacuating = false;
+        *evacuating -= 1;
+        class.evacuating.fetch_sub(1, Ordering::Relaxed);
+        unmarked += 1;
+        if (u.used as usize) < class.objs_per_chunk && u.partial_pos.is_none() {
+            u.partial_pos = Some(partial.len() as u32);
+            partial.push(id as u32);
+        }
+    }
+    unmarked
+}
+
 /// How many more chunks the class of `st` holds than its objects need, when that is worth
 /// compacting (at least 1/`COMPACT_SLACK_DIVISOR` of its chunks); else 0.
 fn evacuation_slack(st: &ClassState, objs_per_chunk: usize) -> usize {
@@ -1391,6 +1408,37 @@ mod tests {
         assert_eq!(a.chunk_bytes(), chunk_bytes);
         assert_eq!(a.abandon_evacuation(), 0);
         assert!(a.plan_evacuation() > 0, "planned again later");
+    }
+
+    /// A write that finds its class's other chunks full takes the room of the chunks marked
+    /// for compaction, rather than a new chunk: memory the system may not have while the
+    /// marks wait for the recompressor's next pass.
+    #[test]
+    fn writes_take_marked_chunks_back_before_a_new_chunk() {
+        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None);
+        let live: Vec<Handle> = (0..2000).map(|_| a.store(&[3u8; 1000]).unwrap()).collect();
+        for h in live
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % 4 != 0)
+            .map(|(_, h)| h)
+        {
+            a.free(*h, 1000);
+        }
+        let chunk_bytes = a.chunk_bytes();
+        let marked = a.plan_evacuation();
+        assert!(marked > 0 && a.class_evacuating(1000));
+        // As many as were freed: more than the unmarked chunks have room for.
+        for _ in 0..1500 {
+            a.store(&[4u8; 1000]).unwrap();
+        }
+        assert_eq!(
+            a.chunk_bytes(),
+            chunk_bytes,
+            "a chunk taken while marked ones had room"
+        );
+        assert_eq!(a.evacuating_chunks(), 0);
+        assert_eq!(a.abandon_evacuation(), 0);
     }
 
     #[test]

@@ -184,8 +184,10 @@ impl BatchedPageStore {
                 continue;
             }
             if self.alloc.reserve.starving() {
-                // The system has no memory to give: a later pass.
-                backlog += 1;
+                // The system has no memory to give: a later pass, and the chunks marked for
+                // compaction back in use for new objects now (as at a pass's start).
+                self.alloc.abandon_evacuation();
+                backlog += u64::from(!settled);
                 continue;
             }
             slice.pages += 1;
@@ -194,7 +196,11 @@ impl BatchedPageStore {
             } else {
                 match self.move_page(index as u64, scratch) {
                     Some(outcome) => outcome,
-                    None => continue, // not in an evacuating chunk after all
+                    None => {
+                        // Not in an evacuating chunk after all.
+                        backlog += u64::from(!settled);
+                        continue;
+                    }
                 }
             };
             match outcome {
@@ -205,9 +211,13 @@ impl BatchedPageStore {
                 Outcome::Rejected => add(&self.counters.recompress_rejected_pages, 1),
                 Outcome::Dropped => {
                     add(&self.counters.recompress_dropped_pages, 1);
-                    backlog += 1;
+                    backlog += u64::from(!settled);
                 }
-                Outcome::Moved => add(&self.counters.compacted_pages, 1),
+                // Moved as it was: still to be recompressed once idle, unless settled.
+                Outcome::Moved => {
+                    add(&self.counters.compacted_pages, 1);
+                    backlog += u64::from(!settled);
+                }
             }
         }
         self.note_cpu_time();
