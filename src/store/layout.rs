@@ -596,7 +596,14 @@ impl Regions {
             );
             created = Segment::create_shared(new_key, len, lock);
         }
-        Self::fresh(&created.map_err(creating())?, shape)
+        let segment = created.map_err(creating())?;
+        Self::fresh(&segment, shape).inspect_err(|_| {
+            // Never finished (no magic): no store to resume, only locked memory until the
+            // device's next fresh start frees it.
+            if let Err(error) = segment.remove_attached() {
+                tracing::warn!(%error, "removing the shared memory of a store never made");
+            }
+        })
     }
 
     fn fresh(segment: &Arc<Segment>, shape: Shape) -> Result<Self, StoreError> {
