@@ -2,7 +2,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::{LazyLock, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -230,6 +230,10 @@ fn lz4_compress(page: &Page, out: &mut [u8]) -> Option<usize> {
 
 thread_local! {
     static ZSTD_COMPRESSOR: RefCell<Option<(i32, CCtx<'static>)>> = const { RefCell::new(None) };
+    /// When this thread last failed to make a zstd compression context: tried again at most
+    /// every `ZSTD_CONTEXT_RETRY`, and said once a streak (it fails when memory is short, the
+    /// very time a store's new pages go to zstd: not an allocation and a log line per page).
+    static ZSTD_CONTEXT_REFUSED: Cell<Option<Instant>> = const { Cell::new(None) };
     static ZSTD_DECOMPRESSOR: RefCell<Option<DCtx<'static>>> = const { RefCell::new(None) };
 }
 
@@ -239,6 +243,10 @@ thread_local! {
 fn zstd_context_error(what: &str) -> String {
     format!("libzstd could not allocate a {what} context (out of memory)")
 }
+
+/// How long a thread that could not make a zstd compression context stores pages without
+/// zstd before it tries again.
+const ZSTD_CONTEXT_RETRY: Duration = Duration::from_secs(1);
 
 fn new_zstd_compressor(level: i32) -> Result<CCtx<'static>, String> {
     let mut c = CCtx::try_create().ok_or_else(|| zstd_context_error("compression"))?;
@@ -261,10 +269,24 @@ fn zstd_compress(level: i32, page: &Page, out: &mut [u8]) -> Option<usize> {
     ZSTD_COMPRESSOR.with(|cell| {
         let mut slot = cell.borrow_mut();
         if !matches!(slot.as_ref(), Some((l, _)) if *l == level) {
+            let refused = ZSTD_CONTEXT_REFUSED.get();
+            if refused.is_some_and(|at| at.elapsed() < ZSTD_CONTEXT_RETRY) {
+                return None;
+            }
             match new_zstd_compressor(level) {
-                Ok(c) => *slot = Some((level, c)),
+                Ok(c) => {
+                    *slot = Some((level, c));
+                    ZSTD_CONTEXT_REFUSED.set(None);
+                }
                 Err(e) => {
-                    tracing::warn!("zstd compressor unavailable ({e}); page stored without zstd");
+                    if refused.is_none() {
+                        tracing::warn!(
+                            "zstd compressor unavailable ({e}); pages stored without zstd, \
+                             tried again every {}s",
+                            ZSTD_CONTEXT_RETRY.as_secs()
+                        );
+                    }
+                    ZSTD_CONTEXT_REFUSED.set(Some(Instant::now()));
                     return None;
                 }
             }
