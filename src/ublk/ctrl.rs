@@ -223,8 +223,8 @@ impl Control {
     }
 
     /// DEL_DEV_ASYNC (Linux 6.9+): removes the device like DEL_DEV and returns at once; the id
-    /// is free again once its last user lets go. Drivers without it answer EOPNOTSUPP (or
-    /// EINVAL when they do not take encoded opcodes).
+    /// is free again once its last user lets go. Drivers without it answer as to any command
+    /// they do not know (`unknown_command`).
     pub fn del_dev_async(&mut self, dev_id: u32) -> Result<(), UblkError> {
         if !self.ioctl_encode {
             return Err(UblkError::command(
@@ -269,10 +269,7 @@ impl Control {
                 }
                 std::thread::sleep(Duration::from_millis(20));
             },
-            Err(UblkError::Command {
-                errno: libc::EOPNOTSUPP | libc::EINVAL,
-                ..
-            }) => {
+            Err(UblkError::Command { errno, .. }) if unknown_command(errno) => {
                 let (done_tx, done) = crossbeam_channel::bounded(1);
                 std::thread::Builder::new()
                     .name("del-dev".into())
@@ -354,9 +351,33 @@ impl Control {
     }
 }
 
+/// ENOTSUPP, the kernel's own errno (not in libc): what ublk drivers from 6.2 until the fix of
+/// late 2024 (6.13, and the stable kernels it went back to) answer a command they do not know.
+const ENOTSUPP: i32 = 524;
+
+/// Whether `errno` is a driver's answer to a command it does not know: EOPNOTSUPP, ENOTSUPP
+/// (6.2 to 6.12 before the fix: Ubuntu 24.04's 6.8, say) or EINVAL (drivers that take no
+/// encoded opcodes).
+fn unknown_command(errno: i32) -> bool {
+    matches!(errno, libc::EOPNOTSUPP | libc::EINVAL | ENOTSUPP)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A driver of 6.5 to 6.8 (GET_FEATURES known, DEL_DEV_ASYNC not) answers DEL_DEV_ASYNC
+    /// with ENOTSUPP: taken for "not known", so that DEL_DEV deletes the device (before, the
+    /// delete failed and every device stayed behind, dead).
+    #[test]
+    fn drivers_answers_to_an_unknown_command_are_known() {
+        for errno in [libc::EOPNOTSUPP, libc::EINVAL, 524] {
+            assert!(unknown_command(errno), "{errno}");
+        }
+        for errno in [libc::ENODEV, libc::EPERM, libc::EBUSY, libc::EIO] {
+            assert!(!unknown_command(errno), "{errno}");
+        }
+    }
 
     #[test]
     fn old_drivers_get_bare_command_numbers() {
