@@ -58,6 +58,12 @@ pub enum DevicesError {
         id: u32,
     },
     #[error(
+        "{path} is in use and being resumed: its supervisor (pid {pid}) starts the daemon that \
+         serves it next (its I/O waits meanwhile). Wait for it and delete it then; or stop that \
+         daemon first (`systemctl stop trueno-ublk@{id}`, or `kill {pid}`)"
+    )]
+    Resuming { path: String, id: u32, pid: String },
+    #[error(
         "{path} is in use and no daemon serves it (state {state}): its I/O waits, and swapoff \
          would wait too. Resume it (`systemctl start trueno-ublk@{id}`, or `trueno-ublk create \
          --id {id}` with its other options; it keeps its size), then delete it; or delete it \
@@ -221,6 +227,9 @@ struct Usage {
     claimed: bool,
     /// /proc/swaps holds a swap area on its deleted block device (see `deleted_swap_name`).
     deleted_swap: Option<String>,
+    /// The pid of the supervisor that holds its claim (`daemon::device_claimed_by`): one
+    /// serving it, or resuming it.
+    supervisor: Option<String>,
     /// A live daemon serves it.
     served: bool,
     state: &'static str,
@@ -239,6 +248,7 @@ fn usage(control: &mut Control, id: u32) -> Result<Usage, DevicesError> {
         claimed,
         deleted_swap: deleted_swap_name(&swaps, id),
         served: row.state == "live" && row.daemon_alive,
+        supervisor: crate::daemon::device_claimed_by(id),
         state: row.state,
         path,
     })
@@ -256,6 +266,15 @@ fn check_delete(usage: &Usage, id: u32, force: bool, lose_pages: bool) -> Result
         return Ok(());
     }
     if !usage.served {
+        // Quiesced a moment, between a serving process's death (or hand-over) and the next
+        // one's takeover: with its pages there for the taking, not lost.
+        if let Some(pid) = &usage.supervisor {
+            return Err(DevicesError::Resuming {
+                path: path.clone(),
+                id,
+                pid: pid.clone(),
+            });
+        }
         if lose_pages {
             return Ok(());
         }
@@ -508,9 +527,34 @@ mod tests {
             path: "/dev/ublkb3".into(),
             claimed,
             deleted_swap: deleted.then(|| "/dev/ublkb3 (deleted)".into()),
+            supervisor: served.then(|| "77".into()),
             served,
             state: if served { "live" } else { "quiesced" },
         }
+    }
+
+    /// A device in use, quiesced while its supervisor starts the next serving process, is
+    /// not deleted even with --lose-pages: its pages are about to be served again (before,
+    /// DEL_DEV went to active swap mid-takeover). Once no supervisor holds it, it is.
+    #[test]
+    fn a_device_its_supervisor_resumes_is_not_deleted() {
+        let mut resuming = usage(true, false, false);
+        resuming.supervisor = Some("77".into());
+        for (force, lose) in [(false, false), (true, false), (false, true), (true, true)] {
+            let error = check_delete(&resuming, 3, force, lose).unwrap_err();
+            assert!(matches!(error, DevicesError::Resuming { .. }), "{error}");
+            let text = error.to_string();
+            assert!(
+                text.contains("pid 77") && text.contains("trueno-ublk@3"),
+                "{text}"
+            );
+        }
+        resuming.supervisor = None;
+        check_delete(&resuming, 3, false, true).unwrap();
+        // Not in use: deleted whoever holds it.
+        let mut idle = usage(false, false, false);
+        idle.supervisor = Some("77".into());
+        check_delete(&idle, 3, false, false).unwrap();
     }
 
     #[test]

@@ -63,7 +63,8 @@
 #  8d. (MODE full and recovery) Signals to every process of a daemon: job control stops none;
 #      SIGUSR2 to the supervisor compacts, SIGUSR1 does nothing; SIGQUIT stops it cleanly.
 #  8e. (MODE full and recovery) A second `create` of a device whose supervisor is about to
-#      resume it is refused; the supervisor resumes it. A stop that comes as the serving
+#      resume it is refused, and so is `delete --lose-pages` of it as active swap; the
+#      supervisor resumes it. A stop that comes as the serving
 #      process dies still deletes the unused device.
 # A monitor prints free memory and swap counters every 20 s and, if the test is still running
 # at WATCHDOG_S or swap stops moving for STALL_S during a pressure run, dumps the blocked tasks
@@ -869,15 +870,18 @@ signal_checks() {
 
 # claim_checks: a second `create` of a device whose supervisor is about to resume it (its
 # serving process and standby killed, the device quiesced, the supervisor held with SIGSTOP
-# before it starts the next process) is refused, saying so, and touches nothing; let go on,
-# the supervisor resumes the device with its data.
+# before it starts the next process) is refused, saying so, and touches nothing, and so is a
+# `delete --lose-pages` of it while it is active swap; let go on, the supervisor resumes the
+# device with its data.
 claim_checks() {
     local id=8 dev=/dev/ublkb8 serving supervisor p rc
     trueno-ublk create --size 64M --id $id >/tmp/create8.out 2>&1 || {
         fail "claim: create --size 64M --id $id: $(cat /tmp/create8.out)"
         return
     }
-    check "claim: O_DIRECT write on $dev" pat_write dev8 $dev $MIB 0 $((4 * MIB))
+    # Past the swap header (the first page), which mkswap writes.
+    check "claim: O_DIRECT write on $dev" pat_write dev8 $dev $MIB $((16 * MIB)) $((4 * MIB))
+    check "claim: $dev made active swap" eval "$UL/mkswap $dev >/dev/null && $UL/swapon $dev"
     check "claim: its standby is ready" wait_until 30 standby_ready $id
     serving=$(serving_pid $id)
     supervisor=$(parent_of "$serving")
@@ -892,9 +896,16 @@ claim_checks() {
     check "claim: a second create --id $id is refused while its supervisor ($supervisor) lives (exit $rc)" \
         eval "[ $rc -ne 0 ] && grep -q 'has a daemon already' /tmp/create8b.out"
     check "claim: ... and leaves $dev quiesced" dev_state_is $id quiesced
+    rc=0
+    timeout 30 trueno-ublk delete --id $id --lose-pages >/tmp/delete8.out 2>&1 || rc=$?
+    cat /tmp/delete8.out
+    check "claim: delete --id $id --lose-pages of the swap device its supervisor resumes is refused (exit $rc)" \
+        eval "[ $rc -ne 0 ] && grep -q 'being resumed' /tmp/delete8.out"
+    check "claim: ... and leaves $dev quiesced" dev_state_is $id quiesced
     kill -CONT "$supervisor"
     check "claim: let go on, the supervisor resumes $dev" wait_until 30 eval '[ -n "$(serving_pid $id)" ]'
     check "claim: ... its pages intact" pat_read dev8
+    check "claim: swapoff $dev" $UL/swapoff $dev
     check "claim: trueno-ublk delete --id $id" trueno-ublk delete --id $id
     check "claim: ... every process has exited" wait_until 10 no_daemon_runs
 }

@@ -51,6 +51,29 @@ use harden::{
 
 /// Where daemons keep their logs and endpoints (root only).
 pub const RUN_DIR: &str = stats::SOCKET_DIR;
+
+/// The file a device's supervisor holds locked for its life (see `supervise::claim_device`).
+fn claim_path(id: u32) -> String {
+    format!("{RUN_DIR}/ublkb{id}.lock")
+}
+
+/// The pid of the supervisor that holds device `id`'s claim, if one does: it serves the
+/// device, or resumes it (the device quiesced between a serving process's death and the
+/// next one's takeover). `Some("?")` when the claim is held but names no pid.
+pub fn device_claimed_by(id: u32) -> Option<String> {
+    let path = claim_path(id);
+    let file = std::fs::File::open(&path).ok()?;
+    match file.try_lock_shared() {
+        // Free: no supervisor (the lock goes when its holder's descriptor closes).
+        Ok(()) => None,
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let pid = std::fs::read_to_string(&path).unwrap_or_default();
+            let pid = pid.trim();
+            Some(if pid.is_empty() { "?" } else { pid }.to_string())
+        }
+        Err(std::fs::TryLockError::Error(_)) => None,
+    }
+}
 /// For the command line's check that `reload` waits past it.
 #[cfg(test)]
 pub(crate) use supervise::RELOAD_READY_LIMIT;

@@ -857,7 +857,7 @@ const CLAIM_WAIT: Duration = Duration::from_secs(20);
 fn claim_device(id: u32) -> Result<std::fs::File, DaemonError> {
     std::fs::create_dir_all(RUN_DIR).map_err(io_error(format!("creating {RUN_DIR}")))?;
     super::detach::set_mode(Path::new(RUN_DIR), 0o700)?;
-    let path = format!("{RUN_DIR}/ublkb{id}.lock");
+    let path = super::claim_path(id);
     let mut file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
