@@ -132,6 +132,20 @@ fn io_error(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DaemonErr
     move |source| DaemonError::Io { what, source }
 }
 
+/// Refuse a kernel whose pages are not 4 KiB (arm64 with 16 or 64 KiB pages): the store's
+/// shared memory and the ublk queues' descriptor arrays are laid out in 4 KiB pages.
+fn check_page_size() -> Result<(), DaemonError> {
+    match nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE) {
+        Ok(Some(size)) if usize::try_from(size).ok() != Some(crate::mem::HOST_PAGE) => {
+            Err(DaemonError::Settings(format!(
+                "this kernel's pages are {size} bytes; trueno-ublk needs a kernel with 4 KiB \
+                 pages (on arm64, a 4K-page kernel flavour)"
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Refuse a device more than 32 times RAM, which no compressed RAM device could fill: its
 /// page table alone (an entry, an idle hint and a checksum for each 4 KiB page, committed as
 /// writes reach it, 14 bytes in all) would take a ninth of RAM at that size.
@@ -394,6 +408,7 @@ fn failure_status(error: &DaemonError) -> String {
 /// The supervisor's life: start serving processes until one exits (see `supervise`).
 fn run_supervisor(settings: &DeviceSettings) -> Result<(), DaemonError> {
     // Fail before anything else on what needs no set-up: no driver, no permission.
+    check_page_size()?;
     drop(crate::ublk::Control::open()?);
     let detached_log = std::env::var_os(DETACHED_ENV).map(PathBuf::from);
     if detached_log.is_some() {
