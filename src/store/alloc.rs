@@ -1384,18 +1384,20 @@ mod tests {
         assert_eq!(a.chunk_bytes(), used);
     }
 
-    #[test]
-    fn abandoned_evacuations_take_new_objects_again() {
+    /// An allocator whose 1000-byte class had 2000 objects, three in four of them freed
+    /// since: chunks for 2000, objects for 500, spread over every chunk.
+    fn sparse_class_of_1000_byte_objects() -> ZsAllocator {
         let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None);
         let live: Vec<Handle> = (0..2000).map(|_| a.store(&[3u8; 1000]).unwrap()).collect();
-        for h in live
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| i % 4 != 0)
-            .map(|(_, h)| h)
-        {
+        for (_, h) in live.iter().enumerate().filter(|(i, _)| i % 4 != 0) {
             a.free(*h, 1000);
         }
+        a
+    }
+
+    #[test]
+    fn abandoned_evacuations_take_new_objects_again() {
+        let a = sparse_class_of_1000_byte_objects();
         let marked = a.plan_evacuation();
         assert!(marked > 0);
         assert_eq!(a.abandon_evacuation(), marked);
@@ -1415,16 +1417,7 @@ mod tests {
     /// marks wait for the recompressor's next pass.
     #[test]
     fn writes_take_marked_chunks_back_before_a_new_chunk() {
-        let a = ZsAllocator::new(0, Arena::private(64 << 20).unwrap(), None);
-        let live: Vec<Handle> = (0..2000).map(|_| a.store(&[3u8; 1000]).unwrap()).collect();
-        for h in live
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| i % 4 != 0)
-            .map(|(_, h)| h)
-        {
-            a.free(*h, 1000);
-        }
+        let a = sparse_class_of_1000_byte_objects();
         let chunk_bytes = a.chunk_bytes();
         let marked = a.plan_evacuation();
         assert!(marked > 0 && a.class_evacuating(1000));
