@@ -11,8 +11,10 @@
 //! interruptible: a signal ends it, and with a no-op handler nothing else changes (a populate
 //! is not cut short by one; only fatal signals end it).
 
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// At most one wake-up per this long: each one that finds memory short again only costs the
@@ -43,14 +45,16 @@ fn wake_signal() -> Option<libc::c_int> {
 
 /// The free memory, in bytes, above which an allocation no longer sleeps in the throttle and
 /// succeeds at the min watermark: twice `vm.min_free_kbytes` (the throttle wakes above half of
-/// it). Read when the first thread registers, not under memory pressure.
+/// it). Read when the first thread registers, not under memory pressure. Unreadable (a
+/// sandbox hiding /proc/sys), 0: memory then always counts as back, so the store never asks
+/// the OOM killer to act on a floor it does not know (writes that starve fail instead).
 fn free_memory_floor() -> u64 {
     static FLOOR: OnceLock<u64> = OnceLock::new();
     *FLOOR.get_or_init(|| {
         std::fs::read_to_string("/proc/sys/vm/min_free_kbytes")
             .ok()
             .and_then(|text| text.trim().parse::<u64>().ok())
-            .map_or(u64::MAX, |kib| kib.saturating_mul(2 << 10))
+            .map_or(0, |kib| kib.saturating_mul(2 << 10))
     })
 }
 
@@ -76,6 +80,9 @@ pub fn free_memory_is_back() -> bool {
 pub struct ThrottledThread {
     /// The thread's id while registered, else 0.
     tid: AtomicI32,
+    /// Its `stat` and `stack` in /proc, opened when it registered (`kernel_stack`); `None`
+    /// while no thread is registered.
+    task_files: Mutex<Option<std::io::Result<TaskFiles>>>,
     /// When it was last woken (ns since `epoch`).
     woken_ns: AtomicU64,
     epoch: Instant,
@@ -85,6 +92,7 @@ impl Default for ThrottledThread {
     fn default() -> Self {
         Self {
             tid: AtomicI32::new(0),
+            task_files: Mutex::new(None),
             woken_ns: AtomicU64::new(0),
             epoch: Instant::now(),
         }
@@ -97,6 +105,9 @@ pub struct Registered<'a>(&'a ThrottledThread);
 impl Drop for Registered<'_> {
     fn drop(&mut self) {
         self.0.tid.store(0, Ordering::Release);
+        if let Ok(mut files) = self.0.task_files.lock() {
+            *files = None;
+        }
     }
 }
 
@@ -108,6 +119,10 @@ impl ThrottledThread {
     pub fn register(&self) -> Registered<'_> {
         wake_signal();
         free_memory_floor();
+        let files = TaskFiles::open();
+        if let Ok(mut slot) = self.task_files.lock() {
+            *slot = Some(files);
+        }
         self.tid
             .store(nix::unistd::gettid().as_raw(), Ordering::Release);
         Registered(self)
@@ -119,35 +134,19 @@ impl ThrottledThread {
     /// a commit waits for (reclaim's throttle, writeback, a lock). The kernel gives no stack
     /// of a thread that is on a CPU at that moment (its unwinder refuses a task running
     /// elsewhere), which the line then says. `None` if no thread is registered; the error if
-    /// the stack cannot be read (it takes `CAP_SYS_ADMIN`).
+    /// the stack cannot be read (it takes `CAP_SYS_ADMIN`). Read through the files the thread
+    /// opened when it registered, into a buffer on the stack: a look (a starved write's log
+    /// line, on a queue thread, with memory at its floor) makes the kernel allocate nothing
+    /// new for a file of its own.
     pub fn kernel_stack(&self) -> Option<std::io::Result<String>> {
-        let tid = self.tid.load(Ordering::Acquire);
-        if tid == 0 {
+        if self.tid.load(Ordering::Acquire) == 0 {
             return None;
         }
-        let task = format!("/proc/self/task/{tid}");
-        let read = || -> std::io::Result<String> {
-            let state = std::fs::read_to_string(format!("{task}/stat"))?;
-            let stack = std::fs::read_to_string(format!("{task}/stack"))?;
-            let frames = stack
-                .lines()
-                .filter_map(|line| line.split_once(' ').map(|(_, frame)| frame))
-                .map(|frame| {
-                    frame
-                        .split_once('+')
-                        .map_or(frame, |(function, _)| function)
-                })
-                .take(KERNEL_STACK_FRAMES)
-                .collect::<Vec<_>>();
-            let frames = if frames.is_empty() {
-                "no frames (a task on a CPU has none)".to_string()
-            } else {
-                frames.join(" < ")
-            };
-            let state = crate::os::process_state(&state).unwrap_or('?');
-            Ok(format!("{state}: {frames}"))
-        };
-        Some(read())
+        let files = self.task_files.lock().ok()?;
+        Some(match files.as_ref()? {
+            Ok(files) => files.read(),
+            Err(error) => Err(std::io::Error::new(error.kind(), error.to_string())),
+        })
     }
 
     /// Signal the registered thread, unless it was within `WAKE_INTERVAL`: a sleep in the
@@ -179,6 +178,51 @@ impl ThrottledThread {
         // one thread of this process (the registered one, or, had its id been reused after it
         // ended, another of ours, for which the signal is as harmless).
         unsafe { libc::tgkill(nix::unistd::getpid().as_raw(), tid, signal) == 0 }
+    }
+}
+
+/// A registered thread's `/proc/thread-self/{stat,stack}`, opened by the thread itself:
+/// they name it whichever thread reads them later.
+#[derive(Debug)]
+struct TaskFiles {
+    stat: File,
+    stack: File,
+}
+
+impl TaskFiles {
+    fn open() -> std::io::Result<Self> {
+        Ok(Self {
+            stat: File::open("/proc/thread-self/stat")?,
+            stack: File::open("/proc/thread-self/stack")?,
+        })
+    }
+
+    /// "STATE: fn < caller < ..." (see `ThrottledThread::kernel_stack`).
+    fn read(&self) -> std::io::Result<String> {
+        let mut buffer = [0u8; 4096];
+        let text = |file: &File, buffer: &mut [u8; 4096]| -> std::io::Result<String> {
+            let n = file.read_at(buffer, 0)?;
+            Ok(String::from_utf8_lossy(&buffer[..n]).into_owned())
+        };
+        let state = text(&self.stat, &mut buffer)?;
+        let stack = text(&self.stack, &mut buffer)?;
+        let frames = stack
+            .lines()
+            .filter_map(|line| line.split_once(' ').map(|(_, frame)| frame))
+            .map(|frame| {
+                frame
+                    .split_once('+')
+                    .map_or(frame, |(function, _)| function)
+            })
+            .take(KERNEL_STACK_FRAMES)
+            .collect::<Vec<_>>();
+        let frames = if frames.is_empty() {
+            "no frames (a task on a CPU has none)".to_string()
+        } else {
+            frames.join(" < ")
+        };
+        let state = crate::os::process_state(&state).unwrap_or('?');
+        Ok(format!("{state}: {frames}"))
     }
 }
 
