@@ -112,11 +112,13 @@ impl Stall {
         Self { since }
     }
 
-    /// Time since the later of the start of the wait and the refill thread's last commit.
+    /// Time since the latest of the start of the wait, the refill thread's last commit and
+    /// the moment a taker began to wait for it with none waiting before.
     pub(super) fn waited(&self, reserve: &ChunkReserve) -> Duration {
-        reserve
-            .last_commit()
-            .map_or(self.since, |at| at.max(self.since))
+        [reserve.last_commit(), reserve.waiting_since()]
+            .into_iter()
+            .flatten()
+            .fold(self.since, Instant::max)
             .elapsed()
     }
 }
@@ -324,6 +326,11 @@ pub(super) struct ChunkReserve {
     joined_chunks: AtomicU64,
     /// Takers waiting for the refill thread now.
     waiters: AtomicUsize,
+    /// When the first of them began to wait, the count having been 0 (ns since
+    /// `refill_state.epoch`, 0: none yet): a writer deferred while nobody waited for the
+    /// refill thread (the flusher busy with other work) has not starved for memory meanwhile
+    /// (see `Stall`).
+    waiting_since_ns: AtomicU64,
     /// Of them, those waiting for room in the allocator's lists (`note_waiting_for_room`).
     room_waiters: AtomicUsize,
     /// Commit groups committed so far.
@@ -389,6 +396,7 @@ impl ChunkReserve {
             split_chunks: AtomicU64::new(0),
             joined_chunks: AtomicU64::new(0),
             waiters: AtomicUsize::new(0),
+            waiting_since_ns: AtomicU64::new(0),
             room_waiters: AtomicUsize::new(0),
             commits: AtomicU64::new(0),
             last_commit_ns: AtomicU64::new(0),
@@ -549,7 +557,19 @@ impl ChunkReserve {
 
     /// A taker starts waiting for the refill thread (see `starving`).
     pub(super) fn note_waiting(&self) {
-        self.waiters.fetch_add(1, Ordering::Relaxed);
+        if self.waiters.fetch_add(1, Ordering::AcqRel) == 0 {
+            let now = nanos(self.refill_state.epoch.elapsed());
+            self.waiting_since_ns.store(now.max(1), Ordering::Release);
+        }
+    }
+
+    /// When the takers waiting for the refill thread now began to wait (see
+    /// `waiting_since_ns`).
+    fn waiting_since(&self) -> Option<Instant> {
+        match self.waiting_since_ns.load(Ordering::Acquire) {
+            0 => None,
+            ns => Some(self.refill_state.epoch + Duration::from_nanos(ns)),
+        }
     }
 
     /// A taker stops waiting for the refill thread.
@@ -2398,5 +2418,17 @@ mod tests {
         // A wait that starts later counts from its own start.
         let stall = Stall::new();
         assert!(stall.waited(&reserve) < minute);
+        // A write deferred a minute ago while nobody waited for the refill thread (the
+        // flusher busy with other work) starts starving when the first taker waits.
+        let reserve = ChunkReserve::new(8 * PAGE_SIZE as u64, arena(), &[1]);
+        assert!(Stall::since(long_ago).waited(&reserve) >= minute);
+        reserve.note_waiting();
+        assert!(Stall::since(long_ago).waited(&reserve) < minute);
+        // A second waiter does not start the clock again.
+        std::thread::sleep(Duration::from_millis(20));
+        reserve.note_waiting();
+        assert!(Stall::since(long_ago).waited(&reserve) >= Duration::from_millis(20));
+        reserve.note_served();
+        reserve.note_served();
     }
 }
