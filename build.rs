@@ -1,3 +1,5 @@
+//! Sets `cfg(gpu_tests)` when built with `GPU_TESTS=1` (see tests/gpu_device.rs).
+//!
 //! Links the binaries with packed relative relocations (DT_RELR) where the C library they
 //! are built against can load them (glibc 2.36 or later). Why: the dynamic loader reads all
 //! of `.rela.dyn` at start-up, and the daemon locks every page its start-up touches; the
@@ -12,6 +14,13 @@ const RELR_GLIBC: (u32, u32) = (2, 36);
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    // `GPU_TESTS=1 cargo test --test gpu_device` runs the tests that need an NVIDIA GPU;
+    // without it they are built as ignored (listed so), not passed unrun.
+    println!("cargo:rerun-if-env-changed=GPU_TESTS");
+    println!("cargo::rustc-check-cfg=cfg(gpu_tests)");
+    if std::env::var("GPU_TESTS").as_deref() == Ok("1") {
+        println!("cargo:rustc-cfg=gpu_tests");
+    }
     let var = |name| std::env::var(name).unwrap_or_default();
     let native = var("HOST") == var("TARGET");
     let glibc_linux = var("CARGO_CFG_TARGET_OS") == "linux" && var("CARGO_CFG_TARGET_ENV") == "gnu";

@@ -1,13 +1,14 @@
 #!/bin/bash
 # The checks for a machine with an NVIDIA GPU (and, maybe, a kernel with ublk_drv), run from a
 # folder holding two binaries built elsewhere:
-#   cargo build --release && cargo test --release --test gpu_device --no-run
+#   cargo build --release && GPU_TESTS=1 cargo test --release --test gpu_device --no-run
+#   (built without GPU_TESTS=1 its GPU tests are ignored)
 #   mkdir -p DIR && strip -o DIR/trueno-ublk target/release/trueno-ublk
 #   strip -o DIR/gpu_device target/release/deps/gpu_device-<hash>   (the path cargo printed)
 # then, on that machine as root: bash scripts/gpu-check.sh DIR
 # It prints the kernel's ublk and zram support, runs the GPU test binary (GPU_TESTS=1) and
 # `trueno-ublk bench --compare-zram` with the GPU backend, the CPU backends and the defaults.
-set -u
+set -u -o pipefail
 dir=${1:?usage: gpu-check.sh DIR (with trueno-ublk and gpu_device in it)}
 cd "$dir" || exit 1
 date -u
