@@ -217,10 +217,11 @@ fn corrupt_input_is_an_error() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
-    /// Random input never panics the model decoder, and whatever it accepts, lz4_flex decodes
-    /// to the same page.
+    /// Random input never panics the model decoder. Random bytes almost never decode to a
+    /// whole page, so the agreement with lz4_flex below seldom runs: `mutated_blocks_are_handled`
+    /// checks it on blocks that do.
     #[test]
-    fn model_decoder_agrees_with_lz4_flex(bytes in prop::collection::vec(any::<u8>(), 0..600)) {
+    fn random_bytes_never_panic_the_model_decoder(bytes in prop::collection::vec(any::<u8>(), 0..600)) {
         let mut out = [0u8; PAGE_SIZE];
         if decompress_page(&bytes, &mut out) == STATUS_OK {
             let flex = lz4_flex::block::decompress(&bytes, PAGE_SIZE).expect("lz4_flex accepts");

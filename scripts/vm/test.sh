@@ -134,7 +134,8 @@ abort() {
 # which does not reap them).
 alive() {
     local state
-    [ -r "/proc/$1/stat" ] || return 1
+    # No pid is no process (/proc//stat would read as /proc/stat).
+    [ -n "$1" ] && [ -r "/proc/$1/stat" ] || return 1
     state=$(sed 's/^.*) \(.\).*/\1/' "/proc/$1/stat" 2>/dev/null)
     [ -n "$state" ] && [ "$state" != Z ]
 }
@@ -228,10 +229,12 @@ discard_checks() { # DEV OFFSET
     check "the discarded range reads back as zeros" zeros "$dev" $((at + 2 * MIB)) $((4 * MIB))
     check "the data before the discarded range is intact" pat_read disc-lo
     check "the data after the discarded range is intact" pat_read disc-hi
-    pat_write disc-z "$dev" $MIB $((at + 8 * MIB)) $((4 * MIB))
+    pat_write disc-z-lo "$dev" $MIB $((at + 8 * MIB)) $MIB
+    pat_write disc-z-mid "$dev" $MIB $((at + 9 * MIB)) $((2 * MIB))
+    pat_write disc-z-hi "$dev" $MIB $((at + 11 * MIB)) $MIB
     check "blkdiscard -z (WRITE_ZEROES) of 2 MiB at $((at + 9 * MIB))" $UL/blkdiscard -z -o $((at + 9 * MIB)) -l $((2 * MIB)) "$dev"
     check "the zeroed range reads back as zeros" zeros "$dev" $((at + 9 * MIB)) $((2 * MIB))
-    check "the data around the zeroed range is intact" pat_read disc-hi
+    check "the data around the zeroed range is intact" eval "pat_read disc-z-lo && pat_read disc-z-hi"
 }
 
 # --- the ublk layer alone ------------------------------------------------------------------
@@ -312,7 +315,7 @@ dev_state_is() { [ "$(dev_row "$1" | cut -d' ' -f1)" = "$2" ]; }
 # serving_pid ID: the live process serving device ID, empty if none.
 serving_pid() { dev_row "$1" | awk '$1 == "live" && NF == 2 { print $2 }'; }
 # dev_live_with ID PID: live, served by PID.
-dev_live_with() { [ "$(serving_pid "$1")" = "$2" ]; }
+dev_live_with() { [ -n "$2" ] && [ "$(serving_pid "$1")" = "$2" ]; }
 rd_start() {
     ublk_ramdisk --size 64M --id $RD_ID --queues 2 >/tmp/rd.out 2>>/tmp/rd.err &
     RD_PID=$!
@@ -825,6 +828,7 @@ parent_of() { awk '{ print $4 }' "/proc/$1/stat"; }
 proc_state() { sed 's/^.*) \(.\).*/\1/' "/proc/$1/stat" 2>/dev/null; }
 none_stopped() {
     local p
+    [ "$#" -gt 0 ] || return 1
     for p in "$@"; do
         [ "$(proc_state "$p")" != T ] || return 1
     done
@@ -1055,12 +1059,14 @@ ublk_deferred_writes() {
 # less its IDLE-RSS, from `stat --json`).
 ublk_held_kib() {
     trueno-ublk stat --json 2>/dev/null | tr ',{}' '\n\n\n' |
-        awk -F: '/"rss_bytes"/ { r = $2 } /"idle_rss_bytes"/ { i = $2 } END { printf "%d", (r - i) / 1024 }'
+        awk -F: '/"rss_bytes"/ { r = $2 } /"idle_rss_bytes"/ { i = $2 }
+            END { if (r == "" || i == "") { print "no-figure"; exit 1 } printf "%d", (r - i) / 1024 }'
 }
 # ublk_data_kib: what the store of device 0 holds (pages stored and pending, 4 KiB each).
 ublk_data_kib() {
     trueno-ublk stat --json 2>/dev/null | tr ',{}' '\n\n\n' |
-        awk -F: '/"pages_stored"/ { s = $2 } /"pending_pages"/ { p = $2 } END { printf "%d", (s + p) * 4 }'
+        awk -F: '/"pages_stored"/ { s = $2 } /"pending_pages"/ { p = $2 }
+            END { if (s == "" || p == "") { print "no-figure"; exit 1 } printf "%d", (s + p) * 4 }'
 }
 # ublk_json_count FIELD: a count of `stat --json` of device 0.
 ublk_json_count() {

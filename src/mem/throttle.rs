@@ -322,8 +322,13 @@ mod tests {
         stop.store(true, Ordering::Relaxed);
         spinner.join().unwrap();
         // On a CPU: no frames (the kernel refuses to unwind it); preempted: where it was.
-        if let Some(Ok(stack)) = read {
-            assert!(stack.starts_with("R: "), "running or runnable: {stack}");
+        match read {
+            Some(Ok(stack)) => assert!(stack.starts_with("R: "), "running or runnable: {stack}"),
+            Some(Err(_)) => assert!(
+                std::fs::read_to_string("/proc/thread-self/stack").is_err(),
+                "the stack is readable here"
+            ),
+            None => panic!("the thread was registered"),
         }
     }
 

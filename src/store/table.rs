@@ -797,28 +797,42 @@ mod tests {
                 }
                 stop.store(true, Ordering::Relaxed);
             });
-            for g in [0u64, 1] {
-                let (t, stop) = (&t, &stop);
-                s.spawn(move || {
-                    let mine = PageState::same(g + 100).unwrap();
-                    while !stop.load(Ordering::Relaxed) {
-                        let i = g * group + 9;
-                        if !m.pin(g as usize) {
-                            continue;
+            let lockers: Vec<_> = [0u64, 1]
+                .into_iter()
+                .map(|g| {
+                    let (t, stop) = (&t, &stop);
+                    s.spawn(move || {
+                        let mine = PageState::same(g + 100).unwrap();
+                        let (mut checked, mut after_stop) = (0u64, 0u32);
+                        // Past the mover's end only until the first check (bounded).
+                        while !stop.load(Ordering::Relaxed)
+                            || (checked == 0 && after_stop < 100_000)
+                        {
+                            after_stop += u32::from(stop.load(Ordering::Relaxed));
+                            let i = g * group + 9;
+                            if !m.pin(g as usize) {
+                                continue;
+                            }
+                            if let Some(mut entry) = t.lock(i) {
+                                assert!(
+                                    matches!(entry.state(), PageState::Empty)
+                                        || entry.state() == mine
+                                );
+                                entry.replace(mine);
+                            }
+                            if let Some(mut entry) = t.lock(i) {
+                                assert_eq!(entry.state(), mine, "group {g}");
+                                entry.replace(PageState::Empty);
+                                checked += 1;
+                            }
+                            m.unpin(g as usize);
                         }
-                        if let Some(mut entry) = t.lock(i) {
-                            assert!(
-                                matches!(entry.state(), PageState::Empty) || entry.state() == mine
-                            );
-                            entry.replace(mine);
-                        }
-                        if let Some(mut entry) = t.lock(i) {
-                            assert_eq!(entry.state(), mine, "group {g}");
-                            entry.replace(PageState::Empty);
-                        }
-                        m.unpin(g as usize);
-                    }
-                });
+                        checked
+                    })
+                })
+                .collect();
+            for locker in lockers {
+                assert!(locker.join().unwrap() > 0, "a locker never got its entry");
             }
         });
     }
