@@ -197,8 +197,9 @@ proptest! {
     }
 }
 
-/// Many threads hammering the same few pages while a one-page batch flushes constantly: the
-/// page read after the writers stop is one a writer wrote last, and no memory leaks.
+/// Four threads each overwriting two pages of eight over and over, and reading every page,
+/// while a one-page batch flushes constantly: each write reads back at once, each page
+/// reads as its writer's last write after they stop, and no memory leaks.
 #[test]
 fn same_pages_overwritten_while_flushing() {
     let mut c = trueno_ublk::config::StoreSettings::default().store_config(8 * PAGE, false);
@@ -233,6 +234,16 @@ fn same_pages_overwritten_while_flushing() {
     drop(flusher);
     let s = store.stats();
     assert_eq!(s.pending_pages, 0);
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for page in 0..8u64 {
+        // The last n below 2000 with n % 8 == page.
+        let n = 1992 + page;
+        store.read(page * PAGE, &mut buf).unwrap();
+        assert!(
+            buf[..] == page_of_kind(2 + n % 3, n)[..],
+            "page {page}: not its last write"
+        );
+    }
     store.discard(0, 8 * PAGE).unwrap();
     assert_eq!(store.stats().mem_used, 0);
 }
