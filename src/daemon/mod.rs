@@ -74,6 +74,7 @@ pub fn device_claimed_by(id: u32) -> Option<String> {
         Err(std::fs::TryLockError::Error(_)) => None,
     }
 }
+
 /// For the command line's check that `reload` waits past it.
 #[cfg(test)]
 pub(crate) use supervise::RELOAD_READY_LIMIT;
@@ -469,17 +470,17 @@ pub fn log_filter(default: LevelFilter) -> Targets {
         .unwrap_or_else(|| Targets::new().with_default(default))
 }
 
-/// Log to stderr (the log file, when detached: kept under `DETACHED_LOG_CAP`) through a writer thread: a queue thread that
-/// logs under memory pressure must not wait for the page cache of the log file (seen in the
-/// VM: a queue thread stuck allocating a page of the log while every swap bio waited for it).
-/// Lines past the writer's backlog are dropped, never waited for. Keep the guard alive: its
-/// drop flushes the backlog.
+/// Log to stderr (the log file, when detached, kept under `DETACHED_LOG_CAP`) through a
+/// writer thread: a queue thread that logs under memory pressure must not wait for the page
+/// cache of the log file (seen in the VM: a queue thread stuck allocating a page of the log
+/// while every swap bio waited for it). Lines past the writer's backlog are dropped, never
+/// waited for. Keep the guard alive: its drop flushes the backlog.
 fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
-    // A short backlog: its buffer is allocated (and locked) up front.
     let output: Box<dyn std::io::Write + Send> = match log_file::detached_log(Path::new(RUN_DIR)) {
         Some(file) => Box::new(log_file::CappedLog::new(file, log_file::DETACHED_LOG_CAP)),
         None => Box::new(std::io::stderr()),
     };
+    // A short backlog: its buffer is allocated (and locked) up front.
     let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
         .buffered_lines_limit(LOG_BACKLOG_LINES)
         .lossy(true)
