@@ -30,8 +30,9 @@ pub enum DevicesError {
     #[error(transparent)]
     Ublk(#[from] UblkError),
     #[error(
-        "{path} is in use (the kernel holds it exclusively: active swap or a mounted file \
-         system): run `swapoff {path}` or unmount it first, or pass --force to run swapoff"
+        "{path} is in use (the kernel holds it exclusively: active swap, a mounted file system, \
+         or a dm, md or LVM device on it): as swap, run `swapoff {path}` first or pass --force \
+         to run it; otherwise unmount it or remove that holder first (--force only swaps off)"
     )]
     InUse { path: String },
     #[error(
@@ -42,7 +43,10 @@ pub enum DevicesError {
         path: String,
         source: std::io::Error,
     },
-    #[error("{path}: swapoff failed ({status}); the device stays as it is")]
+    #[error(
+        "{path}: swapoff failed ({status}); the device stays as it is (not swap but mounted, \
+         or under dm, md or LVM? unmount it or remove that holder first)"
+    )]
     SwapoffFailed { path: String, status: String },
     #[error("{path} is still in use after swapoff (mounted?): unmount it first; the device stays")]
     StillInUse { path: String },
