@@ -439,7 +439,13 @@ fn delete(args: &DeleteArgs) -> CommandResult {
             crate::os::print_err(&format!("trueno-ublk: note: {note}"));
         }
     };
-    crate::devices::delete(target, args.force, args.lose_pages, &mut said)?;
+    crate::devices::delete(
+        target,
+        args.force,
+        args.lose_pages,
+        &crate::daemon::device_claimed_by,
+        &mut said,
+    )?;
     if deleted == 0 {
         // `--all` with nothing to delete: say so, as `list` does.
         print_out("no ublk devices\n")?;

@@ -231,15 +231,19 @@ struct Usage {
     claimed: bool,
     /// /proc/swaps holds a swap area on its deleted block device (see `deleted_swap_name`).
     deleted_swap: Option<String>,
-    /// The pid of the supervisor that holds its claim (`daemon::device_claimed_by`): one
-    /// serving it, or resuming it.
+    /// The pid of the supervisor that holds its claim (see `delete`): one serving it, or
+    /// resuming it.
     supervisor: Option<String>,
     /// A live daemon serves it.
     served: bool,
     state: &'static str,
 }
 
-fn usage(control: &mut Control, id: u32) -> Result<Usage, DevicesError> {
+fn usage(
+    control: &mut Control,
+    id: u32,
+    supervisor_of: &dyn Fn(u32) -> Option<String>,
+) -> Result<Usage, DevicesError> {
     let path = block_path(id);
     let row = device_row(control, id)?;
     // A device never started has no block device to hold. One that has is asked through its
@@ -252,7 +256,7 @@ fn usage(control: &mut Control, id: u32) -> Result<Usage, DevicesError> {
         claimed,
         deleted_swap: deleted_swap_name(&swaps, id),
         served: row.state == "live" && row.daemon_alive,
-        supervisor: crate::daemon::device_claimed_by(id),
+        supervisor: supervisor_of(id),
         state: row.state,
         path,
     })
@@ -301,11 +305,14 @@ fn check_delete(usage: &Usage, id: u32, force: bool, lose_pages: bool) -> Result
 /// `trueno-ublk delete --id N | --all [--force] [--lose-pages]`: device `id`, or every device
 /// for `None`. Tells `deleted` the path of each device as it is deleted (so that a failure of
 /// `--all` part-way leaves no doubt which went), with a note for the user when something is
-/// left behind (an id the kernel cannot free yet, a daemon still exiting).
+/// left behind (an id the kernel cannot free yet, a daemon still exiting). `supervisor_of`
+/// names the supervisor that holds a device's claim, if one does (`daemon::device_claimed_by`,
+/// given by the command line, which this module sits below).
 pub fn delete(
     id: Option<u32>,
     force: bool,
     lose_pages: bool,
+    supervisor_of: &dyn Fn(u32) -> Option<String>,
     deleted: &mut dyn FnMut(&str, Option<&str>),
 ) -> Result<(), DevicesError> {
     let mut control = Control::open()?;
@@ -323,7 +330,7 @@ pub fn delete(
     // device deleted meanwhile (by another `delete`, its own daemon) is not `--all`'s to fail,
     // nor is one the kernel will not describe to us (another user's unprivileged device, left
     // out of `list` too): it is left alone.
-    let usage_of = |control: &mut Control, id| match usage(control, id) {
+    let usage_of = |control: &mut Control, id| match usage(control, id, supervisor_of) {
         Err(DevicesError::Ublk(error)) if all && (vanished(&error) || undescribed(&error)) => {
             Ok(None)
         }
