@@ -256,6 +256,8 @@ impl Drop for ZramDevice {
 /// removed (`ZramDevice`'s drop) rather than left behind, holding the corpus in kernel memory,
 /// by a process the signal ended.
 const INTERRUPTS: [libc::c_int; 4] = [SIGINT, SIGTERM, SIGHUP, SIGQUIT];
+/// What failed when one of them could not be caught.
+const CATCHING: &str = "catching Ctrl-C, SIGTERM, SIGHUP and SIGQUIT";
 
 /// Whether one of `INTERRUPTS` came while a zram device was held; true while none is held, so
 /// that such a signal then ends the process as if nothing were caught.
@@ -276,7 +278,7 @@ fn interrupted_flag() -> Result<Arc<AtomicBool>, BenchError> {
         })
         .clone()
         .map_err(|kind| BenchError::Zram {
-            what: "catching Ctrl-C, SIGTERM, SIGHUP and SIGQUIT".to_string(),
+            what: CATCHING.to_string(),
             source: kind.into(),
         })
 }
@@ -301,7 +303,7 @@ impl Interrupts {
             let handler =
                 signal_hook::flag::register(signal, Arc::clone(&caught)).map_err(|source| {
                     BenchError::Zram {
-                        what: "catching Ctrl-C, SIGTERM, SIGHUP and SIGQUIT".to_string(),
+                        what: CATCHING.to_string(),
                         source,
                     }
                 })?;

@@ -549,7 +549,12 @@ impl ChunkReserve {
 
     /// When the last commit group was committed, if one was.
     fn last_commit(&self) -> Option<Instant> {
-        match self.last_commit_ns.load(Ordering::Acquire) {
+        self.instant_of(&self.last_commit_ns)
+    }
+
+    /// The moment a word of ns since `refill_state.epoch` holds (0: none yet).
+    fn instant_of(&self, ns: &AtomicU64) -> Option<Instant> {
+        match ns.load(Ordering::Acquire) {
             0 => None,
             ns => Some(self.refill_state.epoch + Duration::from_nanos(ns)),
         }
@@ -566,10 +571,7 @@ impl ChunkReserve {
     /// When the takers waiting for the refill thread now began to wait (see
     /// `waiting_since_ns`).
     fn waiting_since(&self) -> Option<Instant> {
-        match self.waiting_since_ns.load(Ordering::Acquire) {
-            0 => None,
-            ns => Some(self.refill_state.epoch + Duration::from_nanos(ns)),
-        }
+        self.instant_of(&self.waiting_since_ns)
     }
 
     /// A taker stops waiting for the refill thread.
