@@ -6,8 +6,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 use serde::Serialize;
 use thiserror::Error;
 
@@ -432,15 +431,15 @@ fn swapoff(path: &str) -> Result<(), DevicesError> {
 fn delete_one(control: &mut Control, id: u32, served: bool) -> Result<Option<i32>, DevicesError> {
     let path = block_path(id);
     let pid = control.dev_info(id)?.ublksrv_pid;
-    if served && crate::os::same_program_alive(pid) {
-        let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+    if let Some(daemon) = served.then(|| crate::os::OurDaemon::find(pid)).flatten() {
+        let _ = daemon.signal(Signal::SIGTERM);
         let deadline = Instant::now() + DAEMON_STOP_TIMEOUT;
         if wait_until_gone(id, DAEMON_STOP_TIMEOUT) {
             // The char device goes at the start of the daemon's DEL_DEV; it then shuts its
             // store down and frees the shared memory under the device's key. A `create` of
             // the same id before that would have its new store freed under it (and its next
             // takeover would find no pages), and its statistics socket refused as taken.
-            let exited = wait_until(deadline, || crate::os::process_exited(pid));
+            let exited = wait_until(deadline, || daemon.exited());
             return Ok((!exited).then_some(pid));
         }
         // The daemon hands a claimed device over instead of deleting it: someone ran swapon

@@ -211,6 +211,42 @@ pub fn same_program_alive(pid: i32) -> bool {
     named_as_daemon && same_user
 }
 
+/// A live daemon process of ours (`same_program_alive`), held by a pidfd: a signal sent
+/// through it reaches that process or none. By pid alone, a daemon that exited between the
+/// check and the `kill` would leave its pid to whatever process got it next.
+pub struct OurDaemon {
+    pidfd: std::os::fd::OwnedFd,
+}
+
+impl OurDaemon {
+    /// Process `pid` if it is a live daemon of ours now.
+    pub fn find(pid: i32) -> Option<Self> {
+        let process = rustix::process::Pid::from_raw(pid)?;
+        // Opened before the check: if `pid` was reused in between, the pidfd holds the
+        // process that exited, which no signal reaches.
+        let pidfd =
+            rustix::process::pidfd_open(process, rustix::process::PidfdFlags::empty()).ok()?;
+        same_program_alive(pid).then_some(Self { pidfd })
+    }
+
+    /// Send it `signal`; ESRCH once it has exited and been reaped.
+    pub fn signal(&self, signal: nix::sys::signal::Signal) -> nix::Result<()> {
+        let signal = rustix::process::Signal::from_named_raw(signal as libc::c_int)
+            .ok_or(nix::errno::Errno::EINVAL)?;
+        rustix::process::pidfd_send_signal(&self.pidfd, signal)
+            .map_err(|error| nix::errno::Errno::from_raw(error.raw_os_error()))
+    }
+
+    /// Whether every thread of it has exited (it may be a zombie still): its pidfd is
+    /// readable then.
+    pub fn exited(&self) -> bool {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        use std::os::fd::AsFd;
+        let mut ready = [PollFd::new(self.pidfd.as_fd(), PollFlags::POLLIN)];
+        matches!(poll(&mut ready, PollTimeout::ZERO), Ok(n) if n > 0)
+    }
+}
+
 /// The user id of a `/proc/PID/status` text if its `Uid:` line (real, effective, saved, file
 /// system) has that one four times; `None` for a process whose ids differ (a set-uid program)
 /// or a text without the line. Unlike the owner of `/proc/PID`, which is root for a process
@@ -426,6 +462,47 @@ mod tests {
             same_program_alive(nix::unistd::gettid().as_raw())
         });
         assert!(named.join().unwrap());
+    }
+
+    #[test]
+    fn a_daemon_held_by_its_pidfd_gets_signals_and_no_later_process_does() {
+        // A copy of `sleep` called trueno-ublk: its comm is the daemon's name.
+        let dir = std::env::temp_dir().join(format!("our-daemon-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let program = dir.join(DAEMON_NAME.to_str().unwrap());
+        std::fs::copy("/bin/sleep", &program).unwrap();
+        let mut child = std::process::Command::new(&program)
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let daemon = loop {
+            // Until the child has exec'd (its comm is the parent's before).
+            if let Some(daemon) = OurDaemon::find(pid) {
+                break daemon;
+            }
+            assert!(std::time::Instant::now() < deadline, "never found");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        };
+        assert!(!daemon.exited());
+        daemon.signal(nix::sys::signal::Signal::SIGTERM).unwrap();
+        let status = child.wait().unwrap();
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(libc::SIGTERM)
+        );
+        assert!(daemon.exited());
+        // Reaped: its pid may be anyone's now, and the pidfd reaches no one.
+        assert_eq!(
+            daemon.signal(nix::sys::signal::Signal::SIGTERM),
+            Err(nix::errno::Errno::ESRCH)
+        );
+        assert!(OurDaemon::find(pid).is_none());
+        // Not a daemon of ours: this test's own process.
+        assert!(OurDaemon::find(i32::try_from(std::process::id()).unwrap()).is_none());
+        assert!(OurDaemon::find(0).is_none() && OurDaemon::find(-1).is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

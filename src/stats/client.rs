@@ -54,14 +54,20 @@ pub enum StatError {
     ReloadTimeout { id: u32, pid: u32, waited: Duration },
 }
 
-/// Send `signal` to process `pid` (of device `id`'s daemon). Why the pid is checked: `kill`
-/// takes 0 and negative pids as process groups, and a pid comes from what a socket answered.
+/// Send `signal` to process `pid` (of device `id`'s daemon) if it is a daemon of ours still:
+/// between the report that named it and the signal the daemon may have exited and its pid
+/// gone to another process, which SIGUSR2 or SIGHUP would end. Why the pid is checked first:
+/// `kill` takes 0 and negative pids as process groups, and a pid comes from what a socket
+/// answered.
 fn signal_daemon(id: u32, pid: u32, signal: nix::sys::signal::Signal) -> Result<(), StatError> {
-    let process = match i32::try_from(pid) {
-        Ok(raw) if raw > 0 => nix::unistd::Pid::from_raw(raw),
+    let raw = match i32::try_from(pid) {
+        Ok(raw) if raw > 0 => raw,
         _ => return Err(StatError::BadPid { id, pid }),
     };
-    nix::sys::signal::kill(process, signal).map_err(|source| StatError::Signal { id, pid, source })
+    let daemon = crate::os::OurDaemon::find(raw).ok_or(StatError::NotDaemon { id, pid })?;
+    daemon
+        .signal(signal)
+        .map_err(|source| StatError::Signal { id, pid, source })
 }
 
 /// Device `id`'s report, read from its socket in `dir`.
@@ -295,14 +301,6 @@ pub fn compact(
             pid: before.pid,
         });
     }
-    // SIGUSR2 ends a process that does not handle it: the pid is checked to be a daemon's
-    // still (between the report and the signal the daemon may have exited, its pid reused).
-    if !i32::try_from(before.pid).is_ok_and(crate::os::same_program_alive) {
-        return Err(StatError::NotDaemon {
-            id,
-            pid: before.pid,
-        });
-    }
     signal_daemon(id, before.pid, COMPACT_SIGNAL)?;
     let asked = Instant::now();
     loop {
@@ -365,8 +363,11 @@ mod tests {
                 "{pid}"
             );
         }
-        // A real pid is signalled (this process; SIGCONT changes nothing for it).
+        // A live process that is no daemon of ours is not signalled (this test's own).
         let own = signal_daemon(3, std::process::id(), nix::sys::signal::Signal::SIGCONT);
-        assert!(own.is_ok(), "{own:?}");
+        assert!(
+            matches!(own, Err(StatError::NotDaemon { id: 3, .. })),
+            "{own:?}"
+        );
     }
 }
