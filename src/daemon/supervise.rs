@@ -232,7 +232,13 @@ impl ServingProcess {
     /// Tell a standby to take the device over; `then_stop`: and to stop it after (SIGTERM
     /// behind the word, which it reads first).
     fn take_over(&self, then_stop: bool) {
-        let _ = self.channel.send(TAKEOVER.as_bytes());
+        if let Err(error) = self.channel.send(TAKEOVER.as_bytes()) {
+            // Never told, it would wait as a standby while the device waits for it. Ended
+            // instead: the loop sees it die and starts a process that resumes the device.
+            tracing::error!(pid = self.child.id(), %error, "the standby could not be told to take the device over; it is ended and a new process resumes the device");
+            self.signal(Signal::SIGKILL);
+            return;
+        }
         if then_stop {
             self.signal(Signal::SIGTERM);
         }
@@ -576,16 +582,24 @@ pub(super) fn supervise(
                         serving = serving.child.id(),
                         "reload: the new standby is ready; asking the serving process to hand the device over"
                     );
-                    if let Some(old) = standby.replace(process) {
-                        old.dismiss();
+                    if let Err(error) = serving.channel.send(HANDOVER.as_bytes()) {
+                        tracing::error!(%error, "reload failed: the serving process could not be asked to hand the device over; it serves on");
+                        reloads.failed(&format!(
+                            "the serving process could not be asked to hand the device over ({error})"
+                        ));
+                        process.dismiss();
+                    } else {
+                        if let Some(old) = standby.replace(process) {
+                            old.dismiss();
+                        }
+                        // The next processes are of the new build once it serves, not before:
+                        // a takeover it fails then leaves this build, which serves, to start
+                        // again.
+                        switch_when_served = true;
+                        // So that it looks at once, not at its next poll.
+                        serving.signal(Signal::SIGHUP);
+                        handing_over = true;
                     }
-                    // The next processes are of the new build once it serves, not before: a
-                    // takeover it fails then leaves this build, which serves, to start again.
-                    switch_when_served = true;
-                    let _ = serving.channel.send(HANDOVER.as_bytes());
-                    // So that it looks at once, not at its next poll.
-                    serving.signal(Signal::SIGHUP);
-                    handing_over = true;
                 }
             } else if let Ok(Some(status)) = process.child.try_wait() {
                 tracing::error!(pid = process.child.id(), %status, "reload failed: the standby of the binary on disk ended before it was ready (its log says why); the device is still served by the running build");
