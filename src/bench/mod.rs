@@ -695,6 +695,5 @@ pub fn measure(
         latency,
         zram,
         vs_zram,
-        verified: true,
     })
 }

@@ -194,8 +194,6 @@ pub struct BenchReport {
     pub latency: LatencyReport,
     pub zram: Option<ZramReport>,
     pub vs_zram: Option<VersusZram>,
-    /// Every page read back matched what was written (the run fails otherwise).
-    pub verified: bool,
 }
 
 fn latency_row(out: &mut String, name: &str, p: &Percentiles) {
