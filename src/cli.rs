@@ -454,8 +454,23 @@ fn delete(args: &DeleteArgs) -> CommandResult {
 }
 
 fn stat(args: &StatArgs) -> CommandResult {
-    let text =
-        crate::stats::report_text(Path::new(crate::stats::SOCKET_DIR), args.id, args.format())?;
+    // Devices whose I/O waits for a daemon, as the kernel lists them (none where the driver is
+    // not loaded): one that has no socket gets a line too.
+    let unserved: Vec<crate::stats::Unserved> = crate::devices::list()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(crate::devices::DeviceRow::io_waits)
+        .map(|row| crate::stats::Unserved {
+            id: row.id,
+            state: row.state,
+        })
+        .collect();
+    let text = crate::stats::report_text(
+        Path::new(crate::stats::SOCKET_DIR),
+        args.id,
+        args.format(),
+        &unserved,
+    )?;
     print_out(&text)?;
     Ok(())
 }

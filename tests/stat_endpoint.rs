@@ -14,7 +14,7 @@ use trueno_ublk::procstat::ProcessMemory;
 use trueno_ublk::slotfree::SlotFreeStats;
 use trueno_ublk::stats::{
     collect, compact, reload, render, report_text, serve_in, socket_path, DeviceReport, Probe,
-    StatError, StatFormat, COLUMNS,
+    StatError, StatFormat, Unserved, COLUMNS,
 };
 use trueno_ublk::store::StoreStats;
 use trueno_ublk::ublk::{IoTiming, Op};
@@ -105,7 +105,7 @@ fn args(id: Option<u32>, json: bool, raw: bool) -> StatArgs {
 }
 
 fn stat_text(dir: &Path, args: &StatArgs) -> Result<String, StatError> {
-    report_text(dir, args.id, args.format())
+    report_text(dir, args.id, args.format(), &[])
 }
 
 /// A daemon handing its device over leaves its endpoint without waiting for the thread, which
@@ -152,7 +152,7 @@ fn server_answers_live_reports_and_cleans_up() {
     assert_eq!(mode(&dir), 0o700);
     assert_eq!(mode(&path), 0o600);
 
-    let probes = collect(&dir, None).unwrap();
+    let probes = collect(&dir, None, &[]).unwrap();
     let [Probe::Live(first)] = probes.as_slice() else {
         panic!("{probes:?}")
     };
@@ -163,7 +163,7 @@ fn server_answers_live_reports_and_cleans_up() {
 
     // Each connection gets the state of that moment.
     written.store(3 << 30, Ordering::Relaxed);
-    let probes = collect(&dir, Some(0)).unwrap();
+    let probes = collect(&dir, Some(0), &[]).unwrap();
     let [Probe::Live(second)] = probes.as_slice() else {
         panic!("{probes:?}")
     };
@@ -171,7 +171,7 @@ fn server_answers_live_reports_and_cleans_up() {
 
     drop(server);
     assert!(!path.exists(), "socket left behind");
-    assert!(collect(&dir, None).unwrap().is_empty());
+    assert!(collect(&dir, None, &[]).unwrap().is_empty());
 }
 
 /// A server whose socket file was removed and made again by someone else (a new listener
@@ -299,7 +299,7 @@ fn stale_socket_is_reported_then_replaced() {
     assert!(path.exists());
     let _live = serve_in(&dir, 1, || report(1, 4096)).unwrap();
 
-    let probes = collect(&dir, None).unwrap();
+    let probes = collect(&dir, None, &[]).unwrap();
     assert!(matches!(probes[0], Probe::Live(ref r) if r.id == 1));
     assert!(matches!(probes[1], Probe::Unreachable { id: 2, .. }));
     let text = render(&probes, StatFormat::Table);
@@ -330,8 +330,52 @@ fn stale_socket_is_reported_then_replaced() {
 
     // A new daemon for id 2 removes the stale socket and serves.
     let _new = serve_in(&dir, 2, || report(2, 8192)).unwrap();
-    let probes = collect(&dir, Some(2)).unwrap();
+    let probes = collect(&dir, Some(2), &[]).unwrap();
     assert!(matches!(probes[..], [Probe::Live(ref r)] if r.store.orig_bytes == 8192));
+}
+
+/// A device the kernel has waiting for a daemon, with no socket (a stop that handed it over
+/// removed it): a line that says so, in id order, not a device left out as if it were not
+/// there; one that has a socket is not listed twice.
+#[test]
+fn a_device_waiting_for_a_daemon_without_a_socket_gets_a_line() {
+    let (_root, dir) = temp_dir("unserved");
+    let _live = serve_in(&dir, 1, || report(1, 4096)).unwrap();
+    let unserved = [
+        Unserved {
+            id: 0,
+            state: "quiesced",
+        },
+        Unserved {
+            id: 1,
+            state: "live",
+        },
+    ];
+    let probes = collect(&dir, None, &unserved).unwrap();
+    assert_eq!(probes.len(), 2, "{probes:?}");
+    assert!(matches!(
+        probes[0],
+        Probe::Unreachable { id: 0, ref reason, .. }
+            if reason.contains("quiesced") && reason.contains("trueno-ublk@0")
+    ));
+    assert!(matches!(probes[1], Probe::Live(ref r) if r.id == 1));
+    let text = report_text(&dir, None, StatFormat::Table, &unserved).unwrap();
+    assert!(
+        text.lines()
+            .last()
+            .unwrap()
+            .starts_with("ublkb0: no daemon serves it"),
+        "{text}"
+    );
+    // Asked for by its id: an error (exit status 1), not "no such device".
+    let error = report_text(&dir, Some(0), StatFormat::Table, &unserved).unwrap_err();
+    assert!(
+        matches!(error, StatError::Unreachable { id: 0, .. }),
+        "{error}"
+    );
+    // Another id asked for leaves it out.
+    let probes = collect(&dir, Some(1), &unserved).unwrap();
+    assert!(matches!(probes[..], [Probe::Live(ref r)] if r.id == 1));
 }
 
 #[test]
@@ -344,7 +388,7 @@ fn a_live_socket_is_not_taken_over() {
     assert_eq!(error.kind(), std::io::ErrorKind::AddrInUse);
     assert!(error.to_string().contains("ublkb0.sock"));
     // The refused server did not disturb the first one.
-    let probes = collect(&dir, None).unwrap();
+    let probes = collect(&dir, None, &[]).unwrap();
     assert!(matches!(probes[..], [Probe::Live(ref r)] if r.store.orig_bytes == 4096));
     // A path that is not a socket is not removed either.
     std::fs::write(socket_path(&dir, 5), "data").unwrap();
@@ -369,7 +413,7 @@ fn garbage_and_wrong_answers_are_reported() {
         line.push(b'\n');
         stream.write_all(&line).unwrap();
     });
-    let probes = collect(&dir, None).unwrap();
+    let probes = collect(&dir, None, &[]).unwrap();
     server.join().unwrap();
     let reasons: Vec<&str> = probes
         .iter()

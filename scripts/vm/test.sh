@@ -746,6 +746,15 @@ daemon_refusal_checks() {
     check "refusal: create --id $id fails and says why (exit $rc: $(tail -n 1 /tmp/create5.out))" \
         eval "[ $rc -ne 0 ] && grep -q 'its pages are gone' /tmp/create5.out"
     check "refusal: ... and leaves the device quiesced" dev_state_is $id quiesced
+    # With no socket at all (as a stop that hands a device over leaves it), `stat` still
+    # names the device and why its I/O waits, and fails when asked for it alone.
+    rm -f /run/trueno-ublk/ublkb$id.sock
+    rc=0
+    trueno-ublk stat --id $id >/tmp/stat5.out 2>&1 || rc=$?
+    check "refusal: stat --id $id of the quiesced device without a socket fails and says why (exit $rc: $(cat /tmp/stat5.out))" \
+        eval "[ $rc -ne 0 ] && grep -q 'no daemon serves it (the device is quiesced)' /tmp/stat5.out"
+    check "refusal: ... and plain stat lists it ($(trueno-ublk stat 2>&1 | tail -n 1))" \
+        eval "trueno-ublk stat 2>&1 | grep -q '^ublkb$id: no daemon serves it'"
     # With its node gone (a private /dev, one removed by hand) nothing can tell it is unused.
     local majmin
     majmin=$(cat /sys/block/ublkb$id/dev)

@@ -152,8 +152,54 @@ pub fn reload(
     }
 }
 
+/// A ublk device whose I/O waits for a daemon (quiesced between two, or its daemon gone), as
+/// the kernel lists it: one with no socket (a stop that handed it over removed it) is
+/// reported too, not left out as if it were not there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unserved {
+    pub id: u32,
+    /// The kernel's state of it (`quiesced`, `live`).
+    pub state: &'static str,
+}
+
+/// Read the report of every socket in `dir` (or only `ublkb{only}`), in id order, with a line
+/// for each device of `unserved` that has no socket.
+pub fn collect(
+    dir: &Path,
+    only: Option<u32>,
+    unserved: &[Unserved],
+) -> Result<Vec<Probe>, StatError> {
+    let mut probes = collect_sockets(dir, only)?;
+    let probed = |id: u32| {
+        probes.iter().any(|probe| match probe {
+            Probe::Live(report) => report.id == id,
+            Probe::Unreachable { id: theirs, .. } => *theirs == id,
+        })
+    };
+    let missing: Vec<Probe> = unserved
+        .iter()
+        .filter(|device| only.is_none_or(|only| only == device.id) && !probed(device.id))
+        .map(|device| Probe::Unreachable {
+            id: device.id,
+            socket: socket_path(dir, device.id),
+            reason: format!(
+                "no daemon serves it (the device is {}): its I/O waits until one resumes it \
+                 (`systemctl start trueno-ublk@{id}`, or `trueno-ublk create --id {id}`)",
+                device.state,
+                id = device.id
+            ),
+        })
+        .collect();
+    probes.extend(missing);
+    probes.sort_by_key(|probe| match probe {
+        Probe::Live(report) => report.id,
+        Probe::Unreachable { id, .. } => *id,
+    });
+    Ok(probes)
+}
+
 /// Read the report of every socket in `dir` (or only `ublkb{only}`), in id order.
-pub fn collect(dir: &Path, only: Option<u32>) -> Result<Vec<Probe>, StatError> {
+fn collect_sockets(dir: &Path, only: Option<u32>) -> Result<Vec<Probe>, StatError> {
     let entries = match fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -328,9 +374,15 @@ pub fn compact(
 }
 
 /// What `trueno-ublk stat` prints: the reports of the sockets in `dir` (every device, or only
-/// `only`, which must be there), rendered as `format`.
-pub fn report_text(dir: &Path, only: Option<u32>, format: StatFormat) -> Result<String, StatError> {
-    let mut probes = collect(dir, only)?;
+/// `only`, which must be there) and a line for each device of `unserved` without a socket,
+/// rendered as `format`.
+pub fn report_text(
+    dir: &Path,
+    only: Option<u32>,
+    format: StatFormat,
+    unserved: &[Unserved],
+) -> Result<String, StatError> {
+    let mut probes = collect(dir, only, unserved)?;
     if let Some(id) = only {
         // The one device asked for: a daemon that does not answer is an error (exit status
         // 1), as no daemon at all is, so that a check of one device fails when it should.

@@ -22,7 +22,7 @@ use crate::slotfree::SlotFreeStats;
 use crate::store::StoreStats;
 use crate::ublk::device::block_path;
 use crate::ublk::IoTimingReport;
-pub use client::{collect, compact, reload, report_text, StatError};
+pub use client::{collect, compact, reload, report_text, StatError, Unserved};
 pub use reload::{ReloadOutcome, ReloadOutcomes};
 pub use render::{render, StatFormat, COLUMNS};
 pub use server::{serve, serve_in, StatsServer};
