@@ -157,8 +157,9 @@ pub struct StoreStats {
     /// Compactions asked for and finished (`trueno-ublk compact`, see `store::recompress`).
     #[serde(default)]
     pub compactions: u64,
-    /// New pages are compressed with the stronger codec now, because the system is short of
-    /// memory (see `BatchedPageStore::set_memory_short`).
+    /// The system is short of memory now (see `BatchedPageStore::set_memory_short`): the store
+    /// keeps what memory it has, and an LZ4 store with recompression gives new pages the
+    /// stronger codec.
     #[serde(default)]
     pub memory_short: bool,
     /// Pages compressed with the stronger codec when written, because memory was short.

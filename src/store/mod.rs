@@ -972,8 +972,7 @@ impl BatchedPageStore {
             recompress_passes: get(&c.recompress_passes),
             compacted_pages: get(&c.compacted_pages),
             compactions: get(&c.compactions),
-            memory_short: self.short_memory_compressor.is_some()
-                && self.memory_short.load(Ordering::Relaxed),
+            memory_short: self.memory_short.load(Ordering::Relaxed),
             short_memory_pages: get(&c.short_memory_pages),
         }
     }
