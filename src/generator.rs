@@ -85,7 +85,7 @@ fn startable_swap_devices(file: &ConfigFile, config: &Path) -> Vec<(u32, u16)> {
     let ram_bytes = match config::ram_bytes() {
         Ok(bytes) => bytes,
         Err(error) => {
-            crate::os::print_err(&format!(
+            say(&format!(
                 "{GENERATOR_NAME}: {error}; the sections are not checked"
             ));
             return swap_devices(file);
@@ -104,18 +104,20 @@ fn startable_swap_devices(file: &ConfigFile, config: &Path) -> Vec<(u32, u16)> {
                 crate::daemon::check_startable(&settings).map_err(|error| error.to_string())?;
                 if settings.size_bytes < MIN_SWAP_BYTES {
                     return Err(format!(
-                        "[ublkb{id}]: size {} bytes is too small for a swap area (mkswap \
-                         needs {MIN_SWAP_BYTES})",
+                        "size {} bytes is too small for a swap area (mkswap needs \
+                         {MIN_SWAP_BYTES})",
                         settings.size_bytes
                     ));
                 }
                 Ok(())
-            });
+            })
+            // Which section, where several ask for swap.
+            .map_err(|error| format!("[ublkb{id}]: {error}"));
         let Err(error) = startable else {
             return true;
         };
         let exists = crate::ublk::device::device_exists(id);
-        crate::os::print_err(&format!(
+        say(&format!(
             "{GENERATOR_NAME}: {error}; {}",
             if exists {
                 "the device exists: its swap unit is kept"
@@ -176,7 +178,7 @@ pub fn generate(
         if !write_unit(dir, &name, &text)? {
             // Generators run side by side, and the first to write a unit keeps it (as
             // systemd's own do): an fstab line for the device, say.
-            crate::os::print_err(&format!(
+            say(&format!(
                 "{GENERATOR_NAME}: {} was written by another generator (an fstab line for \
                  /dev/ublkb{id}?); left as it is",
                 path.display()
@@ -218,13 +220,53 @@ fn write_unit(dir: &Path, name: &str, text: &str) -> std::io::Result<bool> {
     }
 }
 
+/// `LOG_DAEMON | LOG_WARNING`, the priority of the generator's lines in the kernel log: a
+/// facility other than the kernel's has journald take the text before the colon as the
+/// line's identifier (`journalctl -t trueno-ublk-generator`).
+const KMSG_PRIORITY: libc::c_int = libc::LOG_DAEMON | libc::LOG_WARNING;
+
+/// Tell the administrator `line`: in the kernel log (so the journal) where stderr leads
+/// nowhere, as when systemd runs generators (their stderr is /dev/null, at boot and on
+/// `daemon-reload`: `man systemd.generator` asks for /dev/kmsg), else on stderr (a generator
+/// run by hand, tests).
+fn say(line: &str) {
+    use std::io::Write;
+    if stderr_is_dev_null() {
+        if let Ok(mut kmsg) = std::fs::OpenOptions::new().write(true).open("/dev/kmsg") {
+            // One write per record: the kernel takes each write as one line.
+            if kmsg
+                .write_all(format!("<{KMSG_PRIORITY}>{line}\n").as_bytes())
+                .is_ok()
+            {
+                return;
+            }
+        }
+    }
+    crate::os::print_err(line);
+}
+
+/// Whether this process's stderr is /dev/null (the character device 1:3).
+fn stderr_is_dev_null() -> bool {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let null = std::fs::metadata("/dev/null");
+    let stderr = nix::sys::stat::fstat(std::io::stderr());
+    match (null, stderr) {
+        (Ok(null), Ok(stderr)) => {
+            null.file_type().is_char_device()
+                && stderr.st_mode & libc::S_IFMT == libc::S_IFCHR
+                && stderr.st_rdev == null.rdev()
+        }
+        _ => false,
+    }
+}
+
 /// Entry point when run as `trueno-ublk-generator NORMAL_DIR [EARLY_DIR LATE_DIR]`. The
 /// config path can be overridden with TRUENO_UBLK_CONFIG (tests; systemd passes no such
-/// variable). Messages go to stderr, which systemd sends to the kernel log.
+/// variable). Messages go to the kernel log when run by systemd, else to stderr (`say`).
 pub fn main() -> i32 {
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
     let Some(dir) = args.first().map(PathBuf::from) else {
-        crate::os::print_err(&format!("{GENERATOR_NAME}: usage: {GENERATOR_NAME} NORMAL_DIR [EARLY_DIR LATE_DIR] (systemd runs it at boot)"));
+        say(&format!("{GENERATOR_NAME}: usage: {GENERATOR_NAME} NORMAL_DIR [EARLY_DIR LATE_DIR] (systemd runs it at boot)"));
         return 2;
     };
     let config_path = std::env::var_os("TRUENO_UBLK_CONFIG")
@@ -237,7 +279,7 @@ pub fn main() -> i32 {
             // is not ordered before the daemon's stop, and at poweroff swapoff would wait
             // on a device whose daemon has handed it over.
             let on = ublk_swaps_on(&std::fs::read_to_string("/proc/swaps").unwrap_or_default());
-            crate::os::print_err(&format!(
+            say(&format!(
                 "{GENERATOR_NAME}: {error}; no swap units written{}",
                 if on.is_empty() {
                     String::new()
@@ -257,7 +299,7 @@ pub fn main() -> i32 {
         .filter(|&(id, _)| {
             let listed = in_fstab.contains(&id);
             if listed {
-                crate::os::print_err(&format!(
+                say(&format!(
                     "{GENERATOR_NAME}: /etc/fstab lists /dev/ublkb{id} as swap: its line makes \
                      the swap unit, not `swap = yes` (remove it, or give dev-ublkb{id}.swap a \
                      drop-in with Wants= and After=trueno-ublk@{id}.service, Requires= and \
@@ -271,7 +313,7 @@ pub fn main() -> i32 {
     match generate(&devices, &config_path, &dir) {
         Ok(_) => 0,
         Err(error) => {
-            crate::os::print_err(&format!(
+            say(&format!(
                 "{GENERATOR_NAME}: writing units into {}: {error}",
                 dir.display()
             ));

@@ -265,6 +265,16 @@ check "the units' boot journal has no line saying warn/error/fail" \
     eval "! grep -v 'ublk driver features' /tmp/journal-boot | grep -iE 'warn|error|fail'"
 journalctl -b --no-pager -q | grep -i 'trueno-ublk-generator' >/tmp/gen.log
 check "the generator logged nothing ($(wc -l </tmp/gen.log) lines)" [ ! -s /tmp/gen.log ]
+# A section the daemon would refuse, read by a daemon-reload: no unit for it, and the reason
+# in the journal (systemd runs generators with stderr on /dev/null: they write to /dev/kmsg).
+cp /etc/trueno-ublk.conf /tmp/conf.saved
+printf '[ublkb9]\nswap = yes\nsize = 100T\n' >>/etc/trueno-ublk.conf
+systemctl daemon-reload
+check "a refused section's reason is in the journal ($(journalctl -b -q --no-pager -t trueno-ublk-generator | tail -n 1))" \
+    eval "journalctl -b -q --no-pager -t trueno-ublk-generator | grep -qF '[ublkb9]: size 100T'"
+check "... and it got no swap unit" [ ! -e /run/systemd/generator/dev-ublkb9.swap ]
+cp /tmp/conf.saved /etc/trueno-ublk.conf
+systemctl daemon-reload
 
 check "PID 1's memory is kept out of swap (init.scope memory.swap.max $(cat /sys/fs/cgroup/init.scope/memory.swap.max 2>&1))" \
     [ "$(cat /sys/fs/cgroup/init.scope/memory.swap.max 2>/dev/null)" = 0 ]
