@@ -95,6 +95,95 @@ pub enum DevicesError {
     NotOurs { id: u32 },
 }
 
+/// The order of reads of a process's swapped-out pages (`fault-in`) and hand-overs of
+/// devices. `fault-in` looks at every device's state, then reads a few pages, and a device
+/// handed over in between would hold such a read until its next daemon serves it: for PID 1's
+/// pages (the unit's stop faults them in), with PID 1's memory map locked, while PID 1 must
+/// fork that daemon (one unit's stop reading a page on another device whose unit restarts at
+/// the same moment): a deadlock. So readers hold the gate shared around each look-and-read,
+/// and a daemon holds it exclusive from before it stops serving until its device is
+/// quiesced: a read that began before the hand-over ends before it, and one after finds the
+/// device quiesced and is not made. A turnstile (a second lock that readers pass and the
+/// hand-over holds) keeps a stream of readers from holding a hand-over off.
+///
+/// Both waits are bounded: whoever cannot get the gate goes on without it, as before it
+/// existed (a stuck reader must not stop a hand-over for good, nor a stuck hand-over a stop).
+pub struct HandOverGate {
+    _gate: std::fs::File,
+    _turnstile: Option<std::fs::File>,
+}
+
+impl HandOverGate {
+    /// For a look at the devices' states and the reads after it: shared, once no hand-over
+    /// is under way or due. `None` after `patience`, or when the lock files cannot be made.
+    pub fn for_reads(dir: &Path, patience: Duration) -> Option<Self> {
+        let deadline = Instant::now() + patience;
+        let turnstile = lock_file(dir, HAND_OVER_TURNSTILE)?;
+        lock_by(&turnstile, deadline, std::fs::File::try_lock)?;
+        let gate = lock_file(dir, HAND_OVER_GATE)?;
+        lock_by(&gate, deadline, std::fs::File::try_lock_shared)?;
+        // Passed: the turnstile goes (closing it unlocks it), the gate stays shared.
+        Some(Self {
+            _gate: gate,
+            _turnstile: None,
+        })
+    }
+
+    /// For a hand-over, from before the daemon stops serving until its device is quiesced:
+    /// exclusive, once the reads under way are done (new ones wait at the turnstile). `None`
+    /// after `patience`, or when the lock files cannot be made.
+    pub fn for_hand_over(dir: &Path, patience: Duration) -> Option<Self> {
+        let deadline = Instant::now() + patience;
+        let turnstile = lock_file(dir, HAND_OVER_TURNSTILE)?;
+        lock_by(&turnstile, deadline, std::fs::File::try_lock)?;
+        let gate = lock_file(dir, HAND_OVER_GATE)?;
+        lock_by(&gate, deadline, std::fs::File::try_lock)?;
+        Some(Self {
+            _gate: gate,
+            _turnstile: Some(turnstile),
+        })
+    }
+}
+
+/// The gate's lock files in the run directory (`HandOverGate`).
+const HAND_OVER_GATE: &str = "hand-over.lock";
+const HAND_OVER_TURNSTILE: &str = "hand-over.turnstile";
+
+/// Open (making it, and `dir`, root's only) the lock file `name` in `dir`.
+fn lock_file(dir: &Path, name: &str) -> Option<std::fs::File> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .ok()?;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(dir.join(name))
+        .ok()
+}
+
+/// Take a lock on `file` with `try_lock` (a flock), trying until `deadline`.
+fn lock_by(
+    file: &std::fs::File,
+    deadline: Instant,
+    try_lock: fn(&std::fs::File) -> Result<(), std::fs::TryLockError>,
+) -> Option<()> {
+    loop {
+        match try_lock(file) {
+            Ok(()) => return Some(()),
+            Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(_) => return None,
+        }
+    }
+}
+
 /// One row of `list`.
 #[derive(Clone, Debug, Serialize)]
 pub struct DeviceRow {
@@ -490,6 +579,60 @@ fn wait_until(deadline: Instant, done: impl Fn() -> bool) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Reads share the gate; a hand-over waits for the reads under way and holds new ones off
+    /// until it is done, the reads that wait for it included; each wait gives up in time.
+    #[test]
+    fn the_hand_over_gate_orders_reads_and_hand_overs() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("run");
+        let short = Duration::from_millis(50);
+        let long = Duration::from_secs(10);
+        let read = HandOverGate::for_reads(&dir, short).expect("the first read");
+        let other = HandOverGate::for_reads(&dir, short).expect("reads share it");
+        // A hand-over waits for both reads, and gives up in time.
+        let started = Instant::now();
+        assert!(HandOverGate::for_hand_over(&dir, short).is_none());
+        assert!(started.elapsed() >= short);
+        drop(other);
+        // One read left: a hand-over that waits for it gets the gate once it ends; meanwhile
+        // a new read waits behind the hand-over (the turnstile), not beside the old read.
+        let (handed_tx, handed_rx) = std::sync::mpsc::channel();
+        let handing = {
+            let dir = dir.clone();
+            std::thread::spawn(move || {
+                let gate = HandOverGate::for_hand_over(&dir, long).expect("after the read");
+                handed_tx.send(()).unwrap();
+                std::thread::sleep(Duration::from_millis(200));
+                drop(gate);
+            })
+        };
+        // Once the hand-over waits (at the turnstile, which it has), no new read passes.
+        let deadline = Instant::now() + long;
+        while let Some(passed) = HandOverGate::for_reads(&dir, Duration::ZERO) {
+            drop(passed);
+            assert!(Instant::now() < deadline, "the hand-over never waited");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(HandOverGate::for_reads(&dir, short).is_none());
+        assert!(handed_rx.try_recv().is_err(), "handed over under a read");
+        drop(read);
+        handed_rx
+            .recv_timeout(long)
+            .expect("the hand-over never got the gate");
+        assert!(
+            HandOverGate::for_reads(&dir, short).is_none(),
+            "read during the hand-over"
+        );
+        let after = HandOverGate::for_reads(&dir, long).expect("a read after the hand-over");
+        handing.join().unwrap();
+        drop(after);
+        // Its files are root's only (the run directory is).
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&dir), 0o700);
+        assert_eq!(mode(&dir.join(HAND_OVER_GATE)), 0o600);
+    }
 
     #[test]
     fn io_waits_on_a_quiesced_device_or_one_whose_daemon_is_gone() {

@@ -8,10 +8,12 @@ use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::time::Duration;
 
 use thiserror::Error;
 
 use crate::config::{self, ConfigError};
+use crate::devices::HandOverGate;
 use crate::ublk::device::block_path;
 
 #[derive(Debug, Error)]
@@ -110,6 +112,10 @@ const PAGEMAP_CHUNK: usize = 512;
 /// wait for the next one. The unit runs this for PID 1 before a stop: PID 1 starts the next
 /// daemon while the device waits, and must not wait on a page of its own there.
 pub fn fault_in(pid: u32) -> Result<FaultIn, SwapError> {
+    // Held around each look at the devices' states and the reads after it (see
+    // `HandOverGate`); none where it cannot be had in time: the reads go on as before.
+    let gate = || HandOverGate::for_reads(Path::new(crate::stats::SOCKET_DIR), GATE_PATIENCE);
+    let mut held = gate();
     if let Some(waits) = device_io_waits()? {
         return Ok(waits);
     }
@@ -135,6 +141,9 @@ pub fn fault_in(pid: u32) -> Result<FaultIn, SwapError> {
                 return;
             }
             if swapped % RECHECK_EVERY_PAGES == 0 {
+                // Let a hand-over due go first (its device is then quiesced, and said so).
+                drop(held.take());
+                held = gate();
                 stopped = device_io_waits();
                 if !matches!(stopped, Ok(None)) {
                     return;
@@ -149,6 +158,7 @@ pub fn fault_in(pid: u32) -> Result<FaultIn, SwapError> {
             return Ok(waits);
         }
     }
+    drop(held);
     let mut still_swapped = 0;
     for mapping in &mappings {
         for_each_page_with(&pagemap, mapping, page, PAGEMAP_SWAPPED, |_| {
@@ -165,6 +175,10 @@ pub fn fault_in(pid: u32) -> Result<FaultIn, SwapError> {
 
 /// Swapped-out pages `fault_in` reads between two looks at the devices' states.
 const RECHECK_EVERY_PAGES: u64 = 64;
+
+/// How long `fault_in` waits for a hand-over under way (a daemon holds the gate until its
+/// device is quiesced: well under a second) before it reads without the gate.
+const GATE_PATIENCE: Duration = Duration::from_secs(5);
 
 /// `FaultIn::NotServed` for the first ublk device whose I/O would wait now, if any.
 fn device_io_waits() -> Result<Option<FaultIn>, SwapError> {

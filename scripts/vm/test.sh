@@ -693,6 +693,28 @@ daemon_recovery_checks() {
         check "daemon recovery: ... fault-in of the program reads nothing while it is quiesced (exit $rc after $(since "$t0") s: $(cat /tmp/fault-in.out))" \
             eval "[ $rc -eq 0 ] && grep -q 'read back: $dev is not served right now (quiesced)' /tmp/fault-in.out"
         create_resumes "create --size 1G --id 0 again resumes it" recovery_kill_all_to_live_s "$c0"
+        # 4. fault-in of the program while this build hands the device over (SIGTERM to its
+        #    supervisor, as a unit's stop): the hand-over waits for the reads under way, and
+        #    fault-in reads none after it, so it ends (saying the device is not served) instead
+        #    of waiting in a read for the next daemon (PID 1 waiting so for a daemon it must
+        #    fork would be a deadlock: src/devices.rs, HandOverGate).
+        wait_until 20 standby_ready 0
+        sup=$(awk '/^PPid:/ { print $2 }' "/proc/$(serving_pid 0)/status" 2>/dev/null)
+        trueno-ublk fault-in --pid "$(child_of "$pid")" >/tmp/fault-in4.out 2>&1 &
+        fpid=$!
+        sleep 1
+        if alive "$fpid"; then
+            c0=$($VT clock)
+            kill -TERM "$sup"
+            check "daemon recovery: SIGTERM to the supervisor ($sup) during a fault-in: every process exits" wait_until 30 no_daemon_runs
+            check "daemon recovery: ... the device stays, quiesced ($(dev_row 0))" dev_state_is 0 quiesced
+            check "daemon recovery: ... and the fault-in ends without a daemon ($(cat /tmp/fault-in4.out))" \
+                eval "wait_until 10 eval '! alive $fpid' && grep -q 'not served right now (quiesced)' /tmp/fault-in4.out"
+            create_resumes "create --size 1G --id 0 resumes it after the hand-over" recovery_handover_during_fault_in_to_live_s "$c0"
+        else
+            fail "daemon recovery: fault-in read every page of the program within a second, before the hand-over ($(cat /tmp/fault-in4.out))"
+        fi
+        wait "$fpid"
         rm -f /tmp/hold
     else
         fail "daemon recovery: the pressure program never held its memory (phase $(cat /tmp/phase))"

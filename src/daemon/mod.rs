@@ -32,6 +32,7 @@ use tracing_subscriber::util::SubscriberInitExt;
 
 use crate::codec::{BatchCodec, ThreadCodecs};
 use crate::config::{self, DeviceOptions, DeviceSettings};
+use crate::devices::HandOverGate;
 use crate::gpu::NoGpu;
 use crate::slotfree::SlotFreeStats;
 use crate::stats::{self, DeviceReport};
@@ -53,6 +54,10 @@ use harden::{
 pub const RUN_DIR: &str = stats::SOCKET_DIR;
 
 /// The file a device's supervisor holds locked for its life (see `supervise::claim_device`).
+/// How long a hand-over waits for `fault-in` reads under way (64 pages at most each) before
+/// it goes on without them: well within the unit's 10 s stop timeout.
+const HAND_OVER_GATE_PATIENCE: Duration = Duration::from_secs(3);
+
 fn claim_path(id: u32) -> String {
     format!("{RUN_DIR}/ublkb{id}.lock")
 }
@@ -1200,7 +1205,18 @@ fn serve(
             // The frees reported since the last poll, while the device still serves: the
             // next daemon drops what was reported before its takeover.
             handler.free_reported_slots();
-            device.hand_over()
+            // No `fault-in` read starts on the device from here until it is quiesced (see
+            // `HandOverGate`); without the gate in time, handed over all the same.
+            let gate = HandOverGate::for_hand_over(Path::new(RUN_DIR), HAND_OVER_GATE_PATIENCE);
+            if gate.is_none() {
+                tracing::warn!(
+                    waited_s = HAND_OVER_GATE_PATIENCE.as_secs(),
+                    "handing the device over without waiting for `fault-in` reads under way"
+                );
+            }
+            let handed_over = device.hand_over();
+            drop(gate);
+            handed_over
         }
     };
     // Nothing reads signals from here on: the channel goes first, so that a signal thread
