@@ -117,33 +117,38 @@ impl HandOverGate {
     /// For a look at the devices' states and the reads after it: shared, once no hand-over
     /// is under way or due. `None` after `patience`, or when the lock files cannot be made.
     pub fn for_reads(dir: &Path, patience: Duration) -> Option<Self> {
-        let deadline = Instant::now() + patience;
-        let turnstile = lock_file(dir, HAND_OVER_TURNSTILE)?;
-        lock_by(&turnstile, deadline, std::fs::File::try_lock)?;
-        let gate = lock_file(dir, HAND_OVER_GATE)?;
-        lock_by(&gate, deadline, std::fs::File::try_lock_shared)?;
         // Passed: the turnstile goes (closing it unlocks it), the gate stays shared.
-        Some(Self {
-            _gate: gate,
-            _turnstile: None,
-        })
+        Self::take(dir, patience, std::fs::File::try_lock_shared, false)
     }
 
     /// For a hand-over, from before the daemon stops serving until its device is quiesced:
-    /// exclusive, once the reads under way are done (new ones wait at the turnstile). `None`
-    /// after `patience`, or when the lock files cannot be made.
+    /// exclusive, once the reads under way are done (new ones wait at the turnstile, held
+    /// too). `None` after `patience`, or when the lock files cannot be made.
     pub fn for_hand_over(dir: &Path, patience: Duration) -> Option<Self> {
+        Self::take(dir, patience, std::fs::File::try_lock, true)
+    }
+
+    /// Pass the turnstile (keeping it or not), then lock the gate with `lock_gate`.
+    fn take(
+        dir: &Path,
+        patience: Duration,
+        lock_gate: TryLock,
+        keep_turnstile: bool,
+    ) -> Option<Self> {
         let deadline = Instant::now() + patience;
         let turnstile = lock_file(dir, HAND_OVER_TURNSTILE)?;
         lock_by(&turnstile, deadline, std::fs::File::try_lock)?;
         let gate = lock_file(dir, HAND_OVER_GATE)?;
-        lock_by(&gate, deadline, std::fs::File::try_lock)?;
+        lock_by(&gate, deadline, lock_gate)?;
         Some(Self {
             _gate: gate,
-            _turnstile: Some(turnstile),
+            _turnstile: keep_turnstile.then_some(turnstile),
         })
     }
 }
+
+/// A flock taken without waiting (`File::try_lock`, `File::try_lock_shared`).
+type TryLock = fn(&std::fs::File) -> Result<(), std::fs::TryLockError>;
 
 /// The gate's lock files in the run directory (`HandOverGate`).
 const HAND_OVER_GATE: &str = "hand-over.lock";
@@ -168,11 +173,7 @@ fn lock_file(dir: &Path, name: &str) -> Option<std::fs::File> {
 }
 
 /// Take a lock on `file` with `try_lock` (a flock), trying until `deadline`.
-fn lock_by(
-    file: &std::fs::File,
-    deadline: Instant,
-    try_lock: fn(&std::fs::File) -> Result<(), std::fs::TryLockError>,
-) -> Option<()> {
+fn lock_by(file: &std::fs::File, deadline: Instant, try_lock: TryLock) -> Option<()> {
     loop {
         match try_lock(file) {
             Ok(()) => return Some(()),
