@@ -439,6 +439,10 @@ if [ -e /tmp/hold ]; then
     check "... and the daemon said so ($(journal_units | grep -c 'keeps its size') lines)" \
         eval "journal_units | grep -q 'the device keeps its size while it exists'"
     journal_units | grep -E 'handed over|resumed|died|takes the device|Scheduled restart' | tail -n 12
+    # The hand-overs took the gate that orders them with fault-in (src/devices.rs), which
+    # the unit's sandbox must leave them (its run directory, flock).
+    check "every hand-over under the unit took the hand-over gate ($(journal_units | grep -c 'without waiting for `fault-in`') lines say otherwise)" \
+        eval "! journal_units | grep -q 'without waiting for .fault-in'"
     check "the kernel is alive and $DEV still reads" \
         eval "dd if=$DEV of=/dev/null bs=4096 count=1 iflag=direct status=none"
 else
