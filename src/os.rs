@@ -221,6 +221,10 @@ pub struct OurDaemon {
 impl OurDaemon {
     /// Process `pid` if it is a live daemon of ours now.
     pub fn find(pid: i32) -> Option<Self> {
+        // 0 and negative pids name process groups to kill(2), and no process here.
+        if pid <= 0 {
+            return None;
+        }
         let process = rustix::process::Pid::from_raw(pid)?;
         // Opened before the check: if `pid` was reused in between, the pidfd holds the
         // process that exited, which no signal reaches.
