@@ -455,14 +455,14 @@ fn delete(args: &DeleteArgs) -> CommandResult {
 
 fn stat(args: &StatArgs) -> CommandResult {
     // Devices whose I/O waits for a daemon, as the kernel lists them (none where the driver is
-    // not loaded): one that has no socket gets a line too.
-    let unserved: Vec<crate::stats::Unserved> = crate::devices::list()
+    // not loaded or cannot be asked): one that has no socket gets a line too.
+    let unserved: Vec<crate::stats::Unserved> = crate::devices::waiting_for_daemon()
         .unwrap_or_default()
         .into_iter()
-        .filter(crate::devices::DeviceRow::io_waits)
-        .map(|row| crate::stats::Unserved {
-            id: row.id,
-            state: row.state,
+        .map(|device| crate::stats::Unserved {
+            id: device.id,
+            state: device.state,
+            supervisor: crate::daemon::device_claimed_by(device.id),
         })
         .collect();
     let text = crate::stats::report_text(

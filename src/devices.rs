@@ -198,13 +198,45 @@ pub struct DeviceRow {
     pub daemon_alive: bool,
 }
 
-impl DeviceRow {
-    /// Whether I/O to the device waits for a daemon: quiesced between two, or live with its
-    /// daemon gone (until the kernel notices).
-    pub fn io_waits(&self) -> bool {
-        self.state == state_name(crate::ublk::sys::UBLK_S_DEV_QUIESCED)
-            || (self.state == state_name(crate::ublk::sys::UBLK_S_DEV_LIVE) && !self.daemon_alive)
+/// Whether I/O to a device in kernel state `state` waits for a daemon: quiesced between two,
+/// or live with its daemon gone (until the kernel notices).
+fn io_waits(state: &str, daemon_alive: bool) -> bool {
+    state == state_name(crate::ublk::sys::UBLK_S_DEV_QUIESCED)
+        || (state == state_name(crate::ublk::sys::UBLK_S_DEV_LIVE) && !daemon_alive)
+}
+
+/// A ublk device whose I/O waits for a daemon (`io_waits`), and its kernel state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WaitingDevice {
+    pub id: u32,
+    pub state: &'static str,
+}
+
+/// Every ublk device whose I/O waits for a daemon now, in id order. Only GET_DEV_INFO, which
+/// the kernel answers without the device's mutex: `stat` and `fault-in` are run to look at a
+/// device in trouble, and GET_PARAMS (the size `list` shows) waits behind a control command
+/// stuck on it. Devices skipped as in `list`.
+pub fn waiting_for_daemon() -> Result<Vec<WaitingDevice>, DevicesError> {
+    let ids = device_ids();
+    if ids.is_empty() {
+        return Ok(Vec::new());
     }
+    let mut control = Control::open()?;
+    let mut waiting = Vec::new();
+    for id in ids {
+        match control.dev_info(id) {
+            Ok(info) if io_waits(state_name(info.state), daemon_alive(info.ublksrv_pid)) => {
+                waiting.push(WaitingDevice {
+                    id,
+                    state: state_name(info.state),
+                });
+            }
+            Ok(_) => {}
+            Err(error) if vanished(&error) || undescribed(&error) => {}
+            Err(error) => return Err(error.into()),
+        }
+    }
+    Ok(waiting)
 }
 
 /// Ids of every ublk device the kernel knows, sorted.
@@ -637,23 +669,14 @@ mod tests {
 
     #[test]
     fn io_waits_on_a_quiesced_device_or_one_whose_daemon_is_gone() {
-        let row = |state: u16, daemon_alive: bool| DeviceRow {
-            id: 0,
-            path: block_path(0),
-            size: 1 << 30,
-            queues: 1,
-            depth: 32,
-            state: state_name(state),
-            pid: 1,
-            daemon_alive,
-        };
         use crate::ublk::sys::{UBLK_S_DEV_DEAD, UBLK_S_DEV_LIVE, UBLK_S_DEV_QUIESCED};
-        assert!(!row(UBLK_S_DEV_LIVE, true).io_waits());
-        assert!(row(UBLK_S_DEV_LIVE, false).io_waits());
-        assert!(row(UBLK_S_DEV_QUIESCED, true).io_waits());
-        assert!(row(UBLK_S_DEV_QUIESCED, false).io_waits());
+        let waits = |state: u16, daemon_alive: bool| io_waits(state_name(state), daemon_alive);
+        assert!(!waits(UBLK_S_DEV_LIVE, true));
+        assert!(waits(UBLK_S_DEV_LIVE, false));
+        assert!(waits(UBLK_S_DEV_QUIESCED, true));
+        assert!(waits(UBLK_S_DEV_QUIESCED, false));
         // Stopped (I/O fails at once) or never started: nothing waits.
-        assert!(!row(UBLK_S_DEV_DEAD, false).io_waits());
+        assert!(!waits(UBLK_S_DEV_DEAD, false));
     }
 
     const SWAPS: &str = "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n\

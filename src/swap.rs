@@ -182,15 +182,12 @@ const GATE_PATIENCE: Duration = Duration::from_secs(5);
 
 /// `FaultIn::NotServed` for the first ublk device whose I/O would wait now, if any.
 fn device_io_waits() -> Result<Option<FaultIn>, SwapError> {
-    if crate::devices::device_ids().is_empty() {
-        return Ok(None);
-    }
-    Ok(crate::devices::list()?
+    Ok(crate::devices::waiting_for_daemon()?
         .into_iter()
-        .find(crate::devices::DeviceRow::io_waits)
-        .map(|row| FaultIn::NotServed {
-            path: row.path,
-            state: row.state,
+        .next()
+        .map(|device| FaultIn::NotServed {
+            path: block_path(device.id),
+            state: device.state,
         }))
 }
 

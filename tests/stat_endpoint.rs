@@ -345,26 +345,37 @@ fn a_device_waiting_for_a_daemon_without_a_socket_gets_a_line() {
         Unserved {
             id: 0,
             state: "quiesced",
+            supervisor: None,
         },
         Unserved {
             id: 1,
             state: "live",
+            supervisor: None,
+        },
+        Unserved {
+            id: 2,
+            state: "quiesced",
+            supervisor: Some("77".into()),
         },
     ];
     let probes = collect(&dir, None, &unserved).unwrap();
-    assert_eq!(probes.len(), 2, "{probes:?}");
+    assert_eq!(probes.len(), 3, "{probes:?}");
     assert!(matches!(
         probes[0],
         Probe::Unreachable { id: 0, ref reason, .. }
             if reason.contains("quiesced") && reason.contains("trueno-ublk@0")
     ));
     assert!(matches!(probes[1], Probe::Live(ref r) if r.id == 1));
+    // One being resumed by its supervisor says so, not "start it".
+    assert!(matches!(
+        probes[2],
+        Probe::Unreachable { id: 2, ref reason, .. }
+            if reason.contains("supervisor (pid 77)") && !reason.contains("systemctl start")
+    ));
     let text = report_text(&dir, None, StatFormat::Table, &unserved).unwrap();
     assert!(
         text.lines()
-            .last()
-            .unwrap()
-            .starts_with("ublkb0: no daemon serves it"),
+            .any(|line| line.starts_with("ublkb0: no daemon serves it")),
         "{text}"
     );
     // Asked for by its id: an error (exit status 1), not "no such device".

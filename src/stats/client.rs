@@ -160,6 +160,9 @@ pub struct Unserved {
     pub id: u32,
     /// The kernel's state of it (`quiesced`, `live`).
     pub state: &'static str,
+    /// The pid of a supervisor that holds its claim, if one does: it is starting the process
+    /// that resumes the device (a takeover or a reload under way).
+    pub supervisor: Option<String>,
 }
 
 /// Read the report of every socket in `dir` (or only `ublkb{only}`), in id order, with a line
@@ -182,12 +185,19 @@ pub fn collect(
         .map(|device| Probe::Unreachable {
             id: device.id,
             socket: socket_path(dir, device.id),
-            reason: format!(
-                "no daemon serves it (the device is {}): its I/O waits until one resumes it \
-                 (`systemctl start trueno-ublk@{id}`, or `trueno-ublk create --id {id}`)",
-                device.state,
-                id = device.id
-            ),
+            reason: match &device.supervisor {
+                Some(pid) => format!(
+                    "no daemon serves it (the device is {}): its supervisor (pid {pid}) is \
+                     starting the one that resumes it; its I/O waits until then",
+                    device.state
+                ),
+                None => format!(
+                    "no daemon serves it (the device is {}): its I/O waits until one resumes it \
+                     (`systemctl start trueno-ublk@{id}`, or `trueno-ublk create --id {id}`)",
+                    device.state,
+                    id = device.id
+                ),
+            },
         })
         .collect();
     probes.extend(missing);
