@@ -100,50 +100,73 @@ pub enum DevicesError {
 /// handed over in between would hold such a read until its next daemon serves it: for PID 1's
 /// pages (the unit's stop faults them in), with PID 1's memory map locked, while PID 1 must
 /// fork that daemon (one unit's stop reading a page on another device whose unit restarts at
-/// the same moment): a deadlock. So readers hold the gate shared around each look-and-read,
-/// and a daemon holds it exclusive from before it stops serving until its device is
-/// quiesced: a read that began before the hand-over ends before it, and one after finds the
-/// device quiesced and is not made. A turnstile (a second lock that readers pass and the
-/// hand-over holds) keeps a stream of readers from holding a hand-over off.
+/// the same moment): a deadlock. Two flocks in the run directory order them. A reader passes
+/// the turnstile (exclusive, for a moment) and holds the gate shared around each look and its
+/// reads. A hand-over holds the turnstile shared from before its daemon stops serving until
+/// the device is quiesced, and waits until the gate is free of readers: a read that began
+/// before the hand-over ends before it, and a look after it finds the device quiesced, so no
+/// read is made. Hand-overs share the turnstile, so several devices handed over at once
+/// (a poweroff) do not wait for each other.
 ///
-/// Both waits are bounded: whoever cannot get the gate goes on without it, as before it
-/// existed (a stuck reader must not stop a hand-over for good, nor a stuck hand-over a stop).
+/// Both waits are bounded. A hand-over that waited in vain goes on (a reader stuck on
+/// another device must not stop it for good); a reader that did stops reading (see
+/// `GateUnavailable::Busy`). Only where the lock files cannot be had at all does either go on
+/// as before the gate existed.
 pub struct HandOverGate {
-    _gate: std::fs::File,
-    _turnstile: Option<std::fs::File>,
+    _held: std::fs::File,
+}
+
+/// Why `HandOverGate` was not had.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GateUnavailable {
+    /// Not within the patience given: readers under way (for a hand-over), or hand-overs
+    /// under way (for a reader, who must not read now).
+    Busy,
+    /// The lock files could not be made or locked (no run directory: not root, say).
+    NoLockFiles,
 }
 
 impl HandOverGate {
-    /// For a look at the devices' states and the reads after it: shared, once no hand-over
-    /// is under way or due. `None` after `patience`, or when the lock files cannot be made.
-    pub fn for_reads(dir: &Path, patience: Duration) -> Option<Self> {
+    /// For a look at the devices' states and the reads after it: the gate, shared, once no
+    /// hand-over is under way.
+    pub fn for_reads(dir: &Path, patience: Duration) -> Result<Self, GateUnavailable> {
+        let (_passed, gate) = Self::lock_both(
+            dir,
+            patience,
+            std::fs::File::try_lock,
+            std::fs::File::try_lock_shared,
+        )?;
         // Passed: the turnstile goes (closing it unlocks it), the gate stays shared.
-        Self::take(dir, patience, std::fs::File::try_lock_shared, false)
+        Ok(Self { _held: gate })
     }
 
     /// For a hand-over, from before the daemon stops serving until its device is quiesced:
-    /// exclusive, once the reads under way are done (new ones wait at the turnstile, held
-    /// too). `None` after `patience`, or when the lock files cannot be made.
-    pub fn for_hand_over(dir: &Path, patience: Duration) -> Option<Self> {
-        Self::take(dir, patience, std::fs::File::try_lock, true)
+    /// the turnstile, shared (no new reader passes), once the reads under way are done.
+    pub fn for_hand_over(dir: &Path, patience: Duration) -> Result<Self, GateUnavailable> {
+        // Free of readers once the gate could be had exclusive; let go at once (readers now
+        // wait at the turnstile), so that other hand-overs find it free too.
+        let (turnstile, _free) = Self::lock_both(
+            dir,
+            patience,
+            std::fs::File::try_lock_shared,
+            std::fs::File::try_lock,
+        )?;
+        Ok(Self { _held: turnstile })
     }
 
-    /// Pass the turnstile (keeping it or not), then lock the gate with `lock_gate`.
-    fn take(
+    /// The turnstile and then the gate, locked with `turnstile` and `gate` within `patience`.
+    fn lock_both(
         dir: &Path,
         patience: Duration,
-        lock_gate: TryLock,
-        keep_turnstile: bool,
-    ) -> Option<Self> {
+        turnstile: TryLock,
+        gate: TryLock,
+    ) -> Result<(std::fs::File, std::fs::File), GateUnavailable> {
         let deadline = Instant::now() + patience;
-        let turnstile = lock_file(dir, HAND_OVER_TURNSTILE)?;
-        lock_by(&turnstile, deadline, std::fs::File::try_lock)?;
-        let gate = lock_file(dir, HAND_OVER_GATE)?;
-        lock_by(&gate, deadline, lock_gate)?;
-        Some(Self {
-            _gate: gate,
-            _turnstile: keep_turnstile.then_some(turnstile),
-        })
+        let turnstile_file = lock_file(dir, HAND_OVER_TURNSTILE)?;
+        lock_by(&turnstile_file, deadline, turnstile)?;
+        let gate_file = lock_file(dir, HAND_OVER_GATE)?;
+        lock_by(&gate_file, deadline, gate)?;
+        Ok((turnstile_file, gate_file))
     }
 }
 
@@ -155,32 +178,38 @@ const HAND_OVER_GATE: &str = "hand-over.lock";
 const HAND_OVER_TURNSTILE: &str = "hand-over.turnstile";
 
 /// Open (making it, and `dir`, root's only) the lock file `name` in `dir`.
-fn lock_file(dir: &Path, name: &str) -> Option<std::fs::File> {
+fn lock_file(dir: &Path, name: &str) -> Result<std::fs::File, GateUnavailable> {
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)
-        .ok()?;
-    std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .open(dir.join(name))
-        .ok()
+        .and_then(|()| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .open(dir.join(name))
+        })
+        .map_err(|_| GateUnavailable::NoLockFiles)
 }
 
 /// Take a lock on `file` with `try_lock` (a flock), trying until `deadline`.
-fn lock_by(file: &std::fs::File, deadline: Instant, try_lock: TryLock) -> Option<()> {
+fn lock_by(
+    file: &std::fs::File,
+    deadline: Instant,
+    try_lock: TryLock,
+) -> Result<(), GateUnavailable> {
     loop {
         match try_lock(file) {
-            Ok(()) => return Some(()),
+            Ok(()) => return Ok(()),
             Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(5));
             }
-            Err(_) => return None,
+            Err(std::fs::TryLockError::WouldBlock) => return Err(GateUnavailable::Busy),
+            Err(std::fs::TryLockError::Error(_)) => return Err(GateUnavailable::NoLockFiles),
         }
     }
 }
@@ -614,57 +643,70 @@ mod tests {
     use super::*;
 
     /// Reads share the gate; a hand-over waits for the reads under way and holds new ones off
-    /// until it is done, the reads that wait for it included; each wait gives up in time.
+    /// until it is done, the reads that wait for it included; hand-overs do not wait for each
+    /// other; each wait gives up in time, and says why.
     #[test]
     fn the_hand_over_gate_orders_reads_and_hand_overs() {
         let root = tempfile::tempdir().unwrap();
         let dir = root.path().join("run");
         let short = Duration::from_millis(50);
         let long = Duration::from_secs(10);
+        let busy = Some(GateUnavailable::Busy);
         let read = HandOverGate::for_reads(&dir, short).expect("the first read");
         let other = HandOverGate::for_reads(&dir, short).expect("reads share it");
         // A hand-over waits for both reads, and gives up in time.
         let started = Instant::now();
-        assert!(HandOverGate::for_hand_over(&dir, short).is_none());
+        assert_eq!(HandOverGate::for_hand_over(&dir, short).err(), busy);
         assert!(started.elapsed() >= short);
         drop(other);
         // One read left: a hand-over that waits for it gets the gate once it ends; meanwhile
         // a new read waits behind the hand-over (the turnstile), not beside the old read.
         let (handed_tx, handed_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
         let handing = {
             let dir = dir.clone();
             std::thread::spawn(move || {
                 let gate = HandOverGate::for_hand_over(&dir, long).expect("after the read");
                 handed_tx.send(()).unwrap();
-                std::thread::sleep(Duration::from_millis(200));
+                let _ = release_rx.recv();
                 drop(gate);
             })
         };
-        // Once the hand-over waits (at the turnstile, which it has), no new read passes.
+        // Once the hand-over waits (at the gate, with the turnstile), no new read passes.
         let deadline = Instant::now() + long;
-        while let Some(passed) = HandOverGate::for_reads(&dir, Duration::ZERO) {
+        while let Ok(passed) = HandOverGate::for_reads(&dir, Duration::ZERO) {
             drop(passed);
             assert!(Instant::now() < deadline, "the hand-over never waited");
             std::thread::sleep(Duration::from_millis(5));
         }
-        assert!(HandOverGate::for_reads(&dir, short).is_none());
+        assert_eq!(HandOverGate::for_reads(&dir, short).err(), busy);
         assert!(handed_rx.try_recv().is_err(), "handed over under a read");
         drop(read);
         handed_rx
             .recv_timeout(long)
             .expect("the hand-over never got the gate");
-        assert!(
-            HandOverGate::for_reads(&dir, short).is_none(),
+        assert_eq!(
+            HandOverGate::for_reads(&dir, short).err(),
+            busy,
             "read during the hand-over"
         );
-        let after = HandOverGate::for_reads(&dir, long).expect("a read after the hand-over");
+        // Another hand-over goes on beside it.
+        let second = HandOverGate::for_hand_over(&dir, short).expect("hand-overs share it");
+        drop(second);
+        release_tx.send(()).unwrap();
         handing.join().unwrap();
-        drop(after);
-        // Its files are root's only (the run directory is).
+        HandOverGate::for_reads(&dir, long).expect("a read after the hand-overs");
+        // Its files are root's only (the run directory is); without them, it says so.
         use std::os::unix::fs::PermissionsExt;
         let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode(&dir), 0o700);
         assert_eq!(mode(&dir.join(HAND_OVER_GATE)), 0o600);
+        let not_a_dir = root.path().join("file");
+        std::fs::write(&not_a_dir, "").unwrap();
+        assert_eq!(
+            HandOverGate::for_reads(&not_a_dir, short).err(),
+            Some(GateUnavailable::NoLockFiles)
+        );
     }
 
     #[test]

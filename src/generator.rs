@@ -233,9 +233,14 @@ fn say(line: &str) {
     use std::io::Write;
     if stderr_is_dev_null() {
         if let Ok(mut kmsg) = std::fs::OpenOptions::new().write(true).open("/dev/kmsg") {
-            // One write per record: the kernel takes each write as one line.
+            // One write per record: the kernel takes each write as one line, and refuses
+            // one over 1 KiB (EINVAL), so a longer line is cut.
+            let mut end = line.len().min(KMSG_MAX_TEXT);
+            while !line.is_char_boundary(end) {
+                end -= 1;
+            }
             if kmsg
-                .write_all(format!("<{KMSG_PRIORITY}>{line}\n").as_bytes())
+                .write_all(format!("<{KMSG_PRIORITY}>{}\n", &line[..end]).as_bytes())
                 .is_ok()
             {
                 return;
@@ -244,6 +249,10 @@ fn say(line: &str) {
     }
     crate::os::print_err(line);
 }
+
+/// The longest text `say` writes as one kernel log record: the record (priority and newline
+/// included) must stay within the kernel's 1024 bytes.
+const KMSG_MAX_TEXT: usize = 1000;
 
 /// Whether this process's stderr is /dev/null (the character device 1:3).
 fn stderr_is_dev_null() -> bool {

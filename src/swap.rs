@@ -13,7 +13,7 @@ use std::time::Duration;
 use thiserror::Error;
 
 use crate::config::{self, ConfigError};
-use crate::devices::HandOverGate;
+use crate::devices::{GateUnavailable, HandOverGate};
 use crate::ublk::device::block_path;
 
 #[derive(Debug, Error)]
@@ -112,11 +112,8 @@ const PAGEMAP_CHUNK: usize = 512;
 /// wait for the next one. The unit runs this for PID 1 before a stop: PID 1 starts the next
 /// daemon while the device waits, and must not wait on a page of its own there.
 pub fn fault_in(pid: u32) -> Result<FaultIn, SwapError> {
-    // Held around each look at the devices' states and the reads after it (see
-    // `HandOverGate`); none where it cannot be had in time: the reads go on as before.
-    let gate = || HandOverGate::for_reads(Path::new(crate::stats::SOCKET_DIR), GATE_PATIENCE);
-    let mut held = gate();
-    if let Some(waits) = device_io_waits()? {
+    let mut held = None;
+    if let Some(waits) = look(&mut held)? {
         return Ok(waits);
     }
     if !Path::new(&format!("/proc/{pid}")).exists() {
@@ -141,10 +138,7 @@ pub fn fault_in(pid: u32) -> Result<FaultIn, SwapError> {
                 return;
             }
             if swapped % RECHECK_EVERY_PAGES == 0 {
-                // Let a hand-over due go first (its device is then quiesced, and said so).
-                drop(held.take());
-                held = gate();
-                stopped = device_io_waits();
+                stopped = look(&mut held);
                 if !matches!(stopped, Ok(None)) {
                     return;
                 }
@@ -176,9 +170,30 @@ pub fn fault_in(pid: u32) -> Result<FaultIn, SwapError> {
 /// Swapped-out pages `fault_in` reads between two looks at the devices' states.
 const RECHECK_EVERY_PAGES: u64 = 64;
 
-/// How long `fault_in` waits for a hand-over under way (a daemon holds the gate until its
-/// device is quiesced: well under a second) before it reads without the gate.
+/// How long `fault_in` waits for hand-overs under way (each holds the gate until its device
+/// is quiesced: well under a second when all is well) before it stops reading.
 const GATE_PATIENCE: Duration = Duration::from_secs(5);
+
+/// Look at the devices' states before the next reads, holding the hand-over gate in `held`
+/// from then until the next look (`HandOverGate`): `FaultIn::NotServed` if a device's I/O
+/// waits, or if hand-overs kept the gate from it for `GATE_PATIENCE` (a read now could wait
+/// for a daemon on one of them).
+fn look(held: &mut Option<HandOverGate>) -> Result<Option<FaultIn>, SwapError> {
+    // The gate held since the last look goes first, so that a hand-over due can go.
+    *held = None;
+    match HandOverGate::for_reads(Path::new(crate::stats::SOCKET_DIR), GATE_PATIENCE) {
+        Ok(gate) => *held = Some(gate),
+        Err(GateUnavailable::Busy) => {
+            return Ok(Some(FaultIn::NotServed {
+                path: "a ublk device".to_string(),
+                state: "being handed over",
+            }))
+        }
+        // No lock files (no root: its reads would fail too): as before the gate.
+        Err(GateUnavailable::NoLockFiles) => {}
+    }
+    device_io_waits()
+}
 
 /// `FaultIn::NotServed` for the first ublk device whose I/O would wait now, if any.
 fn device_io_waits() -> Result<Option<FaultIn>, SwapError> {

@@ -32,7 +32,7 @@ use tracing_subscriber::util::SubscriberInitExt;
 
 use crate::codec::{BatchCodec, ThreadCodecs};
 use crate::config::{self, DeviceOptions, DeviceSettings};
-use crate::devices::HandOverGate;
+use crate::devices::{GateUnavailable, HandOverGate};
 use crate::gpu::NoGpu;
 use crate::slotfree::SlotFreeStats;
 use crate::stats::{self, DeviceReport};
@@ -53,11 +53,11 @@ use harden::{
 /// Where daemons keep their logs and endpoints (root only).
 pub const RUN_DIR: &str = stats::SOCKET_DIR;
 
-/// The file a device's supervisor holds locked for its life (see `supervise::claim_device`).
 /// How long a hand-over waits for `fault-in` reads under way (64 pages at most each) before
 /// it goes on without them: well within the unit's 10 s stop timeout.
 const HAND_OVER_GATE_PATIENCE: Duration = Duration::from_secs(3);
 
+/// The file a device's supervisor holds locked for its life (see `supervise::claim_device`).
 fn claim_path(id: u32) -> String {
     format!("{RUN_DIR}/ublkb{id}.lock")
 }
@@ -1208,11 +1208,16 @@ fn serve(
             // No `fault-in` read starts on the device from here until it is quiesced (see
             // `HandOverGate`); without the gate in time, handed over all the same.
             let gate = HandOverGate::for_hand_over(Path::new(RUN_DIR), HAND_OVER_GATE_PATIENCE);
-            if gate.is_none() {
-                tracing::warn!(
+            match gate {
+                Ok(_) => {}
+                Err(GateUnavailable::Busy) => tracing::warn!(
                     waited_s = HAND_OVER_GATE_PATIENCE.as_secs(),
-                    "handing the device over without waiting for `fault-in` reads under way"
-                );
+                    "handing the device over while `fault-in` reads are under way (one may wait for the next daemon)"
+                ),
+                Err(GateUnavailable::NoLockFiles) => tracing::warn!(
+                    dir = RUN_DIR,
+                    "no hand-over gate (its lock files cannot be made): handing the device over without waiting for `fault-in` reads"
+                ),
             }
             let handed_over = device.hand_over();
             drop(gate);

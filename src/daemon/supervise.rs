@@ -234,8 +234,9 @@ impl ServingProcess {
     fn take_over(&self, then_stop: bool) {
         if let Err(error) = self.channel.send(TAKEOVER.as_bytes()) {
             // Never told, it would wait as a standby while the device waits for it. Ended
-            // instead: the loop sees it die and starts a process that resumes the device.
-            tracing::error!(pid = self.child.id(), %error, "the standby could not be told to take the device over; it is ended and a new process resumes the device");
+            // instead, the loop sees it die: a new process resumes the device, or, while
+            // stopping, the stop ends with the device handed over (the next start resumes it).
+            tracing::error!(pid = self.child.id(), %error, then_stop, "the standby could not be told to take the device over; it is ended");
             self.signal(Signal::SIGKILL);
             return;
         }
@@ -582,24 +583,21 @@ pub(super) fn supervise(
                         serving = serving.child.id(),
                         "reload: the new standby is ready; asking the serving process to hand the device over"
                     );
-                    if let Err(error) = serving.channel.send(HANDOVER.as_bytes()) {
-                        tracing::error!(%error, "reload failed: the serving process could not be asked to hand the device over; it serves on");
-                        reloads.failed(&format!(
-                            "the serving process could not be asked to hand the device over ({error})"
-                        ));
-                        process.dismiss();
-                    } else {
-                        if let Some(old) = standby.replace(process) {
-                            old.dismiss();
-                        }
-                        // The next processes are of the new build once it serves, not before:
-                        // a takeover it fails then leaves this build, which serves, to start
-                        // again.
-                        switch_when_served = true;
-                        // So that it looks at once, not at its next poll.
-                        serving.signal(Signal::SIGHUP);
-                        handing_over = true;
+                    if let Some(old) = standby.replace(process) {
+                        old.dismiss();
                     }
+                    // The next processes are of the new build once it serves, not before: a
+                    // takeover it fails then leaves this build, which serves, to start again.
+                    switch_when_served = true;
+                    if let Err(error) = serving.channel.send(HANDOVER.as_bytes()) {
+                        // Dead already (its end is gone): the new standby takes over below,
+                        // as after any death. Alive, it serves on with the new build's
+                        // process as its standby, and the command's wait runs out.
+                        tracing::warn!(%error, "reload: the serving process could not be asked to hand the device over");
+                    }
+                    // So that it looks at once, not at its next poll.
+                    serving.signal(Signal::SIGHUP);
+                    handing_over = true;
                 }
             } else if let Ok(Some(status)) = process.child.try_wait() {
                 tracing::error!(pid = process.child.id(), %status, "reload failed: the standby of the binary on disk ended before it was ready (its log says why); the device is still served by the running build");
