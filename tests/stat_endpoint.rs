@@ -389,6 +389,34 @@ fn a_device_waiting_for_a_daemon_without_a_socket_gets_a_line() {
     assert!(matches!(probes[..], [Probe::Live(ref r)] if r.id == 1));
 }
 
+/// Daemons that take a connection and never answer (a stuck statistics thread) are asked
+/// side by side: four cost one timeout (2 s), not four, and each gets its line.
+#[test]
+fn stuck_daemons_are_asked_side_by_side() {
+    let (_root, dir) = temp_dir("stuck");
+    std::fs::create_dir_all(&dir).unwrap();
+    // Bound and listening, never accepting: a connect succeeds, the answer never comes.
+    let _stuck: Vec<UnixListener> = (0..4)
+        .map(|id| UnixListener::bind(socket_path(&dir, id)).unwrap())
+        .collect();
+    let _live = serve_in(&dir, 4, || report(4, 4096)).unwrap();
+    let started = std::time::Instant::now();
+    let probes = collect(&dir, None, &[]).unwrap();
+    let took = started.elapsed();
+    assert_eq!(probes.len(), 5, "{probes:?}");
+    for (id, probe) in probes.iter().take(4).enumerate() {
+        assert!(
+            matches!(probe, Probe::Unreachable { id: theirs, .. } if *theirs as usize == id),
+            "{probe:?}"
+        );
+    }
+    assert!(matches!(probes[4], Probe::Live(ref r) if r.id == 4));
+    assert!(
+        took < std::time::Duration::from_secs(6),
+        "asked one after the other: {took:?}"
+    );
+}
+
 #[test]
 fn a_live_socket_is_not_taken_over() {
     let (_root, dir) = temp_dir("taken");
