@@ -38,7 +38,7 @@ pub enum StatError {
     },
     #[error("the daemon of ublkb{id} reported pid {pid}, which no process can have: its socket is not a trueno-ublk daemon's")]
     BadPid { id: u32, pid: u32 },
-    #[error("pid {pid}, which the daemon of ublkb{id} reported, is no longer a trueno-ublk process (the daemon was replaced or exited); ask again")]
+    #[error("pid {pid}, a process of ublkb{id}'s daemon a moment ago, is no longer a trueno-ublk process (the daemon was replaced or exited); ask again")]
     NotDaemon { id: u32, pid: u32 },
     #[error("the daemon of ublkb{id} (pid {pid}) was replaced before it finished compacting (see `trueno-ublk list`); ask again")]
     Replaced { id: u32, pid: u32 },
