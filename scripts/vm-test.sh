@@ -105,6 +105,9 @@ export PATH="$PATH:/usr/sbin:/sbin" # util-linux's swap tools, also for a non-ro
 . "$ROOT/scripts/lib/apt.sh"
 
 # --- 1. Host tools ------------------------------------------------------------------------
+# The guest runs this host's binaries and libraries (the daemon, vmtool, libc) on an x86-64
+# kernel: another host architecture would build a VM that cannot run them.
+[ "$(uname -m)" = x86_64 ] || die "the VM test needs an x86-64 host (this one is $(uname -m))"
 missing=()
 need() { command -v "$1" >/dev/null 2>&1 || missing+=("$2"); }
 need qemu-system-x86_64 qemu-system-x86
@@ -114,12 +117,14 @@ need xz xz-utils
 need gcc gcc
 need objcopy binutils
 need dpkg-deb dpkg
-need swapon util-linux
+need swapon mount # Debian 12 and Ubuntu ship swapon in mount, not util-linux
 need blkdiscard util-linux
 need mkswap util-linux
 if [ "$MODE" = bench-fio ]; then need fio fio; fi
 # The recovery step holds a start up with it (a serving process killed before its device is live).
 if [ "$MODE" = full ] || [ "$MODE" = recovery ]; then need strace strace; fi
+# The recovery step's upgrade starts from an earlier commit's build, taken from git history.
+if [ "$MODE" = full ] || [ "$MODE" = recovery ]; then need git git; fi
 [ -e /usr/lib/x86_64-linux-gnu/libc.a ] || missing+=(libc6-dev)
 if [ "${#missing[@]}" -gt 0 ]; then
     # shellcheck disable=SC2207
@@ -281,6 +286,12 @@ if [ "$MODE" != kernel-only ]; then
     if [ "$MODE" = full ] || [ "$MODE" = recovery ]; then
         PREVIOUS_BIN="$VM_DIR/previous-$UPGRADE_FROM/trueno-ublk"
         if [ ! -x "$PREVIOUS_BIN" ]; then
+            # A shallow clone (`git clone --depth 1`, as some CI systems make) lacks the commit.
+            if [ "$(git -C "$ROOT" rev-parse --is-shallow-repository 2>/dev/null)" = true ] &&
+                ! git -C "$ROOT" cat-file -e "$UPGRADE_FROM^{commit}" 2>/dev/null; then
+                log "a shallow clone: git fetch --unshallow, for commit $UPGRADE_FROM"
+                git -C "$ROOT" fetch --quiet --unshallow || log "warning: git fetch --unshallow failed"
+            fi
             if git -C "$ROOT" cat-file -e "$UPGRADE_FROM^{commit}" 2>/dev/null; then
                 log "cargo build --release of $UPGRADE_FROM (the build the upgrade starts from)"
                 src="$VM_DIR/previous-src"

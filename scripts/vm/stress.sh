@@ -207,8 +207,15 @@ stress_case() {
         grep 'Killed process' "/tmp/dmesg.$tag" | sed "s/^/$tag: /" | head -n 30
         echo "$tag: the log's time of day $("$VT" clock) s was the kernel's $(cut -d' ' -f1 /proc/uptime) s"
     }
+    # Its report, written as it ends: without it (not started: a library missing from the tar;
+    # killed) the checks below and the comparison with zram would pass on a run that did nothing.
+    check "$tag: stress-ng ran and reported the workers' progress (exit $rc)" [ -n "$bogo" ]
     check "$tag: stress-ng's --verify found no corrupted data" [ "$vfail" -eq 0 ]
     check "$tag: stress-ng ended within its time limit (exit $rc)" [ "$rc" -ne 137 ]
+    # A count read after the run that came back empty (`stat` itself failed or was killed near
+    # OOM) would make the failed writes -w0, so 0 on a fresh device: fail rather than pass.
+    check "$tag: the failed-write count was read before and after the run (${w0:-none}, ${w1:-none})" \
+        [ "${w0:+read}${w1:+read}" = readread ]
     check "$tag: the wake-up timer survived and reported" [ -n "$delay" ]
     sfigure "${tag}_bogo_ops_s" "${bogo:-0}"
     sfigure "${tag}_write_errors" "$((w1 - w0))"
