@@ -28,6 +28,10 @@ pub enum StoreError {
         "stored page {page} does not match its checksum (its memory changed since it was stored)"
     )]
     ChecksumMismatch { page: u64 },
+    #[error(
+        "page {page}'s table entry does not match its check (its memory changed since the page was written)"
+    )]
+    EntryMismatch { page: u64 },
     #[error("invalid store configuration: {0}")]
     Config(String),
     #[error("page {page} was lost when the store was resumed (its entry did not hold together); it reads as an error until it is written again")]
@@ -52,6 +56,7 @@ impl StoreError {
             StoreError::OutOfRange { .. }
             | StoreError::Corrupt { .. }
             | StoreError::ChecksumMismatch { .. }
+            | StoreError::EntryMismatch { .. }
             | StoreError::Lost { .. }
             | StoreError::TableAbsent { .. }
             | StoreError::Layout(_)

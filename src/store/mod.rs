@@ -703,6 +703,21 @@ impl BatchedPageStore {
             return Ok(());
         };
         entry.touch(self.idle_clock.now());
+        // An empty, same-filled or pending page's entry is all there is of it (or names where
+        // it is): a bit flipped in it would read as other data (see `table`). A stored page's
+        // data has its own checksum, checked below.
+        if !matches!(entry.state(), PageState::Stored { .. }) && !entry.word_holds() {
+            add(&self.counters.checksum_failures, 1);
+            if let Some(bad_pages) = self.note_bad_page() {
+                tracing::error!(
+                    page = index,
+                    bad_pages,
+                    entry = ?entry.state(),
+                    "page's table entry fails its check"
+                );
+            }
+            return Err(StoreError::EntryMismatch { page: index });
+        }
         match entry.state() {
             PageState::Empty => out.fill(0),
             PageState::Same(word) => fill_page(out, word),

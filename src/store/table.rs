@@ -18,8 +18,15 @@
 //! The checksum belongs to the data, not to the object holding it: it is set under the entry's
 //! lock before the entry names a stored object (so a process that dies in between leaves an
 //! entry that does not name it yet, or, when the entry was already `Stored`, a locked entry
-//! whose checksum the resume sets again from the data it names), stays when the recompressor
-//! stores the same data again, and means nothing while the entry is not `Stored`.
+//! whose checksum the resume sets again from the data it names), and stays when the
+//! recompressor stores the same data again. While the entry is anything but `Stored`, the
+//! same word holds the entry word's own check (`word_check`), set as the entry is unlocked:
+//! a same-filled page (zero pages above all) has no memory but its entry, so a bit flipped in
+//! it would otherwise read as other data; checked, the read fails (EIO) instead, as a stored
+//! page's does, and so does a `Stored` entry flipped to another kind (its checksum is no
+//! entry's check). A resume sets the check of every entry that is not `Stored` again
+//! (`recover`), and clears the checksums of the spare slots it keeps (`table_memory`): a
+//! binary before the checks left other values there.
 
 #![forbid(unsafe_code)]
 
@@ -226,6 +233,20 @@ fn sign_extend(value: u64) -> u64 {
     extended
 }
 
+/// CRC32C of eight zero bytes, with the algorithm's initial and final inversions.
+const CRC32C_OF_ZERO_WORD: u32 = 0x8c28_b28a;
+
+/// The check of entry word `word` (without the lock bit) that the checksum word holds while
+/// the entry is not `Stored`: the CRC32C of its eight bytes without the initial and final
+/// inversions, so that an empty entry's is 0, as memory given back reads, and so that every
+/// error of up to 32 adjacent bits in the word changes it.
+fn word_check(word: u64) -> u32 {
+    // CRC32C's 32 bits, in the low half of the crate's u64.
+    #[allow(clippy::cast_possible_truncation)]
+    let crc = crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, &word.to_le_bytes()) as u32;
+    crc ^ CRC32C_OF_ZERO_WORD
+}
+
 /// Exclusive access to one entry (and its hint); the lock is released when it is dropped.
 pub(super) struct EntryGuard<'a> {
     entry: &'a AtomicU64,
@@ -250,6 +271,12 @@ impl EntryGuard<'_> {
     /// The checksum of the data of the stored object the entry names.
     pub(super) fn checksum(&self) -> u32 {
         self.checksum.load(Ordering::Relaxed)
+    }
+
+    /// Whether the entry's word, as locked, matches the check beside it (see `word_check`):
+    /// for an entry read as anything but `Stored`, whose data is checked otherwise.
+    pub(super) fn word_holds(&self) -> bool {
+        self.checksum() == word_check(self.word)
     }
 
     /// Set the checksum of the data the entry is about to name (before `replace`: the entry's
@@ -295,7 +322,13 @@ impl EntryGuard<'_> {
 impl Drop for EntryGuard<'_> {
     fn drop(&mut self) {
         let word = if self.changed {
-            self.state.encode()
+            let word = self.state.encode();
+            // A stored page's checksum was set for its data (`set_checksum`); any other
+            // state's is its word's check, stored before the word that unlocks the entry.
+            if !matches!(self.state, PageState::Stored { .. }) {
+                self.checksum.store(word_check(word), Ordering::Relaxed);
+            }
+            word
         } else {
             self.word
         };
@@ -447,18 +480,45 @@ impl PageTable {
         self.pages
     }
 
+    /// Entry `index`'s word itself, lock bit and all, where its group is committed: for tests
+    /// that break it as a flipped bit in RAM would.
+    #[cfg(test)]
+    pub(super) fn entry_word(&self, index: usize) -> Option<&AtomicU64> {
+        let group = self.memory.word(TableMemory::group_of(index as u64));
+        (index < self.pages && GroupState::of(group) == GroupState::Committed)
+            .then(|| &self.entries[TableMemory::place(group, index)])
+    }
+
+    /// Every checksum word of the table, spare slots' included: for tests that leave in them
+    /// what a binary before the entry checks would have.
+    #[cfg(test)]
+    pub(super) fn checksum_words(&self) -> &[AtomicU32] {
+        &self.checksums
+    }
+
     /// Entry `index`'s state, and whether a dead process left it locked (its checksum may then
     /// be one the dead process set for data it had not yet named). The lock bit stays until
     /// the caller settles the entry and lets go of it through `take_over_lock`: cleared here,
     /// a resume that failed (or was killed) before settling it would leave the next one an
     /// unlocked entry with a checksum nobody knows to be unsure. Only for a store nobody
     /// serves yet (resume). Its hint starts afresh (accessed now, on a clock that starts again
-    /// at 0, no flags). Only for an entry of a committed group.
+    /// at 0, no flags). An entry that is not `Stored` gets its word's check again (see
+    /// `word_check`): the dead process may have set the check of a word it had not yet
+    /// stored, or been a binary before the checks, which left whatever was there; a bit that
+    /// flipped in such an entry before now passes unseen from here on. Only for an entry of a
+    /// committed group.
     pub(super) fn recover(&self, index: usize) -> (PageState, bool) {
         let at = TableMemory::place(self.memory.word(TableMemory::group_of(index as u64)), index);
         let found = self.entries[at].load(Ordering::Acquire);
         self.hints[at].store(0, Ordering::Relaxed);
-        (PageState::decode(found & !LOCKED), found & LOCKED != 0)
+        let state = PageState::decode(found & !LOCKED);
+        if !matches!(state, PageState::Stored { .. }) {
+            let check = word_check(found & !LOCKED);
+            if self.checksums[at].load(Ordering::Relaxed) != check {
+                self.checksums[at].store(check, Ordering::Relaxed);
+            }
+        }
+        (state, found & LOCKED != 0)
     }
 
     /// The lock a dead process left on entry `index` (see `recover`), taken over by this

@@ -330,6 +330,22 @@ impl TableMemory {
             .all(|entry| entry.load(Ordering::Relaxed) == 0))
     }
 
+    /// Zero what lies beside slot `slot`'s (empty) entries, as in a slot fresh from the
+    /// system: the hints, and the checksums, where an empty entry's check is 0 (see
+    /// `table::word_check`) and a binary before the checks left the checksums of its last
+    /// stored pages, which the entries' reads would take for flipped bits.
+    fn clear_beside_entries(&self, slot: usize) -> std::io::Result<()> {
+        let [_, beside @ ..] = self.ranges(slot);
+        for (offset, len) in beside {
+            for word in self.segment.words(offset, len / 8)?.iter() {
+                if word.load(Ordering::Relaxed) != 0 {
+                    word.store(0, Ordering::Relaxed);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Give slot `slot`'s memory back: it reads as zeros (empty, unlocked entries) after.
     fn decommit_slot(&self, slot: usize) -> std::io::Result<()> {
         for (offset, len) in self.ranges(slot) {
@@ -701,6 +717,7 @@ impl TableMemory {
             }
             if slots.spares.load(Ordering::Relaxed) < SPARE_SLOTS && self.slot_is_empty(slot)? {
                 self.commit_slot(slot)?;
+                self.clear_beside_entries(slot)?;
                 self.committed_bytes
                     .fetch_add(self.slot_bytes(slot) as u64, Ordering::Relaxed);
                 Self::make_spare(slots, slot);

@@ -2245,3 +2245,269 @@ fn a_pending_page_of_a_table_group_being_given_back_is_still_flushed() {
     s.read(0, &mut buf).unwrap();
     assert_eq!(&buf[..], &text(1)[..]);
 }
+
+/// Page `index` of the broken-word tests: text, incompressible noise or zeros.
+fn broken_words_page(index: u64) -> Box<Page> {
+    match index % 3 {
+        0 => text(index),
+        1 => noise(index),
+        _ => Box::new([0u8; PAGE_SIZE]),
+    }
+}
+
+/// A page's read, against what it held: the same data or an error, never other data.
+fn assert_reads_as_was_or_fails(s: &BatchedPageStore, index: u64, was: &Page, what: &str) {
+    let mut buf = vec![0u8; PAGE_SIZE];
+    if s.read(index * PAGE_SIZE as u64, &mut buf).is_ok() {
+        let first = buf.iter().zip(was.iter()).position(|(a, b)| a != b);
+        assert!(
+            first.is_none(),
+            "page {index} read other data (first at byte {first:?}): {what}"
+        );
+    }
+}
+
+/// Every bit of a served page's entry flipped in turn (a bit flipped in RAM), for pages of
+/// every kind an entry holds: stored compressed and raw, same-filled with zeros and with
+/// another word, pending, empty. Each read returns the page as it was or fails (EIO, counted),
+/// never other data: a same-filled page has no memory but its entry. (Not the lock bit: a
+/// page whose lock bit flipped makes its readers wait for a lock nobody holds.)
+#[test]
+fn a_bit_flipped_in_an_entry_reads_as_an_error_never_as_other_data() {
+    let mut c = layout_test_config();
+    c.recompress = None;
+    // Page 5 stays pending: no batch fills, no deadline comes.
+    c.batch_threshold = 64;
+    c.flush_timeout = std::time::Duration::from_secs(3600);
+    let s = store(c);
+    let mut same = Box::new([0u8; PAGE_SIZE]);
+    crate::codec::fill_page(&mut same[..], 0xdead_beef);
+    let pages: Vec<Box<Page>> = vec![
+        text(1),
+        noise(2),
+        Box::new([0u8; PAGE_SIZE]),
+        same,
+        Box::new([0u8; PAGE_SIZE]),
+        text(5),
+    ];
+    for (i, page) in pages.iter().enumerate().take(4) {
+        s.write(i as u64 * PAGE_SIZE as u64, &page[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+    s.write(5 * PAGE_SIZE as u64, &pages[5][..]).unwrap();
+    let kinds: Vec<PageState> = (0..6).map(|i| s.table.lock(i).unwrap().state()).collect();
+    assert!(
+        matches!(kinds[0], PageState::Stored { encoding, .. } if encoding != Encoding::Raw),
+        "{kinds:?}"
+    );
+    assert!(
+        matches!(
+            kinds[1],
+            PageState::Stored {
+                encoding: Encoding::Raw,
+                ..
+            }
+        ),
+        "{kinds:?}"
+    );
+    assert_eq!(kinds[2], PageState::Same(0));
+    assert_eq!(kinds[3], PageState::Same(0xdead_beef));
+    assert_eq!(kinds[4], PageState::Empty);
+    assert!(matches!(kinds[5], PageState::Pending { .. }), "{kinds:?}");
+    let mut failed = 0;
+    for (index, was) in pages.iter().enumerate() {
+        let entry = s.table.entry_word(index).unwrap();
+        for bit in 0..63 {
+            entry.fetch_xor(1 << bit, Ordering::Relaxed);
+            let before = s.stats().failed_reads;
+            assert_reads_as_was_or_fails(
+                &s,
+                index as u64,
+                was,
+                &format!("bit {bit} flipped in its entry ({:?})", kinds[index]),
+            );
+            failed += s.stats().failed_reads - before;
+            entry.fetch_xor(1 << bit, Ordering::Relaxed);
+        }
+        assert_reads_as_was_or_fails(&s, index as u64, was, "its entry whole again");
+    }
+    // Most flips are caught, not harmless: the kind's bits, a same-filled page's word, a
+    // stored page's place and length.
+    assert!(failed > 200, "{failed} of 378 flipped reads failed");
+    assert!(s.stats().checksum_failures > 0);
+}
+
+/// A store resumed from a segment with words broken anywhere in the memory it holds (its
+/// header, table, checksums, slot indexes, pending slots or objects: a bit flipped in RAM
+/// while no process served it, or a word a predecessor's bug wrote) never panics: `open`
+/// refuses it, or each page whose own entry is intact reads back as it was or fails its
+/// read; and the store then takes new writes and reads each back as written, or fails it.
+/// (A page whose own entry broke before the resume may read as other data: the resume sets
+/// every entry's check from its word, see `table`.)
+#[test]
+fn a_resumed_store_with_broken_words_never_panics_or_reads_other_data() {
+    const PAGES: u64 = 48;
+    let (key, backing) = fresh_shared_backing(0x7b30_0000);
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut refused = 0;
+    for case in 0..40 {
+        let entries: Vec<u64> = {
+            let (s, _) = BatchedPageStore::open(layout_test_config(), None, backing).unwrap();
+            for i in 0..PAGES {
+                s.write(i * PAGE_SIZE as u64, &broken_words_page(i)[..])
+                    .unwrap();
+            }
+            s.flush_pending().unwrap();
+            (0..PAGES as usize)
+                .map(|i| {
+                    s.table
+                        .entry_word(i)
+                        .map_or(0, |w| w.load(Ordering::Relaxed))
+                })
+                .collect()
+        };
+        let segment = crate::mem::Segment::attach_shared(key).unwrap().unwrap();
+        let held: Vec<usize> = (0..segment.len() / crate::mem::HOST_PAGE)
+            .map(|page| page * crate::mem::HOST_PAGE)
+            .filter(|&offset| {
+                segment
+                    .any_in_memory(offset, crate::mem::HOST_PAGE)
+                    .unwrap()
+            })
+            .collect();
+        // Words in use: the header, table, checksums and slot indexes in the first pages,
+        // then the pending batches' slots and the chunks' objects. Most breaks go there.
+        let in_use: Vec<usize> = held
+            .iter()
+            .flat_map(|&page| {
+                let words = segment.words(page, crate::mem::HOST_PAGE / 8).unwrap();
+                (0..words.len())
+                    .filter(|&i| words[i].load(Ordering::Relaxed) != 0)
+                    .map(|i| page + i * 8)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let metadata: Vec<usize> = in_use
+            .iter()
+            .copied()
+            .filter(|&o| o < 10 * crate::mem::HOST_PAGE)
+            .collect();
+        let pick = |list: &[usize], n: u64| list[(n % list.len() as u64) as usize];
+        let mut broken = Vec::new();
+        for _ in 0..1 + next() % 3 {
+            let offset = match next() % 10 {
+                0..=5 => pick(&metadata, next()),
+                6..=8 => pick(&in_use, next()),
+                _ => {
+                    pick(&held, next()) + (next() % (crate::mem::HOST_PAGE as u64 / 8)) as usize * 8
+                }
+            };
+            let word = segment.words(offset, 1).unwrap();
+            let old = word[0].load(Ordering::Relaxed);
+            let new = match next() % 4 {
+                0 | 1 => old ^ (1 << (next() % 64)),
+                2 => next(),
+                _ => 0,
+            };
+            word[0].store(new, Ordering::Relaxed);
+            broken.push((offset, old, new));
+        }
+        drop(segment);
+        let what = format!("case {case}: words broken (offset, was, now): {broken:x?}");
+        match BatchedPageStore::open(layout_test_config(), None, backing) {
+            Err(_) => refused += 1,
+            Ok((s, _)) => {
+                for i in 0..PAGES {
+                    let intact = s
+                        .table
+                        .entry_word(i as usize)
+                        .map_or(0, |w| w.load(Ordering::Relaxed))
+                        == entries[i as usize];
+                    if intact {
+                        assert_reads_as_was_or_fails(&s, i, &broken_words_page(i), &what);
+                    }
+                }
+                for i in 0..PAGES {
+                    let _ = s.write(i * PAGE_SIZE as u64, &broken_words_page(i + 7)[..]);
+                }
+                let _ = s.flush_pending();
+                for i in 0..PAGES {
+                    assert_reads_as_was_or_fails(
+                        &s,
+                        i,
+                        &broken_words_page(i + 7),
+                        &format!("rewritten, {what}"),
+                    );
+                }
+            }
+        }
+        crate::mem::Segment::remove_shared(key).unwrap();
+    }
+    assert!(refused < 40, "every broken store was refused");
+}
+
+/// A store last served by a binary before the entry checks, which left a stored page's
+/// checksum beside each entry it emptied (in the groups it kept and in its spare slots), is
+/// resumed with every empty page reading as zeros: in a group it kept, and in a group a
+/// write places in a spare slot after the resume.
+#[test]
+fn empty_pages_read_as_zeros_after_a_binary_before_the_entry_checks() {
+    use super::table_memory::GROUP_PAGES;
+    let group = GROUP_PAGES as u64;
+    let (key, backing) = fresh_shared_backing(0x7b40_0000);
+    let config = || {
+        let mut c = crate::config::StoreSettings::default()
+            .store_config(16 * group * PAGE_SIZE as u64, false);
+        // A refill thread, which keeps the spares.
+        c.reserve_bytes = 1 << 20;
+        c
+    };
+    {
+        let (s, _) = BatchedPageStore::open(config(), None, backing).unwrap();
+        let flusher = s.start_flusher(|_| ()).unwrap();
+        let spares = super::table_memory::SPARE_SLOTS as u64 * (28 << 10);
+        wait_for("the spares", &|| s.table.bytes() == spares);
+        s.write(3 * group * PAGE_SIZE as u64, &text(3)[..]).unwrap();
+        s.flush_pending().unwrap();
+        // Beside every entry but the stored page's.
+        for word in s.table.checksum_words() {
+            if word.load(Ordering::Relaxed) == 0 {
+                word.store(0x5eed_1e55, Ordering::Relaxed);
+            }
+        }
+        drop(flusher);
+    }
+    let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
+    assert_eq!(opened, Opened::Resumed { pages: 1, lost: 0 });
+    let flusher = s.start_flusher(|_| ()).unwrap();
+    // Group 13 was never written, nor asked for ahead of writes: a write places it in a
+    // spare slot.
+    s.write(13 * group * PAGE_SIZE as u64, &text(13)[..])
+        .unwrap();
+    s.flush_pending().unwrap();
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for page in [
+        3 * group + 1,
+        3 * group + 100,
+        13 * group + 1,
+        13 * group + 200,
+    ] {
+        s.read(page * PAGE_SIZE as u64, &mut buf)
+            .unwrap_or_else(|error| panic!("page {page}: {error}"));
+        assert!(buf.iter().all(|&b| b == 0), "page {page}");
+    }
+    for page in [3 * group, 13 * group] {
+        s.read(page * PAGE_SIZE as u64, &mut buf).unwrap();
+        assert_eq!(&buf[..], &text(page / group)[..], "page {page}");
+    }
+    assert_eq!(s.stats().checksum_failures, 0);
+    drop(flusher);
+    drop(s);
+    crate::mem::Segment::remove_shared(key).unwrap();
+}
