@@ -7,7 +7,7 @@ use std::path::Path;
 use serde::Serialize;
 
 use super::{DeviceReport, Probe};
-use crate::ublk::timing::Buckets;
+use crate::ublk::timing::{Buckets, QuantileBound};
 use crate::units::human_size;
 
 /// How `render` prints.
@@ -153,12 +153,14 @@ fn slot_frees(report: &DeviceReport) -> String {
 }
 
 /// A request-time quantile as the bucket's upper bound (a power of two of ns) rounded up to
-/// whole µs (`<=66us` for 2^16 ns), `-` with no requests.
+/// whole µs (`<=66us` for 2^16 ns), or in the last bucket its lower bound (`>549755ms`), `-`
+/// with no requests.
 fn latency(buckets: &Buckets, quantile: f64) -> String {
-    buckets.quantile_upper_bound(quantile).map_or_else(
-        || "-".to_string(),
-        |ns| format!("<={}us", ns.div_ceil(1000)),
-    )
+    match buckets.quantile_bound(quantile) {
+        None => "-".to_string(),
+        Some(QuantileBound::Below(ns)) => format!("<={}us", ns.div_ceil(1000)),
+        Some(QuantileBound::Above(ns)) => format!(">{}ms", ns / 1_000_000),
+    }
 }
 
 fn format_table(rows: &[Vec<String>]) -> String {

@@ -55,10 +55,10 @@ impl Buckets {
         self.0.iter().sum()
     }
 
-    /// The upper bound of the bucket holding the `quantile` (0..=1) of the values, or `None`
-    /// for an empty histogram: a value the quantile is below, within a factor of two (but in
-    /// the last bucket, which holds everything above the one before it).
-    pub fn quantile_upper_bound(&self, quantile: f64) -> Option<u64> {
+    /// Where the `quantile` (0..=1) of the values lies, from the bucket holding it: below its
+    /// upper bound (within a factor of two), or, in the last bucket, which holds everything
+    /// above the one before it, above its lower bound. `None` for an empty histogram.
+    pub fn quantile_bound(&self, quantile: f64) -> Option<QuantileBound> {
         let count = self.count();
         if count == 0 {
             return None;
@@ -75,13 +75,22 @@ impl Buckets {
             seen += n;
             seen >= rank
         })?;
-        Some(
-            u32::try_from(bucket + 1)
-                .ok()
-                .and_then(|shift| 1u64.checked_shl(shift))
-                .unwrap_or(u64::MAX),
-        )
+        let power = |exponent: usize| 1u64 << exponent.min(63);
+        Some(if bucket + 1 >= BUCKETS {
+            QuantileBound::Above(power(BUCKETS - 1))
+        } else {
+            QuantileBound::Below(power(bucket + 1))
+        })
     }
+}
+
+/// Where a quantile of a histogram's values lies (see `Buckets::quantile_bound`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantileBound {
+    /// Below this value (at most a factor of two above the quantile).
+    Below(u64),
+    /// At least this value: in the last bucket, which has no upper bound.
+    Above(u64),
 }
 
 /// One device's request timing, shared by its queue threads.
@@ -174,16 +183,23 @@ mod tests {
     #[test]
     fn quantiles_are_bucket_upper_bounds() {
         let h = Histogram::default();
-        assert_eq!(h.snapshot().quantile_upper_bound(0.5), None);
+        assert_eq!(h.snapshot().quantile_bound(0.5), None);
         for _ in 0..99 {
             h.record(1500); // bucket 10: [1024, 2048)
         }
         h.record(100_000); // bucket 16: [65536, 131072)
         let b = h.snapshot();
-        assert_eq!(b.quantile_upper_bound(0.5), Some(2048));
-        assert_eq!(b.quantile_upper_bound(0.99), Some(2048));
-        assert_eq!(b.quantile_upper_bound(1.0), Some(131_072));
-        assert_eq!(b.quantile_upper_bound(0.0), Some(2048));
+        let below = |ns| Some(QuantileBound::Below(ns));
+        assert_eq!(b.quantile_bound(0.5), below(2048));
+        assert_eq!(b.quantile_bound(0.99), below(2048));
+        assert_eq!(b.quantile_bound(1.0), below(131_072));
+        assert_eq!(b.quantile_bound(0.0), below(2048));
+        // The last bucket has no upper bound: what lands there is above its lower one.
+        h.record(u64::MAX);
+        assert_eq!(
+            h.snapshot().quantile_bound(1.0),
+            Some(QuantileBound::Above(1 << (BUCKETS - 1)))
+        );
     }
 
     #[test]
