@@ -32,7 +32,7 @@ pub const SOCKET_DIR: &str = "/run/trueno-ublk";
 
 /// How long `stat` waits for a daemon's answer, and a daemon for a client to take it.
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
-/// A report is about 1 KiB; anything longer than this is not one.
+/// A report is 3-5 KiB of JSON; anything longer than this is not one.
 const MAX_REPORT_BYTES: u64 = 64 << 10;
 
 /// What reading one socket gave.
