@@ -1,5 +1,6 @@
 //! The page table: one 8-byte word per device page, each with its own lock bit, and beside it
-//! one 16-bit idle hint per page (`Hint`) and the checksum of a stored page's data (`codec::PageChecksum`).
+//! one 16-bit idle hint per page (`Hint`) and a 32-bit check: the checksum of a stored page's
+//! data (`codec::PageChecksum`), or of the entry's own word for any other (`word_check`).
 //!
 //! Every change of a page's state is one atomic store of its word, so a process that dies at
 //! any instruction leaves every entry whole: the old state or the new one (the store's memory
@@ -25,8 +26,9 @@
 //! it would otherwise read as other data; checked, the read fails (EIO) instead, as a stored
 //! page's does, and so does a `Stored` entry flipped to another kind (its checksum is no
 //! entry's check). A resume sets the check of every entry that is not `Stored` again
-//! (`recover`), and clears the checksums of the spare slots it keeps (`table_memory`): a
-//! binary before the checks left other values there.
+//! (`recover`), and the checks beside a slot's entries are cleared when it becomes a spare,
+//! at a resume or when its group is given back (`table_memory`): a binary before the checks
+//! left other values there, beside entries no group of this process used among them.
 
 #![forbid(unsafe_code)]
 

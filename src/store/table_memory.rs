@@ -346,6 +346,14 @@ impl TableMemory {
         Ok(())
     }
 
+    /// Punch slot `slot`'s entries alone: what a process killed while giving the slot back
+    /// (`decommit_slot`, the entries first) leaves.
+    #[cfg(test)]
+    pub(super) fn punch_entries_only(&self, slot: usize) -> std::io::Result<()> {
+        let [(offset, len), ..] = self.ranges(slot);
+        self.segment.decommit(offset, len)
+    }
+
     /// Give slot `slot`'s memory back: it reads as zeros (empty, unlocked entries) after.
     fn decommit_slot(&self, slot: usize) -> std::io::Result<()> {
         for (offset, len) in self.ranges(slot) {
@@ -629,7 +637,14 @@ impl TableMemory {
             .as_ref()
             .is_some_and(|slots| slots.spares.load(Ordering::Relaxed) < SPARE_SLOTS);
         if spare {
-            // A spare must read as empty and unlocked when it is placed again.
+            // A spare must read as empty and unlocked when it is placed again, with every
+            // check beside its entries 0: places no group of this process used (those past
+            // the device's last page, in the last group's slot) keep what a binary before the
+            // checks left there.
+            if let Err(error) = self.clear_beside_entries(slot) {
+                unlock();
+                return Err(error);
+            }
             unlock();
         } else {
             if let Err(error) = self.decommit_slot(slot) {
@@ -670,10 +685,20 @@ impl TableMemory {
         let Some(slots) = &self.slots else {
             let mut adopted = 0;
             for group in 0..self.groups.len() {
-                let [(offset, len), ..] = self.ranges(group);
+                let [(offset, len), beside @ ..] = self.ranges(group);
                 if self.segment.any_in_memory(offset, len)? {
                     self.commit(group)?;
                     adopted += 1;
+                } else if beside
+                    .iter()
+                    .map(|&(offset, len)| self.segment.any_in_memory(offset, len))
+                    .collect::<std::io::Result<Vec<_>>>()?
+                    .contains(&true)
+                {
+                    // A process died giving it back (the entries punched first): the rest
+                    // goes too, so that the group, committed again, has nothing beside its
+                    // entries (a binary before the entry checks left stored pages' checksums).
+                    self.decommit_slot(group)?;
                 }
             }
             return Ok(adopted);

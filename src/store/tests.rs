@@ -2511,3 +2511,71 @@ fn empty_pages_read_as_zeros_after_a_binary_before_the_entry_checks() {
     drop(s);
     crate::mem::Segment::remove_shared(key).unwrap();
 }
+
+/// The places of a table slot past the device's last page (in the last group's slot), which
+/// no group of a process uses, keep what a binary before the entry checks left there: once the
+/// slot is a spare and a whole group takes it, its empty pages there read as zeros.
+#[test]
+fn a_spare_slot_from_the_last_group_reads_as_zeros_in_every_place() {
+    use super::table_memory::{TableMemory, GROUP_PAGES};
+    let group = GROUP_PAGES as u64;
+    let (key, backing) = fresh_shared_backing(0x7b50_0000);
+    let config = || {
+        crate::config::StoreSettings::default()
+            .store_config((4 * group + 5) * PAGE_SIZE as u64, false)
+    };
+    {
+        let (s, _) = BatchedPageStore::open(config(), None, backing).unwrap();
+        s.write(4 * group * PAGE_SIZE as u64, &text(4)[..]).unwrap();
+        s.flush_pending().unwrap();
+        // Place 100 of group 4's slot: past the device's last page.
+        let at = TableMemory::place(s.table.memory().word(4), 100);
+        s.table.checksum_words()[at].store(0x5eed_1e55, Ordering::Relaxed);
+    }
+    let (s, _) = BatchedPageStore::open(config(), None, backing).unwrap();
+    s.discard(4 * group * PAGE_SIZE as u64, PAGE_SIZE as u64)
+        .unwrap();
+    assert!(s.table.retire(4).unwrap(), "group 4 given back");
+    assert!(s.table.memory().take_spare(1), "group 1 takes its slot");
+    let mut buf = vec![0u8; PAGE_SIZE];
+    s.read((group + 100) * PAGE_SIZE as u64, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0));
+    drop(s);
+    crate::mem::Segment::remove_shared(key).unwrap();
+}
+
+/// A store of layout version 4 (group `g` in slot `g`) whose last process was killed giving a
+/// group back, its entries punched and its checks not (those of a binary before the entry
+/// checks: stored pages' checksums): the resume gives the rest back too, so the group,
+/// committed again by a write, reads as zeros where nothing was written.
+#[test]
+fn a_group_half_given_back_by_a_killed_process_reads_as_zeros_when_committed_again() {
+    use super::table_memory::GROUP_PAGES;
+    let group = GROUP_PAGES as u64;
+    let (key, backing) = fresh_shared_backing(0x7b60_0000);
+    let config = || {
+        crate::config::StoreSettings::default().store_config(4 * group * PAGE_SIZE as u64, false)
+    };
+    layout::LAYOUT_FOR_TESTS.with(|version| version.set(4));
+    {
+        let (s, _) = BatchedPageStore::open(config(), None, backing).unwrap();
+        s.write(2 * group * PAGE_SIZE as u64, &text(2)[..]).unwrap();
+        s.flush_pending().unwrap();
+        for word in s.table.checksum_words() {
+            word.store(0x5eed_1e55, Ordering::Relaxed);
+        }
+        s.table.memory().punch_entries_only(2).unwrap();
+    }
+    layout::LAYOUT_FOR_TESTS.with(|version| version.set(layout::LAYOUT_VERSION));
+    let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
+    assert_eq!(opened, Opened::Resumed { pages: 0, lost: 0 });
+    s.write((2 * group + 1) * PAGE_SIZE as u64, &text(3)[..])
+        .unwrap();
+    s.flush_pending().unwrap();
+    let mut buf = vec![0u8; PAGE_SIZE];
+    s.read((2 * group + 100) * PAGE_SIZE as u64, &mut buf)
+        .unwrap();
+    assert!(buf.iter().all(|&b| b == 0));
+    drop(s);
+    crate::mem::Segment::remove_shared(key).unwrap();
+}
