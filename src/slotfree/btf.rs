@@ -464,7 +464,10 @@ enum Name {
 }
 const _: () = assert!(Name::FreeFunctions as usize + FREE_FUNCTIONS.len() == NAMES.len());
 
-fn layout_of(source: impl Read + Seek) -> Result<KernelLayout, SlotFreeError> {
+/// Read the layout the probe needs from BTF read from `source` (`kernel_layout`'s file, or a
+/// test's or a fuzzer's bytes): an error for anything that is not BTF holding it, never a
+/// panic.
+pub fn layout_of(source: impl Read + Seek) -> Result<KernelLayout, SlotFreeError> {
     let mut btf = BtfFile::open(source)?;
     let names = btf.find_strings(NAMES)?;
     let name = |n: Name| names[n as usize].as_slice();
@@ -983,6 +986,18 @@ mod tests {
             }
             Err(error) => panic!("{error}"),
         }
+    }
+
+    /// The parse_btf fuzz target's seed is the sample above, as a file.
+    #[test]
+    fn the_fuzz_seed_is_the_sample() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/seeds/parse_btf/sample");
+        let sample = btf_file(&sample_types(&strings()), &strings()).into_inner();
+        assert_eq!(
+            std::fs::read(path).unwrap(),
+            sample,
+            "{path} is not the sample: write the sample's bytes there"
+        );
     }
 
     #[test]
