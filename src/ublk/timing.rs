@@ -76,8 +76,9 @@ impl Buckets {
             seen >= rank
         })?;
         let power = |exponent: usize| 1u64 << exponent.min(63);
-        Some(if bucket + 1 >= BUCKETS {
-            QuantileBound::Above(power(BUCKETS - 1))
+        // The last bucket of these counts (a daemon of another build may keep more or fewer).
+        Some(if bucket + 1 >= self.0.len() {
+            QuantileBound::Above(power(bucket))
         } else {
             QuantileBound::Below(power(bucket + 1))
         })
