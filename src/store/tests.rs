@@ -787,6 +787,14 @@ fn layout_test_config() -> StoreConfig {
     crate::config::StoreSettings::default().store_config(64 * PAGE_SIZE as u64, false)
 }
 
+/// A store of `bytes` with a chunk reserve of 1 MiB: a refill thread, which keeps the table's
+/// spare slots.
+fn refilled_config(bytes: u64) -> StoreConfig {
+    let mut c = crate::config::StoreSettings::default().store_config(bytes, false);
+    c.reserve_bytes = 1 << 20;
+    c
+}
+
 /// The key under `key_base` and this process's id, with no segment under it (one a test left
 /// is removed), and its backing: a shared store, not locked.
 fn fresh_shared_backing(key_base: i32) -> (i32, Backing) {
@@ -1832,13 +1840,7 @@ fn a_resumed_store_finds_groups_in_the_slots_they_took_and_gives_spares_back() {
     use super::table_memory::GROUP_PAGES;
     let group = GROUP_PAGES as u64;
     let (key, backing) = fresh_shared_backing(0x7a20_0000);
-    let config = || {
-        let mut c = crate::config::StoreSettings::default()
-            .store_config(16 * group * PAGE_SIZE as u64, false);
-        // A refill thread, which keeps the spares.
-        c.reserve_bytes = 1 << 20;
-        c
-    };
+    let config = || refilled_config(16 * group * PAGE_SIZE as u64);
     let kept = [9 * group + 1, 14 * group + 2, 3 * group + 3];
     {
         let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
@@ -2110,11 +2112,7 @@ fn writers_racing_the_batches_growing_and_shrinking_keep_their_data() {
 #[test]
 fn a_resumed_store_gives_back_the_batch_slots_its_predecessor_grew() {
     let (key, backing) = fresh_shared_backing(0x7a30_0000);
-    let config = || {
-        let mut c = crate::config::StoreSettings::default().store_config(64 << 20, false);
-        c.reserve_bytes = 1 << 20;
-        c
-    };
+    let config = || refilled_config(64 << 20);
     let n = 2_000u64;
     {
         let (s, _) = BatchedPageStore::open(config(), None, backing).unwrap();
@@ -2461,13 +2459,7 @@ fn empty_pages_read_as_zeros_after_a_binary_before_the_entry_checks() {
     use super::table_memory::GROUP_PAGES;
     let group = GROUP_PAGES as u64;
     let (key, backing) = fresh_shared_backing(0x7b40_0000);
-    let config = || {
-        let mut c = crate::config::StoreSettings::default()
-            .store_config(16 * group * PAGE_SIZE as u64, false);
-        // A refill thread, which keeps the spares.
-        c.reserve_bytes = 1 << 20;
-        c
-    };
+    let config = || refilled_config(16 * group * PAGE_SIZE as u64);
     {
         let (s, _) = BatchedPageStore::open(config(), None, backing).unwrap();
         let flusher = s.start_flusher(|_| ()).unwrap();
