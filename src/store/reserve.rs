@@ -1527,13 +1527,11 @@ impl ChunkReserve {
     }
 
     /// A pool's share of `target`, by its `demand` of `total`: at least one commit group's
-    /// worth, so no size ever starves (of a quiet reserve's smaller target, at most an equal
-    /// part of it: the floors alone would otherwise keep 2 MiB).
+    /// worth, so no size ever starves, but no more than an equal part of the target: the
+    /// floors alone keep 2 MiB, more than a quiet reserve's smaller target or a memory limit
+    /// below 2 MiB allows (with `--mem-limit 1M`, the reserve held 1.5 MiB of chunks).
     fn share(&self, demand: u64, total: u64, target: u64) -> u64 {
-        let mut floor = COMMIT_GROUP_BYTES as u64;
-        if target < self.target_bytes {
-            floor = floor.min(target / self.pools.len().max(1) as u64);
-        }
+        let floor = (COMMIT_GROUP_BYTES as u64).min(target / self.pools.len().max(1) as u64);
         demand_share(demand, total, target).max(floor)
     }
 
@@ -2432,5 +2430,23 @@ mod tests {
         assert!(Stall::since(long_ago).waited(&reserve) >= Duration::from_millis(20));
         reserve.note_served();
         reserve.note_served();
+    }
+
+    #[test]
+    fn a_target_below_the_pools_floors_is_kept() {
+        // A memory limit of 256 KiB makes the target that small; takes of every size, as a
+        // store's classes make them, once asked each pool for its floor of a commit group.
+        let target = 256 << 10;
+        let reserve = ChunkReserve::new(target, Arena::private(256 << 20).unwrap(), &[15; 8]);
+        let mut most = 0;
+        for _ in 0..20 {
+            let taken: Vec<ArenaChunk> = (1..=8).map(|p| reserve.take(p, None).unwrap()).collect();
+            for chunk in taken {
+                reserve.give_back(chunk);
+            }
+            reserve.refill();
+            most = most.max(reserve.held_bytes());
+        }
+        assert!(most <= 2 * target, "held {most} for a target of {target}");
     }
 }
