@@ -9,6 +9,11 @@
 //! The child logs each operation before (`B`) and after (`E`) it: a page of an operation the
 //! kill interrupted may hold its old or its new data (as a block device's would; the kernel
 //! re-issues such a request after a recovery), every other page exactly what was last written.
+//!
+//! Two scenarios: small random operations over a one-group device without a chunk reserve, and
+//! a device of five table groups with a reserve (so a refill thread), whose writes move from
+//! group to group and whose discards now and then empty a whole group, so kills also land
+//! while the refill thread commits chunks or table groups and while groups are given back.
 
 mod store_common;
 
@@ -22,13 +27,85 @@ use store_common::{random_page, same_page, text_page, zero_page};
 use trueno_ublk::codec::{Algorithm, PAGE_SIZE};
 use trueno_ublk::store::{Backing, BatchedPageStore, Opened, RecompressConfig, StoreConfig};
 
-const PAGES: u64 = 1024;
 const PAGE: u64 = PAGE_SIZE as u64;
 const ROUNDS: u64 = 24;
 const CHILD_ENV: &str = "TRUENO_STORE_CRASH_CHILD";
+/// Pages of a table group (`store::layout`'s 2048), for the scenario that empties whole groups.
+const GROUP_PAGES: u64 = 2048;
+/// Table groups of the scenario that empties whole groups: more than the store's spares.
+const GROUPS: u64 = 24;
 
-fn config() -> StoreConfig {
-    let mut c = trueno_ublk::config::StoreSettings::default().store_config(PAGES * PAGE, false);
+/// What the child does, and to what store.
+#[derive(Clone, Copy)]
+enum Scenario {
+    /// 1,024 pages, no chunk reserve: 1-4 pages anywhere, one operation in 8 a discard.
+    Scattered,
+    /// `GROUPS` table groups and a 1 MiB chunk reserve (a refill thread): 1-4 pages in one
+    /// group at a time, one operation in 8 a discard, moving to the next group every 64
+    /// operations and discarding the whole group as it leaves it but every eighth time. So
+    /// groups 7, 15 and 23 keep pages, and groups 0-6, empty and not within the eight after
+    /// one that holds pages (which the store keeps as spares), are committed and given back
+    /// as the writes come and go.
+    GroupWise,
+}
+
+impl Scenario {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Scattered => "scattered",
+            Self::GroupWise => "group-wise",
+        }
+    }
+
+    fn from_name(name: &str) -> Self {
+        match name {
+            "group-wise" => Self::GroupWise,
+            _ => Self::Scattered,
+        }
+    }
+
+    fn pages(self) -> u64 {
+        match self {
+            Self::Scattered => 1024,
+            Self::GroupWise => GROUPS * GROUP_PAGES,
+        }
+    }
+
+    /// The longest random moment after the chosen operation before the kill.
+    fn kill_window(self) -> Duration {
+        match self {
+            Self::Scattered => Duration::from_millis(20),
+            Self::GroupWise => Duration::from_millis(200),
+        }
+    }
+
+    /// Operation `version`: whether it discards, its first page and its page count.
+    fn operation(self, rng: &mut Rng, version: u64) -> (bool, u64, u64) {
+        match self {
+            Self::Scattered => {
+                let first = rng.below(self.pages());
+                let count = (1 + rng.below(4)).min(self.pages() - first);
+                (rng.below(8) == 0, first, count)
+            }
+            Self::GroupWise => {
+                let (turn, step) = (version / 64, version % 64);
+                let group = turn % GROUPS;
+                if step == 63 && turn % 8 != 7 {
+                    return (true, group * GROUP_PAGES, GROUP_PAGES);
+                }
+                let first = group * GROUP_PAGES + rng.below(GROUP_PAGES - 4);
+                (rng.below(8) == 0, first, 1 + rng.below(4))
+            }
+        }
+    }
+}
+
+fn config(scenario: Scenario) -> StoreConfig {
+    let mut c =
+        trueno_ublk::config::StoreSettings::default().store_config(scenario.pages() * PAGE, false);
+    if let Scenario::GroupWise = scenario {
+        c.reserve_bytes = 1 << 20;
+    }
     c.batch_threshold = 32;
     c.flush_timeout = Duration::from_millis(2);
     c.algorithm = Algorithm::Lz4;
@@ -67,28 +144,29 @@ impl Rng {
 }
 
 /// The child: random writes and discards until killed, logging each to stdout unbuffered.
-/// Run by `survives_kill9_at_random_points` only (ignored otherwise).
+/// Run by the tests below only (ignored otherwise).
 #[test]
-#[ignore = "the child process of survives_kill9_at_random_points"]
+#[ignore = "the child process of the kill -9 tests"]
 fn crash_child() {
     let Ok(spec) = std::env::var(CHILD_ENV) else {
         return;
     };
-    let mut fields = spec.split(',').map(|f| f.parse::<u64>().unwrap());
+    let mut fields = spec.split(',');
+    let scenario = Scenario::from_name(fields.next().unwrap());
+    let mut numbers = fields.map(|f| f.parse::<u64>().unwrap());
     let (key, seed, first_version) = (
-        i32::try_from(fields.next().unwrap()).unwrap(),
-        fields.next().unwrap(),
-        fields.next().unwrap(),
+        i32::try_from(numbers.next().unwrap()).unwrap(),
+        numbers.next().unwrap(),
+        numbers.next().unwrap(),
     );
     let (store, _) =
-        BatchedPageStore::open(config(), None, Backing::SharedUnlocked { key }).unwrap();
+        BatchedPageStore::open(config(scenario), None, Backing::SharedUnlocked { key }).unwrap();
     let _flusher = store.start_flusher(|_| {}).unwrap();
     let mut out = std::io::stdout().lock();
     let mut rng = Rng(seed | 1);
     for version in first_version.. {
-        let first = rng.below(PAGES);
-        let count = (1 + rng.below(4)).min(PAGES - first);
-        if rng.below(8) == 0 {
+        let (discard, first, count) = scenario.operation(&mut rng, version);
+        if discard {
             writeln!(out, "B D {first} {count} {version}").unwrap();
             store.discard(first * PAGE, count * PAGE).unwrap();
         } else {
@@ -148,12 +226,12 @@ impl Model {
         v.map_or_else(|| vec![0u8; PAGE_SIZE], |v| content(index, v))
     }
 
-    /// Check every page of `store`; returns how many differ. A page of the interrupted
-    /// operation holds its old or its new data, and keeps what it holds from now on.
-    fn check(&mut self, store: &BatchedPageStore) -> usize {
+    /// Check each of the `pages` pages of `store`; returns how many differ. A page of the
+    /// interrupted operation holds its old or its new data, and keeps what it holds from now on.
+    fn check(&mut self, store: &BatchedPageStore, pages: u64) -> usize {
         let mut bad = 0;
         let mut buf = vec![0u8; PAGE_SIZE];
-        for index in 0..PAGES {
+        for index in 0..pages {
             store.read(index * PAGE, &mut buf).unwrap();
             let want = Self::expected(self.pages.get(&index).copied().flatten(), index);
             let maybe = self.maybe.get(&index).copied();
@@ -179,7 +257,18 @@ impl Model {
 
 #[test]
 fn survives_kill9_at_random_points() {
-    let key = 0x7d00_0000 | i32::try_from(std::process::id() & 0xffff).unwrap();
+    survives_kill9(Scenario::Scattered, 0x7d00_0000);
+}
+
+#[test]
+fn survives_kill9_while_table_groups_and_the_reserve_change() {
+    survives_kill9(Scenario::GroupWise, 0x7d10_0000);
+}
+
+/// Rounds of a child of `scenario` killed and its store resumed and checked, in a segment of
+/// a key made of `key_base` and this process's id (one per test: they run in parallel).
+fn survives_kill9(scenario: Scenario, key_base: i32) {
+    let key = key_base | i32::try_from(std::process::id() & 0xffff).unwrap();
     let _ = trueno_ublk::mem::Segment::remove_shared(key);
     let exe = std::env::current_exe().unwrap();
     let mut model = Model::default();
@@ -190,7 +279,12 @@ fn survives_kill9_at_random_points() {
             .args(["--exact", "crash_child", "--ignored", "--nocapture", "-q"])
             .env(
                 CHILD_ENV,
-                format!("{key},{},{}", rng.next(), model.last_version + 1),
+                format!(
+                    "{},{key},{},{}",
+                    scenario.name(),
+                    rng.next(),
+                    model.last_version + 1
+                ),
             )
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -219,17 +313,19 @@ fn survives_kill9_at_random_points() {
             log
         });
         let _ = done_rx.recv_timeout(Duration::from_secs(20));
-        std::thread::sleep(Duration::from_micros(rng.below(20_000)));
+        let window = u64::try_from(scenario.kill_window().as_micros()).unwrap();
+        std::thread::sleep(Duration::from_micros(rng.below(window)));
         child.kill().unwrap();
         child.wait().unwrap();
         model.apply(&reader.join().unwrap());
         let (store, opened) =
-            BatchedPageStore::open(config(), None, Backing::SharedUnlocked { key }).unwrap();
+            BatchedPageStore::open(config(scenario), None, Backing::SharedUnlocked { key })
+                .unwrap();
         assert!(
             matches!(opened, Opened::Resumed { lost: 0, .. }),
             "round {round}: {opened:?}"
         );
-        mismatches += model.check(&store);
+        mismatches += model.check(&store, scenario.pages());
         store.shutdown();
     }
     assert!(trueno_ublk::mem::Segment::remove_shared(key).unwrap());
