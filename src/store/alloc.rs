@@ -114,11 +114,6 @@ fn background_patience(waited: std::time::Duration) -> bool {
     waited >= BACKGROUND_PATIENCE
 }
 
-/// A `give_up` for a taker that never waits.
-fn give_up_at_once(_waited: std::time::Duration) -> bool {
-    true
-}
-
 /// Who takes an object, and so how a new chunk for it is waited for.
 #[derive(Clone, Copy)]
 enum Taker<'a> {
@@ -609,10 +604,10 @@ impl ZsAllocator {
                     // stuck behind a flush that waited for the refill).
                     drop(st);
                     let pages = class.chunk_bytes / PAGE_SIZE;
-                    let (data, give_up) = match taker {
-                        Taker::Io(give_up) => (self.reserve.take(pages, give_up)?, give_up),
+                    let data = match taker {
+                        Taker::Io(give_up) => self.reserve.take(pages, give_up)?,
                         Taker::Background => {
-                            let data = match self.reserve.take_ready(pages) {
+                            match self.reserve.take_ready(pages) {
                                 Some(data) => data,
                                 // Waiting for the refill thread would count as a waiter
                                 // (the store's writes then fall under the starvation rule)
@@ -626,9 +621,7 @@ impl ZsAllocator {
                                 // No refill thread (none is set up, or it ended): commit
                                 // here, as nothing else will.
                                 None => self.reserve.take(pages, Some(&background_patience))?,
-                            };
-                            // Never waits for room (below).
-                            (data, Some(&give_up_at_once as &dyn Fn(_) -> bool))
+                            }
                         }
                     };
                     st = class.state.lock();
@@ -636,6 +629,20 @@ impl ZsAllocator {
                     // thread to make room, as for the chunk itself, and give up as a taker
                     // of a chunk does (the system may refuse the room for good).
                     if self.reserve.refill_running() && !has_room(&st) {
+                        let give_up = match taker {
+                            Taker::Io(give_up) => give_up,
+                            // Background work never waits, and gives up before it is noted
+                            // as waiting: that counts as a taker waiting for the refill
+                            // thread (`ChunkReserve::starving`) and names its size in the
+                            // next starved write's log line.
+                            Taker::Background => {
+                                drop(st);
+                                self.reserve.give_back(data);
+                                return Err(Shortage::Starved {
+                                    waited: std::time::Duration::ZERO,
+                                });
+                            }
+                        };
                         self.room_waited_object_bytes
                             .store(class.obj_size, Ordering::Relaxed);
                         self.reserve.note_waiting_for_room();
@@ -1590,6 +1597,21 @@ mod tests {
             a.with_object(handle, 1000, <[u8]>::to_vec).unwrap(),
             vec![6u8; 1000]
         );
+    }
+
+    #[test]
+    fn background_work_finding_no_room_in_its_lists_gives_up_unnoticed() {
+        // A ready chunk, and a refill thread that provisions nothing (a fresh class's lists
+        // have no room): background work gives its chunk back and gives up without being
+        // noted as a taker waiting for room (which the next starved write's log line names).
+        let a = ZsAllocator::new(1 << 20, Arena::private(64 << 20).unwrap(), None);
+        a.reserve.refill();
+        a.reserve.pretend_refill_running(true);
+        assert!(a.reserve.held_bytes() > 0);
+        assert_eq!(a.store_in_background(&[6u8; 1000]), None);
+        assert_eq!(a.room_waited_object_bytes(), None);
+        assert!(!a.reserve.starving());
+        assert_eq!(a.chunk_bytes(), 0);
     }
 
     #[test]
