@@ -8,6 +8,14 @@
 //! `bpf_probe_read_kernel`, so a wrong offset reads a wrong value, never faults. A bitmap cannot overflow, as a queue of records would when a program
 //! with 100k pages out exits faster than the daemon reads.
 //!
+//! A bit set for a slot the kernel did not free is a page of a process lost, so the slots are
+//! checked against what every kernel's free looks like before any bit is set: at least one
+//! slot, never slot 0 (swap's header, which the kernel marks bad and never frees), all in one
+//! cluster (every caller frees within one), and for a slot given as a cluster and a place in
+//! it, a cluster that is an element of the swap area's array and a place inside it. Arguments
+//! read from registers other than the ones the kernel passed them in (a kernel whose code
+//! and BTF disagree) then fail the checks, but for small values that happen to pass.
+//!
 //! The argument registers are x86-64's (`struct pt_regs`); other architectures have no probe.
 
 #![forbid(unsafe_code)]
@@ -51,6 +59,7 @@ const ADD64_X: u8 = 0x0f;
 const SUB64_X: u8 = 0x1f;
 const MUL64_K: u8 = 0x27;
 const DIV64_K: u8 = 0x37; // unsigned
+const MOD64_K: u8 = 0x97; // unsigned
 const ADD64_K: u8 = 0x07;
 const AND64_K: u8 = 0x57;
 const LSH64_K: u8 = 0x67;
@@ -61,6 +70,7 @@ const JEQ_K: u8 = 0x15;
 const JGT_K: u8 = 0x25;
 const JGE_K: u8 = 0x35;
 const JGE_X: u8 = 0x3d;
+const JNE_X: u8 = 0x5d;
 const JNE_K: u8 = 0x55;
 const JNE32_K: u8 = 0x56;
 const CALL: u8 = 0x85;
@@ -188,16 +198,40 @@ pub fn slot_free_probe(
             probe.push(insn(LDX_DW, R1, FP, -8, 0));
             probe.push(insn(SUB64_X, R7, R1, 0, 0));
             probe.jump_if(JGE_K, R7, clusters_bytes, Exit);
+            // An element of the array, not a place inside one.
+            probe.push(insn(MOV64_X, R1, R7, 0, 0));
+            probe.push(insn(MOD64_K, R1, 0, 0, cluster_info_bytes));
+            probe.jump_if(JNE_K, R1, 0, Exit);
             probe.push(insn(DIV64_K, R7, 0, 0, cluster_info_bytes));
             probe.push(insn(MUL64_K, R7, 0, 0, cluster_slots));
             probe.push(insn(LDX_DW, R1, R6, arg(arg_start)?, 0));
             probe.keep_low_32_bits(R1);
+            // A place inside the cluster (with the count, see below, the whole run).
+            probe.jump_if(JGE_K, R1, cluster_slots, Exit);
             probe.push(insn(ADD64_X, R7, R1, 0, 0));
         }
     }
     probe.push(insn(LDX_DW, R8, R6, nr_pages, 0));
     probe.keep_low_32_bits(R8);
     probe.jump_if(JGT_K, R8, MAX_RANGE, Exit);
+    probe.jump_if(JEQ_K, R8, 0, Exit);
+    probe.jump_if(JEQ_K, R7, 0, Exit);
+    // The first and the last slot in one cluster: of the layout's clusters, or where the
+    // layout names none, of `MAX_RANGE` slots (swap's clusters are 512 or 256 slots, aligned
+    // to their size, so a run inside one is inside one of 512).
+    let cluster = match layout.first_slot {
+        FirstSlot::InCluster { cluster_slots, .. } => {
+            imm(cluster_slots.into(), "SWAPFILE_CLUSTER")?
+        }
+        FirstSlot::Entry { .. } | FirstSlot::Offset { .. } => MAX_RANGE,
+    };
+    probe.push(insn(MOV64_X, R1, R7, 0, 0));
+    probe.push(insn(DIV64_K, R1, 0, 0, cluster));
+    probe.push(insn(MOV64_X, R2, R7, 0, 0));
+    probe.push(insn(ADD64_X, R2, R8, 0, 0));
+    probe.push(insn(ADD64_K, R2, 0, 0, -1));
+    probe.push(insn(DIV64_K, R2, 0, 0, cluster));
+    probe.jump_if_reg(JNE_X, R1, R2, Exit);
     probe.push(insn(MOV64_K, R9, 0, 0, 0));
     // Each slot: bitmap[slot / 64] |= 1 << slot % 64. A bounded loop: r8 <= MAX_RANGE.
     let top = probe.here();
@@ -411,6 +445,273 @@ mod tests {
             program[at(SUB64_X) + 1],
             insn(JGE_K, R7, 0, program[at(SUB64_X) + 1].off, 512 * 48)
         );
+    }
+
+    /// Where the runs below put things: the context (`pt_regs`), the stack's top, the bitmap
+    /// map's values, and the kernel's swap area, block device and clusters.
+    const CTX: u64 = 0x1000_0000;
+    const STACK_TOP: u64 = 0x2000_0200;
+    const MAP: u64 = 0x3000_0000;
+    const SI: u64 = 0xffff_8000_0000_1000;
+    const BDEV: u64 = 0xffff_8000_0000_2000;
+    const CLUSTERS: u64 = 0xffff_8000_0001_0000;
+    const OUR_DEV: u32 = (259 << 20) | 3;
+    const WORDS: u32 = 64;
+
+    /// The kernel memory a run of the probe reads: the swap area (its flags and block
+    /// device, and its clusters' array for a layout that has one) and the device's number.
+    fn kernel_memory(layout: &KernelLayout, dev: u32) -> Vec<(u64, Vec<u8>)> {
+        let mut memory = vec![
+            (
+                SI + u64::from(layout.si_flags),
+                layout.swp_blkdev.to_le_bytes().to_vec(),
+            ),
+            (SI + u64::from(layout.si_bdev), BDEV.to_le_bytes().to_vec()),
+            (BDEV + u64::from(layout.bd_dev), dev.to_le_bytes().to_vec()),
+        ];
+        if let FirstSlot::InCluster {
+            si_cluster_info, ..
+        } = layout.first_slot
+        {
+            memory.push((
+                SI + u64::from(si_cluster_info),
+                CLUSTERS.to_le_bytes().to_vec(),
+            ));
+        }
+        memory
+    }
+
+    /// Run `program` as the kernel would for one call whose argument registers hold `args`
+    /// (rdi, rsi, rdx, rcx, r8, r9), reading `kernel` memory: the map's words after it (the
+    /// bitmap's `WORDS`, then the counter). Only the instructions the probe uses.
+    fn run(program: &[Insn], args: [u64; 6], kernel: &[(u64, Vec<u8>)]) -> Vec<u64> {
+        let mut ctx = [0u8; 168];
+        for (reg, value) in ARG_REGS.iter().zip(args) {
+            let at = usize::try_from(*reg).unwrap();
+            ctx[at..at + 8].copy_from_slice(&value.to_le_bytes());
+        }
+        let mut stack = [0u8; 512];
+        let mut map = vec![0u64; WORDS as usize + 1];
+        let mut r = [0u64; 11];
+        r[1] = CTX;
+        r[10] = STACK_TOP;
+        let kernel_byte = |address: u64| {
+            kernel.iter().find_map(|(at, bytes)| {
+                let i = usize::try_from(address.checked_sub(*at)?).ok()?;
+                bytes.get(i).copied()
+            })
+        };
+        let load = |stack: &[u8], map: &[u64], address: u64, size: usize| -> u64 {
+            let bytes: Vec<u8> = if (CTX..CTX + 168).contains(&address) {
+                let at = usize::try_from(address - CTX).unwrap();
+                ctx[at..at + size].to_vec()
+            } else if (STACK_TOP - 512..STACK_TOP).contains(&address) {
+                let at = usize::try_from(address - (STACK_TOP - 512)).unwrap();
+                stack[at..at + size].to_vec()
+            } else {
+                assert!(address >= MAP && size == 8, "load of {address:#x}");
+                map[usize::try_from((address - MAP) / 8).unwrap()]
+                    .to_le_bytes()
+                    .to_vec()
+            };
+            let mut word = [0u8; 8];
+            word[..size].copy_from_slice(&bytes);
+            u64::from_le_bytes(word)
+        };
+        let store = |stack: &mut [u8], address: u64, value: u64, size: usize| {
+            assert!(
+                (STACK_TOP - 512..STACK_TOP).contains(&address),
+                "store to {address:#x}"
+            );
+            let at = usize::try_from(address - (STACK_TOP - 512)).unwrap();
+            stack[at..at + size].copy_from_slice(&value.to_le_bytes()[..size]);
+        };
+        let mut pc = 0;
+        for _ in 0..100_000 {
+            let i = program[pc];
+            let (dst, src) = (usize::from(i.regs & 0xf), usize::from(i.regs >> 4));
+            let imm = i64::from(i.imm).cast_unsigned(); // sign-extended, as the kernel does
+            let address = |base: u64| base.wrapping_add(i64::from(i.off).cast_unsigned());
+            pc += 1;
+            let jump = |taken: bool, pc: &mut usize| {
+                if taken {
+                    *pc = usize::try_from(i64::try_from(*pc).unwrap() + i64::from(i.off)).unwrap();
+                }
+            };
+            match i.code {
+                LDX_DW => r[dst] = load(&stack, &map, address(r[src]), 8),
+                LDX_W => r[dst] = load(&stack, &map, address(r[src]), 4),
+                STX_DW => store(&mut stack, address(r[dst]), r[src], 8),
+                STX_W => store(&mut stack, address(r[dst]), r[src], 4),
+                ST_W => store(&mut stack, address(r[dst]), imm, 4),
+                ATOMIC_DW => {
+                    let word = &mut map[usize::try_from((address(r[dst]) - MAP) / 8).unwrap()];
+                    match i.imm {
+                        ATOMIC_OR => *word |= r[src],
+                        ATOMIC_ADD => *word = word.wrapping_add(r[src]),
+                        other => panic!("atomic op {other:#x}"),
+                    }
+                }
+                MOV64_X => r[dst] = r[src],
+                MOV64_K => r[dst] = imm,
+                ADD64_X => r[dst] = r[dst].wrapping_add(r[src]),
+                SUB64_X => r[dst] = r[dst].wrapping_sub(r[src]),
+                ADD64_K => r[dst] = r[dst].wrapping_add(imm),
+                MUL64_K => r[dst] = r[dst].wrapping_mul(imm),
+                DIV64_K => r[dst] /= imm,
+                MOD64_K => r[dst] %= imm,
+                AND64_K => r[dst] &= imm,
+                LSH64_K => r[dst] <<= imm,
+                LSH64_X => r[dst] <<= r[src] & 63,
+                RSH64_K => r[dst] >>= imm,
+                JA => jump(true, &mut pc),
+                JEQ_K => jump(r[dst] == imm, &mut pc),
+                JNE_K => jump(r[dst] != imm, &mut pc),
+                JGT_K => jump(r[dst] > imm, &mut pc),
+                JGE_K => jump(r[dst] >= imm, &mut pc),
+                JGE_X => jump(r[dst] >= r[src], &mut pc),
+                JNE_X => jump(r[dst] != r[src], &mut pc),
+                JNE32_K => jump(
+                    r[dst] & 0xffff_ffff != u64::from(i.imm.cast_unsigned()),
+                    &mut pc,
+                ),
+                LD_IMM64 => {
+                    r[dst] = u64::from(i.imm.cast_unsigned()); // the map's fd; lookups take any
+                    pc += 1;
+                }
+                CALL => {
+                    r[0] = match i.imm {
+                        HELPER_PROBE_READ_KERNEL => {
+                            let (to, size, from) = (r[1], r[2], r[3]);
+                            let bytes: Option<Vec<u8>> =
+                                (0..size).map(|k| kernel_byte(from + k)).collect();
+                            match bytes {
+                                Some(bytes) => {
+                                    for (k, byte) in bytes.into_iter().enumerate() {
+                                        store(&mut stack, to + k as u64, byte.into(), 1);
+                                    }
+                                    0
+                                }
+                                None => (-14i64).cast_unsigned(), // EFAULT
+                            }
+                        }
+                        HELPER_MAP_LOOKUP_ELEM => {
+                            let key = load(&stack, &map, r[2], 4);
+                            if key <= u64::from(WORDS) {
+                                MAP + key * 8
+                            } else {
+                                0
+                            }
+                        }
+                        other => panic!("helper {other}"),
+                    };
+                }
+                EXIT => return map,
+                other => panic!("opcode {other:#x} at {}", pc - 1),
+            }
+        }
+        panic!("the program did not end");
+    }
+
+    /// The slots whose bits `map` has set, and its counter.
+    fn freed(map: &[u64]) -> (Vec<u64>, u64) {
+        let slots = (0..u64::from(WORDS) * 64)
+            .filter(|slot| map[usize::try_from(slot / 64).unwrap()] & (1 << (slot % 64)) != 0)
+            .collect();
+        (slots, map[WORDS as usize])
+    }
+
+    /// Arguments for a free of `nr` slots from `first` by a kernel of `layout`'s shape, and
+    /// the same with the registers' values as they would be misread from others.
+    fn args(layout: &KernelLayout, first: u64, nr: u64) -> [u64; 6] {
+        let mut args = [0u64; 6];
+        args[layout.arg_si] = SI;
+        args[layout.arg_nr_pages] = nr;
+        match layout.first_slot {
+            FirstSlot::Entry { arg } => args[arg] = (5 << 58) | first, // swap type 5
+            FirstSlot::Offset { arg } => args[arg] = first,
+            FirstSlot::InCluster {
+                arg_ci,
+                arg_start,
+                cluster_info_bytes,
+                cluster_slots,
+                ..
+            } => {
+                let cluster = first / u64::from(cluster_slots);
+                args[arg_ci] = CLUSTERS + cluster * u64::from(cluster_info_bytes);
+                args[arg_start] = first % u64::from(cluster_slots);
+            }
+        }
+        args
+    }
+
+    fn layouts() -> [KernelLayout; 3] {
+        let entry = KernelLayout::sample();
+        let offset = KernelLayout {
+            first_slot: FirstSlot::Offset { arg: 1 },
+            ..KernelLayout::sample()
+        };
+        [entry, offset, KernelLayout::sample_in_cluster()]
+    }
+
+    #[test]
+    fn a_free_of_our_device_sets_exactly_its_slots_and_counts_the_call() {
+        for layout in layouts() {
+            let program = slot_free_probe(&layout, OUR_DEV, 7, WORDS).unwrap();
+            let kernel = kernel_memory(&layout, OUR_DEV);
+            for (first, nr) in [(1, 1), (700, 1), (1024, 512), (1030, 3), (2047, 1)] {
+                let map = run(&program, args(&layout, first, nr), &kernel);
+                assert_eq!(
+                    freed(&map),
+                    ((first..first + nr).collect(), 1),
+                    "{} {first}+{nr}",
+                    layout.function
+                );
+            }
+            // Another device's area, or one that is not a whole block device (a swap file).
+            let other = kernel_memory(&layout, OUR_DEV + 1);
+            assert_eq!(
+                freed(&run(&program, args(&layout, 9, 1), &other)),
+                (vec![], 0)
+            );
+            let mut file = kernel_memory(&layout, OUR_DEV);
+            file[0].1 = 0u64.to_le_bytes().to_vec();
+            assert_eq!(
+                freed(&run(&program, args(&layout, 9, 1), &file)),
+                (vec![], 0)
+            );
+        }
+    }
+
+    #[test]
+    fn slots_no_kernel_frees_set_no_bit() {
+        // What arguments read from the wrong registers may look like: no slot, slot 0 (swap's
+        // header), a run across clusters, more than a cluster, a place past its cluster, a
+        // pointer inside a cluster's element.
+        for layout in layouts() {
+            let program = slot_free_probe(&layout, OUR_DEV, 7, WORDS).unwrap();
+            let kernel = kernel_memory(&layout, OUR_DEV);
+            for (first, nr) in [(5, 0), (0, 1), (0, 4), (510, 4), (1000, 100), (512, 513)] {
+                let map = run(&program, args(&layout, first, nr), &kernel);
+                assert_eq!(
+                    freed(&map).0,
+                    Vec::<u64>::new(),
+                    "{} {first}+{nr}",
+                    layout.function
+                );
+            }
+            if let FirstSlot::InCluster {
+                arg_ci, arg_start, ..
+            } = layout.first_slot
+            {
+                let mut past = args(&layout, 1024, 1);
+                past[arg_start] = 600; // cluster 2's place 600 of 512: cluster 3's slot 88
+                assert_eq!(freed(&run(&program, past, &kernel)).0, Vec::<u64>::new());
+                let mut inside = args(&layout, 1024, 1);
+                inside[arg_ci] += 8;
+                assert_eq!(freed(&run(&program, inside, &kernel)).0, Vec::<u64>::new());
+            }
+        }
     }
 
     #[test]
