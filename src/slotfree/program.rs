@@ -621,8 +621,8 @@ mod tests {
         (slots, map[WORDS as usize])
     }
 
-    /// Arguments for a free of `nr` slots from `first` by a kernel of `layout`'s shape, and
-    /// the same with the registers' values as they would be misread from others.
+    /// The argument registers of a call freeing `nr` slots from `first` on our swap area (of
+    /// swap type 5) by a kernel of `layout`'s shape.
     fn args(layout: &KernelLayout, first: u64, nr: u64) -> [u64; 6] {
         let mut args = [0u64; 6];
         args[layout.arg_si] = SI;
