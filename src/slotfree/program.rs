@@ -163,15 +163,21 @@ pub fn slot_free_probe(
     probe.read_kernel_into(-16, 4);
     probe.push(insn(LDX_W, R1, FP, -16, 0));
     probe.jump_if(JNE32_K, R1, dev, Exit);
-    // r7 = the first slot, r8 = the count (32 bits), r9 = 0.
-    match layout.first_slot {
+    // r7 = the first slot, r8 = the count (32 bits), r9 = 0. `cluster`: the slots of the
+    // layout's clusters, or where the layout names none, `MAX_RANGE` (swap's clusters are 512
+    // or 256 slots, aligned to their size, so a run inside one is inside one of 512).
+    let cluster = match layout.first_slot {
         FirstSlot::Entry { arg: entry } => {
             // The entry's offset bits.
             probe.push(insn(LDX_DW, R7, R6, arg(entry)?, 0));
             probe.push(insn(LSH64_K, R7, 0, 0, SWP_TYPE_BITS));
             probe.push(insn(RSH64_K, R7, 0, 0, SWP_TYPE_BITS));
+            MAX_RANGE
         }
-        FirstSlot::Offset { arg: offset } => probe.push(insn(LDX_DW, R7, R6, arg(offset)?, 0)),
+        FirstSlot::Offset { arg: offset } => {
+            probe.push(insn(LDX_DW, R7, R6, arg(offset)?, 0));
+            MAX_RANGE
+        }
         FirstSlot::InCluster {
             arg_ci,
             arg_start,
@@ -209,22 +215,15 @@ pub fn slot_free_probe(
             // A place inside the cluster (with the count, see below, the whole run).
             probe.jump_if(JGE_K, R1, cluster_slots, Exit);
             probe.push(insn(ADD64_X, R7, R1, 0, 0));
+            cluster_slots
         }
-    }
+    };
     probe.push(insn(LDX_DW, R8, R6, nr_pages, 0));
     probe.keep_low_32_bits(R8);
     probe.jump_if(JGT_K, R8, MAX_RANGE, Exit);
     probe.jump_if(JEQ_K, R8, 0, Exit);
     probe.jump_if(JEQ_K, R7, 0, Exit);
-    // The first and the last slot in one cluster: of the layout's clusters, or where the
-    // layout names none, of `MAX_RANGE` slots (swap's clusters are 512 or 256 slots, aligned
-    // to their size, so a run inside one is inside one of 512).
-    let cluster = match layout.first_slot {
-        FirstSlot::InCluster { cluster_slots, .. } => {
-            imm(cluster_slots.into(), "SWAPFILE_CLUSTER")?
-        }
-        FirstSlot::Entry { .. } | FirstSlot::Offset { .. } => MAX_RANGE,
-    };
+    // The first and the last slot in one cluster.
     probe.push(insn(MOV64_X, R1, R7, 0, 0));
     probe.push(insn(DIV64_K, R1, 0, 0, cluster));
     probe.push(insn(MOV64_X, R2, R7, 0, 0));
