@@ -46,8 +46,13 @@ pub const FREE_FUNCTIONS: [&str; 3] = [
 /// How the free function's arguments give the first freed slot (its offset in the swap area).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FirstSlot {
-    /// Argument `entry`, a `swp_entry_t` (one word): the slot is its offset bits.
-    Entry { arg: usize },
+    /// Argument `entry`, a `swp_entry_t` (one word): the slot is its offset bits, and its
+    /// type bits are the swap area's `type`.
+    Entry {
+        arg: usize,
+        /// Byte offset of `type` (a `signed char`) in `struct swap_info_struct`.
+        si_type: u32,
+    },
     /// Argument `offset`: the slot.
     Offset { arg: usize },
     /// Argument `ci_start`, the slot's place in the cluster argument `ci` points to (an element
@@ -71,9 +76,11 @@ pub enum FirstSlot {
 pub struct KernelLayout {
     /// The function probed, one of `FREE_FUNCTIONS`.
     pub function: &'static str,
-    /// Byte offsets in `struct swap_info_struct` of `bdev` and `flags`.
+    /// Byte offsets in `struct swap_info_struct` of `bdev`, `flags` and `max` (the slots the
+    /// swap area has, an `unsigned int`).
     pub si_bdev: u32,
     pub si_flags: u32,
+    pub si_max: u32,
     /// Byte offset of `bd_dev` (the kernel's `dev_t`) in `struct block_device`.
     pub bd_dev: u32,
     /// `SWP_BLKDEV`: set in `flags` when the swap area is a whole block device, so that slot
@@ -94,11 +101,15 @@ impl KernelLayout {
             function: "swap_entry_range_free",
             si_bdev: 216,
             si_flags: 0,
+            si_max: 36,
             bd_dev: 144,
             swp_blkdev: 64,
             arg_si: 0,
             arg_nr_pages: 2,
-            first_slot: FirstSlot::Entry { arg: 1 },
+            first_slot: FirstSlot::Entry {
+                arg: 1,
+                si_type: 34,
+            },
         }
     }
 
@@ -422,10 +433,12 @@ pub fn kernel_layout(path: &Path) -> Result<KernelLayout, SlotFreeError> {
 
 /// The names `layout_of` looks for: `Name::X as usize` is X's place, and the free functions
 /// come last, from `Name::FreeFunctions` on.
-const NAMES: [&str; 18] = [
+const NAMES: [&str; 20] = [
     "swap_info_struct",
     "bdev",
     "flags",
+    "max",
+    "type",
     "cluster_info",
     "block_device",
     "bd_dev",
@@ -448,6 +461,8 @@ enum Name {
     SwapInfo,
     Bdev,
     Flags,
+    Max,
+    Type,
     ClusterInfo,
     BlockDevice,
     BdDev,
@@ -475,6 +490,7 @@ pub fn layout_of(source: impl Read + Seek) -> Result<KernelLayout, SlotFreeError
 
     // Pass 1: the structs, the enumerator and the free functions.
     let (mut si_struct, mut si_bdev, mut si_flags, mut si_cluster_info) = (None, None, None, None);
+    let (mut si_max, mut si_type) = (None, None);
     let (mut bd_struct, mut bd_dev, mut swp_blkdev) = (None, None, None);
     let (mut ci_struct, mut cluster_info_bytes, mut table_entries) = (None, None, None);
     let mut protos: [Option<u32>; FREE_FUNCTIONS.len()] = [None; FREE_FUNCTIONS.len()];
@@ -485,6 +501,8 @@ pub fn layout_of(source: impl Read + Seek) -> Result<KernelLayout, SlotFreeError
                 si_struct = Some(id);
                 si_bdev = member_of(head, extra, name(Name::Bdev));
                 si_flags = member_of(head, extra, name(Name::Flags));
+                si_max = member_of(head, extra, name(Name::Max));
+                si_type = member_of(head, extra, name(Name::Type));
                 si_cluster_info = member_of(head, extra, name(Name::ClusterInfo));
             }
             KIND_STRUCT if is(Name::BlockDevice) => {
@@ -556,14 +574,21 @@ pub fn layout_of(source: impl Read + Seek) -> Result<KernelLayout, SlotFreeError
     let bd_struct = bd_struct.ok_or_else(|| missing("struct block_device"))?;
     let si_bdev = si_bdev.ok_or_else(|| missing("swap_info_struct.bdev"))?;
     let si_flags = si_flags.ok_or_else(|| missing("swap_info_struct.flags"))?;
+    let si_max = si_max.ok_or_else(|| missing("swap_info_struct.max"))?;
     let bd_dev = bd_dev.ok_or_else(|| missing("block_device.bd_dev"))?;
-    // The probe reads the flags and the pointer as 8 bytes, the device number as 4, and the
-    // low 32 bits of the count and of a slot's place in its cluster.
+    // The probe reads the flags and the pointer as 8 bytes, the device number and the swap
+    // area's size as 4, the swap type as 1, and the low 32 bits of the count and of a slot's
+    // place in its cluster.
     let mut checks = vec![
         (
             "swap_info_struct.flags".to_string(),
             si_flags.ty,
             Expect::Integer(&[8]),
+        ),
+        (
+            "swap_info_struct.max".to_string(),
+            si_max.ty,
+            Expect::Integer(&[4]),
         ),
         (
             "swap_info_struct.bdev".to_string(),
@@ -623,12 +648,23 @@ pub fn layout_of(source: impl Read + Seek) -> Result<KernelLayout, SlotFreeError
         FirstSlot::Offset { arg }
     } else {
         let arg = argument(Name::Entry)?;
-        checks.push((
-            format!("the `entry` argument of {function}"),
-            arg_type(arg),
-            Expect::Word,
-        ));
-        FirstSlot::Entry { arg }
+        let si_type = si_type.ok_or_else(|| missing("swap_info_struct.type"))?;
+        checks.extend([
+            (
+                format!("the `entry` argument of {function}"),
+                arg_type(arg),
+                Expect::Word,
+            ),
+            (
+                "swap_info_struct.type".to_string(),
+                si_type.ty,
+                Expect::Integer(&[1]),
+            ),
+        ]);
+        FirstSlot::Entry {
+            arg,
+            si_type: si_type.offset,
+        }
     };
 
     // Pass 3: which argument is the `struct swap_info_struct *`.
@@ -653,6 +689,7 @@ pub fn layout_of(source: impl Read + Seek) -> Result<KernelLayout, SlotFreeError
         function,
         si_bdev: si_bdev.offset,
         si_flags: si_flags.offset,
+        si_max: si_max.offset,
         bd_dev: bd_dev.offset,
         swp_blkdev,
         arg_si,
@@ -727,7 +764,7 @@ mod tests {
     fn strings() -> Vec<&'static str> {
         NAMES
             .into_iter()
-            .chain(["si", "long", "SWP_USED", "other", "u32", "dev_t"])
+            .chain(["si", "long", "SWP_USED", "other", "u32", "dev_t", "char"])
             .collect()
     }
 
@@ -735,11 +772,12 @@ mod tests {
         vec![
             // 1: int
             (off(s, "long"), info(1, 0), 8, words(&[64])),
-            // 2: struct swap_info_struct { long flags @0; long other @64;
-            //    struct block_device *bdev @ 192; struct swap_cluster_info *cluster_info @ 256 }
+            // 2: struct swap_info_struct { long flags @0; long other @64; signed char type @
+            //    80; u32 max @ 96; struct block_device *bdev @ 192;
+            //    struct swap_cluster_info *cluster_info @ 256 }
             (
                 off(s, "swap_info_struct"),
-                info(KIND_STRUCT, 4),
+                info(KIND_STRUCT, 6),
                 64,
                 words(&[
                     off(s, "flags"),
@@ -748,6 +786,12 @@ mod tests {
                     off(s, "other"),
                     1,
                     64,
+                    off(s, "type"),
+                    15,
+                    80,
+                    off(s, "max"),
+                    13,
+                    96,
                     off(s, "bdev"),
                     5,
                     192,
@@ -810,6 +854,8 @@ mod tests {
             (off(s, "u32"), info(KIND_INT, 0), 4, words(&[32])),
             // 14: typedef u32 dev_t
             (off(s, "dev_t"), info(8, 0), 13, vec![]),
+            // 15: signed char
+            (off(s, "char"), info(KIND_INT, 0), 1, words(&[8])),
         ]
     }
 
@@ -818,14 +864,14 @@ mod tests {
     fn sample_types_in_cluster(s: &[&str]) -> Vec<(u32, u32, u32, Vec<u8>)> {
         let mut types = sample_types(s);
         types.extend([
-            // 15: func __swap_cluster_free_entries -> 16
+            // 16: func __swap_cluster_free_entries -> 17
             (
                 off(s, "__swap_cluster_free_entries"),
                 info(KIND_FUNC, 0),
-                16,
+                17,
                 vec![],
             ),
-            // 16: proto (struct swap_info_struct *si, struct swap_cluster_info *ci,
+            // 17: proto (struct swap_info_struct *si, struct swap_cluster_info *ci,
             //     long ci_start, long nr_pages)
             (
                 0,
@@ -847,11 +893,15 @@ mod tests {
                 function: "swap_entry_range_free",
                 si_bdev: 24,
                 si_flags: 0,
+                si_max: 12,
                 bd_dev: 4,
                 swp_blkdev: 64,
                 arg_si: 0,
                 arg_nr_pages: 3,
-                first_slot: FirstSlot::Entry { arg: 2 },
+                first_slot: FirstSlot::Entry {
+                    arg: 2,
+                    si_type: 10,
+                },
             }
         );
     }
@@ -942,6 +992,20 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("swap_info_struct.flags"), "{error}");
+        // The swap type as 4 bytes, the area's size as 8: the probe would compare the wrong
+        // bytes with the entry's type and the freed run's end.
+        for (member, ty, what) in [
+            (2, 13, "swap_info_struct.type"),
+            (3, 1, "swap_info_struct.max"),
+        ] {
+            let mut types = sample_types(&strings);
+            let at = member * 12 + 4;
+            types[1].3[at..at + 4].copy_from_slice(&u32::to_le_bytes(ty));
+            let error = layout_of(btf_file(&types, &strings))
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(what), "{error}");
+        }
         // The entry argument as a pointer.
         let mut types = sample_types(&strings);
         types[7].3 = params(

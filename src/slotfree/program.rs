@@ -1,4 +1,4 @@
-//! The probe itself: a kprobe program of about 60 BPF instructions, written out here rather
+//! The probe itself: a kprobe program of about 100 BPF instructions, written out here rather
 //! than compiled (no BPF compiler needed to build or run the daemon). On every call of the
 //! kernel's slot-free function (`KernelLayout::function`) it reads the swap area's flags and
 //! its block device's number, and for a swap area that is the whole of our device it sets
@@ -10,9 +10,11 @@
 //!
 //! A bit set for a slot the kernel did not free is a page of a process lost, so the slots are
 //! checked against what every kernel's free looks like before any bit is set: at least one
-//! slot, never slot 0 (swap's header, which the kernel marks bad and never frees), all in one
-//! cluster (every caller frees within one), and for a slot given as a cluster and a place in
-//! it, a cluster that is an element of the swap area's array and a place inside it. Arguments
+//! slot, never slot 0 (swap's header, which the kernel marks bad and never frees), all inside
+//! the swap area (its `max` slots) and in one cluster (every caller frees within one), for a
+//! slot given as a swap entry, an entry of this swap area's type, and for a slot given as a
+//! cluster and a place in it, a cluster that is an element of the swap area's array and a
+//! place inside it. Arguments
 //! read from registers other than the ones the kernel passed them in (a kernel whose code
 //! and BTF disagree) then fail the checks, but for small values that happen to pass.
 //!
@@ -47,6 +49,7 @@ impl Insn {
 // Opcodes (include/uapi/linux/bpf.h, bpf_common.h).
 const LDX_DW: u8 = 0x79; // dst = *(u64 *)(src + off)
 const LDX_W: u8 = 0x61; // dst = *(u32 *)(src + off)
+const LDX_B: u8 = 0x71; // dst = *(u8 *)(src + off)
 const STX_DW: u8 = 0x7b; // *(u64 *)(dst + off) = src
 const STX_W: u8 = 0x63; // *(u32 *)(dst + off) = src
 const ST_W: u8 = 0x62; // *(u32 *)(dst + off) = imm
@@ -69,6 +72,7 @@ const JA: u8 = 0x05;
 const JEQ_K: u8 = 0x15;
 const JGT_K: u8 = 0x25;
 const JGE_K: u8 = 0x35;
+const JGT_X: u8 = 0x2d;
 const JGE_X: u8 = 0x3d;
 const JNE_X: u8 = 0x5d;
 const JNE_K: u8 = 0x55;
@@ -137,6 +141,7 @@ pub fn slot_free_probe(
     let imm = |value: u64, what| i32::try_from(value).map_err(|_| ProgramError::TooLarge(what));
     let si_flags = imm(layout.si_flags.into(), "swap_info_struct.flags")?;
     let si_bdev = imm(layout.si_bdev.into(), "swap_info_struct.bdev")?;
+    let si_max = imm(layout.si_max.into(), "swap_info_struct.max")?;
     let bd_dev = imm(layout.bd_dev.into(), "block_device.bd_dev")?;
     let blkdev = imm(layout.swp_blkdev, "SWP_BLKDEV")?;
     let bitmap_pages = u64::from(words) * 64;
@@ -167,9 +172,21 @@ pub fn slot_free_probe(
     // layout's clusters, or where the layout names none, `MAX_RANGE` (swap's clusters are 512
     // or 256 slots, aligned to their size, so a run inside one is inside one of 512).
     let cluster = match layout.first_slot {
-        FirstSlot::Entry { arg: entry } => {
-            // The entry's offset bits.
+        FirstSlot::Entry {
+            arg: entry,
+            si_type,
+        } => {
+            // The entry's type bits: this swap area's type?
+            let si_type = imm(si_type.into(), "swap_info_struct.type")?;
+            probe.push(insn(LDX_DW, R3, R6, si, 0));
+            probe.push(insn(ADD64_K, R3, 0, 0, si_type));
+            probe.read_kernel_into(-16, 1);
+            probe.push(insn(LDX_B, R1, FP, -16, 0));
             probe.push(insn(LDX_DW, R7, R6, arg(entry)?, 0));
+            probe.push(insn(MOV64_X, R2, R7, 0, 0));
+            probe.push(insn(RSH64_K, R2, 0, 0, 64 - SWP_TYPE_BITS));
+            probe.jump_if_reg(JNE_X, R2, R1, Exit);
+            // Its offset bits.
             probe.push(insn(LSH64_K, R7, 0, 0, SWP_TYPE_BITS));
             probe.push(insn(RSH64_K, R7, 0, 0, SWP_TYPE_BITS));
             MAX_RANGE
@@ -223,6 +240,14 @@ pub fn slot_free_probe(
     probe.jump_if(JGT_K, R8, MAX_RANGE, Exit);
     probe.jump_if(JEQ_K, R8, 0, Exit);
     probe.jump_if(JEQ_K, R7, 0, Exit);
+    // The last slot inside the swap area (`max` slots).
+    probe.push(insn(LDX_DW, R3, R6, si, 0));
+    probe.push(insn(ADD64_K, R3, 0, 0, si_max));
+    probe.read_kernel_into(-16, 4);
+    probe.push(insn(LDX_W, R1, FP, -16, 0));
+    probe.push(insn(MOV64_X, R2, R7, 0, 0));
+    probe.push(insn(ADD64_X, R2, R8, 0, 0));
+    probe.jump_if_reg(JGT_X, R2, R1, Exit);
     // The first and the last slot in one cluster.
     probe.push(insn(MOV64_X, R1, R7, 0, 0));
     probe.push(insn(DIV64_K, R1, 0, 0, cluster));
@@ -411,11 +436,14 @@ mod tests {
     fn reads_the_arguments_the_layout_names_and_compares_the_device_number() {
         let mut layout = layout();
         layout.arg_si = 1;
-        layout.first_slot = FirstSlot::Entry { arg: 2 };
+        layout.first_slot = FirstSlot::Entry {
+            arg: 2,
+            si_type: 34,
+        };
         layout.arg_nr_pages = 3;
         let program = slot_free_probe(&layout, (259 << 20) | 3, 7, 4096).unwrap();
-        // si twice (flags, bdev), then entry and count.
-        assert_eq!(ctx_loads(&program), [104, 104, 96, 88]);
+        // si three times (flags, bdev, type), then entry and count, then si (max).
+        assert_eq!(ctx_loads(&program), [104, 104, 104, 96, 88, 104]);
         let compare = program.iter().find(|i| i.code == JNE32_K).unwrap();
         assert_eq!(compare.imm, (259 << 20) | 3);
         let maps: Vec<(u8, i32)> = program
@@ -433,8 +461,9 @@ mod tests {
     fn a_slot_in_a_cluster_is_the_clusters_index_times_its_slots_plus_its_place() {
         let layout = KernelLayout::sample_in_cluster();
         let program = slot_free_probe(&layout, (259 << 20) | 3, 7, 4096).unwrap();
-        // si three times (flags, bdev, cluster_info), then ci, ci_start and the count.
-        assert_eq!(ctx_loads(&program), [112, 112, 112, 104, 96, 88]);
+        // si three times (flags, bdev, cluster_info), then ci, ci_start and the count, then si
+        // (max).
+        assert_eq!(ctx_loads(&program), [112, 112, 112, 104, 96, 88, 112]);
         let at = |code: u8| program.iter().position(|i| i.code == code).unwrap();
         assert!(at(SUB64_X) < at(DIV64_K) && at(DIV64_K) < at(MUL64_K));
         assert_eq!(program[at(DIV64_K)].imm, 48);
@@ -456,18 +485,29 @@ mod tests {
     const CLUSTERS: u64 = 0xffff_8000_0001_0000;
     const OUR_DEV: u32 = (259 << 20) | 3;
     const WORDS: u32 = 64;
+    /// Our swap area's type (`swp_entry_t`'s top bits) and size in slots (`max`).
+    const OUR_TYPE: u8 = 5;
+    const OUR_MAX: u32 = 4000;
 
-    /// The kernel memory a run of the probe reads: the swap area (its flags and block
-    /// device, and its clusters' array for a layout that has one) and the device's number.
+    /// The kernel memory a run of the probe reads: the swap area (its flags, size and block
+    /// device, its type for a layout that reads it, and its clusters' array for a layout that
+    /// has one) and the device's number.
     fn kernel_memory(layout: &KernelLayout, dev: u32) -> Vec<(u64, Vec<u8>)> {
         let mut memory = vec![
             (
                 SI + u64::from(layout.si_flags),
                 layout.swp_blkdev.to_le_bytes().to_vec(),
             ),
+            (
+                SI + u64::from(layout.si_max),
+                OUR_MAX.to_le_bytes().to_vec(),
+            ),
             (SI + u64::from(layout.si_bdev), BDEV.to_le_bytes().to_vec()),
             (BDEV + u64::from(layout.bd_dev), dev.to_le_bytes().to_vec()),
         ];
+        if let FirstSlot::Entry { si_type, .. } = layout.first_slot {
+            memory.push((SI + u64::from(si_type), vec![OUR_TYPE]));
+        }
         if let FirstSlot::InCluster {
             si_cluster_info, ..
         } = layout.first_slot
@@ -540,6 +580,7 @@ mod tests {
             match i.code {
                 LDX_DW => r[dst] = load(&stack, &map, address(r[src]), 8),
                 LDX_W => r[dst] = load(&stack, &map, address(r[src]), 4),
+                LDX_B => r[dst] = load(&stack, &map, address(r[src]), 1),
                 STX_DW => store(&mut stack, address(r[dst]), r[src], 8),
                 STX_W => store(&mut stack, address(r[dst]), r[src], 4),
                 ST_W => store(&mut stack, address(r[dst]), imm, 4),
@@ -568,6 +609,7 @@ mod tests {
                 JNE_K => jump(r[dst] != imm, &mut pc),
                 JGT_K => jump(r[dst] > imm, &mut pc),
                 JGE_K => jump(r[dst] >= imm, &mut pc),
+                JGT_X => jump(r[dst] > r[src], &mut pc),
                 JGE_X => jump(r[dst] >= r[src], &mut pc),
                 JNE_X => jump(r[dst] != r[src], &mut pc),
                 JNE32_K => jump(
@@ -621,13 +663,13 @@ mod tests {
     }
 
     /// The argument registers of a call freeing `nr` slots from `first` on our swap area (of
-    /// swap type 5) by a kernel of `layout`'s shape.
+    /// swap type `OUR_TYPE`) by a kernel of `layout`'s shape.
     fn args(layout: &KernelLayout, first: u64, nr: u64) -> [u64; 6] {
         let mut args = [0u64; 6];
         args[layout.arg_si] = SI;
         args[layout.arg_nr_pages] = nr;
         match layout.first_slot {
-            FirstSlot::Entry { arg } => args[arg] = (5 << 58) | first, // swap type 5
+            FirstSlot::Entry { arg, .. } => args[arg] = (u64::from(OUR_TYPE) << 58) | first,
             FirstSlot::Offset { arg } => args[arg] = first,
             FirstSlot::InCluster {
                 arg_ci,
@@ -658,7 +700,14 @@ mod tests {
         for layout in layouts() {
             let program = slot_free_probe(&layout, OUR_DEV, 7, WORDS).unwrap();
             let kernel = kernel_memory(&layout, OUR_DEV);
-            for (first, nr) in [(1, 1), (700, 1), (1024, 512), (1030, 3), (2047, 1)] {
+            for (first, nr) in [
+                (1, 1),
+                (700, 1),
+                (1024, 512),
+                (1030, 3),
+                (2047, 1),
+                (3990, 10),
+            ] {
                 let map = run(&program, args(&layout, first, nr), &kernel);
                 assert_eq!(
                     freed(&map),
@@ -685,12 +734,22 @@ mod tests {
     #[test]
     fn slots_no_kernel_frees_set_no_bit() {
         // What arguments read from the wrong registers may look like: no slot, slot 0 (swap's
-        // header), a run across clusters, more than a cluster, a place past its cluster, a
-        // pointer inside a cluster's element.
+        // header), a run across clusters, more than a cluster, a run past the swap area's
+        // end, a place past its cluster, a pointer inside a cluster's element, an entry of
+        // another swap type.
         for layout in layouts() {
             let program = slot_free_probe(&layout, OUR_DEV, 7, WORDS).unwrap();
             let kernel = kernel_memory(&layout, OUR_DEV);
-            for (first, nr) in [(5, 0), (0, 1), (0, 4), (510, 4), (1000, 100), (512, 513)] {
+            for (first, nr) in [
+                (5, 0),
+                (0, 1),
+                (0, 4),
+                (510, 4),
+                (1000, 100),
+                (512, 513),
+                (3990, 11),
+                (4000, 1),
+            ] {
                 let map = run(&program, args(&layout, first, nr), &kernel);
                 assert_eq!(
                     freed(&map).0,
@@ -709,6 +768,13 @@ mod tests {
                 let mut inside = args(&layout, 1024, 1);
                 inside[arg_ci] += 8;
                 assert_eq!(freed(&run(&program, inside, &kernel)).0, Vec::<u64>::new());
+            }
+            if let FirstSlot::Entry { arg, .. } = layout.first_slot {
+                for other_type in [OUR_TYPE + 1, OUR_TYPE | 0x20] {
+                    let mut other = args(&layout, 9, 1);
+                    other[arg] = (u64::from(other_type) << 58) | 9;
+                    assert_eq!(freed(&run(&program, other, &kernel)).0, Vec::<u64>::new());
+                }
             }
         }
     }
