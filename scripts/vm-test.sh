@@ -51,6 +51,8 @@
 #   VM_COMPARE_BIN, VM_COMPARE_ROUNDS [3]  --bench-fio: compare this build with another one in
 #                     the same VM (scripts/vm-bench.sh --compare)
 #   VM_FIO_JOBS       --bench-fio: only these fio jobs (names as in scripts/vm/bench.sh)
+#   VM_PAGE_CLUSTER   vm.page-cluster for the busybox VM's run (swap's readahead: at most
+#                     2^N pages a swap-in; the kernel's default 3)
 #   STRESS_CASES [move-inv:100]  --stress: stress-ng vm METHOD:MiB per worker (2 workers),
 #                     space-separated
 #   STRESS_S [30]     --stress: seconds per stress-ng run
@@ -399,6 +401,7 @@ PREVIOUS_BIN=${PREVIOUS_BIN:+/opt/previous/trueno-ublk}
 CREATE_ARGS="${VM_CREATE_ARGS:-}"
 FIO_RUNTIME_S=${VM_FIO_RUNTIME_S:-5}
 FIO_JOBS="${VM_FIO_JOBS:-}"
+PAGE_CLUSTER="${VM_PAGE_CLUSTER:-}"
 COMPARE_ROUNDS=${VM_COMPARE_BIN:+${VM_COMPARE_ROUNDS:-3}}
 STRESS_CASES="${STRESS_CASES:-move-inv:100}"
 STRESS_S=${STRESS_S:-30}

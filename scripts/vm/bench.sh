@@ -42,6 +42,9 @@ for m in lz4_compress lz4hc_compress zsmalloc zram; do
 done
 # The daemon's queue thread serves swap: give the kernel the same time to find it as the test.
 echo 60 >/proc/sys/kernel/hung_task_timeout_secs
+[ -z "${PAGE_CLUSTER:-}" ] || echo "$PAGE_CLUSTER" >/proc/sys/vm/page-cluster ||
+    fail "vm.page-cluster $PAGE_CLUSTER"
+echo "vm.page-cluster $(cat /proc/sys/vm/page-cluster)"
 
 zram_up() { # ALGORITHM
     echo 1 >/sys/block/zram0/reset

@@ -1215,6 +1215,9 @@ swap_run() {
 # --- 1. the kernel -------------------------------------------------------------------------
 section "kernel $(uname -r), $(grep MemTotal /proc/meminfo | tr -s ' '), $(nproc) CPUs, mode $MODE"
 echo 60 >/proc/sys/kernel/hung_task_timeout_secs
+[ -z "${PAGE_CLUSTER:-}" ] || echo "$PAGE_CLUSTER" >/proc/sys/vm/page-cluster ||
+    abort "vm.page-cluster $PAGE_CLUSTER"
+echo "vm.page-cluster $(cat /proc/sys/vm/page-cluster)"
 insmod /lib/modules/ublk_drv.ko || abort "insmod ublk_drv.ko"
 # ublk_ramdisk keeps its data in /dev/shm, as on a distribution.
 mkdir -p /dev/shm
