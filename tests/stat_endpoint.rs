@@ -140,6 +140,85 @@ fn a_server_left_removes_its_socket_without_waiting_for_a_report_under_way() {
     drop(client);
 }
 
+/// A daemon that stops while its statistics thread is stuck making a report (in reclaim, say)
+/// waits for it a bounded time, then goes on: the stop is not held for good.
+#[test]
+fn a_server_stuck_in_a_report_does_not_hold_its_stop() {
+    let (_root, dir) = temp_dir("stuck-stop");
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let release_rx = std::sync::Mutex::new(release_rx);
+    let server = serve_in(&dir, 0, move || {
+        let _ = started_tx.send(());
+        let _ = release_rx.lock().unwrap().recv();
+        report(0, 0)
+    })
+    .unwrap();
+    let path = socket_path(&dir, 0);
+    let client = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    started_rx
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the report was not started");
+    let (stopped_tx, stopped_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(server);
+        let _ = stopped_tx.send(());
+    });
+    stopped_rx
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .expect("the stop waited for the stuck report");
+    assert!(!path.exists(), "socket left behind");
+    drop(release_tx);
+    drop(client);
+}
+
+/// A socket whose daemon listens but takes no connection (its statistics thread stuck, its
+/// backlog full) is a live daemon's, not a stale one: a second daemon for the same id is
+/// refused in bounded time, and the first one's socket stays.
+#[test]
+fn a_listener_that_takes_no_connection_is_not_taken_for_stale() {
+    use nix::sys::socket::{self, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+    use std::os::fd::AsRawFd;
+    let (_root, dir) = temp_dir("full-backlog");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = socket_path(&dir, 3);
+    let address = UnixAddr::new(&path).unwrap();
+    let unix_socket = || {
+        socket::socket(
+            AddressFamily::Unix,
+            SockType::Stream,
+            SockFlag::SOCK_NONBLOCK,
+            None,
+        )
+        .unwrap()
+    };
+    let listener = unix_socket();
+    socket::bind(listener.as_raw_fd(), &address).unwrap();
+    socket::listen(&listener, Backlog::new(1).unwrap()).unwrap();
+    let mut queued = Vec::new();
+    loop {
+        let client = unix_socket();
+        match socket::connect(client.as_raw_fd(), &address) {
+            Ok(()) => queued.push(client),
+            Err(nix::errno::Errno::EAGAIN) => break,
+            Err(error) => panic!("connect: {error}"),
+        }
+        assert!(queued.len() < 64, "the backlog never filled");
+    }
+    let asked = std::time::Instant::now();
+    let error = serve_in(&dir, 3, || report(3, 0)).map(|_| ()).unwrap_err();
+    assert_eq!(error.kind(), std::io::ErrorKind::AddrInUse, "{error}");
+    assert!(error.to_string().contains("ublkb3.sock"), "{error}");
+    assert!(
+        asked.elapsed() < std::time::Duration::from_secs(30),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert!(path.exists(), "a live daemon's socket was removed");
+    drop(queued);
+    drop(listener);
+}
+
 #[test]
 fn server_answers_live_reports_and_cleans_up() {
     let (_root, dir) = temp_dir("live");

@@ -4,8 +4,6 @@
 
 use std::fs;
 use std::io::{self, Read};
-use std::os::fd::AsRawFd;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -14,8 +12,8 @@ use thiserror::Error;
 use super::reload::{outcome_for, outcome_path, ReloadOutcome};
 use super::render::{render, StatFormat};
 use super::{
-    socket_path, DeviceReport, Probe, COMPACT_REQUEST, COMPACT_SIGNAL, IO_TIMEOUT,
-    MAX_REPORT_BYTES, RELOAD_REQUEST,
+    connect, socket_path, ConnectError, DeviceReport, Probe, COMPACT_REQUEST, COMPACT_SIGNAL,
+    IO_TIMEOUT, MAX_REPORT_BYTES, RELOAD_REQUEST,
 };
 
 #[derive(Debug, Error)]
@@ -301,52 +299,14 @@ enum QueryError {
     Failed(String),
 }
 
-/// Connect to `socket` within `IO_TIMEOUT`. Why not `UnixStream::connect`: a blocking
-/// connect to a listener whose backlog is full (a daemon whose statistics thread is stuck,
-/// after a `watch trueno-ublk stat` left a hundred connections it never accepted) waits for
-/// good, and `stat` is what an administrator runs to look at a daemon in trouble. A
-/// non-blocking connect to a unix socket either completes at once or says `EAGAIN`.
-fn connect(socket: &Path) -> Result<UnixStream, QueryError> {
-    use nix::errno::Errno;
-    use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr};
-    let failed = |what: &str, error: Errno| QueryError::Failed(format!("{what}: {error}"));
-    let address = UnixAddr::new(socket).map_err(|error| failed("bad socket path", error))?;
-    let fd = socket::socket(
-        AddressFamily::Unix,
-        SockType::Stream,
-        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
-        None,
-    )
-    .map_err(|error| failed("cannot make a socket", error))?;
-    let started = Instant::now();
-    loop {
-        match socket::connect(fd.as_raw_fd(), &address) {
-            Ok(()) => break,
-            Err(Errno::EINTR) => {}
-            Err(Errno::EAGAIN) if started.elapsed() < IO_TIMEOUT => {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Err(Errno::EAGAIN) => {
-                return Err(QueryError::Failed(format!(
-                    "its daemon accepts no connection within {} s (its statistics thread is stuck; its log may say why)",
-                    IO_TIMEOUT.as_secs()
-                )))
-            }
-            Err(Errno::ENOENT) => return Err(QueryError::Gone),
-            Err(Errno::EACCES | Errno::EPERM) => return Err(QueryError::Denied),
-            Err(Errno::ECONNREFUSED) => {
-                return Err(QueryError::Failed(
-                    "stale socket: its daemon is gone (see `trueno-ublk list`)".to_string(),
-                ))
-            }
-            Err(error) => return Err(failed("cannot connect", error)),
+impl From<ConnectError> for QueryError {
+    fn from(error: ConnectError) -> Self {
+        match error {
+            ConnectError::Gone => Self::Gone,
+            ConnectError::Denied => Self::Denied,
+            other => Self::Failed(other.to_string()),
         }
     }
-    let stream = UnixStream::from(fd);
-    stream
-        .set_nonblocking(false)
-        .map_err(|error| QueryError::Failed(error.to_string()))?;
-    Ok(stream)
 }
 
 fn query(socket: &Path, id: u32) -> Result<DeviceReport, QueryError> {

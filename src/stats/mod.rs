@@ -11,8 +11,10 @@ mod reload;
 mod render;
 mod server;
 
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -34,6 +36,77 @@ pub const SOCKET_DIR: &str = "/run/trueno-ublk";
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
 /// A report is 3-5 KiB of JSON; anything longer than this is not one.
 const MAX_REPORT_BYTES: u64 = 64 << 10;
+
+/// Why `connect` made no connection to a statistics socket.
+#[derive(Debug)]
+enum ConnectError {
+    /// No socket there (its daemon stopped).
+    Gone,
+    /// Not this user's to connect to (the sockets are root's).
+    Denied,
+    /// A daemon listens but took no connection within `IO_TIMEOUT`.
+    Unanswered,
+    /// Nobody listens: a socket a daemon that died left behind.
+    Stale,
+    Failed(String),
+}
+
+impl std::fmt::Display for ConnectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Gone => f.write_str("no socket (its daemon stopped)"),
+            Self::Denied => f.write_str("permission denied"),
+            Self::Unanswered => write!(
+                f,
+                "its daemon accepts no connection within {} s (its statistics thread is stuck; its log may say why)",
+                IO_TIMEOUT.as_secs()
+            ),
+            Self::Stale => f.write_str("stale socket: its daemon is gone (see `trueno-ublk list`)"),
+            Self::Failed(reason) => f.write_str(reason),
+        }
+    }
+}
+
+/// Connect to `socket` within `IO_TIMEOUT`. Why not `UnixStream::connect`: a blocking
+/// connect to a listener whose backlog is full (a daemon whose statistics thread is stuck,
+/// after a `watch trueno-ublk stat` left a hundred connections it never accepted) waits for
+/// good, and both `stat`, which an administrator runs to look at a daemon in trouble, and a
+/// daemon checking whether another serves its device or waking its own statistics thread to
+/// stop it, must not. A non-blocking connect to a unix socket either completes at once or
+/// says `EAGAIN`.
+fn connect(socket: &Path) -> Result<UnixStream, ConnectError> {
+    use nix::errno::Errno;
+    use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr};
+    let failed = |what: &str, error: Errno| ConnectError::Failed(format!("{what}: {error}"));
+    let address = UnixAddr::new(socket).map_err(|error| failed("bad socket path", error))?;
+    let fd = socket::socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+        None,
+    )
+    .map_err(|error| failed("cannot make a socket", error))?;
+    let started = Instant::now();
+    loop {
+        match socket::connect(fd.as_raw_fd(), &address) {
+            Ok(()) => break,
+            Err(Errno::EINTR) => {}
+            Err(Errno::EAGAIN) if started.elapsed() < IO_TIMEOUT => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(Errno::EAGAIN) => return Err(ConnectError::Unanswered),
+            Err(Errno::ENOENT) => return Err(ConnectError::Gone),
+            Err(Errno::EACCES | Errno::EPERM) => return Err(ConnectError::Denied),
+            Err(Errno::ECONNREFUSED) => return Err(ConnectError::Stale),
+            Err(error) => return Err(failed("cannot connect", error)),
+        }
+    }
+    let stream = UnixStream::from(fd);
+    stream
+        .set_nonblocking(false)
+        .map_err(|error| ConnectError::Failed(error.to_string()))?;
+    Ok(stream)
+}
 
 /// What reading one socket gave.
 #[derive(Clone, Debug)]

@@ -10,9 +10,13 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use super::{socket_path, DeviceReport, IO_TIMEOUT, SOCKET_DIR};
+use super::{connect, socket_path, ConnectError, DeviceReport, IO_TIMEOUT, SOCKET_DIR};
+
+/// How long a stopping server waits for its thread: an answer being written may take
+/// `IO_TIMEOUT`, and the wake-up connection is taken after it.
+const STOP_WAIT: Duration = IO_TIMEOUT.saturating_mul(2);
 
 /// The daemon's side: answers on the socket until dropped, then removes it.
 pub struct StatsServer {
@@ -48,13 +52,31 @@ impl Drop for StatsServer {
             // The thread sits in accept(): one connection wakes it to see the flag. Only
             // through this socket: at the path another's (this one's file removed, a new
             // daemon's made there) would answer instead, and the join would wait for good.
-            if ours() && UnixStream::connect(&self.path).is_ok() {
-                let _ = thread.join();
-            } else {
+            // Nor for longer than an answer to a client may take: a thread stuck making a
+            // report (in reclaim, say) must not hold the daemon's stop.
+            if !ours() {
                 tracing::warn!(
                     "stats socket {} vanished; leaving its thread to process exit",
                     self.path.display()
                 );
+            } else if let Err(error) = connect(&self.path) {
+                tracing::warn!(
+                    "stats socket {}: {error}; leaving its thread to process exit",
+                    self.path.display()
+                );
+            } else {
+                let deadline = Instant::now() + STOP_WAIT;
+                while !thread.is_finished() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                if thread.is_finished() {
+                    let _ = thread.join();
+                } else {
+                    tracing::warn!(
+                        "the statistics thread did not end within {} s; leaving it to process exit",
+                        STOP_WAIT.as_secs()
+                    );
+                }
             }
         }
         if ours() {
@@ -113,16 +135,26 @@ fn remove_stale_socket(path: &Path) -> io::Result<()> {
             format!("{} exists and is not a socket; remove it", path.display()),
         ));
     }
-    if UnixStream::connect(path).is_ok() {
-        return Err(io::Error::new(
+    // Only a socket nobody listens on is stale: a live daemon whose statistics thread takes
+    // no connection (`Unanswered`) still serves the device.
+    match connect(path) {
+        Ok(_) => Err(io::Error::new(
             io::ErrorKind::AddrInUse,
             format!(
                 "another trueno-ublk daemon answers on {}; is this device id already served?",
                 path.display()
             ),
-        ));
+        )),
+        Err(ConnectError::Unanswered) => Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!(
+                "another trueno-ublk daemon listens on {} ({}); is this device id already served?",
+                path.display(),
+                ConnectError::Unanswered
+            ),
+        )),
+        Err(_) => fs::remove_file(path),
     }
-    fs::remove_file(path)
 }
 
 fn accept_loop(listener: &UnixListener, stop: &AtomicBool, report: &dyn Fn() -> DeviceReport) {
