@@ -20,7 +20,9 @@ const KIND_INT: u32 = 1;
 const KIND_PTR: u32 = 2;
 const KIND_ARRAY: u32 = 3;
 const KIND_STRUCT: u32 = 4;
+const KIND_UNION: u32 = 5;
 const KIND_ENUM: u32 = 6;
+const KIND_ENUM64: u32 = 19;
 const KIND_FUNC: u32 = 12;
 const KIND_FUNC_PROTO: u32 = 13;
 /// Kinds that only name another type: TYPEDEF, VOLATILE, CONST, RESTRICT, TYPE_TAG.
@@ -405,6 +407,11 @@ enum Expect {
     PointerTo(u32),
     /// One 8-byte word: an integer, or a struct of that size (`swp_entry_t`).
     Word,
+    /// Anything passed in one general-purpose register: an integer, an enum or a pointer, or
+    /// a struct or union of at most 8 bytes. A larger one by value takes two registers or the
+    /// stack, a float a vector register, and the arguments after it are not where their
+    /// positions say.
+    OneRegister,
 }
 
 impl Expect {
@@ -420,6 +427,13 @@ impl Expect {
             Expect::Word => {
                 matches!(resolved.kind, KIND_INT | KIND_STRUCT) && resolved.size_or_type == 8
             }
+            Expect::OneRegister => match resolved.kind {
+                KIND_PTR => true,
+                KIND_INT | KIND_ENUM | KIND_ENUM64 | KIND_STRUCT | KIND_UNION => {
+                    (1..=8).contains(&resolved.size_or_type)
+                }
+                _ => false,
+            },
         }
     }
 }
@@ -679,6 +693,23 @@ pub fn layout_of(source: impl Read + Seek) -> Result<KernelLayout, SlotFreeError
         .iter()
         .position(|(_, ty)| pointers_to_si.contains(ty))
         .ok_or_else(|| missing(&format!("swap_info_struct argument of {function}")))?;
+    // The probe reads argument N from the Nth argument register: every parameter up to the
+    // last it reads must take exactly one.
+    let last_read = match first_slot {
+        FirstSlot::Entry { arg, .. } | FirstSlot::Offset { arg } => arg,
+        FirstSlot::InCluster {
+            arg_ci, arg_start, ..
+        } => arg_ci.max(arg_start),
+    }
+    .max(arg_si)
+    .max(arg_nr_pages);
+    for (n, &(_, ty)) in params.iter().enumerate().take(last_read + 1) {
+        checks.push((
+            format!("parameter {n} of {function} (in one register)"),
+            ty,
+            Expect::OneRegister,
+        ));
+    }
     // One flag: the probe tests its bit.
     let swp_blkdev = swp_blkdev
         .filter(|flag: &u64| flag.is_power_of_two())
@@ -1028,6 +1059,20 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("SWP_BLKDEV"), "{error}");
+        // A parameter before the entry passed by value in more than one register (a 4 KiB
+        // struct): the entry and the count are not in the registers their places say.
+        let mut types = sample_types(&strings);
+        types[7].3 = params(
+            &strings,
+            [("si", 3), ("other", 11), ("entry", 1), ("nr_pages", 1)],
+        );
+        let error = layout_of(btf_file(&types, &strings))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("parameter 1 of swap_entry_range_free"),
+            "{error}"
+        );
         // A typedef that names itself is not followed for ever.
         let mut types = sample_types(&strings);
         types[13].2 = 14;
