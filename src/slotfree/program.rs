@@ -14,9 +14,9 @@
 //! the swap area (its `max` slots) and in one cluster (every caller frees within one), for a
 //! slot given as a swap entry, an entry of this swap area's type, and for a slot given as a
 //! cluster and a place in it, a cluster that is an element of the swap area's array and a
-//! place inside it. Arguments
-//! read from registers other than the ones the kernel passed them in (a kernel whose code
-//! and BTF disagree) then fail the checks, but for small values that happen to pass.
+//! place inside it. Arguments read from registers other than the ones the kernel passed them
+//! in (a kernel whose code and BTF disagree) then fail the checks, but for small values that
+//! happen to pass.
 //!
 //! The argument registers are x86-64's (`struct pt_regs`); other architectures have no probe.
 
