@@ -14,7 +14,7 @@ use trueno_ublk::procstat::ProcessMemory;
 use trueno_ublk::slotfree::SlotFreeStats;
 use trueno_ublk::stats::{
     collect, compact, reload, render, report_text, serve_in, socket_path, DeviceReport, Probe,
-    StatError, StatFormat, Unserved, COLUMNS,
+    StatError, StatFormat, StatsServer, Unserved, COLUMNS,
 };
 use trueno_ublk::store::StoreStats;
 use trueno_ublk::ublk::{IoTiming, Op};
@@ -108,35 +108,55 @@ fn stat_text(dir: &Path, args: &StatArgs) -> Result<String, StatError> {
     report_text(dir, args.id, args.format(), &[])
 }
 
-/// A daemon handing its device over leaves its endpoint without waiting for the thread, which
-/// may be making a report (in reclaim, say) for as long as it takes: the socket goes at once.
-#[test]
-fn a_server_left_removes_its_socket_without_waiting_for_a_report_under_way() {
-    let (_root, dir) = temp_dir("leave");
+/// A server of device 0 in `dir` whose statistics thread is making a report that does not end
+/// until the returned sender is dropped, and the client connection that asked for it.
+fn server_stuck_in_a_report(
+    dir: &Path,
+) -> (
+    StatsServer,
+    std::os::unix::net::UnixStream,
+    std::sync::mpsc::Sender<()>,
+) {
     let (started_tx, started_rx) = std::sync::mpsc::channel();
     let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
     let release_rx = std::sync::Mutex::new(release_rx);
-    let server = serve_in(&dir, 0, move || {
+    let server = serve_in(dir, 0, move || {
         let _ = started_tx.send(());
         let _ = release_rx.lock().unwrap().recv();
         report(0, 0)
     })
     .unwrap();
-    let path = socket_path(&dir, 0);
-    let client = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    let client = std::os::unix::net::UnixStream::connect(socket_path(dir, 0)).unwrap();
     started_rx
         .recv_timeout(std::time::Duration::from_secs(10))
         .expect("the report was not started");
-    let (left_tx, left_rx) = std::sync::mpsc::channel();
+    (server, client, release_tx)
+}
+
+/// Run `stop` on a thread of its own; it must end within `secs`, or the test fails saying
+/// `waited`.
+fn ends_within(secs: u64, waited: &str, stop: impl FnOnce() + Send + 'static) {
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        server.leave();
-        let _ = left_tx.send(());
+        stop();
+        let _ = done_tx.send(());
     });
-    left_rx
-        .recv_timeout(std::time::Duration::from_secs(10))
-        .expect("leave waited for the report under way");
-    assert!(!path.exists(), "socket left behind");
-    drop(release_tx);
+    done_rx
+        .recv_timeout(std::time::Duration::from_secs(secs))
+        .expect(waited);
+}
+
+/// A daemon handing its device over leaves its endpoint without waiting for the thread, which
+/// may be making a report (in reclaim, say) for as long as it takes: the socket goes at once.
+#[test]
+fn a_server_left_removes_its_socket_without_waiting_for_a_report_under_way() {
+    let (_root, dir) = temp_dir("leave");
+    let (server, client, release) = server_stuck_in_a_report(&dir);
+    ends_within(10, "leave waited for the report under way", move || {
+        server.leave()
+    });
+    assert!(!socket_path(&dir, 0).exists(), "socket left behind");
+    drop(release);
     drop(client);
 }
 
@@ -145,30 +165,12 @@ fn a_server_left_removes_its_socket_without_waiting_for_a_report_under_way() {
 #[test]
 fn a_server_stuck_in_a_report_does_not_hold_its_stop() {
     let (_root, dir) = temp_dir("stuck-stop");
-    let (started_tx, started_rx) = std::sync::mpsc::channel();
-    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
-    let release_rx = std::sync::Mutex::new(release_rx);
-    let server = serve_in(&dir, 0, move || {
-        let _ = started_tx.send(());
-        let _ = release_rx.lock().unwrap().recv();
-        report(0, 0)
-    })
-    .unwrap();
-    let path = socket_path(&dir, 0);
-    let client = std::os::unix::net::UnixStream::connect(&path).unwrap();
-    started_rx
-        .recv_timeout(std::time::Duration::from_secs(10))
-        .expect("the report was not started");
-    let (stopped_tx, stopped_rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        drop(server);
-        let _ = stopped_tx.send(());
+    let (server, client, release) = server_stuck_in_a_report(&dir);
+    ends_within(30, "the stop waited for the stuck report", move || {
+        drop(server)
     });
-    stopped_rx
-        .recv_timeout(std::time::Duration::from_secs(30))
-        .expect("the stop waited for the stuck report");
-    assert!(!path.exists(), "socket left behind");
-    drop(release_tx);
+    assert!(!socket_path(&dir, 0).exists(), "socket left behind");
+    drop(release);
     drop(client);
 }
 
@@ -263,13 +265,11 @@ fn a_server_whose_socket_was_replaced_stops_at_once() {
     let path = socket_path(&dir, 0);
     std::fs::remove_file(&path).unwrap();
     let other = UnixListener::bind(&path).unwrap();
-    let (done_tx, done) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        drop(server);
-        let _ = done_tx.send(());
-    });
-    done.recv_timeout(std::time::Duration::from_secs(10))
-        .expect("the server's drop waited on a socket not its own");
+    ends_within(
+        10,
+        "the server's drop waited on a socket not its own",
+        move || drop(server),
+    );
     assert!(path.exists(), "another's socket was removed");
     drop(other);
 }
