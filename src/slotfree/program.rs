@@ -150,18 +150,15 @@ pub fn slot_free_probe(
     let dev = i32::from_ne_bytes(dev.to_ne_bytes());
 
     let mut probe = Builder::default();
-    probe.push(insn(MOV64_X, R6, R1, 0, 0)); // r6 = ctx (kept across calls)
-                                             // The swap area's flags: a whole block device?
-    probe.push(insn(LDX_DW, R3, R6, si, 0));
-    probe.push(insn(ADD64_K, R3, 0, 0, si_flags));
-    probe.read_kernel_into(-8, 8);
+    // r6 = ctx (kept across calls).
+    probe.push(insn(MOV64_X, R6, R1, 0, 0));
+    // The swap area's flags: a whole block device?
+    probe.read_swap_area_field(si, si_flags, -8, 8);
     probe.push(insn(LDX_DW, R1, FP, -8, 0));
     probe.push(insn(AND64_K, R1, 0, 0, blkdev));
     probe.jump_if(JEQ_K, R1, 0, Exit);
     // Its block device's number: ours?
-    probe.push(insn(LDX_DW, R3, R6, si, 0));
-    probe.push(insn(ADD64_K, R3, 0, 0, si_bdev));
-    probe.read_kernel_into(-8, 8);
+    probe.read_swap_area_field(si, si_bdev, -8, 8);
     probe.push(insn(LDX_DW, R3, FP, -8, 0));
     probe.jump_if(JEQ_K, R3, 0, Exit);
     probe.push(insn(ADD64_K, R3, 0, 0, bd_dev));
@@ -178,9 +175,7 @@ pub fn slot_free_probe(
         } => {
             // The entry's type bits: this swap area's type?
             let si_type = imm(si_type.into(), "swap_info_struct.type")?;
-            probe.push(insn(LDX_DW, R3, R6, si, 0));
-            probe.push(insn(ADD64_K, R3, 0, 0, si_type));
-            probe.read_kernel_into(-16, 1);
+            probe.read_swap_area_field(si, si_type, -16, 1);
             probe.push(insn(LDX_B, R1, FP, -16, 0));
             probe.push(insn(LDX_DW, R7, R6, arg(entry)?, 0));
             probe.push(insn(MOV64_X, R2, R7, 0, 0));
@@ -214,9 +209,7 @@ pub fn slot_free_probe(
             let clusters_bytes = imm(clusters_bytes, "the clusters' array")?;
             let cluster_info_bytes = imm(cluster_info_bytes.into(), "swap_cluster_info")?;
             let cluster_slots = imm(cluster_slots.into(), "SWAPFILE_CLUSTER")?;
-            probe.push(insn(LDX_DW, R3, R6, si, 0));
-            probe.push(insn(ADD64_K, R3, 0, 0, si_cluster_info));
-            probe.read_kernel_into(-8, 8);
+            probe.read_swap_area_field(si, si_cluster_info, -8, 8);
             probe.push(insn(LDX_DW, R7, R6, arg(arg_ci)?, 0));
             probe.push(insn(LDX_DW, R1, FP, -8, 0));
             probe.push(insn(SUB64_X, R7, R1, 0, 0));
@@ -241,9 +234,7 @@ pub fn slot_free_probe(
     probe.jump_if(JEQ_K, R8, 0, Exit);
     probe.jump_if(JEQ_K, R7, 0, Exit);
     // The last slot inside the swap area (`max` slots).
-    probe.push(insn(LDX_DW, R3, R6, si, 0));
-    probe.push(insn(ADD64_K, R3, 0, 0, si_max));
-    probe.read_kernel_into(-16, 4);
+    probe.read_swap_area_field(si, si_max, -16, 4);
     probe.push(insn(LDX_W, R1, FP, -16, 0));
     probe.push(insn(MOV64_X, R2, R7, 0, 0));
     probe.push(insn(ADD64_X, R2, R8, 0, 0));
@@ -353,6 +344,14 @@ impl Builder {
         self.push(insn(MOV64_X, R2, FP, 0, 0));
         self.push(insn(ADD64_K, R2, 0, 0, i32::from(key)));
         self.push(insn(CALL, 0, 0, 0, HELPER_MAP_LOOKUP_ELEM));
+    }
+
+    /// `size` bytes at `offset` in the swap area (`struct swap_info_struct`) whose pointer is
+    /// the argument at `si` in the context (r6) into `fp + to`; leave when the read fails.
+    fn read_swap_area_field(&mut self, si: i16, offset: i32, to: i16, size: i32) {
+        self.push(insn(LDX_DW, R3, R6, si, 0));
+        self.push(insn(ADD64_K, R3, 0, 0, offset));
+        self.read_kernel_into(to, size);
     }
 
     /// `bpf_probe_read_kernel(fp + to, size, r3)`; leave when it fails.
