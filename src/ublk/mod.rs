@@ -10,6 +10,7 @@ mod handler;
 pub mod io;
 pub mod mmap;
 pub mod params;
+mod poll;
 pub mod queue;
 mod shared_read;
 pub mod sys;

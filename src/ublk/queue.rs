@@ -18,6 +18,7 @@ use super::handler::{BlockHandler, Handled};
 use super::io::{failure_result, Op, Request};
 use super::mmap::{DescArray, IoBuffers};
 use super::params::BLOCK_SIZE;
+use super::poll::PollWindow;
 use super::shared_read::{self, LentBuffer, SharedRead};
 use super::sys::{self, IoCmd};
 use super::timing::IoTiming;
@@ -141,9 +142,6 @@ const STOP_POLL: types::Timespec = types::Timespec::new().sec(1);
 /// How long the loop sleeps at most while requests are deferred, before it tries them again
 /// (only while a write waits for memory: an idle device never polls).
 const DEFERRED_POLL: types::Timespec = types::Timespec::new().nsec(2_000_000);
-/// How long the loop watches the ring for the next request after serving some, before it
-/// sleeps in it (see `Queue::poll_briefly`).
-const POLL_WINDOW: std::time::Duration = std::time::Duration::from_micros(50);
 /// How long the queue pauses before it submits again when the kernel had no memory for it.
 const SUBMIT_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
 /// How long `Queue::submit_all` waits out a kernel with no memory for the commands it
@@ -387,9 +385,14 @@ impl Queue {
         let idle_wait = types::SubmitArgs::new().timespec(&STOP_POLL);
         let deferred_wait = types::SubmitArgs::new().timespec(&DEFERRED_POLL);
         let mut busy = false;
+        let mut poll = PollWindow::new();
         while self.in_flight > 0 || !deferred.is_empty() {
+            // When the requests served last were done: the gap to the next one's arrival
+            // sizes the window (see `poll`).
+            let mut served_at = None;
             if busy && deferred.is_empty() && handler.may_poll() {
-                self.poll_briefly();
+                served_at = Some(Instant::now());
+                self.poll_briefly(poll.window());
             }
             let args = if deferred.is_empty() {
                 &idle_wait
@@ -427,6 +430,9 @@ impl Queue {
             );
             let arrived = Instant::now();
             busy = !ready.is_empty();
+            if let (true, Some(served_at)) = (busy, served_at) {
+                poll.note_gap(arrived.saturating_duration_since(served_at));
+            }
             if busy {
                 timing.record_wait(ready.len());
             }
@@ -508,20 +514,20 @@ impl Queue {
     }
 
     /// Hybrid polling, after a wait that brought requests: hand the commits to the kernel,
-    /// then watch the ring for up to `POLL_WINDOW` before sleeping in it, so that the next
-    /// request of a busy client (a page fault waiting on a swap-in, say) is picked up without
-    /// this thread going to sleep and being woken. The ring flags pending completions
+    /// then watch the ring for up to `window` (see `poll`) before sleeping in it, so that the
+    /// next request of a busy client (a page fault waiting on a swap-in, say) is picked up
+    /// without this thread going to sleep and being woken. The ring flags pending completions
     /// (`taskrun`: the driver's task work waits for this thread to enter the kernel), and the
     /// wait that follows runs them at once. An idle device never polls: the window follows
     /// only a wait that brought requests. A failed submission (EINTR, say) skips the
     /// polling: the wait that follows submits again and reports what is wrong.
-    fn poll_briefly(&mut self) {
+    fn poll_briefly(&mut self, window: std::time::Duration) {
         if self.ring.submit().is_err() {
             return;
         }
         let since = Instant::now();
         while !self.ring.submission().taskrun() && self.ring.completion().is_empty() {
-            if since.elapsed() >= POLL_WINDOW {
+            if since.elapsed() >= window {
                 break;
             }
             std::hint::spin_loop();
