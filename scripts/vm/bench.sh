@@ -127,6 +127,8 @@ storm() { # NAME DEV
     rc=$?
     t1=$($VT now)
     cpu_report "$name after the storm"
+    # Each phase's time (the fill, then each verifying pass): where the two devices differ.
+    grep -E '^pressure: (fill|verify)' /tmp/storm.out | sed "s/^/$name storm /"
     bad=$(sed -n 's/^PRESSURE_BAD_WORDS=//p' /tmp/storm.out)
     if [ "$rc" -eq 0 ] && [ "$bad" = 0 ]; then
         figure "storm_${name}_seconds" "$(awk -v a="$t1" -v b="$t0" 'BEGIN { printf "%.1f", a - b }')"
