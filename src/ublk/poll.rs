@@ -3,13 +3,13 @@
 //!
 //! A client that waits for each answer before it asks again (fio at queue depth 1, a page
 //! fault waiting on its swap-in) sends the next request as long after the answer as it takes
-//! to use it: under the VM's emulation often more than the 50 µs the window was, so the
-//! thread slept and was woken through the scheduler for nearly every request, which there
-//! costs about as much as serving one. So the window follows the gaps the thread has seen
+//! to use it: under the VM's emulation that can be more than the 50 µs the window was, and
+//! the thread then sleeps and is woken through the scheduler, which there costs about as much
+//! as serving a request. So the window follows the gaps the thread has seen
 //! lately: half as long again as their running mean while that mean is under `LONGEST`,
 //! `SHORTEST` otherwise, so that a device whose requests come far apart (or an idle one: the
 //! window follows only a wait that brought requests) spins no longer than it did before.
-//! With it the VM's fio rows went 1.2–1.5 times as fast (`scripts/vm-bench.sh --compare`,
+//! With it the VM's fio rows went 1.1–1.5 times as fast (`scripts/vm-bench.sh --compare`,
 //! 2026-12-05; docs/measurements.md). Still not while memory is short (the handler's
 //! `may_poll`): there a spinning queue thread takes the CPU from what gives memory back.
 
