@@ -125,6 +125,12 @@ pub fn human_size(bytes: u64) -> String {
     }
 }
 
+/// `duration` in nanoseconds as a `u64`, saturating (past 584 years): the clocks and periods
+/// the I/O path keeps in atomic words.
+pub fn nanos(duration: std::time::Duration) -> u64 {
+    u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

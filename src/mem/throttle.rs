@@ -161,9 +161,9 @@ impl ThrottledThread {
         let Some(signal) = wake_signal() else {
             return false;
         };
-        let now = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let now = crate::units::nanos(self.epoch.elapsed());
         let last = self.woken_ns.load(Ordering::Relaxed);
-        let interval = u64::try_from(WAKE_INTERVAL.as_nanos()).unwrap_or(u64::MAX);
+        let interval = crate::units::nanos(WAKE_INTERVAL);
         if last != 0 && now.saturating_sub(last) < interval {
             return false;
         }

@@ -49,7 +49,7 @@ mod table_memory;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 use rayon::prelude::*;
@@ -59,6 +59,7 @@ use crate::codec::{
     classify, compress_page, decompress_page, fill_page, Algorithm, Backend, BatchCodec,
     CompressedBatch, Compressor, Encoding, Page, PageChecksum, PageClass, PAGE_SIZE,
 };
+use crate::units::nanos;
 use admission::SlotWait;
 use alloc::{Handle, ZsAllocator};
 pub use config::{
@@ -1061,11 +1062,6 @@ impl SlotFrees<'_> {
             }
         })
     }
-}
-
-/// `duration` in nanoseconds, saturating: the store's clocks and periods are `u64` ns.
-fn nanos(duration: Duration) -> u64 {
-    u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

@@ -17,6 +17,8 @@
 
 use std::time::Duration;
 
+use crate::units::nanos;
+
 /// The window while requests come far apart.
 pub(super) const SHORTEST: Duration = Duration::from_micros(50);
 /// The longest window: past this mean gap the client is not waiting on each answer, and
@@ -54,10 +56,6 @@ impl PollWindow {
         let gap = nanos(gap).min(nanos(LONGEST) * 10);
         self.mean_gap_ns = (self.mean_gap_ns * 7 + gap) / 8;
     }
-}
-
-fn nanos(duration: Duration) -> u64 {
-    u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

@@ -717,5 +717,5 @@ fn data_len(request: &Request) -> i32 {
 }
 
 fn elapsed_ns(since: Instant) -> u64 {
-    u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    crate::units::nanos(since.elapsed())
 }
