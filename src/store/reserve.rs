@@ -62,11 +62,9 @@ const COMMIT_GROUP_BYTES: usize = 256 << 10;
 pub const QUIET_AFTER: Duration = Duration::from_secs(1);
 const QUIET_TARGET_DIVISOR: u64 = 4;
 /// ...and never more than this: the target grows with RAM (up to 64 MiB), the idle footprint
-/// must not (16 MiB locked on an idle 16 GiB machine before this; 1 MiB until 2026-11-29, 512
-/// KiB until 2026-12-05: issue 16's idle footprint of 8 MiB was met or missed by the binary's
-/// code pages mapped). Memory getting short, which comes before swap does, brings the whole
-/// target back, and the first chunk taken does at the refill thread's next pass.
-const QUIET_TARGET_MAX_BYTES: u64 = 256 << 10;
+/// must not (16 MiB locked on an idle 16 GiB machine before this; 1 MiB until 2026-11-29).
+/// Memory getting short, which comes before swap does, brings the whole target back.
+const QUIET_TARGET_MAX_BYTES: u64 = 512 << 10;
 /// A reserve in use holds up to this fraction of its target beyond it before giving chunks
 /// back (see `trim_above`).
 const TRIM_SLACK_DIVISOR: u64 = 8;
@@ -1548,11 +1546,11 @@ impl ChunkReserve {
         demand_share(demand, total, target).max(floor)
     }
 
-    /// The target of a refill pass: `target_bytes`, or a quarter of it (at most 256 KiB) once
-    /// no chunk has been taken for `QUIET_AFTER` while memory is not short. Why: the reserve
-    /// is locked memory held for the next burst of writes, and a swap device is idle most of
-    /// its life (the issue's idle footprint); the first chunk taken, or memory getting short,
-    /// brings the whole target back at the next pass, which the taker wakes.
+    /// The target of a refill pass: `target_bytes`, or a quarter of it (at most 512 KiB) once no chunk has been
+    /// taken for `QUIET_AFTER` while memory is not short. Why: the reserve is locked memory
+    /// held for the next burst of writes, and a swap device is idle most of its life (the
+    /// issue's idle footprint); the first chunk taken, or memory getting short, brings the
+    /// whole target back at the next pass, which the taker wakes.
     fn target_for_pass(&self) -> u64 {
         let taken = self.taken.swap(0, Ordering::Relaxed);
         let mut last_busy = self.last_busy.lock();
