@@ -54,18 +54,23 @@ impl StoreHandler {
     /// Free the pages whose slots the probe reported freed (see `crate::slotfree`). A large
     /// free (a program with many pages out exited or was killed) is logged with how long it
     /// took: near OOM the kernel's next OOM decision races the memory it gives back, and the
-    /// log against the kernel's kill lines says who won.
+    /// log against the kernel's kill lines says who won. With the hole punches that gave the
+    /// memory back (most of that time under the VM's emulation, and more the shorter the runs
+    /// of adjacent chunks they punch).
     pub(super) fn free_reported_slots(&self) {
         if let (Some(probe), Some(store)) = (self.slot_frees.get(), self.store.get()) {
             let started = Instant::now();
             let mut frees = store.swap_slot_frees();
             let pages = probe.free_reported(|page, still_freed| frees.free(page, still_freed));
             // The memory goes back here, before the time is taken.
-            drop(frees);
+            let punches = frees.finish();
             if pages >= LOGGED_SLOT_FREE_PAGES {
                 tracing::info!(
                     pages,
                     took_ms = started.elapsed().as_millis(),
+                    punches = punches.calls,
+                    punched_pages = punches.pages,
+                    punch_ms = punches.time.as_millis(),
                     memory_short = store.memory_short(),
                     "freed the pages of slots swap freed"
                 );

@@ -78,6 +78,7 @@ pub use oom::OomKiller;
 use pending::{BatchSpan, PendingBatch};
 pub use recompress::Compaction;
 use reserve::FreedTogether;
+pub use reserve::Punches;
 /// How long after its last use the chunk reserve shrinks to a quarter of its target.
 pub use reserve::QUIET_AFTER as RESERVE_QUIET_AFTER;
 use table::{IdleClock, PageState, PageTable};
@@ -1061,6 +1062,12 @@ impl SlotFrees<'_> {
                 emptied.push(chunk);
             }
         })
+    }
+
+    /// Give the memory of the run's frees back now, as dropping it does: the hole punches
+    /// the whole run made.
+    pub fn finish(self) -> Punches {
+        self.emptied.finish()
     }
 }
 

@@ -286,15 +286,43 @@ impl Drop for RefillRunning<'_> {
 pub(super) struct FreedTogether<'a> {
     reserve: &'a ChunkReserve,
     chunks: MutexGuard<'a, Vec<ArenaChunk>>,
+    punches: Punches,
+}
+
+/// The hole punches with which a run of frees gave memory back to the system (see
+/// `FreedTogether`): for the log of a large free, where near OOM they are most of its time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Punches {
+    /// System calls, one per run of adjacent chunks.
+    pub calls: usize,
+    /// Pages given back by them.
+    pub pages: usize,
+    pub time: Duration,
+}
+
+impl Punches {
+    fn add(&mut self, more: Punches) {
+        self.calls += more.calls;
+        self.pages += more.pages;
+        self.time += more.time;
+    }
 }
 
 impl FreedTogether<'_> {
     pub(super) fn push(&mut self, chunk: ArenaChunk) {
         if self.chunks.len() == self.chunks.capacity() {
-            self.reserve.give_back_all(&mut self.chunks);
+            let punched = self.reserve.give_back_all(&mut self.chunks);
+            self.punches.add(punched);
         }
         // Never grows the list: it has room now (`give_back_all` empties it).
         self.chunks.push(chunk);
+    }
+
+    /// Give back what is held, as dropping it does: the punches of the whole run of frees.
+    pub(super) fn finish(mut self) -> Punches {
+        let punched = self.reserve.give_back_all(&mut self.chunks);
+        self.punches.add(punched);
+        self.punches
     }
 }
 
@@ -955,6 +983,7 @@ impl ChunkReserve {
         FreedTogether {
             reserve: self,
             chunks: self.freed_together.lock(),
+            punches: Punches::default(),
         }
     }
 
@@ -971,7 +1000,7 @@ impl ChunkReserve {
     /// 21.4 with every hole punched (this project's machine, 2026-11-30). A hole punch costs
     /// about 14 µs for one page and 1.2 µs a page for runs of 64, the kernel's own freeing of
     /// a shared-memory page about 1.
-    fn give_back_all(&self, chunks: &mut Vec<ArenaChunk>) {
+    fn give_back_all(&self, chunks: &mut Vec<ArenaChunk>) -> Punches {
         let target = self.current_target.load(Ordering::Relaxed);
         while let Some(chunk) = chunks.pop() {
             if self.held_bytes.load(Ordering::Relaxed) + chunk.len() as u64 > target {
@@ -986,10 +1015,17 @@ impl ChunkReserve {
             }
         }
         if chunks.is_empty() {
-            return;
+            return Punches::default();
         }
-        self.decommit(chunks);
+        let started = Instant::now();
+        let calls = self.decommit(chunks);
+        let punched = Punches {
+            calls,
+            pages: chunks.iter().map(|chunk| chunk.len() / PAGE_SIZE).sum(),
+            time: started.elapsed(),
+        };
         chunks.clear();
+        punched
     }
 
     /// Keep `chunk` ready in `pool` (counted as held) if its list has room; the chunk back
@@ -1085,11 +1121,15 @@ impl ChunkReserve {
     }
 
     /// Give the pages of `chunks` back to the system; they wait as cold pages.
-    fn decommit(&self, chunks: &mut [ArenaChunk]) {
-        if let Err(error) = ArenaChunk::decommit_all(chunks) {
+    /// Give back the pages of `chunks` (noted cold): how many system calls that took (0 with
+    /// the failure logged, where one failed).
+    fn decommit(&self, chunks: &mut [ArenaChunk]) -> usize {
+        let calls = ArenaChunk::decommit_all(chunks).unwrap_or_else(|error| {
             tracing::warn!(%error, "giving a chunk's memory back failed");
-        }
+            0
+        });
         self.make_cold(chunks);
+        calls
     }
 
     /// Note `chunks`, whose pages were given back, as cold.
@@ -2229,6 +2269,30 @@ mod tests {
         assert_eq!(reserve.cold.pages(), 3);
         let again = reserve.take(3, None).unwrap();
         assert!(again.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn a_run_of_frees_counts_a_hole_punch_per_run_of_adjacent_chunks_given_back() {
+        // No target: every chunk freed goes back to the system.
+        let reserve = ChunkReserve::new(0, arena(), &[1; 8]);
+        let mut chunks: Vec<ArenaChunk> = (0..10).map(|_| reserve.take(1, None).unwrap()).collect();
+        chunks.sort_unstable_by_key(ArenaChunk::page);
+        // One stays taken: the others are freed in an order of their own.
+        let kept = chunks.remove(5);
+        let mut pages: Vec<usize> = chunks.iter().map(ArenaChunk::page).collect();
+        pages.sort_unstable();
+        let runs = 1 + pages.windows(2).filter(|w| w[1] != w[0] + 1).count();
+        let mut freed = reserve.freed_together();
+        for chunk in chunks.into_iter().rev() {
+            freed.push(chunk);
+        }
+        let punches = freed.finish();
+        assert_eq!(punches.calls, runs);
+        assert_eq!(punches.pages, 9);
+        assert_eq!(reserve.cold.pages(), 9);
+        // Nothing held: a run with no frees punches nothing.
+        assert_eq!(reserve.freed_together().finish(), Punches::default());
+        drop(kept);
     }
 
     #[test]
