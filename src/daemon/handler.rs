@@ -55,8 +55,7 @@ impl StoreHandler {
     /// free (a program with many pages out exited or was killed) is logged with how long it
     /// took: near OOM the kernel's next OOM decision races the memory it gives back, and the
     /// log against the kernel's kill lines says who won. With the hole punches that gave the
-    /// memory back (most of that time under the VM's emulation, and more the shorter the runs
-    /// of adjacent chunks they punch).
+    /// memory back: under the VM's emulation most of that time, the kernel freeing each page.
     pub(super) fn free_reported_slots(&self) {
         if let (Some(probe), Some(store)) = (self.slot_frees.get(), self.store.get()) {
             let started = Instant::now();

@@ -297,6 +297,7 @@ pub struct Punches {
     pub calls: usize,
     /// Pages given back by them.
     pub pages: usize,
+    /// How long they took.
     pub time: Duration,
 }
 
@@ -1120,9 +1121,8 @@ impl ChunkReserve {
         self.refill_rousings.load(Ordering::Relaxed)
     }
 
-    /// Give the pages of `chunks` back to the system; they wait as cold pages.
-    /// Give back the pages of `chunks` (noted cold): how many system calls that took (0 with
-    /// the failure logged, where one failed).
+    /// Give the pages of `chunks` back to the system; they wait as cold pages. How many
+    /// system calls that took (0, with the failure logged, where one failed).
     fn decommit(&self, chunks: &mut [ArenaChunk]) -> usize {
         let calls = ArenaChunk::decommit_all(chunks).unwrap_or_else(|error| {
             tracing::warn!(%error, "giving a chunk's memory back failed");
