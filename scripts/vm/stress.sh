@@ -201,10 +201,12 @@ stress_case() {
         grep 'starved for memory' /run/trueno-ublk/ublkb0.log | tail -n 3
     # The killed workers' pages freed as the slot-free probe reported their slots (4 MiB or
     # more at a time), with how long each took and the hole punches that gave the memory back
-    # (a punch per run of adjacent chunks), against the kernel's kill lines: who was first.
+    # (a punch per run of adjacent chunks; a build before 9f1494b logs no punches, and its
+    # lines are printed without them), against the kernel's kill lines: who was first.
     [ "$name" = zram ] || {
         tail -n +$((n0 + 1)) /run/trueno-ublk/ublkb0.log | grep 'freed the pages of slots' |
-            sed -n "s/^[0-9-]*T\([0-9:.]*\)Z.* pages=\([0-9]*\) took_ms=\([0-9]*\) punches=\([0-9]*\) punched_pages=\([0-9]*\) punch_ms=\([0-9]*\).*/$tag: slots freed at \1: \2 pages in \3 ms; \5 pages given back in \4 hole punches, \6 ms/p" | head -n 30
+            sed -n -e "s/^[0-9-]*T\([0-9:.]*\)Z.* pages=\([0-9]*\) took_ms=\([0-9]*\) punches=\([0-9]*\) punched_pages=\([0-9]*\) punch_ms=\([0-9]*\).*/$tag: slots freed at \1: \2 pages in \3 ms; \5 pages given back in \4 hole punches, \6 ms/p" -e t \
+                -e "s/^[0-9-]*T\([0-9:.]*\)Z.* pages=\([0-9]*\) took_ms=\([0-9]*\).*/$tag: slots freed at \1: \2 pages in \3 ms/p" | head -n 30
         grep 'Killed process' "/tmp/dmesg.$tag" | sed "s/^/$tag: /" | head -n 30
         echo "$tag: the log's time of day $("$VT" clock) s was the kernel's $(cut -d' ' -f1 /proc/uptime) s"
     }
