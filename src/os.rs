@@ -116,18 +116,56 @@ pub fn thread_cpu_times() -> std::io::Result<Vec<ThreadCpu>> {
     Ok(threads)
 }
 
-/// Run the calling thread under `SCHED_FIFO` at the lowest real-time priority. The kernel's
-/// page allocator lets real-time tasks dip below the min watermark (`ALLOC_MIN_RESERVE`;
-/// `ALLOC_HARDER` before Linux 6.3), and the scheduler runs them before any normal task.
-pub fn make_thread_realtime() -> std::io::Result<()> {
-    let param = libc::sched_param { sched_priority: 1 };
+/// The real-time priority (`SCHED_FIFO`) of the daemon's real-time threads: the lowest, so
+/// that the kernel's own real-time threads (50 and above) still come first.
+pub const REALTIME_PRIORITY: libc::c_int = 1;
+/// One above `REALTIME_PRIORITY`: work that must preempt even those threads while it lasts
+/// (see `RealtimeWhile`).
+pub const REALTIME_PRIORITY_ABOVE: libc::c_int = REALTIME_PRIORITY + 1;
+
+/// Run the calling thread under `SCHED_FIFO` at `priority`. The kernel's page allocator lets
+/// real-time tasks dip below the min watermark (`ALLOC_MIN_RESERVE`; `ALLOC_HARDER` before
+/// Linux 6.3), and the scheduler runs them before any normal task.
+pub fn make_thread_realtime(priority: libc::c_int) -> std::io::Result<()> {
+    let param = libc::sched_param {
+        sched_priority: priority,
+    };
     // SAFETY: `param` is a valid sched_param that outlives the call, which only reads it; pid 0
     // is the calling thread.
     cvt(unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) })
 }
 
+/// The calling thread real-time (`SCHED_FIFO` at a priority) while this lives, then under the
+/// normal scheduler again, at the nice value it kept meanwhile. For a bounded stretch of work
+/// that takes no lock a thread of lower priority may hold (a real-time thread that spins or
+/// yields on such a lock keeps the holder off its CPU). A thread that may not be made
+/// real-time (no CAP_SYS_NICE), or is real-time already, stays as it is.
+pub struct RealtimeWhile {
+    changed: bool,
+}
+
+impl RealtimeWhile {
+    pub fn enter(priority: libc::c_int) -> Self {
+        // SAFETY: sched_getscheduler takes no pointers; pid 0 is the calling thread.
+        let normal = unsafe { libc::sched_getscheduler(0) } == libc::SCHED_OTHER;
+        Self {
+            changed: normal && make_thread_realtime(priority).is_ok(),
+        }
+    }
+}
+
+impl Drop for RealtimeWhile {
+    fn drop(&mut self) {
+        if self.changed {
+            if let Err(error) = make_thread_normal() {
+                tracing::warn!(%error, "could not take a thread back from real time");
+            }
+        }
+    }
+}
+
 /// Run the calling thread under the normal scheduler again (`SCHED_OTHER`), after
-/// `make_thread_realtime`.
+/// `make_thread_realtime`, at the nice value it had (sched_setscheduler(2) keeps it).
 pub fn make_thread_normal() -> std::io::Result<()> {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: as in `make_thread_realtime`: `param` outlives the call, which only reads it.
@@ -445,6 +483,49 @@ mod tests {
         drop(child.stdin.take());
         child.wait().unwrap();
         assert!(process_exited(pid));
+    }
+
+    /// Real time while the guard lives (where this process may: CAP_SYS_NICE, as root), the
+    /// normal scheduler and the same nice value after; a thread real-time already stays so.
+    #[test]
+    fn a_thread_is_real_time_while_the_guard_lives_and_as_it_was_after() {
+        std::thread::spawn(|| {
+            // SAFETY: sched_getscheduler takes no pointers; 0 is this thread.
+            let policy = || unsafe { libc::sched_getscheduler(0) };
+            let nice = || {
+                let tid = libc::id_t::try_from(nix::unistd::gettid().as_raw()).unwrap();
+                // SAFETY: as in `set_thread_nice`: no pointers, this thread's nice value.
+                unsafe { libc::getpriority(libc::PRIO_PROCESS, tid) }
+            };
+            set_thread_nice(5).unwrap();
+            let permitted = make_thread_realtime(REALTIME_PRIORITY).is_ok();
+            make_thread_normal().unwrap();
+            assert_eq!((policy(), nice()), (libc::SCHED_OTHER, 5));
+            {
+                let _realtime = RealtimeWhile::enter(REALTIME_PRIORITY_ABOVE);
+                let inside = if permitted {
+                    libc::SCHED_FIFO
+                } else {
+                    libc::SCHED_OTHER
+                };
+                assert_eq!(policy(), inside);
+            }
+            assert_eq!((policy(), nice()), (libc::SCHED_OTHER, 5));
+            if permitted {
+                make_thread_realtime(REALTIME_PRIORITY).unwrap();
+                drop(RealtimeWhile::enter(REALTIME_PRIORITY_ABOVE));
+                assert_eq!(
+                    policy(),
+                    libc::SCHED_FIFO,
+                    "real-time before, real-time after"
+                );
+                make_thread_normal().unwrap();
+            } else {
+                eprintln!("not permitted to run real-time here: only the fallback checked");
+            }
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

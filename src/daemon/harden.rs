@@ -73,7 +73,7 @@ fn mark_io_thread() {
 /// takes little CPU.
 pub(super) fn ready_refill_thread() {
     ready_io_thread();
-    if let Err(error) = crate::os::make_thread_realtime() {
+    if let Err(error) = crate::os::make_thread_realtime(crate::os::REALTIME_PRIORITY) {
         tracing::warn!(%error, "could not make the reserve's refill thread real-time (needs CAP_SYS_NICE): under sudden memory pressure writes may fail with ENOMEM");
     }
 }

@@ -849,7 +849,7 @@ fn serve(
         // From here on the device waits for this process. Real-time until it is live: the
         // kernel lets a real-time task allocate below the min watermark, and runs it first.
         drop(spare);
-        if let Err(error) = crate::os::make_thread_realtime() {
+        if let Err(error) = crate::os::make_thread_realtime(crate::os::REALTIME_PRIORITY) {
             tracing::warn!(%error, "could not make the takeover real-time");
         }
         (

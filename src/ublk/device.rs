@@ -856,13 +856,10 @@ fn run_queue(
     // fetched the device waits (for a resume, quiesced, with RAM at the watermark), and the
     // kernel lets a real-time task allocate below the min watermark what the fetch still
     // needs (the descriptors' mapping, the commands' data).
-    let realtime = crate::os::make_thread_realtime().is_ok();
-    let fetched = Queue::fetch_all(parts, char_dev, wake);
-    if realtime {
-        if let Err(error) = crate::os::make_thread_normal() {
-            tracing::warn!(%error, "could not end the queue thread's real-time priority");
-        }
-    }
+    let fetched = {
+        let _realtime = crate::os::RealtimeWhile::enter(crate::os::REALTIME_PRIORITY);
+        Queue::fetch_all(parts, char_dev, wake)
+    };
     match fetched {
         Ok(mut queue) => {
             let _ = ready.send(QueueReady::Fetched);
