@@ -1005,9 +1005,10 @@ impl ChunkReserve {
     /// wait for the refill thread, near OOM in reclaim, or its period). The punches run
     /// real-time, above the refill thread: near OOM under the VM's emulation the thread that
     /// frees shared the CPUs with the store's other threads, the refill thread (real-time)
-    /// and reclaim, and took 33-35 µs a page given back, against 13-16 real-time (`bash
-    /// scripts/vm-test.sh --stress`, the move-inv 2 x 100 MiB case, 2026-12-06), while the
-    /// kernel's OOM killer waits for that memory; a punch takes no lock of ours.
+    /// and reclaim: 39-48 µs a page given back over the near-OOM stage's four cases, against
+    /// 18 with the punches real-time (`scripts/vm-stress-rounds.sh`, three rounds each,
+    /// alternated, 2026-12-06; an idle VM punches runs of six pages at 5-7 µs a page), while
+    /// the kernel's OOM killer waits for that memory. A punch takes no lock of ours.
     fn give_back_all(&self, chunks: &mut Vec<ArenaChunk>) -> Punches {
         let target = self.current_target.load(Ordering::Relaxed);
         let mut kept = false;
