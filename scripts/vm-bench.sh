@@ -14,10 +14,12 @@
 #   scripts/vm-bench.sh --store
 #
 # Compares this build with another (BIN, say a build of the commit before a change): one
-# 1 GiB VM, ROUNDS [3] rounds of the fio table on zram lz4, this build and BIN (defaults
+# 1 GiB VM, ROUNDS [4] rounds of the fio table on zram lz4, this build and BIN (defaults
 # both), the two builds' order swapped each round. Prints each round's ratios against that
-# round's zram and BIN's IOPS over this build's, and the median of those: the host's speed
-# drifts within minutes, so only the rounds' paired ratios say which build is faster.
+# round's zram and BIN's IOPS over this build's, then those paired ratios with the order
+# balanced out (see compare_summary; use an even ROUNDS): the host's speed drifts within
+# minutes, so only paired ratios say which build is faster, and the build run first in a
+# round has an edge of its own.
 #
 # --store: one 1 GiB VM running `trueno-ublk bench --compare-zram` (no ublk involved): the
 # store and the codec alone, on every vCPU and on one, against kernel zram lz4 under the same
@@ -38,37 +40,46 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT
 
-if [ "${1:-}" = --compare ]; then
-    other=${2:?usage: scripts/vm-bench.sh --compare BIN [ROUNDS]}
-    rounds=${3:-3}
-    VM_RAM_MIB=1024 VM_TIMEOUT_S=$((300 + rounds * 300)) VM_COMPARE_BIN=$other \
-        VM_COMPARE_ROUNDS=$rounds bash "$ROOT/scripts/vm-test.sh" --bench-fio | tee "$LOGS/fio.log"
-    echo
-    echo "================ this build (a) against $other (b), $(date -u '+%Y-%m-%d %H:%M UTC'), guest CPU $(tcg_cpu) ================"
-    tr -d '\r' <"$LOGS/fio.log" | sed -n 's/^FIGURE //p' | awk -F= -v rounds="$rounds" '
+# compare_summary ROUNDS <LOG: the table of a --compare run from its FIGURE lines. Per job: each
+# round's ratios, then BIN's IOPS over this build's with the order of the two in a round
+# balanced out: the build run first in a round ran up to a third faster in every row on
+# 2026-12-06 (a first in odd rounds, b in even ones), so a plain median over an odd number of
+# rounds favours this build. Balanced: the geometric mean of the odd rounds' b/a times that
+# of the even rounds', square-rooted; "second/first": how fast a round's second build ran
+# against its first, the order's own effect (below 1: the first is favoured).
+compare_summary() {
+    tr -d '\r' | sed -n 's/^FIGURE //p' | awk -F= -v rounds="$1" '
         { v[$1] = $2 }
-        function median(list, count,   i, j, t) {
-            for (i = 2; i <= count; i++)
-                for (j = i; j > 1 && list[j - 1] > list[j]; j--) { t = list[j]; list[j] = list[j - 1]; list[j - 1] = t }
-            return count % 2 ? list[(count + 1) / 2] : (list[count / 2] + list[count / 2 + 1]) / 2
-        }
         END {
             n = split("randread_4k_qd1 randread_4k_qd32 randwrite_4k_qd1 randwrite_4k_qd32 read_1m_qd4 write_1m_qd4", job, " ")
-            printf "%-18s %-40s %s\n", "fio job", "per round: a/zram b/zram b/a", "median b/a"
+            printf "%-18s %-48s %-12s %s\n", "fio job", "per round: a/zram b/zram b/a", "b/a balanced", "second/first"
             for (i = 1; i <= n; i++) {
-                line = ""; count = 0
+                line = ""; lo = 0; no = 0; le = 0; ne = 0
                 for (r = 1; r <= rounds; r++) {
                     z = v["fio_zram_lz4_r" r "_" job[i] "_iops"]
                     a = v["fio_ublk_a_r" r "_" job[i] "_iops"]; b = v["fio_ublk_b_r" r "_" job[i] "_iops"]
                     if (z > 0 && a > 0 && b > 0) {
                         line = line sprintf("%.2f %.2f %.2f; ", a / z, b / z, b / a)
-                        ratios[++count] = b / a
+                        if (r % 2) { lo += log(b / a); no++ } else { le += log(b / a); ne++ }
                     } else line = line "- ; "
                 }
-                printf "%-18s %-40s %s\n", job[i], line, count ? sprintf("%.2f", median(ratios, count)) : "-"
+                if (no && ne)
+                    printf "%-18s %-48s %-12.2f %.2f\n", job[i], line, exp((lo / no + le / ne) / 2), exp((lo / no - le / ne) / 2)
+                else
+                    printf "%-18s %-48s %-12s %s\n", job[i], line, "-", "-"
             }
-            print "(b/a above 1: BIN is faster than this build)"
+            print "(b/a above 1: BIN is faster than this build; \"-\": no round with each build first)"
         }'
+}
+
+if [ "${1:-}" = --compare ]; then
+    other=${2:?usage: scripts/vm-bench.sh --compare BIN [ROUNDS]}
+    rounds=${3:-4}
+    VM_RAM_MIB=1024 VM_TIMEOUT_S=$((300 + rounds * 300)) VM_COMPARE_BIN=$other \
+        VM_COMPARE_ROUNDS=$rounds bash "$ROOT/scripts/vm-test.sh" --bench-fio | tee "$LOGS/fio.log"
+    echo
+    echo "================ this build (a) against $other (b), $(date -u '+%Y-%m-%d %H:%M UTC'), guest CPU $(tcg_cpu) ================"
+    compare_summary "$rounds" <"$LOGS/fio.log"
     exit 0
 fi
 
