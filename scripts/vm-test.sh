@@ -48,7 +48,7 @@
 #   VM_KERNEL_ARGS    debugging: more kernel command-line options (loglevel=7 puts the stacks
 #                     of hung tasks on the console, .vm/console.log)
 #   VM_CREATE_ARGS    debugging: more options for the 1 GiB device's `create` (store options)
-#   VM_COMPARE_BIN, VM_COMPARE_ROUNDS [3]  --bench-fio: compare this build with another one in
+#   VM_COMPARE_BIN, VM_COMPARE_ROUNDS [4]  --bench-fio: compare this build with another one in
 #                     the same VM (scripts/vm-bench.sh --compare)
 #   VM_FIO_JOBS       --bench-fio: only these fio jobs (names as in scripts/vm/bench.sh)
 #   VM_PAGE_CLUSTER   vm.page-cluster for the busybox VM's run (swap's readahead: at most
@@ -402,7 +402,7 @@ CREATE_ARGS="${VM_CREATE_ARGS:-}"
 FIO_RUNTIME_S=${VM_FIO_RUNTIME_S:-5}
 FIO_JOBS="${VM_FIO_JOBS:-}"
 PAGE_CLUSTER="${VM_PAGE_CLUSTER:-}"
-COMPARE_ROUNDS=${VM_COMPARE_BIN:+${VM_COMPARE_ROUNDS:-3}}
+COMPARE_ROUNDS=${VM_COMPARE_BIN:+${VM_COMPARE_ROUNDS:-4}}
 STRESS_CASES="${STRESS_CASES:-move-inv:100}"
 STRESS_S=${STRESS_S:-30}
 EOF
