@@ -245,10 +245,63 @@ impl ServingProcess {
         }
     }
 
-    /// A standby that never took the device over holds nothing: kill it and reap it.
-    fn dismiss(mut self) {
+    /// Kill it and reap it within `limit`; the child, if it has not ended by then.
+    fn kill_and_reap_within(mut self, limit: Duration) -> Option<Child> {
         self.signal(Signal::SIGKILL);
-        let _ = self.child.wait();
+        let deadline = Instant::now() + limit;
+        loop {
+            match self.child.try_wait() {
+                // Ended and reaped; or not our child to wait for any more (nothing to keep).
+                Ok(Some(_)) | Err(_) => return None,
+                Ok(None) if Instant::now() >= deadline => return Some(self.child),
+                Ok(None) => std::thread::sleep(DISMISS_POLL),
+            }
+        }
+    }
+}
+
+/// How long `Dismissed::dismiss` waits for a killed process to end: one ends within
+/// milliseconds, but one asleep in the kernel where a kill does not reach it at once (an
+/// uninterruptible wait in reclaim, say) may take longer, and meanwhile the supervisor would
+/// answer no signal and restart nothing.
+const DISMISS_WAIT: Duration = Duration::from_secs(1);
+/// How often that wait looks.
+const DISMISS_POLL: Duration = Duration::from_millis(5);
+
+/// Standbys (and reloads' standbys) dismissed: a standby that never took the device over
+/// holds nothing, so it is killed and reaped; one that had not ended within `DISMISS_WAIT` is
+/// kept here and reaped once it has (its end wakes the supervisor with SIGCHLD).
+#[derive(Default)]
+struct Dismissed {
+    unreaped: Vec<Child>,
+}
+
+impl Dismissed {
+    fn dismiss(&mut self, process: ServingProcess) {
+        self.dismiss_within(process, DISMISS_WAIT);
+    }
+
+    fn dismiss_within(&mut self, process: ServingProcess, limit: Duration) {
+        let pid = process.child.id();
+        if let Some(child) = process.kill_and_reap_within(limit) {
+            tracing::warn!(
+                pid,
+                waited_ms = limit.as_millis(),
+                "a dismissed standby has not ended since it was killed (asleep in the kernel); it is reaped when it ends"
+            );
+            self.unreaped.push(child);
+        }
+    }
+
+    /// Reap those that have ended since.
+    fn reap(&mut self) {
+        self.unreaped.retain_mut(|child| {
+            let ended = !matches!(child.try_wait(), Ok(None));
+            if ended {
+                tracing::info!(pid = child.id(), "a dismissed standby ended");
+            }
+            !ended
+        });
     }
 }
 
@@ -344,6 +397,7 @@ pub(super) fn supervise(
     // Standbys that failed to start or died, apart: a standby that keeps failing (no memory
     // or tasks for it) must not slow the cold restart after the serving process's crash.
     let mut standby_failures = Restarts::default();
+    let mut dismissed = Dismissed::default();
     let mut buffer = [0u8; 2048];
     let result = loop {
         {
@@ -388,6 +442,7 @@ pub(super) fn supervise(
             }
         }
         while std::io::Read::read(&mut &wake_rx, &mut buffer).is_ok_and(|n| n > 0) {}
+        dismissed.reap();
         for origin in signals.pending() {
             let signal = origin.signal;
             if signal == SIGUSR2 {
@@ -413,7 +468,7 @@ pub(super) fn supervise(
                 // uses, where dismissing it would leave that device quiesced, its memory
                 // locked. Once the serving process has stopped, it goes with the supervisor.
                 if let Some(incoming) = incoming.take() {
-                    incoming.dismiss();
+                    dismissed.dismiss(incoming);
                     reloads.failed("stopping: the device's unit or daemon was told to stop");
                 }
             } else if signal == SIGHUP {
@@ -452,7 +507,7 @@ pub(super) fn supervise(
                         // kill in the VM. Meanwhile the new one takes over if the serving
                         // process dies.
                         if let Some(old) = standby.take() {
-                            old.dismiss();
+                            dismissed.dismiss(old);
                         }
                         standby_due = None;
                         // A failed start fails the reload, never the supervisor.
@@ -584,7 +639,7 @@ pub(super) fn supervise(
                         "reload: the new standby is ready; asking the serving process to hand the device over"
                     );
                     if let Some(old) = standby.replace(process) {
-                        old.dismiss();
+                        dismissed.dismiss(old);
                     }
                     // The next processes are of the new build once it serves, not before: a
                     // takeover it fails then leaves this build, which serves, to start again.
@@ -617,7 +672,7 @@ pub(super) fn supervise(
                     RELOAD_READY_LIMIT.as_secs()
                 ));
                 if let Some(process) = incoming.take() {
-                    process.dismiss();
+                    dismissed.dismiss(process);
                 }
                 standby_due = Some(Instant::now());
             }
@@ -850,7 +905,7 @@ pub(super) fn supervise(
         serving = process;
     };
     for process in [standby.take(), incoming.take()].into_iter().flatten() {
-        process.dismiss();
+        dismissed.dismiss(process);
     }
     reloads.remove();
     result
@@ -1033,6 +1088,35 @@ mod tests {
             ChildMessage::parse("READY=0\nnonsense"),
             ChildMessage::default()
         );
+    }
+
+    /// Whether `pid` names no process, not even a zombie: ended and reaped.
+    fn reaped(pid: Pid) -> bool {
+        kill(pid, None) == Err(nix::errno::Errno::ESRCH)
+    }
+
+    #[test]
+    fn a_dismissed_standby_is_reaped_even_if_it_outlives_the_wait() {
+        let mut dismissed = Dismissed::default();
+        let spawn = || ServingProcess::spawn(Command::new("sleep").arg("100")).unwrap();
+
+        let standby = spawn();
+        let pid = child_pid(&standby.child);
+        dismissed.dismiss(standby);
+        assert!(dismissed.unreaped.is_empty());
+        assert!(reaped(pid));
+
+        // Not waited for at all: kept (unless it ended at once), and reaped once it has.
+        let standby = spawn();
+        let pid = child_pid(&standby.child);
+        dismissed.dismiss_within(standby, Duration::ZERO);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !dismissed.unreaped.is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+            dismissed.reap();
+        }
+        assert!(dismissed.unreaped.is_empty());
+        assert!(reaped(pid));
     }
 
     #[test]
