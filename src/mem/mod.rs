@@ -52,7 +52,9 @@ const IO_HEAP_WARM_BYTES: usize = 256 << 10;
 /// four times the most measured in the VM's near-OOM stage (2026-11-28, a diagnostic build
 /// counting the live bytes of Rust's allocations per malloc arena: 5 KiB in each compression
 /// pool thread, 6 in the queue thread, 10 in the flusher, 17 in the recompressor; the C codecs
-/// allocate nothing per page).
+/// allocate nothing per page). Half of it, tried on 2026-12-06 for the idle footprint, was too
+/// little: in the VM's near-OOM stage the flusher faulted fresh heap in reclaim and swap
+/// stalled for good (docs/measurements.md).
 pub const IO_ALLOCATIONS_BESIDE_CODEC_BYTES: usize = 64 << 10;
 
 /// Ready the calling thread for the I/O path: fault in (and so, under `mlockall`, lock) the
