@@ -369,6 +369,40 @@ rss_by_mapping() {
     echo "threads:$(cat /proc/"$1"/task/*/comm | sort | uniq -c | tr -s ' ' | tr '\n' ',')"
 }
 
+# thread_faults PID: "NAME FAULTS" for each thread of PID: its minor and major page faults so
+# far (/proc/PID/task/*/stat).
+thread_faults() {
+    cat /proc/"$1"/task/*/stat 2>/dev/null | awk '{
+        name = substr($0, index($0, "(") + 1)
+        name = substr(name, 1, index(name, ")") - 1)
+        split(substr($0, index($0, ") ") + 2), f, " ")
+        print name, f[8] + f[10] }'
+}
+
+# io_alloc_trace_on: records, in a trace instance of its own, every allocation of a page for
+# user memory (`__GFP_MOVABLE`: anonymous, shared memory, page cache) made by a thread named
+# as the serving process's I/O threads that compress or serve requests, or by `dd` (the
+# control: `io_alloc_trace_take` runs one, so that a trace that records nothing fails).
+IO_TRACE=$TRACE/instances/io_allocs
+io_alloc_trace_on() {
+    mkdir -p $IO_TRACE 2>/dev/null || return 0
+    [ -e $IO_TRACE/events/kmem/mm_page_alloc/filter ] || return 0
+    echo '(comm ~ "ublk*-q*" || comm == "trueno-flusher" || comm ~ "trueno-pool*" || comm == "trueno-recompre" || comm == "dd") && gfp_flags & 8' \
+        >$IO_TRACE/events/kmem/mm_page_alloc/filter || return 0
+    echo 1 >$IO_TRACE/events/kmem/mm_page_alloc/enable
+}
+
+# io_alloc_trace_take: "CONTROL IO" (the control's allocations, the I/O threads'), then those of
+# the I/O threads, a line each (nothing where there is no trace); stops the trace.
+io_alloc_trace_take() {
+    [ -e $IO_TRACE/trace ] || return 0
+    dd if=/dev/zero of=/dev/null bs=1M count=1 2>/dev/null
+    echo 0 >$IO_TRACE/events/kmem/mm_page_alloc/enable
+    grep -v '^#' $IO_TRACE/trace >/tmp/io_allocs
+    echo "$(grep -c '^ *dd-' /tmp/io_allocs) $(grep -vc '^ *dd-' /tmp/io_allocs)"
+    grep -v '^ *dd-' /tmp/io_allocs | head -20
+}
+
 # rss_kib PID: VmRSS of PID in KiB (0 if it is gone).
 rss_kib() { awk '/^VmRSS/ { print $2 }' "/proc/$1/status" 2>/dev/null || echo 0; }
 
@@ -434,6 +468,9 @@ stress_phase() {
     idle=$(rss_kib "$pid")
     echo "idle RSS (KiB): serving process $idle, supervisor $(rss_kib "$sup"), standby $(rss_kib "$sby")"
     sfigure ublk_idle_rss_kB "$(rss_kib "$pid")"
+    thread_faults "$pid" >/tmp/faults.idle
+    daemons_idle=$(pidof trueno-ublk)
+    io_alloc_trace_on
     sfigure ublk_idle_rss_all_processes_kB "$(($(rss_kib "$pid") + $(rss_kib "$sup") + $(rss_kib "$sby")))"
     # Quiet: nothing written for seconds, the chunk reserve down to a quarter of its target.
     sleep 3
@@ -449,6 +486,31 @@ stress_phase() {
     for p in $STRESS_CASES; do
         stress_compare "${p%%:*}" "${p##*:}"
     done
+    # The threads that serve requests and compress allocate no page of user memory once readied
+    # (their stacks and heap are faulted in up front, `mem::prepare_io_thread`): near OOM such
+    # an allocation waits in reclaim for the very swap-outs they serve (with less heap faulted
+    # in for them, tried on 2026-12-06, the flusher did, and swap stalled for good). The refill
+    # thread commits memory, and the main thread may, by design. Their page faults are
+    # counted too, but are none of that where they were traced (2026-12-06): pages there all
+    # along, most likely being moved by compaction (locked memory is not pinned).
+    io_allocs=$(io_alloc_trace_take)
+    # Judged only with the same processes as at idle: a new one's threads fault theirs in.
+    if [ "$(pidof trueno-ublk)" = "$daemons_idle" ] && [ -n "$io_allocs" ]; then
+        out=$(thread_faults "$pid" | awk 'NR == FNR { before[$1] = $2; next }
+            $1 ~ /^(ublk[0-9]+-q[0-9]+|trueno-flusher|trueno-pool[0-9]+|trueno-recompre)$/ {
+                d = $2 - before[$1]; total += d; line = line " " $1 "=" d }
+            END { print total + 0 line }' /tmp/faults.idle -)
+        echo "page faults of the I/O threads during the cases:${out#* }"
+        sfigure ublk_io_thread_faults "${out%% *}"
+        echo "$io_allocs" | sed 1d
+        counts=$(echo "$io_allocs" | head -1)
+        control=${counts%% *} allocs=${counts##* }
+        sfigure ublk_io_thread_page_allocations "$allocs"
+        check "the trace of page allocations records (the control dd's: $control)" [ "$control" -gt 0 ]
+        check "the serving process's I/O threads allocated no page of user memory during the cases ($allocs)" [ "$allocs" -eq 0 ]
+    else
+        echo "I/O threads' faults and page allocations: not counted (a daemon process ended or started since idle, or no trace)"
+    fi
     # Memory follows the data after the cases too: their workers are gone and so are their
     # pages, so the serving process comes back within 4 MiB of its idle RSS (its chunk lists
     # and the reserve's cold list made small again, issue 16), beside the memory of the pages
