@@ -20,7 +20,9 @@
 #   throttle s    seconds tasks slept in the kernel's reclaim_throttle during the run, summed
 #                 over tasks (where the VM's kernel has the trace event): median
 # and for trueno-ublk, rounds that failed the stage's own checks against zram's in the same VM:
-# failed writes where zram's failed none, a wake-up over zram's + 2 s.
+# failed writes where zram's failed none, a wake-up over zram's + 2 s. Last, over the rounds
+# that counted them: in how many the serving process's I/O threads allocated memory during the
+# cases (the stage fails such a round), and the median of their page faults.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -55,6 +57,8 @@ function median(list,    n, a, i, j, t) {
 }
 {
     round = $1; key = $2; value = $3
+    if (key == "ublk_io_thread_page_allocations") allocs[round] = value
+    if (key == "ublk_io_thread_faults") faults[round] = value
     for (n = split("write_errors oom_kills_not_workers wakeup_max_delay_ms bogo_ops_s cpu_idle_s reclaim_throttle_s", names, " "); n > 0; n--) {
         suffix = "_" names[n]
         if (substr(key, length(key) - length(suffix) + 1) == suffix) {
@@ -95,4 +99,10 @@ END {
         }
         printf "%-14s ublk against zram in the same VM: %d of %d rounds failed writes where zram failed none, %d woke over zram + 2 s, %d lost\n", kase, worse_writes, rounds, worse_wake, lost
     }
+    counted = allocating = 0; faulted = ""
+    for (r = 1; r <= rounds; r++) {
+        if (!(r in allocs)) continue
+        counted++; allocating += allocs[r] > 0; faulted = faulted " " faults[r]
+    }
+    printf "I/O threads (queue, pool, flusher, recompressor): allocated memory during the cases in %d of %d rounds counted; page faults, median %s\n", allocating, counted, median(faulted)
 }' | tee "$DIR/summary"
