@@ -389,6 +389,10 @@ io_alloc_trace_on() {
     [ -e $IO_TRACE/events/kmem/mm_page_alloc/filter ] || return 0
     echo '(comm ~ "ublk*-q*" || comm == "trueno-flusher" || comm ~ "trueno-pool*" || comm == "trueno-recompre" || comm == "dd") && gfp_flags & 8' \
         >$IO_TRACE/events/kmem/mm_page_alloc/filter || return 0
+    # Their page faults too, so that an allocation's address can be found (the fault before it).
+    echo 'comm ~ "ublk*-q*" || comm == "trueno-flusher" || comm ~ "trueno-pool*" || comm == "trueno-recompre"' \
+        >$IO_TRACE/events/exceptions/page_fault_user/filter 2>/dev/null &&
+        echo 1 >$IO_TRACE/events/exceptions/page_fault_user/enable
     echo 1 >$IO_TRACE/events/kmem/mm_page_alloc/enable
 }
 
@@ -398,9 +402,18 @@ io_alloc_trace_take() {
     [ -e $IO_TRACE/trace ] || return 0
     dd if=/dev/zero of=/dev/null bs=1M count=1 2>/dev/null
     echo 0 >$IO_TRACE/events/kmem/mm_page_alloc/enable
-    grep -v '^#' $IO_TRACE/trace >/tmp/io_allocs
+    echo 0 >$IO_TRACE/events/exceptions/page_fault_user/enable 2>/dev/null
+    grep -v '^#' $IO_TRACE/trace | grep -v ' page_fault_user: ' >/tmp/io_allocs
     echo "$(grep -c '^ *dd-' /tmp/io_allocs) $(grep -vc '^ *dd-' /tmp/io_allocs)"
     grep -v '^ *dd-' /tmp/io_allocs | head -20
+}
+
+# io_trace_faults_and_maps PID: the I/O threads' traced page faults and allocations in order,
+# and PID's mappings: where an allocation happened (the fault just before it).
+io_trace_faults_and_maps() {
+    [ -e $IO_TRACE/trace ] || return 0
+    grep -v '^#' $IO_TRACE/trace | grep -v '^ *dd-' | tail -60
+    cat "/proc/$1/maps"
 }
 
 # rss_kib PID: VmRSS of PID in KiB (0 if it is gone).
@@ -508,6 +521,7 @@ stress_phase() {
         sfigure ublk_io_thread_page_allocations "$allocs"
         check "the trace of page allocations records (the control dd's: $control)" [ "$control" -gt 0 ]
         check "the serving process's I/O threads allocated no page of user memory during the cases ($allocs)" [ "$allocs" -eq 0 ]
+        if [ "$allocs" -gt 0 ]; then io_trace_faults_and_maps "$pid"; fi
     else
         echo "I/O threads' faults and page allocations: not counted (a daemon process ended or started since idle, or no trace)"
     fi
