@@ -560,11 +560,16 @@ impl PageTable {
         if index >= self.pages {
             return None;
         }
-        let group = self.memory.word(TableMemory::group_of(index as u64));
-        if GroupState::of(group) != GroupState::Committed {
+        let group = TableMemory::group_of(index as u64);
+        // A plain look first: a scan passes over every group, most of them absent.
+        if GroupState::of(self.memory.word(group)) != GroupState::Committed {
             return None;
         }
-        let at = TableMemory::place(group, index);
+        let held = self.memory.hold(group);
+        if GroupState::of(held.word()) != GroupState::Committed {
+            return None;
+        }
+        let at = TableMemory::place(held.word(), index);
         let word = self.entries[at].load(Ordering::Relaxed);
         if word & LOCKED != 0 {
             return None;
@@ -586,12 +591,14 @@ impl PageTable {
         let group = TableMemory::group_of(index as u64);
         let mut spins = 0u32;
         let (at, word) = loop {
-            let placed = self.memory.word(group);
-            match GroupState::of(placed) {
+            // Held until the entry's lock is taken (or not): meanwhile the group stays in its
+            // slot, and once this thread has the lock, `retire` keeps the group.
+            let held = self.memory.hold(group);
+            match GroupState::of(held.word()) {
                 GroupState::Absent => return None,
                 GroupState::Retiring => {}
                 GroupState::Committed => {
-                    let at = TableMemory::place(placed, index);
+                    let at = TableMemory::place(held.word(), index);
                     let entry = &self.entries[at];
                     let cur = entry.load(Ordering::Relaxed);
                     if cur & LOCKED == 0
@@ -604,16 +611,11 @@ impl PageTable {
                             )
                             .is_ok()
                     {
-                        if self.memory.still(group, placed) {
-                            break (at, cur);
-                        }
-                        // Retiring (which waits for this lock), or given back and placed in
-                        // another slot, since the look above: this entry may be another
-                        // group's now. Let go and look again.
-                        entry.store(cur, Ordering::Release);
+                        break (at, cur);
                     }
                 }
             }
+            drop(held);
             if spins < SPINS_BEFORE_YIELD {
                 spins += 1;
                 std::hint::spin_loop();
@@ -759,6 +761,66 @@ mod tests {
         t.memory().commit(1).unwrap();
         assert_eq!(t.lock(last).unwrap().state(), PageState::Empty);
         assert!(t.memory().pin(1));
+    }
+
+    #[test]
+    fn a_group_is_not_given_back_while_a_thread_holds_it() {
+        use super::super::table_memory::GROUP_PAGES;
+        let t = table(2 * GROUP_PAGES);
+        let held = t.memory().hold(0);
+        assert!(!t.retire(0).unwrap(), "held");
+        drop(held);
+        assert!(t.retire(0).unwrap());
+        // A hold of a group given back sees it absent.
+        assert_eq!(
+            GroupState::of(t.memory().hold(0).word()),
+            GroupState::Absent
+        );
+        assert!(t.retire(1).unwrap(), "every hold let go");
+    }
+
+    /// Readers and looks without the lock racing a group's memory given back and committed
+    /// again, over and over: once `retire` has given the memory back, none of them touches it
+    /// (a touch would fault a zeroed page in, in a thread that serves I/O). Before they held
+    /// the group (until 2026-12-06) a locker could touch an entry between its look at the
+    /// group's state and its lock; that window is a few instructions, so this test catches
+    /// such a touch in some runs, not every run.
+    #[test]
+    fn lockers_racing_a_group_given_back_never_touch_its_memory() {
+        use super::super::table_memory::GROUP_PAGES;
+        let t = laid_out_table(2 * GROUP_PAGES, false);
+        let m = t.memory();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            for offset in [7usize, 1500] {
+                let (t, stop) = (&t, &stop);
+                s.spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        drop(t.lock(offset as u64));
+                        let _ = t.peek(offset + 1);
+                    }
+                });
+            }
+            let touched = (0..500).find(|_| {
+                m.commit(0).unwrap();
+                while !t.retire(0).unwrap() {
+                    std::thread::yield_now();
+                }
+                let touched = m.slot_in_memory(0).unwrap();
+                std::thread::yield_now();
+                touched
+            });
+            // The lockers stop before any assertion: a panic here would leave them running.
+            stop.store(true, Ordering::Relaxed);
+            assert_eq!(
+                touched, None,
+                "the round in which a slot given back was touched"
+            );
+        });
+        assert!(
+            !m.slot_in_memory(0).unwrap(),
+            "touched after the last round"
+        );
     }
 
     #[test]

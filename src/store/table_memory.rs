@@ -11,16 +11,17 @@
 //! device (Linux 6.12 hands out every 32nd first), so while it fills, the groups committed
 //! are about twice those holding pages, and their memory comes back as groups empty.
 //!
-//! Each group has one word: its state in the low bits and, above them, how many writers have
-//! it pinned (a writer pins the groups of its request before it touches their entries, so a
-//! group cannot be given back under it). Giving a group back (`PageTable::retire`) takes it
-//! from committed with no pins to retiring in one compare-and-swap, locks every entry, checks
-//! that all are empty, and punches the group's memory out (`give_back`). A group that is not
-//! committed holds no memory and reads as empty: readers, discards and slot frees never wait
-//! for it. One race is left, and costs a page, never a page's data: a reader that saw the
-//! group committed just before its memory went touches an entry again, the kernel maps it a
-//! zeroed page (empty entries), the reader sees the group absent and lets go; that page stays
-//! until the group is committed and given back again.
+//! Each group has one word: its state in the low bits and, above them, how many threads have
+//! it pinned: a writer pins the groups of its request before it touches their entries (`pin`),
+//! and every thread that touches an entry holds its group while it does (`hold`: a locker
+//! until it has the entry's lock, a look without the lock for as long as it looks). Giving a
+//! group back (`PageTable::retire`) takes it from committed with no pins to retiring in one
+//! compare-and-swap, locks every entry, checks that all are empty, and punches the group's
+//! memory out (`give_back`). A group that is not committed holds no memory and reads as empty:
+//! readers, discards and slot frees never wait for it. Why a reader holds its group, and does
+//! not just look at its state first: between that look and its touch the group could go, and
+//! the touch of a punched page makes the kernel allocate a zeroed one, in a thread that serves
+//! I/O, near OOM (the VM's near-OOM stage checks that those threads allocate nothing).
 //!
 //! Where a group's memory lies: in a store of layout version 5 or 6 any *slot* of the table's
 //! regions (a group's worth of entries, hints and checksums) may hold any group, and a small
@@ -82,7 +83,8 @@ const EMPTIED: u64 = 1 << 2;
 /// Bit 3: committed and no writer has pinned it since (asked for ahead of writes that have
 /// not come, or adopted on resume).
 const UNWRITTEN: u64 = 1 << 3;
-/// Pins count from bit 4 (up to bit 31: writers in flight are far fewer than 2^28).
+/// Pins count from bit 4 (up to bit 31: writers and holders in flight are far fewer than
+/// 2^28).
 const PIN: u64 = 1 << 4;
 /// The slot holding a committed (or retiring) group's memory: the high 32 bits, so that a
 /// locker reads the state and the place of an entry in one load.
@@ -108,6 +110,26 @@ const LOOK_PERIOD: Duration = Duration::from_millis(250);
 /// asked for this long: the writes moving through the device have stopped, and what was
 /// asked for ahead of them is not needed soon.
 const QUIET_FOR: Duration = Duration::from_secs(1);
+
+/// A hold on a group (`TableMemory::hold`), let go when dropped.
+pub(super) struct Held<'a> {
+    word: &'a AtomicU64,
+    held: u64,
+}
+
+impl Held<'_> {
+    /// The group's word when the hold was taken.
+    pub(super) fn word(&self) -> u64 {
+        self.held
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        // Release: every touch of the group's entries comes before a retirer sees no pin.
+        self.word.fetch_sub(PIN, Ordering::Release);
+    }
+}
 
 /// What a group is, for the table's lockers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -254,9 +276,17 @@ impl TableMemory {
         self.groups[group].load(Ordering::Acquire)
     }
 
-    /// Whether `group`'s word still names the state and slot it had in `word`.
-    pub(super) fn still(&self, group: usize, word: u64) -> bool {
-        (self.word(group) ^ word) & STATE_AND_SLOT == 0
+    /// Hold `group` while touching its entries, whatever its state: its word as held. A group
+    /// held while committed stays committed, in the slot the word names, until the hold is let
+    /// go (`begin_retire` takes only a group nobody pins; placing changes only a group that is
+    /// not committed), so its entries' memory is there. Unlike a writer's `pin`, a hold leaves
+    /// `UNWRITTEN` as it is: a read writes nothing.
+    pub(super) fn hold(&self, group: usize) -> Held<'_> {
+        let word = &self.groups[group];
+        Held {
+            word,
+            held: word.fetch_add(PIN, Ordering::AcqRel),
+        }
     }
 
     /// Where entry `index` is in the table's regions, for its group's `word` (committed or
@@ -352,6 +382,18 @@ impl TableMemory {
     pub(super) fn punch_entries_only(&self, slot: usize) -> std::io::Result<()> {
         let [(offset, len), ..] = self.ranges(slot);
         self.segment.decommit(offset, len)
+    }
+
+    /// Whether any page of slot `slot` is in memory (asked of the segment's file, which
+    /// allocates nothing).
+    #[cfg(test)]
+    pub(super) fn slot_in_memory(&self, slot: usize) -> std::io::Result<bool> {
+        for (offset, len) in self.ranges(slot) {
+            if self.segment.any_in_memory(offset, len)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Give slot `slot`'s memory back: it reads as zeros (empty, unlocked entries) after.
@@ -624,12 +666,11 @@ impl TableMemory {
     /// Give `group` (retiring, its entries empty and still locked by the caller) up: absent
     /// after, its slot's memory back to the system, or kept as a spare while fewer than
     /// `SPARE_SLOTS` are. `unlock` unlocks the entries; it runs unless the slot is punched,
-    /// which leaves them reading as zeros, empty and unlocked. Why punched while locked: a
-    /// locker that read the group as committed before it began retiring may still take an
-    /// entry's lock; taken on the old page, that lock would vanish with the punch, and the
-    /// locker would go on to let "go" of an entry of whatever group the slot holds by then,
-    /// writing the word it saw over that group's. On an error it stays retiring, its entries
-    /// unlocked and what was punched reading as zeros (the caller `keep`s it).
+    /// which leaves them reading as zeros, empty and unlocked, with no lock to let go of (no
+    /// other thread reaches them meanwhile: a thread touches an entry only while it holds the
+    /// group, `hold`, or the entry's lock). On an error it
+    /// stays retiring, its entries unlocked and what was punched reading as zeros (the
+    /// caller `keep`s it).
     pub(super) fn give_back(&self, group: usize, unlock: impl FnOnce()) -> std::io::Result<()> {
         let slot = Self::slot_of(self.word(group));
         let spare = self
