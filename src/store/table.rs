@@ -422,10 +422,13 @@ impl PageTable {
     /// is kept and looked at again at the next look.
     pub(super) fn retire(&self, group: usize) -> std::io::Result<bool> {
         // A look without locks first, so that a group in use costs a read of its entries.
-        if self.memory.state(group) != GroupState::Committed
-            || self.holds_pages(group)
-            || !self.memory.begin_retire(group)
-        {
+        if self.memory.state(group) != GroupState::Committed || self.holds_pages(group) {
+            return Ok(false);
+        }
+        if !self.memory.begin_retire(group) {
+            // Pinned: by a writer, or held for a moment by a reader (`TableMemory::hold`),
+            // after which nothing may mark it emptied again. Looked at again next time.
+            self.memory.note_emptied(group);
             return Ok(false);
         }
         // Retiring, its slot stays put until it is absent.
@@ -770,6 +773,10 @@ mod tests {
         let held = t.memory().hold(0);
         assert!(!t.retire(0).unwrap(), "held");
         drop(held);
+        assert!(
+            t.memory().groups_to_look_at().any(|group| group == 0),
+            "looked at again"
+        );
         assert!(t.retire(0).unwrap());
         // A hold of a group given back sees it absent.
         assert_eq!(
