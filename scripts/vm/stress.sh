@@ -383,17 +383,26 @@ thread_faults() {
 # user memory (`__GFP_MOVABLE`: anonymous, shared memory, page cache) made by a thread named
 # as the serving process's I/O threads that compress or serve requests, or by `dd` (the
 # control: `io_alloc_trace_take` runs one, so that a trace that records nothing fails).
+# Armed before zram's cases, though it counts only ours (`io_alloc_trace_clear` at idle): the
+# kernel evaluates the filters at every page fault and page allocation in the VM, so armed for
+# trueno-ublk's cases alone (until 2026-12-06) that cost fell on its workers only.
 IO_TRACE=$TRACE/instances/io_allocs
+IO_THREADS='comm ~ "ublk*-q*" || comm == "trueno-flusher" || comm ~ "trueno-pool*" || comm == "trueno-recompre"'
 io_alloc_trace_on() {
     mkdir -p $IO_TRACE 2>/dev/null || return 0
     [ -e $IO_TRACE/events/kmem/mm_page_alloc/filter ] || return 0
-    echo '(comm ~ "ublk*-q*" || comm == "trueno-flusher" || comm ~ "trueno-pool*" || comm == "trueno-recompre" || comm == "dd") && gfp_flags & 8' \
+    echo "($IO_THREADS || comm == \"dd\") && gfp_flags & 8" \
         >$IO_TRACE/events/kmem/mm_page_alloc/filter || return 0
     # Their page faults too, so that an allocation's address can be found (the fault before it).
-    echo 'comm ~ "ublk*-q*" || comm == "trueno-flusher" || comm ~ "trueno-pool*" || comm == "trueno-recompre"' \
-        >$IO_TRACE/events/exceptions/page_fault_user/filter 2>/dev/null &&
+    echo "$IO_THREADS" >$IO_TRACE/events/exceptions/page_fault_user/filter 2>/dev/null &&
         echo 1 >$IO_TRACE/events/exceptions/page_fault_user/enable
     echo 1 >$IO_TRACE/events/kmem/mm_page_alloc/enable
+}
+
+# io_alloc_trace_clear: what the trace recorded so far dropped (the daemon's start-up).
+io_alloc_trace_clear() {
+    [ -e $IO_TRACE/trace ] && : >$IO_TRACE/trace
+    return 0
 }
 
 # io_alloc_trace_take: "CONTROL IO" (the control's allocations, the I/O threads'), then those of
@@ -458,6 +467,7 @@ stress_phase() {
     fi
     : >/tmp/stress.figures
     throttle_trace_on
+    io_alloc_trace_on
     zram_up
     "$UL"/mkswap /dev/zram0 >/dev/null
     check "zram: swapon -d /dev/zram0" "$UL"/swapon -d /dev/zram0
@@ -483,7 +493,7 @@ stress_phase() {
     sfigure ublk_idle_rss_kB "$(rss_kib "$pid")"
     thread_faults "$pid" >/tmp/faults.idle
     daemons_idle=$(pidof trueno-ublk)
-    io_alloc_trace_on
+    io_alloc_trace_clear
     sfigure ublk_idle_rss_all_processes_kB "$(($(rss_kib "$pid") + $(rss_kib "$sup") + $(rss_kib "$sby")))"
     # Quiet: nothing written for seconds, the chunk reserve down to a quarter of its target.
     sleep 3
