@@ -668,9 +668,8 @@ impl TableMemory {
     /// `SPARE_SLOTS` are. `unlock` unlocks the entries; it runs unless the slot is punched,
     /// which leaves them reading as zeros, empty and unlocked, with no lock to let go of (no
     /// other thread reaches them meanwhile: a thread touches an entry only while it holds the
-    /// group, `hold`, or the entry's lock). On an error it
-    /// stays retiring, its entries unlocked and what was punched reading as zeros (the
-    /// caller `keep`s it).
+    /// group, `hold`, or the entry's lock). On an error it stays retiring, its entries
+    /// unlocked and what was punched reading as zeros (the caller `keep`s it).
     pub(super) fn give_back(&self, group: usize, unlock: impl FnOnce()) -> std::io::Result<()> {
         let slot = Self::slot_of(self.word(group));
         let spare = self
