@@ -386,7 +386,6 @@ impl TableMemory {
 
     /// Whether any page of slot `slot` is in memory (asked of the segment's file, which
     /// allocates nothing).
-    #[cfg(test)]
     pub(super) fn slot_in_memory(&self, slot: usize) -> std::io::Result<bool> {
         for (offset, len) in self.ranges(slot) {
             if self.segment.any_in_memory(offset, len)? {
@@ -773,11 +772,7 @@ impl TableMemory {
             if state.load(Ordering::Relaxed) != SLOT_FREE {
                 continue;
             }
-            let mut in_memory = false;
-            for (offset, len) in self.ranges(slot) {
-                in_memory |= self.segment.any_in_memory(offset, len)?;
-            }
-            if !in_memory {
+            if !self.slot_in_memory(slot)? {
                 continue;
             }
             if slots.spares.load(Ordering::Relaxed) < SPARE_SLOTS && self.slot_is_empty(slot)? {
