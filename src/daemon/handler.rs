@@ -83,12 +83,17 @@ impl BlockHandler for StoreHandler {
         super::harden::prepare_codec_thread(ThreadCodecs::reading(self.algorithm));
     }
 
-    /// Not while the system is short of memory: near OOM the queue thread's spinning took
-    /// CPU from what gives memory back (the OOM victims' exit, the slot-free probe's frees,
-    /// the refill thread), and in the VM's near-OOM stage the OOM killer went on to the shell
-    /// in 2 runs of 7 with it, against none of 6 without (2026-11-26).
+    /// Not while the system is short of memory and swapping out frees little (the pages
+    /// lately did not compress): there the queue thread's spinning took CPU from what gives
+    /// memory back (the OOM victims' exit, the slot-free probe's frees, the refill thread),
+    /// and in the VM's near-OOM stage the OOM killer went on to the shell in 2 runs of 7 with
+    /// it, against none of 6 without (2026-11-26; incompressible pages). Short of memory with
+    /// pages that compress (a swap storm), a program waits on each swap-in in turn, and the
+    /// window saves each one the queue thread's wake-up.
     fn may_poll(&self) -> bool {
-        self.store.get().is_some_and(|store| !store.memory_short())
+        self.store
+            .get()
+            .is_some_and(|store| !store.memory_short() || store.swap_frees_memory())
     }
 
     /// A thread of the compression pool (rayon's global pool, which the daemon builds with

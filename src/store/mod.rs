@@ -904,6 +904,13 @@ impl BatchedPageStore {
         self.memory_short.load(Ordering::Relaxed)
     }
 
+    /// Whether swapping pages out to this store gives memory back lately: at most a quarter of
+    /// the pages compressed lately were stored raw (see `oom`). Near OOM with pages that do
+    /// not compress, every page swapped out costs the store as much memory as it frees.
+    pub fn swap_frees_memory(&self) -> bool {
+        self.oom.swap_frees_memory()
+    }
+
     /// The compressor of new pages now (see `set_memory_short`), and whether it is the
     /// short-memory one (for `count_compressed`).
     fn compressor_now(&self) -> (&Compressor, bool) {

@@ -135,6 +135,14 @@ impl OomNudge {
         2 * self.recent_raw.load(Ordering::Relaxed) > self.recent_pages.load(Ordering::Relaxed)
     }
 
+    /// Whether at most a quarter of the pages compressed lately were raw, however long ago
+    /// that was (none compressed yet counts as yes): swapping pages out gives memory back.
+    /// Not the opposite of `swap_frees_nothing`, which forgets pages compressed before a
+    /// pause and holds from half raw: between the two the answer to both is no.
+    pub(super) fn swap_frees_memory(&self) -> bool {
+        4 * self.recent_raw.load(Ordering::Relaxed) <= self.recent_pages.load(Ordering::Relaxed)
+    }
+
     /// A writer starves (see `admission`) at `now_ns` on the store's clock: ask for an OOM kill
     /// if swapping frees nothing, the system is out of memory and none was asked for within
     /// `NUDGE_INTERVAL`. True if one was asked for now. Asking only queues the kill (sysrq runs
@@ -277,6 +285,29 @@ mod tests {
         )));
         nudge.note_compressed(0, RECENT_PAGES, RECENT_PAGES);
         assert!(!nudge.nudge(0, Duration::ZERO));
+    }
+
+    #[test]
+    fn swap_frees_memory_while_at_most_a_quarter_of_the_pages_lately_were_raw() {
+        let nudge = OomNudge::new(None);
+        assert!(nudge.swap_frees_memory(), "nothing stored yet");
+        nudge.note_compressed(0, RECENT_PAGES, RECENT_PAGES / 4);
+        assert!(nudge.swap_frees_memory(), "a quarter raw");
+        nudge.note_compressed(1, 4, 4);
+        assert!(!nudge.swap_frees_memory(), "just over a quarter raw");
+        assert!(
+            !nudge.swap_frees_nothing(1, Duration::ZERO),
+            "nor under half"
+        );
+        // Remembered through a pause, unlike `swap_frees_nothing`: a pause in the writes of
+        // pages that do not compress is where their program's memory is given back.
+        nudge.note_compressed(2, RECENT_PAGES, RECENT_PAGES);
+        let minute_later = 2 + nanos(Duration::from_secs(60));
+        assert!(!nudge.swap_frees_nothing(minute_later, Duration::ZERO));
+        assert!(!nudge.swap_frees_memory());
+        // Pages that compress, after the pause, decide again.
+        nudge.note_compressed(minute_later, RECENT_PAGES, 0);
+        assert!(nudge.swap_frees_memory());
     }
 
     #[test]

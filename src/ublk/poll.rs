@@ -10,8 +10,9 @@
 //! `SHORTEST` otherwise, so that a device whose requests come far apart (or an idle one: the
 //! window follows only a wait that brought requests) spins no longer than it did before.
 //! With it the VM's fio rows went 1.1–1.5 times as fast (`scripts/vm-bench.sh --compare`,
-//! 2026-12-05; docs/measurements.md). Still not while memory is short (the handler's
-//! `may_poll`): there a spinning queue thread takes the CPU from what gives memory back.
+//! 2026-12-05; docs/measurements.md). The handler says when not (`may_poll`): the daemon's,
+//! while memory is short and pages do not compress, where a spinning queue thread takes the
+//! CPU from what gives memory back.
 
 #![forbid(unsafe_code)]
 
