@@ -114,6 +114,57 @@ throttle_trace_take() {
     echo >$TRACE/trace
 }
 
+# The OOM killer's victims, where tracefs has the events, in the same trace: when the kernel
+# marked each (its kill), when it exited (after its memory was released: its swap slots freed,
+# which the slot-free probe reports), and whether the OOM reaper took its memory first (the
+# victim had not exited 2 s after the kill: blocked, waiting on I/O say). Why: in a VM lost to
+# the race (the kernel going on from the killed workers to the shells, 2026-12-06) the daemon
+# began freeing a victim's pages 1.6-2.4 s after its kill, against 0.03-0.7 s earlier in the
+# same case; whether the victim or the daemon was late, only the kernel's side can say.
+oom_trace_on() {
+    [ -e $TRACE/events/oom/mark_victim/enable ] || return 0
+    echo 'comm == "stress-ng-vm"' >$TRACE/events/sched/sched_process_exit/filter &&
+        echo 1 >$TRACE/events/sched/sched_process_exit/enable
+    for e in mark_victim start_task_reaping finish_task_reaping; do
+        echo 1 >$TRACE/events/oom/$e/enable
+    done
+}
+
+# oom_trace_take TAG: a line per victim of the trace so far (the last 30), "TAG: OOM victim PID
+# killed at T s, exited +MS ms, reaped +MS ms", then the count of victims that exited 1 s or more after
+# their kill and of those reaped; nothing without the events. Run before `throttle_trace_take`,
+# which clears the trace.
+oom_trace_take() {
+    [ -e $TRACE/events/oom/mark_victim/enable ] || return 0
+    awk -v tag="$1" '
+        {
+            ev = ""
+            for (i = 2; i <= NF; i++)
+                if ($i ~ /^(mark_victim|start_task_reaping|sched_process_exit):$/) { ev = $i; t = $(i - 1); break }
+            if (ev == "") next
+            sub(/:$/, "", ev); sub(/:$/, "", t)
+            pid = ""
+            for (j = i + 1; j <= NF; j++) if ($j ~ /^pid=/) { pid = substr($j, 5); break }
+            if (pid == "") next
+            if (ev == "mark_victim") { killed[pid] = t; order[++n] = pid }
+            else if (ev == "start_task_reaping" && !(pid in reaped)) reaped[pid] = t
+            else if (ev == "sched_process_exit" && !(pid in exited)) exited[pid] = t
+        }
+        END {
+            late = 0; reap = 0
+            for (k = 1; k <= n; k++) {
+                p = order[k]; line = sprintf("%s: OOM victim %s killed at %.3f s", tag, p, killed[p])
+                if (p in exited) {
+                    d = (exited[p] - killed[p]) * 1000; line = line sprintf(", exited +%d ms", d)
+                    if (d >= 1000) late++
+                } else line = line ", not exited"
+                if (p in reaped) { line = line sprintf(", reaped +%d ms", (reaped[p] - killed[p]) * 1000); reap++ }
+                print line
+            }
+            if (n > 0) printf "%s: OOM victims: %d, exited 1 s or more after the kill %d, reaped %d\n", tag, n, late, reap
+        }' $TRACE/trace | tail -n 31
+}
+
 # vmstat_now: the reclaim counters of /proc/vmstat that say how often tasks waited in
 # reclaim: `pgscan_direct_throttle` (slept in `throttle_direct_reclaim`, free memory below
 # half the min watermark), `allocstall_*` (entered direct reclaim), summed.
@@ -167,6 +218,7 @@ stress_case() {
     rc=$?
     cpu_ticks >/tmp/cpu.after
     vmstat_now >/tmp/vmstat.after
+    oom_trace_take "$tag" >/tmp/oom.victims
     throttle_trace_take >/tmp/throttled
     rm -f /run/pressure-on
     touch /tmp/stress.done
@@ -210,6 +262,7 @@ stress_case() {
         grep 'Killed process' "/tmp/dmesg.$tag" | sed "s/^/$tag: /" | head -n 30
         echo "$tag: the log's time of day $("$VT" clock) s was the kernel's $(cut -d' ' -f1 /proc/uptime) s"
     }
+    cat /tmp/oom.victims
     # Its report, written as it ends: without it (not started: a library missing from the tar;
     # killed) the checks below and the comparison with zram would pass on a run that did nothing.
     check "$tag: stress-ng ran and reported the workers' progress (exit $rc)" [ -n "$bogo" ]
@@ -467,6 +520,7 @@ stress_phase() {
     fi
     : >/tmp/stress.figures
     throttle_trace_on
+    oom_trace_on
     io_alloc_trace_on
     zram_up
     "$UL"/mkswap /dev/zram0 >/dev/null

@@ -890,6 +890,42 @@ static void print_processes(void)
 	closedir(proc);
 }
 
+/* Every process the kernel has sent SIGKILL (pending, shared: an OOM kill, `kill -9`) that is
+ * blocked in D at the monitor's look, once a second, with where in the kernel: "monitor: t=T s
+ * killed PID (NAME) blocked:" and its stack. Why: near OOM on our device the OOM killer's victims took
+ * up to 2.3 s to exit (the OOM reaper took their memory first) where zram's exit within a
+ * quarter of a second, and the kernel goes on to the next victim only once the last one is
+ * gone or reaped (2026-12-06). */
+static void print_killed_blocked(double t)
+{
+	DIR *proc = opendir("/proc");
+	if (!proc)
+		return;
+	struct dirent *e;
+	while ((e = readdir(proc))) {
+		if (e->d_name[0] < '1' || e->d_name[0] > '9')
+			continue;
+		char path[600], status[4096];
+		snprintf(path, sizeof(path), "/proc/%s/status", e->d_name);
+		if (!read_small(path, status, sizeof(status)))
+			continue;
+		char *state = strstr(status, "State:");
+		char *pending = strstr(status, "ShdPnd:");
+		if (!state || !pending || state[6 + strspn(state + 6, " \t")] != 'D')
+			continue;
+		unsigned long long shared = strtoull(pending + 7, NULL, 16);
+		if (!(shared & (1ull << (SIGKILL - 1))))
+			continue;
+		char *name = strstr(status, "Name:");
+		int name_len = name ? (int)strcspn(name + 6, "\n") : 1;
+		printf("monitor: t=%.1f s killed %s (%.*s) blocked:\n", t, e->d_name, name_len,
+		       name ? name + 6 : "?");
+		print_kernel_stack(e->d_name, e->d_name);
+	}
+	closedir(proc);
+	fflush(stdout);
+}
+
 /* The account of a test that died: the last seconds' samples (oldest first), every
  * process, every daemon thread. */
 static void print_account(const struct monitor_sample *samples, unsigned taken)
@@ -974,6 +1010,7 @@ static int cmd_monitor(int argc, char **argv)
 			.oom_kill = field_of(vm, "oom_kill"),
 		};
 		daemons_rss(sample->daemons, sizeof(sample->daemons));
+		print_killed_blocked(t);
 		if ((taken + 1) % interval != 0)
 			continue;
 		printf("monitor: t=%.0f s MemFree=%lld kB MemAvailable=%lld kB SwapFree=%lld kB "
