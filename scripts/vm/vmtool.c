@@ -825,6 +825,31 @@ static void ask_for_account(int signal)
 	account_asked = 1;
 }
 
+/* The next process of the /proc stream `proc` whose status can be read: its pid (pointing into
+ * the stream's entry) and /proc/PID/status into `status`; 0 at the end. */
+static int next_process(DIR *proc, const char **pid, char *status, size_t cap)
+{
+	struct dirent *e;
+	while ((e = readdir(proc))) {
+		if (e->d_name[0] < '1' || e->d_name[0] > '9')
+			continue;
+		char path[600];
+		snprintf(path, sizeof(path), "/proc/%s/status", e->d_name);
+		if (read_small(path, status, cap)) {
+			*pid = e->d_name;
+			return 1;
+		}
+	}
+	return 0;
+}
+
+/* The state letter of a /proc/PID/status, '?' without one. */
+static char state_letter(const char *status)
+{
+	const char *state = strstr(status, "State:");
+	return state ? state[6 + strspn(state + 6, " \t")] : '?';
+}
+
 /* Every process but kernel threads, and every task in uninterruptible sleep: state (and
  * whether it is exiting), resident and swapped size, OOM score adjustment, wait channel; the
  * kernel stack of each of its threads in uninterruptible sleep. */
@@ -833,56 +858,51 @@ static void print_processes(void)
 	DIR *proc = opendir("/proc");
 	if (!proc)
 		return;
-	struct dirent *e;
-	while ((e = readdir(proc))) {
-		if (e->d_name[0] < '1' || e->d_name[0] > '9')
-			continue;
-		char path[600], status[4096], stat[1024], adj[32], wchan[128];
-		snprintf(path, sizeof(path), "/proc/%s/status", e->d_name);
-		if (!read_small(path, status, sizeof(status)))
-			continue;
-		char *state = strstr(status, "State:");
-		char letter = state ? state[6 + strspn(state + 6, " \t")] : '?';
+	const char *pid;
+	static char status[4096];
+	while (next_process(proc, &pid, status, sizeof(status))) {
+		char path[600], stat[1024], adj[32], wchan[128];
+		char letter = state_letter(status);
 		long long rss = field_of(status, "VmRSS");
 		/* The task's flags (after the ")" that ends the name: state ppid pgrp session tty
 		 * tpgid flags): kernel threads are left out unless blocked, and a process that is
 		 * exiting (an OOM victim on its way out, its memory not yet freed) is said so. */
 		unsigned flags = 0;
-		snprintf(path, sizeof(path), "/proc/%s/stat", e->d_name);
+		snprintf(path, sizeof(path), "/proc/%s/stat", pid);
 		char *after_name = read_small(path, stat, sizeof(stat)) ? strrchr(stat, ')') : NULL;
 		if (after_name)
 			(void)sscanf(after_name + 2, "%*c %*d %*d %*d %*d %*d %u", &flags);
 		if ((flags & PF_KTHREAD) && letter != 'D')
 			continue;
-		snprintf(path, sizeof(path), "/proc/%s/oom_score_adj", e->d_name);
+		snprintf(path, sizeof(path), "/proc/%s/oom_score_adj", pid);
 		if (!read_small(path, adj, sizeof(adj)))
 			strcpy(adj, "?");
 		adj[strcspn(adj, "\n")] = 0;
-		snprintf(path, sizeof(path), "/proc/%s/wchan", e->d_name);
+		snprintf(path, sizeof(path), "/proc/%s/wchan", pid);
 		if (!read_small(path, wchan, sizeof(wchan)))
 			strcpy(wchan, "?");
 		char *name = strstr(status, "Name:");
 		int name_len = name ? (int)strcspn(name + 6, "\n") : 1;
 		printf("account: pid %s %.*s state %c%s rss %lld kB swap %lld kB oom_score_adj %s "
 		       "wchan %s\n",
-		       e->d_name, name_len, name ? name + 6 : "?", letter,
+		       pid, name_len, name ? name + 6 : "?", letter,
 		       (flags & PF_EXITING) ? " exiting" : "", rss, field_of(status, "VmSwap"), adj,
 		       wchan);
-		snprintf(path, sizeof(path), "/proc/%s/task", e->d_name);
+		snprintf(path, sizeof(path), "/proc/%s/task", pid);
 		DIR *tasks = opendir(path);
 		if (!tasks)
 			continue;
 		struct dirent *t;
 		while ((t = readdir(tasks))) {
 			char stat[1024];
-			snprintf(path, sizeof(path), "/proc/%s/task/%s/stat", e->d_name, t->d_name);
+			snprintf(path, sizeof(path), "/proc/%s/task/%s/stat", pid, t->d_name);
 			if (t->d_name[0] < '1' || t->d_name[0] > '9' ||
 			    !read_small(path, stat, sizeof(stat)))
 				continue;
 			char *rest = strrchr(stat, ')');
 			if (rest && rest[1] == ' ' && rest[2] == 'D') {
 				printf("account:   thread %s in D:\n", t->d_name);
-				print_kernel_stack(e->d_name, t->d_name);
+				print_kernel_stack(pid, t->d_name);
 			}
 		}
 		closedir(tasks);
@@ -892,35 +912,29 @@ static void print_processes(void)
 
 /* Every process the kernel has sent SIGKILL (pending, shared: an OOM kill, `kill -9`) that is
  * blocked in D at the monitor's look, once a second, with where in the kernel: "monitor: t=T s
- * killed PID (NAME) blocked:" and its stack. Why: near OOM on our device the OOM killer's victims took
- * up to 2.3 s to exit (the OOM reaper took their memory first) where zram's exit within a
- * quarter of a second, and the kernel goes on to the next victim only once the last one is
- * gone or reaped (2026-12-06). */
+ * killed PID (NAME) blocked:" and its stack. Why: near OOM on our device the OOM killer's
+ * victims took up to 2.9 s to exit (the OOM reaper took their memory first) where zram's exit
+ * within a quarter of a second, and the kernel goes on to the next victim only once the last
+ * one is gone or reaped (2026-12-06). */
 static void print_killed_blocked(double t)
 {
 	DIR *proc = opendir("/proc");
 	if (!proc)
 		return;
-	struct dirent *e;
-	while ((e = readdir(proc))) {
-		if (e->d_name[0] < '1' || e->d_name[0] > '9')
-			continue;
-		char path[600], status[4096];
-		snprintf(path, sizeof(path), "/proc/%s/status", e->d_name);
-		if (!read_small(path, status, sizeof(status)))
-			continue;
-		char *state = strstr(status, "State:");
+	const char *pid;
+	static char status[4096];
+	while (next_process(proc, &pid, status, sizeof(status))) {
 		char *pending = strstr(status, "ShdPnd:");
-		if (!state || !pending || state[6 + strspn(state + 6, " \t")] != 'D')
+		if (!pending || state_letter(status) != 'D')
 			continue;
 		unsigned long long shared = strtoull(pending + 7, NULL, 16);
 		if (!(shared & (1ull << (SIGKILL - 1))))
 			continue;
 		char *name = strstr(status, "Name:");
 		int name_len = name ? (int)strcspn(name + 6, "\n") : 1;
-		printf("monitor: t=%.1f s killed %s (%.*s) blocked:\n", t, e->d_name, name_len,
+		printf("monitor: t=%.1f s killed %s (%.*s) blocked:\n", t, pid, name_len,
 		       name ? name + 6 : "?");
-		print_kernel_stack(e->d_name, e->d_name);
+		print_kernel_stack(pid, pid);
 	}
 	closedir(proc);
 	fflush(stdout);
