@@ -410,35 +410,178 @@ impl MemoryAvailable {
     }
 }
 
-/// /proc/meminfo, kept open and read again at offset 0 into the same buffer: a look costs no
+/// A /proc file kept open and read again at offset 0 into the same buffer: a look costs no
 /// allocation of ours, so a thread on the I/O path may take it under memory pressure.
-pub struct MeminfoReader {
+struct ProcFile {
     file: std::fs::File,
     buf: Vec<u8>,
 }
 
-impl MeminfoReader {
-    pub fn open() -> std::io::Result<Self> {
+impl ProcFile {
+    /// `path`, read into a buffer of `capacity` bytes: room for the whole file, which one
+    /// read at offset 0 returns.
+    fn open(path: &str, capacity: usize) -> std::io::Result<Self> {
         Ok(Self {
-            file: std::fs::File::open("/proc/meminfo")?,
-            // /proc/meminfo is about 1.5 KiB.
-            buf: vec![0; 8192],
+            file: std::fs::File::open(path)?,
+            buf: vec![0; capacity],
         })
     }
 
-    pub fn read(&mut self) -> std::io::Result<MemoryAvailable> {
+    fn read(&mut self) -> std::io::Result<&str> {
         use std::os::unix::fs::FileExt;
         let n = self.file.read_at(&mut self.buf, 0)?;
-        std::str::from_utf8(&self.buf[..n])
-            .ok()
-            .and_then(MemoryAvailable::parse)
+        std::str::from_utf8(&self.buf[..n]).map_err(std::io::Error::other)
+    }
+}
+
+/// /proc/meminfo (about 1.5 KiB), kept open (see `ProcFile`).
+pub struct MeminfoReader(ProcFile);
+
+impl MeminfoReader {
+    pub fn open() -> std::io::Result<Self> {
+        ProcFile::open("/proc/meminfo", 8192).map(Self)
+    }
+
+    pub fn read(&mut self) -> std::io::Result<MemoryAvailable> {
+        MemoryAvailable::parse(self.0.read()?)
             .ok_or_else(|| std::io::Error::other("/proc/meminfo has no MemTotal or MemAvailable"))
+    }
+}
+
+/// The kernel's count of OOM kills since boot (`oom_kill` in /proc/vmstat, about 5 KiB), kept
+/// open (see `ProcFile`).
+pub struct OomKillCount(ProcFile);
+
+impl OomKillCount {
+    pub fn open() -> std::io::Result<Self> {
+        ProcFile::open("/proc/vmstat", 32 << 10).map(Self)
+    }
+
+    pub fn read(&mut self) -> std::io::Result<u64> {
+        parse_oom_kills(self.0.read()?)
+            .ok_or_else(|| std::io::Error::other("/proc/vmstat has no oom_kill"))
+    }
+}
+
+/// The `oom_kill N` line of /proc/vmstat (Linux 4.13+).
+fn parse_oom_kills(vmstat: &str) -> Option<u64> {
+    vmstat
+        .lines()
+        .find_map(|line| line.strip_prefix("oom_kill "))?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// `SIGKILL`'s bit in the signal masks of /proc/PID/status.
+const SIGKILL_BIT: u64 = 1 << (libc::SIGKILL - 1);
+
+/// Whether a /proc/PID/status text says the process is being killed: SIGKILL pending, for
+/// the process (`ShdPnd`, where the OOM killer sends it) or its thread (`SigPnd`, where the
+/// kernel puts it on each thread as the signal is delivered), and not yet a zombie.
+pub fn being_killed(status: &str) -> bool {
+    let mut pending = false;
+    for line in status.lines() {
+        if let Some(state) = line.strip_prefix("State:") {
+            if matches!(state.trim_start().chars().next(), Some('Z' | 'X')) {
+                return false;
+            }
+        }
+        let mask = line
+            .strip_prefix("SigPnd:")
+            .or_else(|| line.strip_prefix("ShdPnd:"));
+        if let Some(mask) = mask.and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok()) {
+            pending |= mask & SIGKILL_BIT != 0;
+        }
+    }
+    pending
+}
+
+/// Free the memory of process `pid`, which is being killed, now rather than as it exits:
+/// process_mrelease(2) (Linux 5.15+) does what the kernel's OOM reaper does 2 s after an OOM
+/// kill, unmapping the process's private memory (its pages in RAM and its swap slots).
+/// `EINVAL` for a process that is not being killed, `ESRCH` for one whose memory is gone.
+pub fn release_memory_of_killed(pid: i32) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let process = rustix::process::Pid::from_raw(pid)
+        .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ESRCH))?;
+    let pidfd = rustix::process::pidfd_open(process, rustix::process::PidfdFlags::empty())?;
+    process_mrelease(pidfd.as_raw_fd())
+}
+
+/// Whether process_mrelease(2) is there to call: the kernel has it (`ENOSYS` where not) and
+/// no seccomp filter refuses it (a service manager's `SystemCallFilter=`: `EPERM`).
+pub fn process_mrelease_available() -> std::io::Result<()> {
+    match process_mrelease(-1) {
+        Err(error) if error.raw_os_error() == Some(libc::EBADF) => Ok(()),
+        other => other,
+    }
+}
+
+fn process_mrelease(pidfd: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: process_mrelease(pidfd, flags) takes a descriptor and flags and no pointers;
+    // a descriptor that is not a pidfd is refused with EBADF.
+    let rc = unsafe { libc::syscall(libc::SYS_process_mrelease, pidfd, 0) };
+    if rc == -1 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_oom_kill_count_is_read_from_vmstat() {
+        assert_eq!(
+            parse_oom_kills("pgfault 12\noom_kill 7\nnuma_hit 3\n"),
+            Some(7)
+        );
+        assert_eq!(parse_oom_kills("oom_killer 1\n"), None);
+        assert_eq!(parse_oom_kills(""), None);
+        OomKillCount::open()
+            .and_then(|mut count| count.read())
+            .expect("this machine's /proc/vmstat has oom_kill");
+    }
+
+    #[test]
+    fn a_process_is_being_killed_while_sigkill_is_pending_and_it_is_no_zombie() {
+        let status = |state: &str, sig: &str, shd: &str| {
+            format!("Name:\tx\nState:\t{state}\nSigPnd:\t{sig}\nShdPnd:\t{shd}\n")
+        };
+        let none = "0000000000000000";
+        let kill = "0000000000000100";
+        assert!(being_killed(&status("D (disk sleep)", none, kill)));
+        assert!(being_killed(&status("R (running)", kill, none)));
+        assert!(!being_killed(&status("S (sleeping)", none, none)));
+        assert!(
+            !being_killed(&status("S (sleeping)", "0000000000004000", none)),
+            "SIGTERM pending is no kill"
+        );
+        assert!(!being_killed(&status("Z (zombie)", kill, kill)));
+        let ours = std::fs::read_to_string("/proc/self/status").unwrap();
+        assert!(!being_killed(&ours));
+    }
+
+    /// process_mrelease refuses a process that is not being killed (and this kernel has it,
+    /// as every kernel the daemon serves on since 5.15).
+    #[test]
+    fn the_memory_of_a_live_process_is_not_released() {
+        process_mrelease_available().expect("process_mrelease(2)");
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        let error = release_memory_of_killed(pid).unwrap_err();
+        assert_eq!(error.raw_os_error(), Some(libc::EINVAL), "{error}");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let error = release_memory_of_killed(pid).unwrap_err();
+        assert_eq!(error.raw_os_error(), Some(libc::ESRCH), "{error}");
+    }
 
     #[test]
     fn process_states_are_read_past_odd_command_names() {

@@ -78,6 +78,24 @@ pub(super) fn ready_refill_thread() {
     }
 }
 
+/// Ready the thread that releases the memory of the OOM killer's victims (see `oom_victims`):
+/// an I/O flusher (its allocations never swap out to this device), made real-time, above the
+/// refill thread. Its stack and heap are faulted in by a first look at /proc, not by
+/// `prepare_io_thread`'s 320 KiB: it needs a few pages, and each counts in the daemon's idle
+/// footprint. Why real-time: near OOM each look at the kill count and each /proc file opened
+/// takes memory of the kernel's, and a normal task waits for it in the kernel's reclaim
+/// throttle (seen in the VM: a victim found 1.26 s after its kill, others never before the
+/// kernel's OOM reaper took them), where a real-time one may take it below the min
+/// watermark; and neither the programs filling RAM nor the refill thread keep it off the CPU:
+/// the victim's memory is what they all wait for. It sleeps between looks and holds no lock
+/// another thread of the daemon takes.
+pub(super) fn ready_oom_victims_thread() {
+    mark_io_thread();
+    if let Err(error) = crate::os::make_thread_realtime(crate::os::REALTIME_PRIORITY_ABOVE) {
+        tracing::warn!(%error, "could not make the thread that releases OOM victims' memory real-time (needs CAP_SYS_NICE)");
+    }
+}
+
 /// Turn the block layer's writeback throttling off for the device, as it is for zram (a bio
 /// device, which has none). Why: swap-out is writeback, and throttled swap-out parks kswapd and
 /// every task in reclaim in `wbt_wait` whenever the daemon is slow for a moment, so nobody frees

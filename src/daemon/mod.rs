@@ -15,6 +15,7 @@ mod handler;
 mod harden;
 mod log_file;
 mod memory_watch;
+mod oom_victims;
 mod slot_frees;
 mod supervise;
 
@@ -1077,6 +1078,7 @@ fn serve(
         .map_err(io_error("starting the signal thread"))?;
     let survives = device.survives_daemon();
     let mut memory_watch = memory_watch::MemoryWatch::open();
+    let oom_victims = oom_victims::OomVictimReleaser::start(Arc::clone(&store));
     // What to do with the device, and whether the stop was unexpected (a failure to report).
     let (action, unexpected) = loop {
         let poll = if store.memory_short() {
@@ -1170,6 +1172,8 @@ fn serve(
             }
         }
     };
+    // No process's memory released once this one stops serving (a successor does that).
+    drop(oom_victims);
     notifier.send("STOPPING=1");
     let mut action = action;
     // The device found unused is claimed until it is stopped: a swapon (or mount) since the
