@@ -270,19 +270,7 @@ pub fn waiting_for_daemon() -> Result<Vec<WaitingDevice>, DevicesError> {
 
 /// Ids of every ublk device the kernel knows, sorted.
 pub fn device_ids() -> Vec<u32> {
-    let mut ids: Vec<u32> = std::fs::read_dir(UBLK_CHAR_CLASS)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|entry| {
-            entry
-                .file_name()
-                .to_str()?
-                .strip_prefix("ublkc")?
-                .parse()
-                .ok()
-        })
-        .collect();
+    let mut ids: Vec<u32> = crate::os::numbered_entries(UBLK_CHAR_CLASS, "ublkc").collect();
     ids.sort_unstable();
     ids
 }

@@ -260,11 +260,12 @@ stress_case() {
             sed -n -e "s/^[0-9-]*T\([0-9:.]*\)Z.* pages=\([0-9]*\) took_ms=\([0-9]*\) punches=\([0-9]*\) punched_pages=\([0-9]*\) punch_ms=\([0-9]*\).*/$tag: slots freed at \1: \2 pages in \3 ms; \5 pages given back in \4 hole punches, \6 ms/p" -e t \
                 -e "s/^[0-9-]*T\([0-9:.]*\)Z.* pages=\([0-9]*\) took_ms=\([0-9]*\).*/$tag: slots freed at \1: \2 pages in \3 ms/p" | head -n 30
         grep 'Killed process' "/tmp/dmesg.$tag" | sed "s/^/$tag: /" | head -n 30
-        # Each OOM kill the daemon saw (src/daemon/oom_victims.rs): when, how long its look at
-        # /proc took, and each process being killed whose memory it released ahead of its exit.
+        # Each OOM kill the daemon saw (src/daemon/oom_victims.rs): when it was done with it,
+        # and each process being killed whose memory it released ahead of its exit, held
+        # ahead of the kill or found in /proc after it.
         tail -n +$((n0 + 1)) /run/trueno-ublk/ublkb0.log | grep -E 'looked for processes being killed|released the memory of a process' |
-            sed -n -e "s/^[0-9-]*T\([0-9:.]*\)Z.* pid=\([0-9]*\) .*after_look_started_ms=\([0-9]*\) took_ms=\([0-9]*\).*/$tag: released at \1: pid \2, \3 ms into the look, in \4 ms/p" \
-                -e "s/^[0-9-]*T\([0-9:.]*\)Z.* looked_at=\([0-9]*\) released=\([0-9]*\) took_ms=\([0-9]*\).*/$tag: an OOM kill seen, looked at by \1: \2 processes, \3 released, in \4 ms/p" | head -n 40
+            sed -n -e "s/^[0-9-]*T\([0-9:.]*\)Z.* pid=\([0-9]*\) how=\"\([^\"]*\)\" after_kill_seen_ms=\([0-9]*\) took_ms=\([0-9]*\).*/$tag: released at \1: pid \2 (\3), \4 ms after the kill was seen, in \5 ms/p" \
+                -e "s/^[0-9-]*T\([0-9:.]*\)Z.* held=\([0-9]*\) released_held=\([0-9]*\) looked_at=\([0-9]*\) released_found=\([0-9]*\) took_ms=\([0-9]*\).*/$tag: an OOM kill seen, done by \1: \3 of \2 held released, \5 more of \4 in \/proc, in \6 ms/p" | head -n 40
         tail -n +$((n0 + 1)) /run/trueno-ublk/ublkb0.log | grep -E 'process_mrelease|release the memory of a process|no memory left to release' | head -n 5
         echo "$tag: the log's time of day $("$VT" clock) s was the kernel's $(cut -d' ' -f1 /proc/uptime) s"
     }
@@ -289,10 +290,10 @@ stress_case() {
     sfigure "${tag}_direct_reclaim_throttled" "$((h1 - h0))"
     sfigure "${tag}_reclaim_throttle_s" "$(awk '{ for (i = 1; i <= NF; i++) { split($i, p, "/"); s += p[2] } } END { printf "%.1f", s + 0 }' /tmp/throttled)"
     [ "$name" = zram ] || {
-        # Each OOM kill seen by the daemon's releasing thread (src/daemon/oom_victims.rs): a
-        # line per process being killed, its memory released or already on its way out.
+        # Each OOM kill is seen by the daemon's releasing thread (src/daemon/oom_victims.rs),
+        # which says what it released.
         [ "$kills" -eq 0 ] || check "$tag: the daemon looked for the OOM killer's victims to release their memory ($(tail -n +$((n0 + 1)) /run/trueno-ublk/ublkb0.log | grep -c 'released the memory of a process') released)" \
-            eval "tail -n +$((n0 + 1)) /run/trueno-ublk/ublkb0.log | grep -qE 'released the memory of a process|no memory left to release'"
+            eval "tail -n +$((n0 + 1)) /run/trueno-ublk/ublkb0.log | grep -q 'looked for processes being killed after an OOM kill'"
         stat_snapshot /tmp/stat.after
         sfigure "${tag}_oom_kills_asked" "$(stat_delta oom_kills_asked)"
         sfigure "${tag}_deferred_writes" "$(stat_delta deferred)"

@@ -1,8 +1,10 @@
 //! The memory of the OOM killer's victims, released as soon as they are killed rather than
 //! when they have exited: process_mrelease(2), which does what the kernel's OOM reaper does
 //! two seconds after a kill. A thread of the serving process looks at the kernel's count of
-//! OOM kills at every poll (see `crate::slotfree::POLL`) and, when it rose, finds the
-//! processes being killed and releases their memory.
+//! OOM kills at every poll (see `crate::slotfree::POLL`) and, when it rose, releases the
+//! memory of every process being killed: of those a second thread holds for it while memory
+//! is short, the ones the OOM killer would pick first (`Candidates`), or, where none of them
+//! was, of any it finds in /proc.
 //!
 //! Why: a victim exits only once it gets out of what it was doing when it was killed, and near
 //! OOM that is direct reclaim, swapping pages out to this device. Each swap write holds a bio
@@ -18,28 +20,34 @@
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use parking_lot::Mutex;
 
-use crate::os::OomKillCount;
+use crate::os::{HeldProcess, OomKillCount};
 use crate::store::BatchedPageStore;
 
-/// The thread that releases the memory of processes being killed, stopped when dropped.
+/// How many of the processes the OOM killer would kill first are held ahead of a kill.
+const CANDIDATES: usize = 8;
+/// How often they are chosen again while memory is short.
+const CANDIDATES_CHOSEN_EVERY: Duration = Duration::from_secs(1);
+
+/// The releasing thread and the thread that chooses the candidates, stopped when dropped.
 pub(super) struct OomVictimReleaser {
-    /// Dropped to stop the thread (its receiver then disconnects).
+    /// Dropped to stop the threads (their receivers then disconnect).
     stop: Option<Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl OomVictimReleaser {
     /// Start the releasing thread, which looks at the kernel's OOM kill count every
-    /// `slotfree::POLL` (`POLL_MEMORY_SHORT` while `store` says memory is short). Its own
-    /// thread, not the main thread's poll: that one frees the slots of the last victim's
-    /// pages, half a second at a time near OOM, while the next victim waits. `None` (with the
-    /// reason in the log) where process_mrelease cannot be called or /proc/vmstat has no OOM
-    /// kill count: victims then free their memory as they exit, or when the kernel's OOM
-    /// reaper gets to them.
+    /// `slotfree::POLL` (`POLL_MEMORY_SHORT` while `store` says memory is short), and the
+    /// choosing thread. The releasing thread is its own, not the main thread's poll: that one
+    /// frees the slots of the last victim's pages, half a second at a time near OOM, while the
+    /// next victim waits. `None` (with the reason in the log) where process_mrelease cannot be
+    /// called or /proc/vmstat has no OOM kill count: victims then free their memory as they
+    /// exit, or when the kernel's OOM reaper gets to them.
     pub(super) fn start(store: Arc<BatchedPageStore>) -> Option<Self> {
         if let Err(error) = crate::os::process_mrelease_available() {
             tracing::warn!(%error, "process_mrelease(2) unavailable: the memory of processes the OOM killer kills comes back only as they exit");
@@ -54,36 +62,147 @@ impl OomVictimReleaser {
                 return None;
             }
         };
+        let candidates = Arc::new(Candidates::default());
         let (stop, stopped) = crossbeam_channel::bounded(0);
-        let thread = std::thread::Builder::new()
+        let mut releaser = Self {
+            stop: Some(stop),
+            threads: Vec::with_capacity(2),
+        };
+        let spawned = std::thread::Builder::new()
             .name("oom-victims".into())
             .stack_size(256 << 10)
-            .spawn(move || release_victims(kills, seen, &store, &stopped))
-            .map_err(|error| tracing::warn!(%error, "cannot start the thread that releases OOM victims' memory"))
-            .ok()?;
-        Some(Self {
-            stop: Some(stop),
-            thread: Some(thread),
-        })
+            .spawn({
+                let (candidates, store, stopped) =
+                    (Arc::clone(&candidates), Arc::clone(&store), stopped.clone());
+                move || release_victims(kills, seen, &candidates, &store, &stopped)
+            })
+            .and_then(|releasing| {
+                releaser.threads.push(releasing);
+                std::thread::Builder::new()
+                    .name("oom-candidates".into())
+                    .stack_size(256 << 10)
+                    .spawn(move || choose_candidates(&candidates, &store, &stopped))
+            });
+        match spawned {
+            Ok(choosing) => {
+                releaser.threads.push(choosing);
+                Some(releaser)
+            }
+            Err(error) => {
+                tracing::warn!(%error, "cannot start the threads that release OOM victims' memory");
+                None
+            }
+        }
     }
 }
 
 impl Drop for OomVictimReleaser {
     fn drop(&mut self) {
         drop(self.stop.take());
-        if let Some(thread) = self.thread.take() {
+        for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
     }
 }
 
-/// The releasing thread's loop: for each rise of the OOM kill count, every process being
-/// killed (SIGKILL pending) gets its memory released. Any process being killed, not only the
-/// OOM killer's victims: each is about to free its memory anyway, and /proc does not tell the
-/// one from the other.
+/// The processes the OOM killer would kill first (the highest OOM scores), held while memory
+/// is short, so that at a kill their memory is released without a look at /proc. Why: such a
+/// look opens a file per process, each taking a page of the kernel's, and at the moment of a
+/// kill there is none to take; seen in the VM (the near-OOM stage, 2026-12-06): looks that
+/// waited 1 and 4.2 s for memory before they reached the victim, which the kernel's OOM reaper
+/// took meanwhile. Releasing a held process allocates nothing. Chosen by a thread of their
+/// own, since choosing is such a look: the releasing thread must not be inside one when the
+/// kill comes.
+#[derive(Default)]
+struct Candidates {
+    held: Mutex<Vec<(u32, HeldProcess)>>,
+}
+
+impl Candidates {
+    /// Hold `chosen` instead; what was held is let go outside the lock.
+    fn replace(&self, chosen: Vec<(u32, HeldProcess)>) {
+        let before = std::mem::replace(&mut *self.held.lock(), chosen);
+        drop(before);
+    }
+
+    /// Release the memory of each held process that is being killed, after an OOM kill seen
+    /// at `seen_at`, and let go of those gone: how many were held, and how many released.
+    fn release_killed(&self, seen_at: Instant) -> (usize, u32) {
+        let mut held = self.held.lock();
+        let before = held.len();
+        let mut released = 0;
+        held.retain(|(pid, process)| {
+            let releasing = Instant::now();
+            match process.release_memory_if_killed() {
+                Ok(()) => {
+                    released += 1;
+                    log_released(*pid, "held", seen_at, releasing);
+                    true
+                }
+                Err(error) if error.raw_os_error() == Some(libc::ESRCH) => false,
+                // Not being killed (EINVAL), or released already (EAGAIN).
+                Err(_) => true,
+            }
+        });
+        (before, released)
+    }
+}
+
+/// The choosing thread: while memory is short, every `CANDIDATES_CHOSEN_EVERY`, hold the
+/// `CANDIDATES` processes with the highest OOM scores but this one; while it is not, none.
+fn choose_candidates(candidates: &Candidates, store: &BatchedPageStore, stopped: &Receiver<()>) {
+    super::harden::ready_oom_candidates_thread();
+    let own = std::process::id();
+    let mut chosen_at: Option<Instant> = None;
+    loop {
+        if let Err(RecvTimeoutError::Disconnected) | Ok(()) = stopped.recv_timeout(poll(store)) {
+            return;
+        }
+        if !store.memory_short() {
+            if chosen_at.take().is_some() {
+                candidates.replace(Vec::new());
+            }
+            continue;
+        }
+        if chosen_at.is_some_and(|at| at.elapsed() < CANDIDATES_CHOSEN_EVERY) {
+            continue;
+        }
+        let mut scored: Vec<(u32, u32)> = processes(own)
+            .filter_map(|pid| crate::os::oom_score(pid).map(|score| (score, pid)))
+            .collect();
+        scored.sort_unstable_by(|a, b| b.cmp(a));
+        let chosen = scored
+            .into_iter()
+            .take(CANDIDATES)
+            .filter_map(|(_, pid)| {
+                let raw = i32::try_from(pid).ok()?;
+                Some((pid, HeldProcess::open(raw).ok()?))
+            })
+            .collect();
+        candidates.replace(chosen);
+        chosen_at = Some(Instant::now());
+    }
+}
+
+/// How long the threads wait between looks: `slotfree::POLL`, `POLL_MEMORY_SHORT` while
+/// `store` says memory is short.
+fn poll(store: &BatchedPageStore) -> Duration {
+    if store.memory_short() {
+        crate::slotfree::POLL_MEMORY_SHORT
+    } else {
+        crate::slotfree::POLL
+    }
+}
+
+/// The releasing thread's loop: for each rise of the OOM kill count, the held candidates
+/// being killed (SIGKILL pending) get their memory released, or, where none was, every
+/// process being killed found in /proc. Any process being killed, not only the OOM killer's
+/// victims: each is about to free its memory anyway, and /proc does not tell the one from the
+/// other.
 fn release_victims(
     mut kills: OomKillCount,
     mut seen: u64,
+    candidates: &Candidates,
     store: &BatchedPageStore,
     stopped: &Receiver<()>,
 ) {
@@ -91,14 +210,9 @@ fn release_victims(
     let own = std::process::id();
     // A first look, with no kill to act on: what a look touches (stack, heap) is faulted in
     // and locked now rather than at the first kill.
-    release_processes_being_killed(own);
+    release_found_in_proc(own, Instant::now());
     loop {
-        let poll = if store.memory_short() {
-            crate::slotfree::POLL_MEMORY_SHORT
-        } else {
-            crate::slotfree::POLL
-        };
-        if let Err(RecvTimeoutError::Disconnected) | Ok(()) = stopped.recv_timeout(poll) {
+        if let Err(RecvTimeoutError::Disconnected) | Ok(()) = stopped.recv_timeout(poll(store)) {
             return;
         }
         match kills.read() {
@@ -106,31 +220,46 @@ fn release_victims(
             _ => continue,
         }
         let seen_at = Instant::now();
-        let (looked_at, released) = release_processes_being_killed(own);
+        let (held, released_held) = candidates.release_killed(seen_at);
+        // The victim was among them (each kill is of one process, and of those sharing its
+        // memory): no look at /proc, which near OOM may wait seconds for memory.
+        let (looked_at, released_found) = if released_held > 0 {
+            (0, 0)
+        } else {
+            release_found_in_proc(own, seen_at)
+        };
         tracing::info!(
+            held,
+            released_held,
             looked_at,
-            released,
+            released_found,
             took_ms = seen_at.elapsed().as_millis(),
             "looked for processes being killed after an OOM kill"
         );
     }
 }
 
-/// Release the memory of every process being killed but this one (`own`): how many processes
-/// were looked at, and how many had their memory released.
-fn release_processes_being_killed(own: u32) -> (u32, u32) {
-    let started = Instant::now();
-    let Ok(processes) = std::fs::read_dir("/proc") else {
-        return (0, 0);
-    };
+/// The pids in /proc, but this process's (`own`).
+fn processes(own: u32) -> impl Iterator<Item = u32> {
+    crate::os::numbered_entries("/proc", "").filter(move |&pid| pid != own)
+}
+
+fn log_released(pid: u32, how: &str, seen_at: Instant, releasing: Instant) {
+    tracing::info!(
+        pid,
+        how,
+        after_kill_seen_ms = releasing.duration_since(seen_at).as_millis(),
+        took_ms = releasing.elapsed().as_millis(),
+        "released the memory of a process being killed, ahead of its exit"
+    );
+}
+
+/// Release the memory of every process being killed found in /proc, but this one (`own`),
+/// after an OOM kill seen at `seen_at`: how many processes were looked at, and how many had
+/// their memory released.
+fn release_found_in_proc(own: u32, seen_at: Instant) -> (u32, u32) {
     let (mut looked_at, mut released) = (0_u32, 0_u32);
-    let pids = processes.flatten().filter_map(|entry| {
-        entry
-            .file_name()
-            .to_str()
-            .and_then(|name| name.parse::<u32>().ok())
-    });
-    for pid in pids.filter(|&pid| pid != own) {
+    for pid in processes(own) {
         looked_at += 1;
         let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
             continue;
@@ -138,33 +267,24 @@ fn release_processes_being_killed(own: u32) -> (u32, u32) {
         if !crate::os::being_killed(&status) {
             continue;
         }
-        let Ok(pid) = i32::try_from(pid) else {
+        let Some(process) = i32::try_from(pid)
+            .ok()
+            .and_then(|raw| HeldProcess::open(raw).ok())
+        else {
             continue;
         };
-        let name = status
-            .lines()
-            .find_map(|line| line.strip_prefix("Name:"))
-            .unwrap_or_default()
-            .trim();
         let releasing = Instant::now();
-        let after_look_started_ms = releasing.duration_since(started).as_millis();
-        match crate::os::release_memory_of_killed(pid) {
+        match process.release_memory_if_killed() {
             Ok(()) => {
                 released += 1;
-                tracing::info!(
-                    pid,
-                    name,
-                    after_look_started_ms,
-                    took_ms = releasing.elapsed().as_millis(),
-                    "released the memory of a process being killed, ahead of its exit"
-                );
+                log_released(pid, "found in /proc", seen_at, releasing);
             }
             // Exited meanwhile (ESRCH), or its memory is being freed already (EINVAL).
             Err(error) if matches!(error.raw_os_error(), Some(libc::ESRCH | libc::EINVAL)) => {
-                tracing::info!(pid, name, after_look_started_ms, %error, "a process being killed had no memory left to release");
+                tracing::info!(pid, %error, "a process being killed had no memory left to release");
             }
             Err(error) => {
-                tracing::warn!(pid, name, %error, "could not release the memory of a process being killed");
+                tracing::warn!(pid, %error, "could not release the memory of a process being killed");
             }
         }
     }
