@@ -62,12 +62,13 @@ failed_writes() {
     esac
 }
 
-# cpu_ticks: clock ticks (user + system) used so far by the daemon's threads and kswapd, by
-# thread name, and the CPUs' idle ticks (idle + iowait): where the case's CPU time went beside
-# the workers' own (stress-ng prints theirs).
+# cpu_ticks: clock ticks (user + system) used so far by the daemon's threads (those that
+# serve and store, and the two that release OOM victims' memory) and kswapd, by thread name,
+# and the CPUs' idle ticks (idle + iowait): where the case's CPU time went beside the
+# workers' own (stress-ng prints theirs).
 cpu_ticks() {
     cat /proc/[0-9]*/task/[0-9]*/stat 2>/dev/null | awk '
-        $2 ~ /^\((trueno|ublk|kswapd)/ { t[$2] += $14 + $15 }
+        $2 ~ /^\((trueno|ublk|kswapd|oom-)/ { t[$2] += $14 + $15 }
         # The refill thread: its time in the kernel alone (commits, reclaim, giving back).
         $2 == "(trueno-reserve)" { t["(sys:trueno-reserve)"] += $15 }
         END { for (n in t) print n, t[n] }'
