@@ -1081,11 +1081,7 @@ fn serve(
     let oom_victims = oom_victims::OomVictimReleaser::start(Arc::clone(&store));
     // What to do with the device, and whether the stop was unexpected (a failure to report).
     let (action, unexpected) = loop {
-        let poll = if store.memory_short() {
-            crate::slotfree::POLL_MEMORY_SHORT
-        } else {
-            crate::slotfree::POLL
-        };
+        let poll = poll_interval(&store);
         crossbeam_channel::select! {
             recv(signal_rx) -> signal => {
                 let request = match signal {
@@ -1296,6 +1292,16 @@ fn device_state(id: u32) -> Result<Option<u16>, crate::ublk::UblkError> {
             },
         ) => Ok(None),
         Err(error) => Err(error),
+    }
+}
+
+/// How long the main thread, and the threads that release OOM victims' memory, wait between
+/// looks: `slotfree::POLL`, `POLL_MEMORY_SHORT` while `store` says memory is short.
+fn poll_interval(store: &BatchedPageStore) -> Duration {
+    if store.memory_short() {
+        crate::slotfree::POLL_MEMORY_SHORT
+    } else {
+        crate::slotfree::POLL
     }
 }
 

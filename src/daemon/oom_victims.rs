@@ -155,7 +155,9 @@ fn choose_candidates(candidates: &Candidates, store: &BatchedPageStore, stopped:
     let own = std::process::id();
     let mut chosen_at: Option<Instant> = None;
     loop {
-        if let Err(RecvTimeoutError::Disconnected) | Ok(()) = stopped.recv_timeout(poll(store)) {
+        if let Err(RecvTimeoutError::Disconnected) | Ok(()) =
+            stopped.recv_timeout(super::poll_interval(store))
+        {
             return;
         }
         if !store.memory_short() {
@@ -184,16 +186,6 @@ fn choose_candidates(candidates: &Candidates, store: &BatchedPageStore, stopped:
     }
 }
 
-/// How long the threads wait between looks: `slotfree::POLL`, `POLL_MEMORY_SHORT` while
-/// `store` says memory is short.
-fn poll(store: &BatchedPageStore) -> Duration {
-    if store.memory_short() {
-        crate::slotfree::POLL_MEMORY_SHORT
-    } else {
-        crate::slotfree::POLL
-    }
-}
-
 /// The releasing thread's loop: for each rise of the OOM kill count, the held candidates
 /// being killed (SIGKILL pending) get their memory released, or, where none was, every
 /// process being killed found in /proc. Any process being killed, not only the OOM killer's
@@ -212,7 +204,9 @@ fn release_victims(
     // and locked now rather than at the first kill.
     release_found_in_proc(own, Instant::now());
     loop {
-        if let Err(RecvTimeoutError::Disconnected) | Ok(()) = stopped.recv_timeout(poll(store)) {
+        if let Err(RecvTimeoutError::Disconnected) | Ok(()) =
+            stopped.recv_timeout(super::poll_interval(store))
+        {
             return;
         }
         match kills.read() {
