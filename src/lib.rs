@@ -8,6 +8,7 @@
 
 pub mod bench;
 pub mod blockdev;
+pub mod bpf;
 pub mod cli;
 pub mod codec;
 pub mod config;
@@ -16,6 +17,7 @@ pub mod devices;
 pub mod generator;
 pub mod gpu;
 pub mod mem;
+pub mod oom_kills;
 pub mod os;
 pub mod procstat;
 pub mod slotfree;

@@ -34,6 +34,9 @@
 #      `delete --id 0`.
 #   9. (The systemd units run under a real systemd in a second VM: scripts/vm/systemd-stage.sh.)
 #  10. dmesg has no ublk or swap I/O errors, hung tasks, BUG, Oops, warnings or OOM kills.
+#  10b. (MODE full, with cgroup2's memory controller) A device's daemon says it probes OOM
+#      kills at oom:mark_victim; a program OOM-killed in a memory cgroup of 16 MiB wakes it,
+#      and it looks for the process being killed.
 #  11. (MODE=stress only, not yet in the full run: see README, "Near OOM") Near OOM
 #      (stress.sh, after step 10: OOM kills are expected there): stress-ng's vm stressor on
 #      zram lz4 and on a fresh trueno-ublk device, compared; the serving process's memory
@@ -1363,6 +1366,10 @@ if [ "$MODE" = full ]; then
             grep -q "oom-kill = no" "/run/trueno-ublk/ublkb$ID2.log"
         check "... where the first device's can ask" \
             not grep -q "oom-kill = no\|cannot open /proc/sysrq-trigger" /run/trueno-ublk/ublkb0.log
+        # The thread that releases the OOM killer's victims' memory is woken by a BPF program
+        # at the kernel's oom:mark_victim tracepoint, not by reading /proc/vmstat.
+        check "$DEV2: its daemon wakes at OOM kills through the probe at oom:mark_victim" \
+            wait_until 5 grep -q "OOM kills are probed at the tracepoint" "/run/trueno-ublk/ublkb$ID2.log"
         check "$DEV2: O_DIRECT write" pat_write dev2 "$DEV2" $MIB $((100 * MIB)) $((4 * MIB))
         check "$DEV2: read back matches" pat_read dev2
         trueno-ublk list | tee /tmp/list.out
@@ -1492,6 +1499,40 @@ else
     ok "dmesg: no ublk or swap I/O errors, hung tasks, BUG, Oops, warnings or OOM kills"
 fi
 kernel_swap_table_reports /tmp/dmesg
+
+# --- 10b. an OOM kill in a memory cgroup (after the kernel-log check: it logs the kill) ------
+# The daemon's thread that releases the OOM killer's victims' memory is woken by its probe at
+# oom:mark_victim, which fires for a memory cgroup's OOM kill as for the whole system's: a
+# program of 64 MiB in a cgroup of 16 MiB without swap is killed, and the daemon says it
+# looked for the process being killed.
+oom_probe_checks() {
+    local dev id log n0 pid rc
+    trueno-ublk create --size 64M >/tmp/create-oom.out 2>&1
+    dev=$(grep -o '/dev/ublkb[0-9]*' /tmp/create-oom.out | head -n1)
+    if [ -z "$dev" ]; then
+        fail "OOM probe: create --size 64M ($(cat /tmp/create-oom.out))"
+        return
+    fi
+    id=${dev#/dev/ublkb}
+    log=/run/trueno-ublk/ublkb$id.log
+    wait_until 5 grep -q "OOM kills are probed at the tracepoint" "$log"
+    n0=$(wc -l <"$log")
+    mkdir -p $CG/oom-probe && echo 16M >$CG/oom-probe/memory.max && echo 0 >$CG/oom-probe/memory.swap.max
+    sh -c 'echo $$ >/sys/fs/cgroup/oom-probe/cgroup.procs && exec "$@"' oom $VT pressure 64 1 >/tmp/oom-probe.out 2>&1 &
+    pid=$!
+    wait "$pid"
+    rc=$?
+    check "OOM probe: the program of 64 MiB in a cgroup of 16 MiB was OOM-killed (exit $rc)" \
+        eval "[ $rc -eq 137 ] && dmesg | grep -q 'Memory cgroup out of memory'"
+    check "OOM probe: the daemon woke at the kill and looked for the process being killed ($(tail -n +$((n0 + 1)) "$log" | grep -E 'looked for processes|process being killed' | tail -n 2 | tr '\n' ' '))" \
+        wait_until 5 eval "tail -n +$((n0 + 1)) $log | grep -q 'looked for processes being killed after an OOM kill'"
+    rmdir $CG/oom-probe 2>/dev/null
+    check "OOM probe: delete $dev" trueno-ublk delete --id "$id"
+}
+if [ "$MODE" = full ] && [ -n "${TEST_IN_CGROUP:-}" ] && ! skipped oom-probe; then
+    section "an OOM kill in a memory cgroup, seen by the daemon's probe"
+    oom_probe_checks
+fi
 
 # --- 11. near OOM (after the kernel-log check: OOM kills are expected there) ---------------
 if [ "$MODE" = stress ]; then

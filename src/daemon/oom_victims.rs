@@ -1,10 +1,11 @@
 //! The memory of the OOM killer's victims, released as soon as they are killed rather than
 //! when they have exited: process_mrelease(2), which does what the kernel's OOM reaper does
-//! two seconds after a kill. A thread of the serving process looks at the kernel's count of
-//! OOM kills at every poll (see `crate::slotfree::POLL`) and, when it rose, releases the
-//! memory of every process being killed: of those a second thread holds for it while memory
-//! is short, the ones the OOM killer would pick first (`Candidates`), or, where none of them
-//! was, of any it finds in /proc.
+//! two seconds after a kill. A thread of the serving process wakes at each OOM kill (the
+//! probe of `crate::oom_kills`; where it cannot be attached, it looks at the kernel's count of
+//! OOM kills at every poll, see `crate::slotfree::POLL`) and releases the memory of every
+//! process being killed: of those a second thread holds for it while memory is short, the
+//! ones the OOM killer would pick first (`Candidates`), or, where none of them was, of any it
+//! finds in /proc.
 //!
 //! Why: a victim exits only once it gets out of what it was doing when it was killed, and near
 //! OOM that is direct reclaim, swapping pages out to this device. Each swap write holds a bio
@@ -22,9 +23,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use parking_lot::Mutex;
 
+use crate::oom_kills::OomKillProbe;
 use crate::os::{HeldProcess, OomKillCount};
 use crate::store::BatchedPageStore;
 
@@ -32,6 +34,8 @@ use crate::store::BatchedPageStore;
 const CANDIDATES: usize = 8;
 /// How often they are chosen again while memory is short.
 const CANDIDATES_CHOSEN_EVERY: Duration = Duration::from_secs(1);
+/// How long the releasing thread waits on the probe before it looks whether it is to stop.
+const STOP_LOOKED_AT_EVERY: Duration = Duration::from_millis(100);
 
 /// The releasing thread and the thread that chooses the candidates, stopped when dropped.
 pub(super) struct OomVictimReleaser {
@@ -41,27 +45,18 @@ pub(super) struct OomVictimReleaser {
 }
 
 impl OomVictimReleaser {
-    /// Start the releasing thread, which looks at the kernel's OOM kill count every
-    /// `slotfree::POLL` (`POLL_MEMORY_SHORT` while `store` says memory is short), and the
+    /// Start the releasing thread, which wakes at each OOM kill (`KillWatch`), and the
     /// choosing thread. The releasing thread is its own, not the main thread's poll: that one
     /// frees the slots of the last victim's pages, half a second at a time near OOM, while the
     /// next victim waits. `None` (with the reason in the log) where process_mrelease cannot be
-    /// called or /proc/vmstat has no OOM kill count: victims then free their memory as they
-    /// exit, or when the kernel's OOM reaper gets to them.
+    /// called or the kills can be neither probed nor counted: victims then free their memory
+    /// as they exit, or when the kernel's OOM reaper gets to them.
     pub(super) fn start(store: Arc<BatchedPageStore>) -> Option<Self> {
         if let Err(error) = crate::os::process_mrelease_available() {
             tracing::warn!(%error, "process_mrelease(2) unavailable: the memory of processes the OOM killer kills comes back only as they exit");
             return None;
         }
-        let opened =
-            OomKillCount::open().and_then(|mut kills| kills.read().map(|seen| (kills, seen)));
-        let (kills, seen) = match opened {
-            Ok(opened) => opened,
-            Err(error) => {
-                tracing::warn!(%error, "cannot read the OOM kill count: the memory of processes the OOM killer kills comes back only as they exit");
-                return None;
-            }
-        };
+        let kills = KillWatch::open()?;
         let candidates = Arc::new(Candidates::default());
         let (stop, stopped) = crossbeam_channel::bounded(0);
         let mut releaser = Self {
@@ -74,7 +69,7 @@ impl OomVictimReleaser {
             .spawn({
                 let (candidates, store, stopped) =
                     (Arc::clone(&candidates), Arc::clone(&store), stopped.clone());
-                move || release_victims(kills, seen, &candidates, &store, &stopped)
+                move || release_victims(kills, &candidates, &store, &stopped)
             })
             .and_then(|releasing| {
                 releaser.threads.push(releasing);
@@ -186,14 +181,86 @@ fn choose_candidates(candidates: &Candidates, store: &BatchedPageStore, stopped:
     }
 }
 
-/// The releasing thread's loop: for each rise of the OOM kill count, the held candidates
-/// being killed (SIGKILL pending) get their memory released, or, where none was, every
-/// process being killed found in /proc. Any process being killed, not only the OOM killer's
-/// victims: each is about to free its memory anyway, and /proc does not tell the one from the
-/// other.
+/// How the releasing thread learns of OOM kills.
+enum KillWatch {
+    /// Woken at each kill.
+    Probe(OomKillProbe),
+    /// The kernel's count of kills, read at every poll, and its value at the last read.
+    Count { kills: OomKillCount, seen: u64 },
+}
+
+impl KillWatch {
+    /// The probe where it can be attached, else the count; `None` (with the reasons in the
+    /// log) where neither is there.
+    fn open() -> Option<Self> {
+        match OomKillProbe::attach() {
+            Ok(probe) => {
+                tracing::info!("OOM kills are probed at the tracepoint oom:mark_victim");
+                Some(Self::Probe(probe))
+            }
+            Err(error) => Self::count_instead(&error),
+        }
+    }
+
+    /// The count, where the probe is not there (`why_not`); `None` (with the reasons in the
+    /// log) where the count cannot be read either.
+    fn count_instead(why_not: &dyn std::fmt::Display) -> Option<Self> {
+        let counted = OomKillCount::open().and_then(|mut kills| {
+            let seen = kills.read()?;
+            Ok(Self::Count { kills, seen })
+        });
+        match counted {
+            Ok(count) => {
+                tracing::info!(probe = %why_not, "no OOM kill probe: the count of OOM kills in /proc/vmstat is read at every poll instead");
+                Some(count)
+            }
+            Err(error) => {
+                tracing::warn!(probe = %why_not, %error, "OOM kills can be neither probed nor counted: the memory of processes the OOM killer kills comes back only as they exit");
+                None
+            }
+        }
+    }
+
+    /// Wait for an OOM kill, for `STOP_LOOKED_AT_EVERY` on the probe, a poll (of `store`'s)
+    /// on the count, or until `stopped` says stop: `None` to stop, else whether a kill came.
+    /// A probe whose wait fails is given up for the count (a kill is assumed then: one may
+    /// have been missed, and a look where there was none only finds nothing).
+    fn wait(&mut self, store: &BatchedPageStore, stopped: &Receiver<()>) -> Option<bool> {
+        match self {
+            Self::Probe(probe) => match probe.wait(STOP_LOOKED_AT_EVERY) {
+                Ok(killed) => match stopped.try_recv() {
+                    Err(TryRecvError::Empty) => Some(killed),
+                    Ok(()) | Err(TryRecvError::Disconnected) => None,
+                },
+                Err(error) => {
+                    tracing::warn!(%error, "waiting on the OOM kill probe failed");
+                    *self = Self::count_instead(&error)?;
+                    Some(true)
+                }
+            },
+            Self::Count { kills, seen } => {
+                match stopped.recv_timeout(super::poll_interval(store)) {
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Ok(()) | Err(RecvTimeoutError::Disconnected) => return None,
+                }
+                Some(match kills.read() {
+                    Ok(now) if now > *seen => {
+                        *seen = now;
+                        true
+                    }
+                    _ => false,
+                })
+            }
+        }
+    }
+}
+
+/// The releasing thread's loop: for each OOM kill, the held candidates being killed (SIGKILL
+/// pending) get their memory released, or, where none was, every process being killed found
+/// in /proc. Any process being killed, not only the OOM killer's victims: each is about to
+/// free its memory anyway, and /proc does not tell the one from the other.
 fn release_victims(
-    mut kills: OomKillCount,
-    mut seen: u64,
+    mut kills: KillWatch,
     candidates: &Candidates,
     store: &BatchedPageStore,
     stopped: &Receiver<()>,
@@ -204,14 +271,10 @@ fn release_victims(
     // and locked now rather than at the first kill.
     release_found_in_proc(own, Instant::now());
     loop {
-        if let Err(RecvTimeoutError::Disconnected) | Ok(()) =
-            stopped.recv_timeout(super::poll_interval(store))
-        {
-            return;
-        }
-        match kills.read() {
-            Ok(now) if now > seen => seen = now,
-            _ => continue,
+        match kills.wait(store, stopped) {
+            None => return,
+            Some(false) => continue,
+            Some(true) => {}
         }
         let seen_at = Instant::now();
         let (held, released_held) = candidates.release_killed(seen_at);

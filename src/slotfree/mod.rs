@@ -25,11 +25,14 @@
 //! frees a page only if its bit is still set when it holds the page's lock (the store's
 //! `free_swap_slot`): whichever comes first, the new page stays.
 //!
-//! All `unsafe` is in `sys`.
+//! All `unsafe` is in `crate::bpf::sys`.
+
+#![forbid(unsafe_code)]
 
 pub mod btf;
 pub mod program;
-mod sys;
+
+use crate::bpf::sys;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -171,7 +174,7 @@ impl SlotFreeProbe {
             .map_err(kernel("creating the bitmap"))?;
         let map_fd = std::os::fd::AsRawFd::as_raw_fd(&map);
         let code = program::slot_free_probe(&layout, kernel_dev(major, minor), map_fd, words)?;
-        let program = sys::load_kprobe_program(&code, "trueno_frees")
+        let program = sys::load_program(&code, sys::ProgramType::Kprobe, "trueno_frees")
             .map_err(|(error, log)| load_error(error, log))?;
         let shared = sys::WordArrayMapping::map(&map, map_words as usize)
             .map_err(kernel("mapping the bitmap"))?;
@@ -390,7 +393,8 @@ mod kernel_verifier {
         };
         let fd = std::os::fd::AsRawFd::as_raw_fd(&map);
         let code = program::slot_free_probe(layout, kernel_dev(259, 0), fd, words).unwrap();
-        if let Err((error, log)) = sys::load_kprobe_program(&code, "trueno_test") {
+        if let Err((error, log)) = sys::load_program(&code, sys::ProgramType::Kprobe, "trueno_test")
+        {
             // Only a want of privilege skips: the verifier's refusals are EACCES too, with a
             // log.
             match load_error(error, log) {

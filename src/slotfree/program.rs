@@ -23,78 +23,11 @@
 #![forbid(unsafe_code)]
 
 use super::btf::{FirstSlot, KernelLayout};
+use crate::bpf::insn::*;
 
 /// The most slots one call frees: a cluster (`SWAPFILE_CLUSTER`). A larger count (none in
 /// Linux 6.12) is left to the discard.
 pub const MAX_RANGE: i32 = 512;
-
-/// One BPF instruction (`struct bpf_insn`), as the kernel reads it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Insn {
-    pub code: u8,
-    /// Destination register in the low nibble, source in the high one.
-    pub regs: u8,
-    pub off: i16,
-    pub imm: i32,
-}
-
-impl Insn {
-    pub fn to_bytes(self) -> [u8; 8] {
-        let [o0, o1] = self.off.to_le_bytes();
-        let [i0, i1, i2, i3] = self.imm.to_le_bytes();
-        [self.code, self.regs, o0, o1, i0, i1, i2, i3]
-    }
-}
-
-// Opcodes (include/uapi/linux/bpf.h, bpf_common.h).
-const LDX_DW: u8 = 0x79; // dst = *(u64 *)(src + off)
-const LDX_W: u8 = 0x61; // dst = *(u32 *)(src + off)
-const LDX_B: u8 = 0x71; // dst = *(u8 *)(src + off)
-const STX_DW: u8 = 0x7b; // *(u64 *)(dst + off) = src
-const STX_W: u8 = 0x63; // *(u32 *)(dst + off) = src
-const ST_W: u8 = 0x62; // *(u32 *)(dst + off) = imm
-const ATOMIC_DW: u8 = 0xdb; // lock *(u64 *)(dst + off) op= src
-const ATOMIC_ADD: i32 = 0x00;
-const ATOMIC_OR: i32 = 0x40;
-const MOV64_X: u8 = 0xbf;
-const MOV64_K: u8 = 0xb7;
-const ADD64_X: u8 = 0x0f;
-const SUB64_X: u8 = 0x1f;
-const MUL64_K: u8 = 0x27;
-const DIV64_K: u8 = 0x37; // unsigned
-const MOD64_K: u8 = 0x97; // unsigned
-const ADD64_K: u8 = 0x07;
-const AND64_K: u8 = 0x57;
-const LSH64_K: u8 = 0x67;
-const LSH64_X: u8 = 0x6f;
-const RSH64_K: u8 = 0x77;
-const JA: u8 = 0x05;
-const JEQ_K: u8 = 0x15;
-const JGT_K: u8 = 0x25;
-const JGE_K: u8 = 0x35;
-const JGT_X: u8 = 0x2d;
-const JGE_X: u8 = 0x3d;
-const JNE_X: u8 = 0x5d;
-const JNE_K: u8 = 0x55;
-const JNE32_K: u8 = 0x56;
-const CALL: u8 = 0x85;
-const EXIT: u8 = 0x95;
-const LD_IMM64: u8 = 0x18;
-/// `src` of a 64-bit immediate load that names a map by its file descriptor.
-const PSEUDO_MAP_FD: u8 = 1;
-
-const HELPER_MAP_LOOKUP_ELEM: i32 = 1;
-const HELPER_PROBE_READ_KERNEL: i32 = 113;
-
-const R0: u8 = 0;
-const R1: u8 = 1;
-const R2: u8 = 2;
-const R3: u8 = 3;
-const R6: u8 = 6;
-const R7: u8 = 7;
-const R8: u8 = 8;
-const R9: u8 = 9;
-const FP: u8 = 10;
 
 /// Offsets in x86-64's `struct pt_regs` of the first six argument registers (rdi, rsi, rdx,
 /// rcx, r8, r9).
@@ -103,15 +36,6 @@ const ARG_REGS: [i16; 6] = [112, 104, 96, 88, 72, 64];
 /// Bits of a `swp_entry_t` above the slot's offset: the swap type (64 - `SWP_TYPE_SHIFT`, which
 /// is BITS_PER_XA_VALUE 63 less MAX_SWAPFILES_SHIFT 5 on 64-bit kernels).
 const SWP_TYPE_BITS: i32 = 6;
-
-fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> Insn {
-    Insn {
-        code,
-        regs: (src << 4) | dst,
-        off,
-        imm,
-    }
-}
 
 /// Why the probe cannot be built for this kernel.
 #[derive(Debug, thiserror::Error)]

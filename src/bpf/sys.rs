@@ -1,23 +1,27 @@
-//! The kernel calls of the probe: bpf(2) (an array map, a kprobe program),
-//! perf_event_open(2) (the kprobe it runs on) and the array's mapping. All `unsafe` of the
-//! probe lives here.
+//! The kernel calls of the daemon's BPF programs: bpf(2) (an array map, a ring buffer, a
+//! program, a raw tracepoint), perf_event_open(2) (a kprobe) and the maps' mappings. All
+//! `unsafe` of the probes lives here.
 
 use std::ffi::CString;
 use std::num::NonZeroUsize;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
 
-use super::program::Insn;
+use super::insn::Insn;
 
 const BPF_MAP_CREATE: libc::c_int = 0;
 const BPF_PROG_LOAD: libc::c_int = 5;
+const BPF_RAW_TRACEPOINT_OPEN: libc::c_int = 17;
 const BPF_MAP_TYPE_ARRAY: u32 = 2;
+/// A ring buffer shared with user space, who can wait for records with poll(2) (Linux 5.8+).
+const BPF_MAP_TYPE_RINGBUF: u32 = 27;
 /// An array map user space may mmap (Linux 5.5+).
 const BPF_F_MMAPABLE: u32 = 1 << 10;
 const BPF_PROG_TYPE_KPROBE: u32 = 2;
+const BPF_PROG_TYPE_RAW_TRACEPOINT: u32 = 17;
 const PERF_FLAG_FD_CLOEXEC: libc::c_ulong = 8;
 /// `_IO('$', 0)` and `_IOW('$', 8, __u32)` from include/uapi/linux/perf_event.h.
 const PERF_EVENT_IOC_ENABLE: libc::c_ulong = 0x2400;
@@ -25,6 +29,8 @@ const PERF_EVENT_IOC_SET_BPF: libc::c_ulong = 0x4004_2408;
 /// Where the kernel says which perf event type its kprobes are.
 const KPROBE_PMU_TYPE: &str = "/sys/bus/event_source/devices/kprobe/type";
 const HOST_PAGE: usize = 4096;
+/// The same, as an mmap offset: where a ring buffer's producer page is.
+const PRODUCER_PAGE_OFFSET: libc::off_t = 4096;
 
 /// `union bpf_attr` as BPF_MAP_CREATE reads it (the fields up to `map_name`).
 #[repr(C)]
@@ -60,6 +66,15 @@ struct ProgLoadAttr {
 }
 const _: () = assert!(std::mem::size_of::<ProgLoadAttr>() == 72);
 const _: () = assert!(std::mem::offset_of!(ProgLoadAttr, prog_name) == 48);
+
+/// `union bpf_attr` as BPF_RAW_TRACEPOINT_OPEN reads it (without the `cookie` of 6.10+).
+#[repr(C)]
+struct RawTracepointOpenAttr {
+    name: u64,
+    prog_fd: u32,
+    padding: u32,
+}
+const _: () = assert!(std::mem::size_of::<RawTracepointOpenAttr>() == 16);
 
 /// `struct perf_event_attr` up to `config2` (`PERF_ATTR_SIZE_VER1`).
 #[repr(C)]
@@ -124,16 +139,29 @@ pub fn create_word_array(words: u32, name: &str) -> std::io::Result<OwnedFd> {
     bpf(BPF_MAP_CREATE, &mut attr)
 }
 
-/// Load `program` as a kprobe program. On failure, the error and the verifier's log.
-pub fn load_kprobe_program(
+/// Where a program runs.
+#[derive(Clone, Copy, Debug)]
+pub enum ProgramType {
+    /// At a kernel function's entry (`attach_kprobe`); its context is the registers.
+    Kprobe,
+    /// At a tracepoint (`attach_raw_tracepoint`); its context is the tracepoint's arguments.
+    RawTracepoint,
+}
+
+/// Load `program` as a program of type `kind`. On failure, the error and the verifier's log.
+pub fn load_program(
     program: &[Insn],
+    kind: ProgramType,
     name: &str,
 ) -> Result<OwnedFd, (std::io::Error, String)> {
     let bytes: Vec<u8> = program.iter().flat_map(|insn| insn.to_bytes()).collect();
     let license = c"Dual MIT/GPL";
     let load = |log: &mut [u8]| {
         let mut attr = ProgLoadAttr {
-            prog_type: BPF_PROG_TYPE_KPROBE,
+            prog_type: match kind {
+                ProgramType::Kprobe => BPF_PROG_TYPE_KPROBE,
+                ProgramType::RawTracepoint => BPF_PROG_TYPE_RAW_TRACEPOINT,
+            },
             insn_cnt: u32::try_from(program.len()).unwrap_or(u32::MAX),
             insns: bytes.as_ptr() as u64,
             license: license.as_ptr() as u64,
@@ -217,6 +245,133 @@ pub fn attach_kprobe(function: &str, program: &OwnedFd) -> std::io::Result<Owned
     Ok(event)
 }
 
+/// Run `program` (a `ProgramType::RawTracepoint`) at the kernel's tracepoint `tracepoint`
+/// (its name without the group: `mark_victim`, not `oom:mark_victim`); it stays attached until
+/// the returned descriptor is closed. No tracefs needed (Linux 4.17+).
+pub fn attach_raw_tracepoint(tracepoint: &str, program: &OwnedFd) -> std::io::Result<OwnedFd> {
+    let tracepoint = CString::new(tracepoint).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    let mut attr = RawTracepointOpenAttr {
+        name: tracepoint.as_ptr() as u64,
+        prog_fd: u32::try_from(program.as_raw_fd())
+            .map_err(|_| std::io::ErrorKind::InvalidInput)?,
+        padding: 0,
+    };
+    bpf(BPF_RAW_TRACEPOINT_OPEN, &mut attr)
+}
+
+/// A BPF ring buffer of `bytes` (a power of two, a multiple of the page size).
+pub fn create_ring_buffer(bytes: u32, name: &str) -> std::io::Result<OwnedFd> {
+    let mut attr = MapCreateAttr {
+        map_type: BPF_MAP_TYPE_RINGBUF,
+        max_entries: bytes,
+        map_name: name16(name),
+        ..MapCreateAttr::default()
+    };
+    bpf(BPF_MAP_CREATE, &mut attr)
+}
+
+/// A ring buffer's reading end: its descriptor to wait on and its two positions mapped (the
+/// consumer's page, which user space writes, and the producer's, which the kernel writes).
+/// Records are not read, only counted as arrived and then skipped: a program that only says
+/// "now" needs no more.
+pub struct RingBufferReader {
+    map: OwnedFd,
+    consumer: NonNull<AtomicU64>,
+    producer: NonNull<AtomicU64>,
+}
+
+// SAFETY: the two mappings are plain shared memory, accessed only through atomics; they
+// belong to this value, and no thread owns them.
+unsafe impl Send for RingBufferReader {}
+// SAFETY: as above.
+unsafe impl Sync for RingBufferReader {}
+
+impl RingBufferReader {
+    /// Map the positions of the ring buffer `map` (made by `create_ring_buffer`).
+    pub fn map(map: OwnedFd) -> std::io::Result<Self> {
+        // The consumer's page (offset 0, the one page of a ring buffer user space may write),
+        // then the producer's (the next, read-only: the kernel refuses to map it writable;
+        // the records after it are not mapped).
+        let consumer = map_shared(
+            &map,
+            HOST_PAGE,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            0,
+        )?;
+        let producer = match map_shared(&map, HOST_PAGE, ProtFlags::PROT_READ, PRODUCER_PAGE_OFFSET)
+        {
+            Ok(producer) => producer,
+            Err(error) => {
+                // SAFETY: the mapping just made, of that length; nothing points into it.
+                let _ = unsafe { munmap(consumer, HOST_PAGE) };
+                return Err(error);
+            }
+        };
+        Ok(Self {
+            map,
+            consumer: consumer.cast(),
+            producer: producer.cast(),
+        })
+    }
+
+    /// Wait up to `timeout` for a record not yet skipped: whether one came.
+    pub fn wait(&self, timeout: std::time::Duration) -> std::io::Result<bool> {
+        let mut fds = [nix::poll::PollFd::new(
+            self.map.as_fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        let timeout =
+            nix::poll::PollTimeout::try_from(timeout).unwrap_or(nix::poll::PollTimeout::MAX);
+        match nix::poll::poll(&mut fds, timeout) {
+            Ok(ready) => Ok(ready > 0),
+            Err(nix::errno::Errno::EINTR) => Ok(false),
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    /// Skip every record written so far: the next `wait` waits for a new one.
+    pub fn skip_all(&self) {
+        // SAFETY: both positions are the first word of a page mapped for our lifetime, and
+        // every access is atomic (the kernel's too).
+        let (consumer, producer) = unsafe { (self.consumer.as_ref(), self.producer.as_ref()) };
+        consumer.store(producer.load(Ordering::Acquire), Ordering::Release);
+    }
+}
+
+impl Drop for RingBufferReader {
+    fn drop(&mut self) {
+        // SAFETY: our two mappings, one page each; no reference into them outlives `self`.
+        unsafe {
+            let _ = munmap(self.consumer.cast(), HOST_PAGE);
+            let _ = munmap(self.producer.cast(), HOST_PAGE);
+        }
+    }
+}
+
+/// A fresh shared mapping of `length` bytes of the map `map` from `offset`; the caller unmaps
+/// it.
+fn map_shared(
+    map: &OwnedFd,
+    length: usize,
+    protection: ProtFlags,
+    offset: libc::off_t,
+) -> std::io::Result<NonNull<std::ffi::c_void>> {
+    let length = NonZeroUsize::new(length).ok_or(std::io::ErrorKind::InvalidInput)?;
+    // SAFETY: a new mapping, placed by the kernel, of a map's memory: it aliases no Rust
+    // object, and what is in it is read and written only through atomics.
+    let mapped = unsafe {
+        mmap(
+            None,
+            length,
+            protection,
+            MapFlags::MAP_SHARED,
+            map.as_fd(),
+            offset,
+        )
+    }?;
+    Ok(mapped)
+}
+
 /// A mappable array map of 64-bit words, mapped: its values, in key order.
 pub struct WordArrayMapping {
     base: NonNull<AtomicU64>,
@@ -234,19 +389,13 @@ impl WordArrayMapping {
     /// Map the array map `map` of `words` words (made by `create_word_array`).
     pub fn map(map: &OwnedFd, words: usize) -> std::io::Result<Self> {
         let map_len = (words * 8).div_ceil(HOST_PAGE) * HOST_PAGE;
-        let length = NonZeroUsize::new(map_len).ok_or(std::io::ErrorKind::InvalidInput)?;
-        // SAFETY: a fresh shared mapping of the map's values (an mmapable array maps them from
-        // offset 0, 8 bytes a key); it aliases no Rust object.
-        let base = unsafe {
-            mmap(
-                None,
-                length,
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_SHARED,
-                map.as_fd(),
-                0,
-            )
-        }?;
+        // An mmapable array maps its values from offset 0, 8 bytes a key.
+        let base = map_shared(
+            map,
+            map_len,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            0,
+        )?;
         Ok(Self {
             base: base.cast(),
             words,
