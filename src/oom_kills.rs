@@ -1,10 +1,9 @@
 //! A wake-up at each OOM kill: a BPF program at the kernel's `oom:mark_victim` tracepoint
 //! writes a record into a ring buffer the daemon waits on with poll(2).
 //!
-//! Why: the daemon releases the memory of the OOM killer's victims (`daemon::oom_victims`),
-//! and every millisecond between the kill and the release is one in which the OOM killer may
-//! go on to its next victim. Without the probe, the daemon reads the kernel's count of OOM
-//! kills in /proc/vmstat every 20 ms while memory is short: up to 20 ms late, about 1 s of a
+//! Why: the daemon releases the memory of the OOM killer's victims (`daemon::oom_victims`)
+//! as soon as it hears of a kill. Without the probe, it reads the kernel's count of OOM kills
+//! in /proc/vmstat every 20 ms while memory is short: up to 20 ms late, about 1 s of a
 //! real-time thread's CPU in 30 s under the test VM's emulation (the kernel formats every
 //! counter into a buffer it allocates for each read), and that allocation is made exactly when
 //! no memory is left. The probe's thread sleeps until the kill, and reads nothing to learn of

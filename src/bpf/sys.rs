@@ -111,7 +111,7 @@ fn bpf<T>(command: libc::c_int, attr: &mut T) -> std::io::Result<OwnedFd> {
         u32::try_from(std::mem::size_of::<T>()).map_err(|_| std::io::ErrorKind::InvalidInput)?;
     // SAFETY: `attr` is a properly laid out `union bpf_attr` prefix (see the assertions) that
     // outlives the call; the kernel reads `size` bytes of it and writes nothing back for the
-    // two commands used here.
+    // commands used here (map create, program load, raw tracepoint open).
     let fd = unsafe { libc::syscall(libc::SYS_bpf, command, std::ptr::from_mut(attr), size) };
     own_fd(fd)
 }
