@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
 
 use super::insn::Insn;
+use crate::mem::HOST_PAGE;
 
 const BPF_MAP_CREATE: libc::c_int = 0;
 const BPF_PROG_LOAD: libc::c_int = 5;
@@ -28,9 +29,6 @@ const PERF_EVENT_IOC_ENABLE: libc::c_ulong = 0x2400;
 const PERF_EVENT_IOC_SET_BPF: libc::c_ulong = 0x4004_2408;
 /// Where the kernel says which perf event type its kprobes are.
 const KPROBE_PMU_TYPE: &str = "/sys/bus/event_source/devices/kprobe/type";
-const HOST_PAGE: usize = 4096;
-/// The same, as an mmap offset: where a ring buffer's producer page is.
-const PRODUCER_PAGE_OFFSET: libc::off_t = 4096;
 
 /// `union bpf_attr` as BPF_MAP_CREATE reads it (the fields up to `map_name`).
 #[repr(C)]
@@ -292,14 +290,15 @@ impl RingBufferReader {
         // The consumer's page (offset 0, the one page of a ring buffer user space may write),
         // then the producer's (the next, read-only: the kernel refuses to map it writable;
         // the records after it are not mapped).
+        let producer_offset =
+            libc::off_t::try_from(HOST_PAGE).map_err(|_| std::io::ErrorKind::InvalidInput)?;
         let consumer = map_shared(
             &map,
             HOST_PAGE,
             ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
             0,
         )?;
-        let producer = match map_shared(&map, HOST_PAGE, ProtFlags::PROT_READ, PRODUCER_PAGE_OFFSET)
-        {
+        let producer = match map_shared(&map, HOST_PAGE, ProtFlags::PROT_READ, producer_offset) {
             Ok(producer) => producer,
             Err(error) => {
                 // SAFETY: the mapping just made, of that length; nothing points into it.
