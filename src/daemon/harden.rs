@@ -21,6 +21,16 @@ pub(super) fn lock_memory() {
     }
 }
 
+/// Reserve the address space the store's bookkeeping lists grow into (see `mem::lists`):
+/// before the device is live, so that a list outgrowing the heap near OOM makes no mapping.
+pub(super) fn reserve_list_space() {
+    match crate::mem::reserve_list_space() {
+        Ok(true) => {}
+        Ok(false) => tracing::info!("strict overcommit: the store's bookkeeping lists map buffers of their own as they grow"),
+        Err(error) => tracing::warn!(%error, "reserving address space for the store's bookkeeping lists failed: a list that outgrows the heap maps a buffer of its own, which near OOM may wait for the mmap lock"),
+    }
+}
+
 /// Ready a thread of the store that compresses or decompresses (flusher, recompressor, rayon
 /// worker) for the I/O path, as the ublk layer does its queue threads: stack faulted in, its
 /// codec contexts made in heap faulted in for them with room for what its I/O path allocates

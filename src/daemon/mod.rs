@@ -48,7 +48,7 @@ use detach::{start_detached, Notifier};
 use handler::StoreHandler;
 use harden::{
     disable_writeback_throttling, lock_memory, prepare_codec_thread, protect_from_oom_killer,
-    ready_io_thread, ready_refill_thread, ready_store_thread,
+    ready_io_thread, ready_refill_thread, ready_store_thread, reserve_list_space,
 };
 
 /// Where daemons keep their logs and endpoints (root only).
@@ -721,6 +721,7 @@ fn serve(
     lock_memory();
     protect_from_oom_killer();
     crate::mem::configure_heap();
+    reserve_list_space();
     // The main thread opens the store (for a standby: after the word to take over, when
     // the device waits): its stack and heap are faulted in now.
     crate::mem::prepare_io_thread();

@@ -5,8 +5,9 @@
 //! refuses `MADV_DONTNEED` on locked memory), so a list that grew to hold the chunks of a
 //! near-OOM fill and was then made small again kept its old buffers in the process for good
 //! (seen in the VM: 9.6 MiB of one thread's malloc arena after stress-ng's workers died, all
-//! of it locked). A buffer of `MAPPED_MIN_BYTES` or more is a mapping here, and dropping it
-//! unmaps it: the memory is the system's again at once. Smaller buffers stay on the heap,
+//! of it locked). A buffer of `MAPPED_MIN_BYTES` or more is a mapping here (or a window of
+//! one, below), and dropping it gives its pages back: the memory is the system's again at
+//! once. Smaller buffers stay on the heap,
 //! where a page holds many of them.
 //!
 //! A mapping reserves `MAPPED_RESERVATION_BYTES` of address space (none of it memory until
@@ -17,11 +18,25 @@
 //! shortest (a near-OOM fill of raw pages grows the allocator's lists by about 100 bytes a
 //! page), and copies under the lock; in the VM's near-OOM stage writes failed while the
 //! thread that provisions waited in reclaim for such a buffer (2026-11-27).
+//!
+//! The daemon reserves the address space of its mapped lists once, before its devices are
+//! live (`reserve_list_space`): a window of `MAPPED_RESERVATION_BYTES` for each list, all in
+//! one mapping. A list that outgrows the heap then moves into a window, and one dropped gives
+//! its window's pages back with `MADV_DONTNEED_LOCKED`: neither makes or removes a mapping.
+//! Why: making one takes the process's mmap lock for writing, and near OOM that waits (for a
+//! thread faulting inside a neighbouring mapping, which the new one merges with, or one
+//! holding the lock for reading while in reclaim) and, while it waits, stops every other
+//! thread that needs the lock at all: seen in the VM's near-OOM stage (2026-12-06), the thread
+//! that provisions sat 63 and 136 s in `vm_mmap_pgoff`, growing a class's lists past the heap
+//! during a fill of raw pages, and every write failed meanwhile. Where there is no such space
+//! (a test, strict overcommit, every window taken) a list maps a buffer of its own as before.
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
+use std::sync::OnceLock;
 
 use allocator_api2::alloc::{AllocError, Allocator, Global};
+use parking_lot::Mutex;
 
 use super::HOST_PAGE;
 
@@ -31,6 +46,110 @@ const MAPPED_MIN_BYTES: usize = 16 << 10;
 /// bookkeeping, 5 GiB of raw pages in one class); a larger one is mapped at its size and
 /// moves to grow.
 const MAPPED_RESERVATION_BYTES: usize = 64 << 20;
+/// Windows the daemon's list space holds: about twice what a serving process's one store maps
+/// at most at once (every class's four lists, 480 with 120 classes; the four a class remakes
+/// beside its old ones as it shrinks them; the cold-page list). 64 GiB of address space, none
+/// of it memory until faulted in.
+const LIST_SPACE_WINDOWS: usize = 1024;
+
+/// The process's list space, once reserved.
+static LIST_SPACE: OnceLock<ListSpace> = OnceLock::new();
+
+/// Reserve the process's list space (see the module's comment), if it is not yet: true where
+/// it is there now, false where the system does not overcommit (the space would be charged
+/// in full; lists then map buffers of their own), an error where the system refused it.
+pub fn reserve_list_space() -> std::io::Result<bool> {
+    if LIST_SPACE.get().is_some() {
+        return Ok(true);
+    }
+    if !super::reservations_allowed() {
+        return Ok(false);
+    }
+    let space = ListSpace::reserve(LIST_SPACE_WINDOWS)?;
+    // A second caller racing this one keeps its own, which its drop unmaps.
+    let _ = LIST_SPACE.set(space);
+    Ok(true)
+}
+
+/// Address space carved into windows of `MAPPED_RESERVATION_BYTES`, a mapped list's buffer
+/// each.
+struct ListSpace {
+    base: usize,
+    windows: usize,
+    /// Indices of the windows no list holds; popped from the end.
+    free: Mutex<Vec<usize>>,
+}
+
+impl ListSpace {
+    fn reserve(windows: usize) -> std::io::Result<Self> {
+        let len = windows
+            .checked_mul(MAPPED_RESERVATION_BYTES)
+            .ok_or(std::io::ErrorKind::InvalidInput)?;
+        let base = super::map_private(len)?.as_ptr() as usize;
+        Ok(Self {
+            base,
+            windows,
+            free: Mutex::new((0..windows).rev().collect()),
+        })
+    }
+
+    /// A window for a buffer of `size` bytes, if one is free and it fits.
+    fn take(&self, size: usize) -> Option<NonNull<u8>> {
+        if size > MAPPED_RESERVATION_BYTES {
+            return None;
+        }
+        let index = self.free.lock().pop()?;
+        NonNull::new((self.base + index * MAPPED_RESERVATION_BYTES) as *mut u8)
+    }
+
+    /// Whether `ptr` lies in this space.
+    fn holds(&self, ptr: NonNull<u8>) -> bool {
+        let address = ptr.as_ptr() as usize;
+        address >= self.base && address - self.base < self.windows * MAPPED_RESERVATION_BYTES
+    }
+
+    /// Take back the window `ptr` starts (one `take` gave), its pages given back to the
+    /// system first.
+    fn give_back(&self, ptr: NonNull<u8>) {
+        let index = (ptr.as_ptr() as usize - self.base) / MAPPED_RESERVATION_BYTES;
+        // SAFETY: the window is the one `take` handed out for `ptr`, which its vector no
+        // longer uses (the allocator's contract) and nothing else points into; dropped pages
+        // read as zeros if a later list faults them in again.
+        let dropped = unsafe {
+            let start = ptr.as_ptr().cast::<libc::c_void>();
+            match libc::madvise(start, MAPPED_RESERVATION_BYTES, libc::MADV_DONTNEED_LOCKED) {
+                0 => Ok(()),
+                // A kernel before 5.18, which knows only MADV_DONTNEED: that one does for
+                // memory not locked (tests), and leaves locked pages for the next list.
+                _ if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) => {
+                    match libc::madvise(start, MAPPED_RESERVATION_BYTES, libc::MADV_DONTNEED) {
+                        0 => Ok(()),
+                        _ => Err(std::io::Error::last_os_error()),
+                    }
+                }
+                _ => Err(std::io::Error::last_os_error()),
+            }
+        };
+        if let Err(error) = dropped {
+            tracing::warn!(%error, "giving a bookkeeping list's pages back failed: the next list in its window reuses them");
+        }
+        self.free.lock().push(index);
+    }
+}
+
+impl Drop for ListSpace {
+    fn drop(&mut self) {
+        let len = self.windows * MAPPED_RESERVATION_BYTES;
+        let Some(base) = NonNull::new(self.base as *mut std::ffi::c_void) else {
+            return;
+        };
+        // SAFETY: the mapping `reserve` made; a space is dropped only with no window taken
+        // (the process's own never is: it is a static).
+        if let Err(error) = unsafe { nix::sys::mman::munmap(base, len) } {
+            tracing::warn!(%error, "unmapping a list space failed");
+        }
+    }
+}
 
 /// Where a list's buffers come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -179,18 +298,26 @@ impl ListAlloc {
 }
 
 // SAFETY: heap buffers are Global's, freed by Global with the layout they were allocated
-// with; a mapped buffer is a fresh private mapping of `mapping_len(layout.size())` bytes, at
-// least `layout.size()`, aligned to a page (so to any alignment `maps` accepts), valid until
-// `deallocate` unmaps it, owned by the one vector it was given to, and grown in place only
-// within that mapping. `maps` and `mapping_len` decide the same for every call.
+// with; a mapped buffer is a window of the list space (`MAPPED_RESERVATION_BYTES`, which is
+// what `mapping_len` gives for a size it fits, the space being reserved only where
+// reservations are allowed) or a fresh private mapping of `mapping_len(layout.size())` bytes,
+// either at least `layout.size()`, aligned to a page (so to any alignment `maps` accepts),
+// valid until `deallocate` gives it back, owned by the one vector it was given to, and grown
+// in place only within it. `maps` and `mapping_len` decide the same for every call, and the
+// space, once reserved, stays.
 unsafe impl Allocator for ListAlloc {
     fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
         if !self.maps(layout) {
             return Global.allocate(layout);
         }
-        let base = super::map_private(mapping_len(layout.size())).map_err(|_| AllocError)?;
+        let base = match LIST_SPACE.get().and_then(|space| space.take(layout.size())) {
+            Some(window) => window,
+            None => super::map_private(mapping_len(layout.size()))
+                .map_err(|_| AllocError)?
+                .cast::<u8>(),
+        };
         Ok(NonNull::slice_from_raw_parts(
-            base.cast::<u8>(),
+            base,
             page_rounded(layout.size()),
         ))
     }
@@ -200,6 +327,10 @@ unsafe impl Allocator for ListAlloc {
             // SAFETY: the caller passes a block this allocator allocated with `layout`, which
             // (`maps` being false) Global allocated.
             unsafe { Global.deallocate(ptr, layout) };
+            return;
+        }
+        if let Some(space) = LIST_SPACE.get().filter(|space| space.holds(ptr)) {
+            space.give_back(ptr);
             return;
         }
         let len = mapping_len(layout.size());
@@ -337,6 +468,39 @@ mod tests {
         list.reserve_exact(past - list.len());
         list.push(1);
         assert_eq!(list[8 * entries - 1], 8 * entries as u64 - 1);
+    }
+
+    #[test]
+    fn a_list_space_hands_out_each_window_once_and_takes_it_back_emptied() {
+        if !super::super::reservations_allowed() {
+            return; // strict overcommit: no space is reserved
+        }
+        let space = ListSpace::reserve(2).unwrap();
+        assert!(
+            space.take(MAPPED_RESERVATION_BYTES + 1).is_none(),
+            "too large for a window"
+        );
+        let first = space.take(MAPPED_RESERVATION_BYTES).unwrap();
+        let second = space.take(1).unwrap();
+        assert!(space.take(1).is_none(), "both windows taken");
+        assert!(space.holds(first) && space.holds(second));
+        let distance = (first.as_ptr() as usize).abs_diff(second.as_ptr() as usize);
+        assert_eq!(distance, MAPPED_RESERVATION_BYTES);
+        let outside = NonNull::new((space.base + 2 * MAPPED_RESERVATION_BYTES) as *mut u8);
+        assert!(!space.holds(outside.unwrap()));
+        // SAFETY: the window's first two pages, this test's alone while it holds the window.
+        unsafe { std::ptr::write_bytes(second.as_ptr(), 0xa5, 2 * HOST_PAGE) };
+        space.give_back(second);
+        let again = space.take(1).unwrap();
+        assert_eq!(again, second, "the window given back is the one free");
+        // SAFETY: as above; the pages given back read as fresh ones.
+        let page = unsafe { std::slice::from_raw_parts(again.as_ptr(), 2 * HOST_PAGE) };
+        assert!(
+            page.iter().all(|&byte| byte == 0),
+            "its pages were given back"
+        );
+        space.give_back(again);
+        space.give_back(first);
     }
 
     #[test]

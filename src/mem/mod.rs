@@ -25,7 +25,8 @@ mod throttle;
 
 pub use arena::{Arena, ArenaChunk, CarveFailed};
 pub use lists::{
-    empty_list, faulted_in_list, growth_in_place, out_of_memory, Growth, ListAlloc, ListVec,
+    empty_list, faulted_in_list, growth_in_place, out_of_memory, reserve_list_space, Growth,
+    ListAlloc, ListVec,
 };
 #[cfg(test)]
 pub(crate) use segment::give_shared_to_user;
