@@ -76,7 +76,8 @@ pub fn reserve_list_space() -> std::io::Result<bool> {
 struct ListSpace {
     base: usize,
     windows: usize,
-    /// Indices of the windows no list holds; popped from the end.
+    /// Indices of the windows no list holds; popped from the end. Made holding every index,
+    /// so a push back never allocates.
     free: Mutex<Vec<usize>>,
 }
 
@@ -119,8 +120,9 @@ impl ListSpace {
             let start = ptr.as_ptr().cast::<libc::c_void>();
             match libc::madvise(start, MAPPED_RESERVATION_BYTES, libc::MADV_DONTNEED_LOCKED) {
                 0 => Ok(()),
-                // A kernel before 5.18, which knows only MADV_DONTNEED: that one does for
-                // memory not locked (tests), and leaves locked pages for the next list.
+                // A kernel before 5.18 (none with a ublk driver, which came in 6.0) knows
+                // only MADV_DONTNEED: that one does for memory not locked (tests), and
+                // leaves locked pages for the next list.
                 _ if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) => {
                     match libc::madvise(start, MAPPED_RESERVATION_BYTES, libc::MADV_DONTNEED) {
                         0 => Ok(()),
