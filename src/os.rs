@@ -476,6 +476,13 @@ fn parse_oom_kills(vmstat: &str) -> Option<u64> {
 /// `SIGKILL`'s bit in the signal masks of /proc/PID/status.
 const SIGKILL_BIT: u64 = 1 << (libc::SIGKILL - 1);
 
+/// The address range of a mapping's first line in a `/proc/PID/smaps` text
+/// ("7f0000-7f2000 rw-p 00000000 00:00 0"); `None` for the lines of its fields.
+pub fn smaps_mapping_range(line: &str) -> Option<std::ops::Range<u64>> {
+    let (start, end) = line.split_once(' ')?.0.split_once('-')?;
+    Some(u64::from_str_radix(start, 16).ok()?..u64::from_str_radix(end, 16).ok()?)
+}
+
 /// Whether a /proc/PID/status text says the process is being killed: SIGKILL pending, for
 /// the process (`ShdPnd`, where the OOM killer sends it) or its thread (`SigPnd`, where the
 /// kernel puts it on each thread as the signal is delivered), and not yet a zombie.

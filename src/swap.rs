@@ -241,7 +241,7 @@ fn swapped_mappings(smaps: &str) -> (Vec<Range<u64>>, u64) {
     let mut total_kib = 0u64;
     let mut current = None;
     for line in smaps.lines() {
-        if let Some(range) = mapping_range(line) {
+        if let Some(range) = crate::os::smaps_mapping_range(line) {
             current = Some(range);
         } else if let Some(kib) = line.strip_prefix("Swap:") {
             let kib: u64 = kib
@@ -257,12 +257,6 @@ fn swapped_mappings(smaps: &str) -> (Vec<Range<u64>>, u64) {
         }
     }
     (mappings, total_kib)
-}
-
-/// The address range of an smaps mapping's first line ("7f0000-7f2000 rw-p 00000000 00:00 0").
-fn mapping_range(line: &str) -> Option<Range<u64>> {
-    let (start, end) = line.split_once(' ')?.0.split_once('-')?;
-    Some(u64::from_str_radix(start, 16).ok()?..u64::from_str_radix(end, 16).ok()?)
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 //! and one dropped gives its pages back.
 
 use trueno_ublk::mem::{empty_list, reserve_list_space, ListAlloc, ListVec};
+use trueno_ublk::os::smaps_mapping_range;
 
 /// The mappings of this process, as `(start, end)`, from /proc/self/smaps, each with its
 /// resident KiB.
@@ -15,15 +16,9 @@ fn mappings() -> Vec<((usize, usize), u64)> {
             if let Some((_, rss)) = found.last_mut() {
                 *rss = kib;
             }
-        } else if let Some((start, end)) = line
-            .split_whitespace()
-            .next()
-            .and_then(|range| range.split_once('-'))
-        {
-            let parse = |hex: &str| usize::from_str_radix(hex, 16).ok();
-            if let (Some(start), Some(end)) = (parse(start), parse(end)) {
-                found.push(((start, end), 0));
-            }
+        } else if let Some(range) = smaps_mapping_range(line) {
+            let address = |at: u64| usize::try_from(at).unwrap();
+            found.push(((address(range.start), address(range.end)), 0));
         }
     }
     found

@@ -386,15 +386,14 @@ mod tests {
         std::fs::read_to_string("/proc/self/maps")
             .unwrap()
             .lines()
-            .filter_map(|line| {
-                let (start, end) = line.split_whitespace().next()?.split_once('-')?;
-                let range = (
-                    usize::from_str_radix(start, 16).ok()?,
-                    usize::from_str_radix(end, 16).ok()?,
-                );
-                Some(range)
+            .filter_map(crate::os::smaps_mapping_range)
+            .find(|range| range.contains(&(address as u64)))
+            .and_then(|range| {
+                Some((
+                    usize::try_from(range.start).ok()?,
+                    usize::try_from(range.end).ok()?,
+                ))
             })
-            .find(|&(start, end)| start <= address && address < end)
     }
 
     #[test]
@@ -431,15 +430,8 @@ mod tests {
                 if inside {
                     return flags.split_whitespace().any(|flag| flag == "dc");
                 }
-            } else if let Some((start, end)) = line
-                .split_whitespace()
-                .next()
-                .and_then(|range| range.split_once('-'))
-            {
-                let parse = |hex: &str| usize::from_str_radix(hex, 16).ok();
-                if let (Some(start), Some(end)) = (parse(start), parse(end)) {
-                    inside = start <= address && address < end;
-                }
+            } else if let Some(range) = crate::os::smaps_mapping_range(line) {
+                inside = range.contains(&(address as u64));
             }
         }
         false
