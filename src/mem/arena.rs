@@ -51,7 +51,7 @@ impl Arena {
             start,
             len,
             carved: segment.words(carved_offset, 1)?,
-            tags: segment.words32(tags_offset, len / HOST_PAGE)?,
+            tags: segment.words_of::<AtomicU32>(tags_offset, len / HOST_PAGE)?,
             tags_offset,
             tags_committed_end: AtomicUsize::new(tags_offset),
         }))

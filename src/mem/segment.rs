@@ -491,24 +491,16 @@ impl Segment {
         offset: usize,
         count: usize,
     ) -> std::io::Result<Words<AtomicU64>> {
-        Words::new(self, offset, count)
+        self.words_of(offset, count)
     }
 
-    /// `count` atomic 16-bit words at `offset`.
-    pub fn words16(
+    /// `count` atomic words of type `T` (`AtomicU32`, `AtomicU16`) at `offset`, aligned to
+    /// their size and inside the segment.
+    pub fn words_of<T: AtomicWord>(
         self: &Arc<Self>,
         offset: usize,
         count: usize,
-    ) -> std::io::Result<Words<AtomicU16>> {
-        Words::new(self, offset, count)
-    }
-
-    /// `count` atomic 32-bit words at `offset`.
-    pub fn words32(
-        self: &Arc<Self>,
-        offset: usize,
-        count: usize,
-    ) -> std::io::Result<Words<AtomicU32>> {
+    ) -> std::io::Result<Words<T>> {
         Words::new(self, offset, count)
     }
 

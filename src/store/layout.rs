@@ -744,8 +744,8 @@ impl Regions {
                 segment: Arc::clone(segment),
             },
             table: view(segment.words(o.table, o.table_len))?,
-            hints: view(segment.words16(o.hints, o.table_len))?,
-            checksums: view(segment.words32(o.checksums, o.table_len))?,
+            hints: view(segment.words_of::<AtomicU16>(o.hints, o.table_len))?,
+            checksums: view(segment.words_of::<AtomicU32>(o.checksums, o.table_len))?,
             table_memory: TableMemory::new(
                 Arc::clone(segment),
                 Region {
@@ -766,7 +766,7 @@ impl Regions {
                 if maps_groups(shape.version) {
                     let groups = TableMemory::groups_of(shape.pages);
                     Some(Slots::new(
-                        view(segment.words32(o.group_map, groups))?,
+                        view(segment.words_of::<AtomicU32>(o.group_map, groups))?,
                         groups,
                     ))
                 } else {

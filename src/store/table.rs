@@ -693,13 +693,13 @@ mod tests {
                 },
             ],
             pages,
-            mapped.then(|| Slots::new(segment.words32(map, groups).unwrap(), groups)),
+            mapped.then(|| Slots::new(segment.words_of::<AtomicU32>(map, groups).unwrap(), groups)),
         );
         PageTable::new(
             pages,
             segment.words(0, len).unwrap(),
-            segment.words16(hints, len).unwrap(),
-            segment.words32(checksums, len).unwrap(),
+            segment.words_of::<AtomicU16>(hints, len).unwrap(),
+            segment.words_of::<AtomicU32>(checksums, len).unwrap(),
             memory,
         )
     }

@@ -1045,7 +1045,9 @@ fn stores_of_versions_5_and_6_are_resumed_with_their_own_checksums() {
         // Header word 1 is the layout version; the checksums follow the header page, the
         // table's group (4 pages) and its hints (a page).
         let header = segment.words(0, 2).unwrap();
-        let checksums = segment.words32(6 * PAGE_SIZE, 64).unwrap();
+        let checksums = segment
+            .words_of::<std::sync::atomic::AtomicU32>(6 * PAGE_SIZE, 64)
+            .unwrap();
         assert_eq!(header[1].load(Ordering::Relaxed), version);
         for i in 0..16usize {
             assert_eq!(
@@ -1097,7 +1099,9 @@ fn a_store_of_layout_version_3_is_resumed_with_crc32c_and_kept_at_3() {
     // Header word 1 is the layout version; the checksums of 64 pages are the fourth page
     // (after the header, the table and the hints: a page each, see `layout`).
     let header = segment.words(0, 2).unwrap();
-    let checksums = segment.words32(3 * PAGE_SIZE, 64).unwrap();
+    let checksums = segment
+        .words_of::<std::sync::atomic::AtomicU32>(3 * PAGE_SIZE, 64)
+        .unwrap();
     assert_eq!(header[1].load(Ordering::Relaxed), 4);
     for i in 0..16usize {
         assert_eq!(
