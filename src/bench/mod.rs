@@ -564,6 +564,14 @@ pub fn measure(
             return Err(BenchError::Pool(error));
         }
     }
+    // The store's bookkeeping lists grow where a serving process's do: in the list space it
+    // reserves as it starts (see `mem::lists`), not in mappings of their own.
+    if let Err(error) = crate::mem::reserve_list_space() {
+        crate::os::print_err(&format!(
+            "trueno-ublk: note: no address space reserved for the store's bookkeeping lists \
+             ({error}): they map buffers of their own, unlike the daemon's"
+        ));
+    }
     let plan = plan(args, corpus)?;
     let load_average = load_average();
     let repeat = usize::from(args.repeat).max(1);
