@@ -65,7 +65,7 @@ fn bench_classify(c: &mut Criterion) {
 }
 
 /// The checksum the store takes of every page it stores and checks on every read of one (a new
-/// store takes the faster of the two where it is made, `PageChecksum::fastest_here`): its
+/// store takes the fastest of the three where it is made, `PageChecksum::fastest_here`): its
 /// cost against `page_codec`'s figures for the same pages (256 of them, 1 MiB: in cache, as a
 /// page the store has just decompressed or is about to compress is).
 fn bench_checksum(c: &mut Criterion) {
@@ -75,6 +75,7 @@ fn bench_checksum(c: &mut Criterion) {
     for (name, kind) in [
         ("xxh64_page", PageChecksum::Xxh64),
         ("crc32c_page", PageChecksum::Crc32c),
+        ("xxh3_page", PageChecksum::Xxh3),
     ] {
         g.bench_function(name, |b| {
             b.iter(|| {

@@ -1202,12 +1202,12 @@ swap_run() {
         check "$name: the daemon's log, filled past 1 MiB, was emptied and says so ($(wc -c <"$log") bytes)" \
             wait_until 10 eval "[ \$(wc -c <$log) -lt 1048576 ] && head -n1 $log | grep -q '^(this log was emptied' && grep -q 'compaction done' $log"
         # The checksum the store took where it was made, and the layout version that says
-        # which (src/store/layout.rs): 5 with XXH64, 6 with CRC32C.
+        # which (src/store/layout.rs): 5 with XXH64, 6 with CRC32C, 7 with XXH3.
         local kind
         kind="$(ublk_json_count layout_version):$(trueno-ublk stat --json 2>/dev/null |
             sed -n 's/.*"checksum": *"\([a-z0-9]*\)".*/\1/p' | head -n1)"
         check "$name: stat --json names the store's layout version and checksum ($kind)" \
-            eval '[ "$kind" = 5:xxh64 ] || [ "$kind" = 6:crc32c ]'
+            eval '[ "$kind" = 5:xxh64 ] || [ "$kind" = 6:crc32c ] || [ "$kind" = 7:xxh3 ]'
     fi
     t0=$(now)
     check "$name: swapoff $dev" $UL/swapoff "$dev"

@@ -18,7 +18,7 @@ pub struct StoreStats {
     /// predates this field.
     #[serde(default)]
     pub layout_version: u64,
-    /// How stored pages are checksummed (`crc32c` or `xxh64`, by the layout version); empty
+    /// How stored pages are checksummed (`crc32c`, `xxh64` or `xxh3`, by the layout version); empty
     /// from a daemon that predates this field.
     #[serde(default)]
     pub checksum: String,

@@ -6,8 +6,8 @@
 //! | header (one page) | magic, layout version, device pages, slots per batch, arena size, the allocator's class fingerprint, the arena's carve cursor, the pid of the process using it, then each size class's live chunks (a hint, see `H_CLASS_CHUNKS`) |
 //! | table | one word per device page (see `table`); this and the next two are committed a group of pages at a time as the device is written (see `table_memory`) |
 //! | hints | one 16-bit idle hint per device page (see `table::Hint`); not crash-consistent, started afresh on resume |
-//! | checksums | the checksum of each stored page's data (`codec::PageChecksum`: CRC32C in a store of version 3 or 6, XXH64's low half in one of version 4 or 5), written before its entry names the object |
-//! | group map | (versions 5 and 6) the slot of the three regions above each group of entries is in (see `table_memory`); those regions then hold whole groups |
+//! | checksums | the checksum of each stored page's data (`codec::PageChecksum`: CRC32C in a store of version 3 or 6, XXH64's low half in one of version 4 or 5, XXH3's in one of version 7), written before its entry names the object |
+//! | group map | (versions 5 to 7) the slot of the three regions above each group of entries is in (see `table_memory`); those regions then hold whole groups |
 //! | slot indexes | the page index each pending slot holds |
 //! | slot pages | the pending batches' pages |
 //! | arena tags | a word per arena page (see `mem::Arena`) |
@@ -32,27 +32,36 @@ use crate::mem::{Arena, PageSlots, Segment, Words};
 /// Version of this layout and of the meaning of its words. A binary refuses a segment of a
 /// version it does not read (`READ_VERSIONS`), and leaves it untouched for a binary that does.
 /// Version 5 places groups of the table in any slot (the group map), versions 3 and 4 group
-/// `g` in slot `g`; version 6 is version 5 with CRC32C checksums. Versions 3 and 6 checksum
-/// pages with CRC32C, 4 and 5 with XXH64 (their words mean the same otherwise). A new store is
-/// version 6 where CRC32C is the faster checksum here and 5 where it is not (see
+/// `g` in slot `g`; versions 6 and 7 are version 5 with other checksums. Versions 3 and 6
+/// checksum pages with CRC32C, 4 and 5 with XXH64, 7 with XXH3 (their words mean the same
+/// otherwise). A new store is the version of the fastest checksum here (see
 /// `new_store_version`), so a store made where XXH64 wins can still be taken by a binary of
-/// before version 6. A store of an older version is resumed as it is, and keeps its layout and
-/// its version, so the binary that made it can still take it back.
-pub const LAYOUT_VERSION: u64 = 6;
+/// before version 6, and one made where CRC32C wins by one of before version 7. A store of an
+/// older version is resumed as it is, and keeps its layout and its version, so the binary that
+/// made it can still take it back.
+pub const LAYOUT_VERSION: u64 = 7;
+/// The version of a new store checksummed with CRC32C (see `LAYOUT_VERSION`).
+const CRC32C_LAYOUT_VERSION: u64 = 6;
 /// The version of a new store checksummed with XXH64 (see `LAYOUT_VERSION`).
 const XXH64_LAYOUT_VERSION: u64 = 5;
-const READ_VERSIONS: [u64; 4] = [3, 4, XXH64_LAYOUT_VERSION, LAYOUT_VERSION];
+const READ_VERSIONS: [u64; 5] = [
+    3,
+    4,
+    XXH64_LAYOUT_VERSION,
+    CRC32C_LAYOUT_VERSION,
+    LAYOUT_VERSION,
+];
 
-/// The layout version of the stores this thread makes: `LAYOUT_VERSION` where CRC32C is the
-/// faster checksum on this machine (`PageChecksum::fastest_here`), `XXH64_LAYOUT_VERSION`
-/// where XXH64 is; tests choose (`LAYOUT_FOR_TESTS`).
+/// The layout version of the stores this thread makes: that of the fastest checksum on this
+/// machine (`PageChecksum::fastest_here`); tests choose (`LAYOUT_FOR_TESTS`).
 fn new_store_version() -> u64 {
     #[cfg(test)]
     return LAYOUT_FOR_TESTS.with(std::cell::Cell::get);
     #[cfg(not(test))]
     match PageChecksum::fastest_here() {
-        PageChecksum::Crc32c => LAYOUT_VERSION,
+        PageChecksum::Crc32c => CRC32C_LAYOUT_VERSION,
         PageChecksum::Xxh64 => XXH64_LAYOUT_VERSION,
+        PageChecksum::Xxh3 => LAYOUT_VERSION,
     }
 }
 
@@ -70,10 +79,10 @@ fn maps_groups(version: u64) -> bool {
 
 /// The page checksum of a store of layout `version` (one of `READ_VERSIONS`).
 pub(super) fn checksum_of_version(version: u64) -> PageChecksum {
-    if version == 3 || version == LAYOUT_VERSION {
-        PageChecksum::Crc32c
-    } else {
-        PageChecksum::Xxh64
+    match version {
+        3 | CRC32C_LAYOUT_VERSION => PageChecksum::Crc32c,
+        LAYOUT_VERSION => PageChecksum::Xxh3,
+        _ => PageChecksum::Xxh64,
     }
 }
 const MAGIC: u64 = u64::from_le_bytes(*b"trueublk");
@@ -409,7 +418,7 @@ pub(super) struct Shape {
 
 impl Shape {
     /// This shape for a store about to be made, with the layout version it gets here (see
-    /// `new_store_version`). Only then: the choice times both checksums, which a resume (a
+    /// `new_store_version`). Only then: the choice times the checksums, which a resume (a
     /// takeover, with the device waiting) must not spend time and code pages on.
     fn of_new_store(self) -> Self {
         Self {

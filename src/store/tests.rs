@@ -1026,15 +1026,16 @@ fn a_store_of_another_layout_version_is_refused_and_left_untouched() {
     crate::mem::Segment::remove_shared(key).unwrap();
 }
 
-/// A new store is version 6, checksummed with CRC32C, where that is the faster checksum, and
-/// version 5, with XXH64, where it is not (`PageChecksum::fastest_here`): each is resumed with
-/// its own checksum and keeps its version, whatever a new store would get.
+/// A new store is version 6, checksummed with CRC32C, version 5, with XXH64, or version 7,
+/// with XXH3, whichever checksum is the fastest here (`PageChecksum::fastest_here`): each is
+/// resumed with its own checksum and keeps its version, whatever a new store would get.
 #[test]
-fn stores_of_versions_5_and_6_are_resumed_with_their_own_checksums() {
+fn stores_of_versions_5_to_7_are_resumed_with_their_own_checksums() {
     let config = layout_test_config;
     for (version, checksum, key_base, other) in [
         (5, PageChecksum::Xxh64, 0x7b00_0000, layout::LAYOUT_VERSION),
         (6, PageChecksum::Crc32c, 0x7a00_0000, 5),
+        (7, PageChecksum::Xxh3, 0x7700_0000, 6),
     ] {
         layout::LAYOUT_FOR_TESTS.with(|v| v.set(version));
         let (key, backing) = shared_store_holding_16_pages(key_base, |s, _| {
@@ -1086,7 +1087,7 @@ fn stores_of_versions_5_and_6_are_resumed_with_their_own_checksums() {
 /// A store of layout version 3 (what binaries before version 4 made: CRC32C checksums, the
 /// table's groups each in its own place, as in version 4) is resumed with its pages and keeps
 /// its checksum, its layout and its version, so that the binary that made it could take it
-/// back; new stores are version 6 or 5 (see the next test).
+/// back; new stores are version 5, 6 or 7 (see the test before).
 #[test]
 fn a_store_of_layout_version_3_is_resumed_with_crc32c_and_kept_at_3() {
     let config = layout_test_config;
