@@ -136,7 +136,7 @@ impl PageChecksum {
     }
 
     /// Every kind, in the order `fastest_here` prefers them on a tie.
-    pub const ALL: [Self; 3] = [Self::Crc32c, Self::Xxh64, Self::Xxh3];
+    const ALL: [Self; 3] = [Self::Crc32c, Self::Xxh64, Self::Xxh3];
 
     /// The kind that checksums a page fastest on this machine, timed once per process. Timed
     /// rather than read from the CPU's feature flags: an emulated CPU (qemu's `max`) reports
