@@ -121,6 +121,7 @@ impl PageChecksum {
             // The low half: a truncation by design.
             #[allow(clippy::cast_possible_truncation)]
             Self::Xxh64 => xxhash_rust::xxh64::xxh64(page, 0) as u32,
+            // The low half too.
             #[allow(clippy::cast_possible_truncation)]
             Self::Xxh3 => xxhash_rust::xxh3::xxh3_64(page) as u32,
         }
