@@ -17,7 +17,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
 
 use crate::bpf::insn::{
@@ -81,11 +81,15 @@ impl OomKillProbe {
         })
     }
 
-    /// Wait up to `timeout` for an OOM kill: whether one (or more) came since the last call
-    /// that said so. Kills that come while the caller acts on one make the next call return
-    /// at once.
-    pub fn wait(&self, timeout: Duration) -> std::io::Result<bool> {
-        let killed = self.ring.wait(timeout)?;
+    /// Wait for an OOM kill, until `also` is readable (or closed) or for up to `timeout`
+    /// (`None`: no limit): whether one (or more) came since the last call that said so. Kills
+    /// that come while the caller acts on one make the next call return at once.
+    pub fn wait(
+        &self,
+        also: Option<BorrowedFd<'_>>,
+        timeout: Option<Duration>,
+    ) -> std::io::Result<bool> {
+        let killed = self.ring.wait(also, timeout)?;
         if killed {
             self.ring.skip_all();
         }
@@ -143,7 +147,7 @@ mod tests {
                         .unwrap()
                 };
                 let before = kills();
-                let woke = probe.wait(Duration::from_millis(50)).unwrap();
+                let woke = probe.wait(None, Some(Duration::from_millis(50))).unwrap();
                 assert!(!woke || kills() != before, "woke without an OOM kill");
             }
             Err(OomKillProbeError::Verifier { error, log }) => {

@@ -4,7 +4,7 @@
 
 use std::ffi::CString;
 use std::num::NonZeroUsize;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -313,16 +313,25 @@ impl RingBufferReader {
         })
     }
 
-    /// Wait up to `timeout` for a record not yet skipped: whether one came.
-    pub fn wait(&self, timeout: std::time::Duration) -> std::io::Result<bool> {
-        let mut fds = [nix::poll::PollFd::new(
-            self.map.as_fd(),
-            nix::poll::PollFlags::POLLIN,
-        )];
-        let timeout =
-            nix::poll::PollTimeout::try_from(timeout).unwrap_or(nix::poll::PollTimeout::MAX);
+    /// Wait for a record not yet skipped, until `also` is readable (or closed) or for up to
+    /// `timeout` (`None`: no limit): whether a record is there.
+    pub fn wait(
+        &self,
+        also: Option<BorrowedFd<'_>>,
+        timeout: Option<std::time::Duration>,
+    ) -> std::io::Result<bool> {
+        let mut fds: smallvec::SmallVec<[nix::poll::PollFd<'_>; 2]> =
+            std::iter::once(self.map.as_fd())
+                .chain(also)
+                .map(|fd| nix::poll::PollFd::new(fd, nix::poll::PollFlags::POLLIN))
+                .collect();
+        let timeout = timeout.map_or(nix::poll::PollTimeout::NONE, |timeout| {
+            nix::poll::PollTimeout::try_from(timeout).unwrap_or(nix::poll::PollTimeout::MAX)
+        });
         match nix::poll::poll(&mut fds, timeout) {
-            Ok(ready) => Ok(ready > 0),
+            Ok(_) => Ok(fds[0]
+                .revents()
+                .is_some_and(|events| events.contains(nix::poll::PollFlags::POLLIN))),
             Err(nix::errno::Errno::EINTR) => Ok(false),
             Err(error) => Err(error.into()),
         }

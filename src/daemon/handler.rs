@@ -11,6 +11,8 @@ use crate::slotfree::SlotFreeProbe;
 use crate::store::{BatchedPageStore, WriteOutcome};
 use crate::ublk::{BlockHandler, Handled, Op, Request};
 
+use super::activity::Activity;
+
 /// Bytes of a device page (and a swap slot).
 const PAGE_BYTES: u64 = crate::codec::PAGE_SIZE as u64;
 /// Frees of reported slots this large (4 MiB of pages) are logged.
@@ -25,6 +27,8 @@ pub(super) struct StoreHandler {
     slot_frees: OnceLock<Arc<SlotFreeProbe>>,
     algorithm: Algorithm,
     errors: AtomicU64,
+    /// Told of every request, for the main thread's polls.
+    activity: Activity,
 }
 
 impl StoreHandler {
@@ -34,7 +38,13 @@ impl StoreHandler {
             slot_frees: OnceLock::new(),
             algorithm,
             errors: AtomicU64::new(0),
+            activity: Activity::new(),
         }
+    }
+
+    /// Whether requests came lately (see `super::activity`).
+    pub(super) fn activity(&self) -> &Activity {
+        &self.activity
     }
 
     /// The store requests go to; set once, before the device goes live.
@@ -56,7 +66,8 @@ impl StoreHandler {
     /// took: near OOM the kernel's next OOM decision races the memory it gives back, and the
     /// log against the kernel's kill lines says who won. With the hole punches that gave the
     /// memory back: under the VM's emulation most of that time, the kernel freeing each page.
-    pub(super) fn free_reported_slots(&self) {
+    /// How many pages were freed.
+    pub(super) fn free_reported_slots(&self) -> u64 {
         if let (Some(probe), Some(store)) = (self.slot_frees.get(), self.store.get()) {
             let started = Instant::now();
             let mut frees = store.swap_slot_frees();
@@ -74,6 +85,9 @@ impl StoreHandler {
                     "freed the pages of slots swap freed"
                 );
             }
+            pages
+        } else {
+            0
         }
     }
 }
@@ -134,6 +148,7 @@ impl StoreHandler {
     /// Serve `request`; a write that would wait for memory waits or is deferred as `writes`
     /// says.
     fn serve(&self, request: &Request, data: &mut [u8], writes: Writes) -> Handled {
+        self.activity.note_request();
         // Set before the device goes live, so never missing here.
         let Some(store) = self.store.get() else {
             return Handled::Done(Err(-libc::EIO));

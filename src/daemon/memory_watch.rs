@@ -51,10 +51,11 @@ impl MemoryWatch {
         }
     }
 
-    /// Look at the system's memory and tell `store` whether it is short.
-    pub(super) fn look(&mut self, store: &BatchedPageStore) {
+    /// Look at the system's memory and tell `store` whether it is short: true when it has
+    /// just gone short.
+    pub(super) fn look(&mut self, store: &BatchedPageStore) -> bool {
         let Ok(memory) = self.meminfo.read() else {
-            return;
+            return false;
         };
         let was = self.state;
         let short = self.state.look(memory);
@@ -75,6 +76,7 @@ impl MemoryWatch {
             }
             store.set_memory_short(short);
         }
+        short && !was.short
     }
 }
 

@@ -10,12 +10,14 @@
 
 #![forbid(unsafe_code)]
 
+mod activity;
 mod detach;
 mod handler;
 mod harden;
 mod log_file;
 mod memory_watch;
 mod oom_victims;
+mod signal_wake;
 mod slot_frees;
 mod supervise;
 
@@ -50,6 +52,7 @@ use harden::{
     disable_writeback_throttling, lock_memory, prepare_codec_thread, protect_from_oom_killer,
     ready_io_thread, ready_refill_thread, ready_store_thread, reserve_list_space,
 };
+use signal_wake::SignalWake;
 
 /// Where daemons keep their logs and endpoints (root only).
 pub const RUN_DIR: &str = stats::SOCKET_DIR;
@@ -550,7 +553,7 @@ fn find_target(
 /// A standby's wait for the supervisor's word to take the device over: true on `TAKEOVER=1`,
 /// false when told to go (SIGTERM, SIGINT, or SIGUSR1: the supervisor died) or when the
 /// device is gone. It pings the device every second (see `Standby::ping`) and then runs
-/// `keep_ready`.
+/// `keep_ready`; between pings it sleeps until the supervisor writes or a signal comes.
 fn wait_for_takeover(
     notifier: &Notifier,
     signals: &mut signal_hook::iterator::Signals,
@@ -562,7 +565,17 @@ fn wait_for_takeover(
             "a standby needs a supervisor (it is started by one)".into(),
         ));
     };
+    let wake = SignalWake::new(
+        &STOP_SIGNALS
+            .iter()
+            .chain(&[SIGUSR1])
+            .copied()
+            .collect::<Vec<_>>(),
+    )
+    .map_err(io_error("installing signal handlers"))?;
     let mut pinged = Instant::now();
+    // The first poll only looks: a signal that came before `wake` was made is in `signals`.
+    let mut first = true;
     loop {
         if pinged.elapsed() >= STANDBY_PING {
             pinged = Instant::now();
@@ -584,15 +597,29 @@ fn wait_for_takeover(
             }
             keep_ready();
         }
-        let mut fds = [nix::poll::PollFd::new(
-            std::os::fd::AsFd::as_fd(channel),
-            nix::poll::PollFlags::POLLIN,
-        )];
-        // Signals are looked at between polls; the channel wakes the poll at once.
-        match nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u8)) {
+        let mut fds = [
+            nix::poll::PollFd::new(
+                std::os::fd::AsFd::as_fd(channel),
+                nix::poll::PollFlags::POLLIN,
+            ),
+            nix::poll::PollFd::new(
+                std::os::fd::AsFd::as_fd(&wake),
+                nix::poll::PollFlags::POLLIN,
+            ),
+        ];
+        // Rounded up to whole milliseconds, poll's unit: not a few spins just short of a ping.
+        let until_ping = if std::mem::take(&mut first) {
+            Duration::ZERO
+        } else {
+            STANDBY_PING.saturating_sub(pinged.elapsed()) + Duration::from_micros(999)
+        };
+        let timeout =
+            nix::poll::PollTimeout::try_from(until_ping).unwrap_or(nix::poll::PollTimeout::MAX);
+        match nix::poll::poll(&mut fds, timeout) {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(errno) => return Err(io_error("waiting for the supervisor")(errno.into())),
         }
+        wake.drain();
         // The channel before the signals: a stop that comes right after the supervisor told
         // this standby to take over (the serving process died just before) is for the device
         // it now serves, which must be stopped (or handed over) as any other, not left
@@ -1080,9 +1107,10 @@ fn serve(
     let survives = device.survives_daemon();
     let mut memory_watch = memory_watch::MemoryWatch::open();
     let oom_victims = oom_victims::OomVictimReleaser::start(Arc::clone(&store));
+    let mut main_poll = activity::MainPoll::new();
     // What to do with the device, and whether the stop was unexpected (a failure to report).
     let (action, unexpected) = loop {
-        let poll = poll_interval(&store);
+        let poll = main_poll.interval(poll_interval(&store));
         crossbeam_channel::select! {
             recv(signal_rx) -> signal => {
                 let request = match signal {
@@ -1152,6 +1180,7 @@ fn serve(
                 tracing::warn!(device = path, "a queue ended (device stopped from outside?); shutting down");
                 break (StopAction::Delete, false);
             }
+            recv(handler.activity().woken()) -> _ => main_poll.wake(),
             // Only here are reported slots freed: once the loop ends (a hand-over), no page of
             // the device changes in this process.
             default(poll) => {
@@ -1160,12 +1189,14 @@ fn serve(
                         break (action, false);
                     }
                 }
-                handler.free_reported_slots();
+                let freed = handler.free_reported_slots();
                 store.give_back_past_stuck_refill();
                 idle.settle(|| store.stats().orig_bytes == 0);
-                if let Some(watch) = memory_watch.as_mut() {
-                    watch.look(&store);
+                let went_short = memory_watch.as_mut().is_some_and(|watch| watch.look(&store));
+                if let (true, Some(releaser)) = (went_short, oom_victims.as_ref()) {
+                    releaser.memory_went_short();
                 }
+                main_poll.looked(handler.activity(), freed > 0 || store.memory_short());
             }
         }
     };

@@ -20,6 +20,8 @@
 
 #![forbid(unsafe_code)]
 
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,13 +36,18 @@ use crate::store::BatchedPageStore;
 const CANDIDATES: usize = 8;
 /// How often they are chosen again while memory is short.
 const CANDIDATES_CHOSEN_EVERY: Duration = Duration::from_secs(1);
-/// How long the releasing thread waits on the probe before it looks whether it is to stop.
-const STOP_LOOKED_AT_EVERY: Duration = Duration::from_millis(100);
 
 /// The releasing thread and the thread that chooses the candidates, stopped when dropped.
+/// Neither wakes on a clock while memory is not short and the probe is there: an idle
+/// daemon's threads sleep until something happens (a laptop's `powertop` counts wake-ups).
 pub(super) struct OomVictimReleaser {
     /// Dropped to stop the threads (their receivers then disconnect).
     stop: Option<Sender<()>>,
+    /// Dropped after `stop`, which wakes the releasing thread: it waits in poll(2) on the
+    /// probe and on this socket's other end, with no timeout.
+    wake_releasing: Option<UnixStream>,
+    /// Told when memory goes short: the choosing thread waits for it while memory is not.
+    went_short: Sender<()>,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
 
@@ -57,10 +64,16 @@ impl OomVictimReleaser {
             return None;
         }
         let kills = KillWatch::open()?;
+        let (wake_releasing, woken) = UnixStream::pair()
+            .map_err(|error| tracing::warn!(%error, "cannot make the socket that stops the thread releasing OOM victims' memory"))
+            .ok()?;
         let candidates = Arc::new(Candidates::default());
         let (stop, stopped) = crossbeam_channel::bounded(0);
+        let (went_short, short) = crossbeam_channel::bounded(1);
         let mut releaser = Self {
             stop: Some(stop),
+            wake_releasing: Some(wake_releasing),
+            went_short,
             threads: Vec::with_capacity(2),
         };
         let spawned = std::thread::Builder::new()
@@ -69,14 +82,14 @@ impl OomVictimReleaser {
             .spawn({
                 let (candidates, store, stopped) =
                     (Arc::clone(&candidates), Arc::clone(&store), stopped.clone());
-                move || release_victims(kills, &candidates, &store, &stopped)
+                move || release_victims(kills, &candidates, &store, &stopped, &woken)
             })
             .and_then(|releasing| {
                 releaser.threads.push(releasing);
                 std::thread::Builder::new()
                     .name("oom-candidates".into())
                     .stack_size(256 << 10)
-                    .spawn(move || choose_candidates(&candidates, &store, &stopped))
+                    .spawn(move || choose_candidates(&candidates, &store, &stopped, &short))
             });
         match spawned {
             Ok(choosing) => {
@@ -91,9 +104,19 @@ impl OomVictimReleaser {
     }
 }
 
+impl OomVictimReleaser {
+    /// Memory has just gone short (the main thread's `MemoryWatch` says so): the choosing
+    /// thread starts holding candidates.
+    pub(super) fn memory_went_short(&self) {
+        // Full: a word the thread has not taken yet says the same.
+        let _ = self.went_short.try_send(());
+    }
+}
+
 impl Drop for OomVictimReleaser {
     fn drop(&mut self) {
         drop(self.stop.take());
+        drop(self.wake_releasing.take());
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
@@ -144,15 +167,30 @@ impl Candidates {
 }
 
 /// The choosing thread: while memory is short, every `CANDIDATES_CHOSEN_EVERY`, hold the
-/// `CANDIDATES` processes with the highest OOM scores but this one; while it is not, none.
-fn choose_candidates(candidates: &Candidates, store: &BatchedPageStore, stopped: &Receiver<()>) {
+/// `CANDIDATES` processes with the highest OOM scores but this one; while it is not, none,
+/// and it sleeps until told that memory `went_short`.
+fn choose_candidates(
+    candidates: &Candidates,
+    store: &BatchedPageStore,
+    stopped: &Receiver<()>,
+    went_short: &Receiver<()>,
+) {
     super::harden::ready_oom_candidates_thread();
     let own = std::process::id();
     let mut chosen_at: Option<Instant> = None;
     loop {
-        if let Err(RecvTimeoutError::Disconnected) | Ok(()) =
-            stopped.recv_timeout(super::poll_interval(store))
-        {
+        let stop = if store.memory_short() {
+            matches!(
+                stopped.recv_timeout(super::poll_interval(store)),
+                Ok(()) | Err(RecvTimeoutError::Disconnected)
+            )
+        } else {
+            crossbeam_channel::select! {
+                recv(stopped) -> _ => true,
+                recv(went_short) -> _ => false,
+            }
+        };
+        if stop {
             return;
         }
         if !store.memory_short() {
@@ -221,13 +259,19 @@ impl KillWatch {
         }
     }
 
-    /// Wait for an OOM kill, for `STOP_LOOKED_AT_EVERY` on the probe, a poll (of `store`'s)
-    /// on the count, or until `stopped` says stop: `None` to stop, else whether a kill came.
-    /// A probe whose wait fails is given up for the count (a kill is assumed then: one may
-    /// have been missed, and a look where there was none only finds nothing).
-    fn wait(&mut self, store: &BatchedPageStore, stopped: &Receiver<()>) -> Option<bool> {
+    /// Wait for an OOM kill (on the probe, with no timeout; on the count, a poll of
+    /// `store`'s), or until `stopped` says stop, which on the probe only `woken` (closed after
+    /// it) wakes: `None` to stop, else whether a kill came. A probe whose wait fails is given
+    /// up for the count (a kill is assumed then: one may have been missed, and a look where
+    /// there was none only finds nothing).
+    fn wait(
+        &mut self,
+        store: &BatchedPageStore,
+        stopped: &Receiver<()>,
+        woken: &UnixStream,
+    ) -> Option<bool> {
         match self {
-            Self::Probe(probe) => match probe.wait(STOP_LOOKED_AT_EVERY) {
+            Self::Probe(probe) => match probe.wait(Some(woken.as_fd()), None) {
                 Ok(killed) => match stopped.try_recv() {
                     Err(TryRecvError::Empty) => Some(killed),
                     Ok(()) | Err(TryRecvError::Disconnected) => None,
@@ -264,6 +308,7 @@ fn release_victims(
     candidates: &Candidates,
     store: &BatchedPageStore,
     stopped: &Receiver<()>,
+    woken: &UnixStream,
 ) {
     super::harden::ready_oom_victims_thread();
     let own = std::process::id();
@@ -271,7 +316,7 @@ fn release_victims(
     // and locked now rather than at the first kill.
     release_found_in_proc(own, Instant::now());
     loop {
-        match kills.wait(store, stopped) {
+        match kills.wait(store, stopped, woken) {
             None => return,
             Some(false) => continue,
             Some(true) => {}

@@ -39,7 +39,7 @@
 
 use std::io::Write;
 use std::os::fd::OwnedFd;
-use std::os::unix::net::{UnixDatagram, UnixStream};
+use std::os::unix::net::UnixDatagram;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -53,6 +53,7 @@ use signal_hook::iterator::exfiltrator::origin::{Origin, WithOrigin};
 use signal_hook::iterator::SignalsInfo;
 
 use super::detach::{Notifier, HANDOVER, TAKEOVER};
+use super::signal_wake::SignalWake;
 use super::{io_error, DaemonError, RUN_DIR, STOP_SIGNALS};
 use crate::config::DeviceSettings;
 use crate::stats::{ReloadOutcome, ReloadOutcomes};
@@ -169,13 +170,12 @@ fn sender(origin: &Origin) -> Option<i32> {
 /// Wait `delay`, or less if one of `STOP_SIGNALS` comes: then true. A process's SIGHUP (a
 /// reload) seen meanwhile adds that process to `reloads_asked`.
 fn wait_or_stop(
-    wake: &UnixStream,
+    wake: &SignalWake,
     signals: &mut SupervisorSignals,
     delay: Duration,
     reloads_asked: &mut Vec<i32>,
 ) -> bool {
     let deadline = Instant::now() + delay;
-    let mut buffer = [0u8; 64];
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -187,7 +187,7 @@ fn wait_or_stop(
         )];
         let timeout = PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX);
         let _ = poll(&mut fds, timeout);
-        while std::io::Read::read(&mut &*wake, &mut buffer).is_ok_and(|n| n > 0) {}
+        wake.drain();
         let mut stop = false;
         for origin in signals.pending() {
             stop |= STOP_SIGNALS.contains(&origin.signal);
@@ -341,20 +341,7 @@ pub(super) fn supervise(
         .collect();
     let mut signals =
         SupervisorSignals::new(&handled).map_err(io_error("installing signal handlers"))?;
-    let (wake_rx, wake_tx) = UnixStream::pair().map_err(io_error("making the signal socket"))?;
-    wake_rx
-        .set_nonblocking(true)
-        .map_err(io_error("making the signal socket"))?;
-    wake_tx
-        .set_nonblocking(true)
-        .map_err(io_error("making the signal socket"))?;
-    for &signal in &handled {
-        let tx = wake_tx
-            .try_clone()
-            .map_err(io_error("making the signal socket"))?;
-        signal_hook::low_level::pipe::register(signal, tx)
-            .map_err(io_error("installing signal handlers"))?;
-    }
+    let wake = SignalWake::new(&handled).map_err(io_error("installing signal handlers"))?;
 
     // `--id` is in the arguments when the user gave it; otherwise it is learnt below, and a
     // standby (which must know the device) is made only then.
@@ -402,7 +389,7 @@ pub(super) fn supervise(
     let result = loop {
         {
             let mut fds = [
-                PollFd::new(std::os::fd::AsFd::as_fd(&wake_rx), PollFlags::POLLIN),
+                PollFd::new(std::os::fd::AsFd::as_fd(&wake), PollFlags::POLLIN),
                 PollFd::new(
                     std::os::fd::AsFd::as_fd(&serving.channel),
                     PollFlags::POLLIN,
@@ -441,7 +428,7 @@ pub(super) fn supervise(
                 }
             }
         }
-        while std::io::Read::read(&mut &wake_rx, &mut buffer).is_ok_and(|n| n > 0) {}
+        wake.drain();
         dismissed.reap();
         for origin in signals.pending() {
             let signal = origin.signal;
@@ -859,7 +846,7 @@ pub(super) fn supervise(
                     "STATUS=no process serves the device: its serving processes keep ending (see the log); trying again",
                 );
                 let mut reloads_asked = Vec::new();
-                if wait_or_stop(&wake_rx, &mut signals, delay, &mut reloads_asked) {
+                if wait_or_stop(&wake, &mut signals, delay, &mut reloads_asked) {
                     break None;
                 }
                 // A reload while no process serves has nothing to hand over; what it asks
