@@ -48,6 +48,9 @@ const SLICE_PAGES: usize = 64;
 /// pages are settled is CPU time of its own (a few ns an entry), and a store that shuts down
 /// waits for the pass to see it.
 const SLICE_ENTRIES: usize = 1 << 16;
+/// Scanning alone (no page to recompress or move) pauses for the CPU share once it has taken
+/// this much CPU time (see `recompress_pass`).
+const PACED_SCAN: Duration = Duration::from_millis(10);
 /// Passes a compaction asked for makes at most: each plans at most a few chunks per class
 /// (see `ZsAllocator::plan_evacuation`), and a page that is written meanwhile keeps its
 /// chunk until the next.
@@ -159,9 +162,17 @@ impl BatchedPageStore {
                 if self.stopping() {
                     return;
                 }
-                self.pace(config, &slice);
                 self.advance_idle_clock(tick);
-                slice = Slice::start();
+                // Entries only looked at get no pause of their own until their time adds up
+                // to `PACED_SCAN` (a pass over an idle device's table would wake the thread
+                // once per `SLICE_ENTRIES`): it is paid with the next pause.
+                let scanned_for = crate::os::thread_cpu_time().saturating_sub(slice.cpu_at_start);
+                if slice.pages > 0 || scanned_for >= PACED_SCAN {
+                    self.pace(config, &slice);
+                    slice = Slice::start();
+                } else {
+                    slice.entries = 0;
+                }
             }
             slice.entries += 1;
             let Some((state, hint)) = self.table.peek(index) else {

@@ -40,6 +40,14 @@ const MAX_JOINED_PARTS: usize = 8;
 
 /// How often the refill thread looks even when nobody woke it.
 const REFILL_PERIOD: Duration = Duration::from_millis(50);
+/// ...and once `QUIET_PASSES` passes in a row saw nothing happen (no chunk taken, none given
+/// back, no taker waiting, memory not short, the reserve's size unchanged by the pass): an
+/// idle daemon's refill thread then wakes once a second instead of twenty times (a laptop's
+/// `powertop` counts wake-ups). The next chunk taken wakes it at once (see `sleeping`).
+const REFILL_IDLE_PERIOD: Duration = Duration::from_secs(1);
+/// Two seconds of passes: longer than `QUIET_AFTER`, so that the reserve has shrunk to its
+/// quiet target before the thread sleeps longer.
+const QUIET_PASSES: u32 = 40;
 /// Between commits, the refill thread's other provisions (`run_refill`'s `also`: the page
 /// table's groups, the batches, the allocator's lists) at most this often. Why: while memory
 /// is short a commit is one chunk, and looking at every size class's lists before each one
@@ -384,6 +392,8 @@ pub(super) struct ChunkReserve {
     refill_running: AtomicBool,
     /// Surplus chunks wait for the refill thread to give their pages back.
     surplus_waiting: AtomicBool,
+    /// The refill thread waits `REFILL_IDLE_PERIOD`: the next taker wakes it.
+    sleeping: AtomicBool,
     /// The arena's pages given back, for chunks of every size (see `store::cold`).
     cold: ColdPages,
     /// The room of `FreedTogether` (faulted in: freeing never allocates).
@@ -442,6 +452,7 @@ impl ChunkReserve {
             refilled: Condvar::new(),
             refill_running: AtomicBool::new(false),
             surplus_waiting: AtomicBool::new(false),
+            sleeping: AtomicBool::new(false),
             cold: ColdPages::new(),
             freed_together: Mutex::new(crate::mem::faulted_in_vec(FREED_TOGETHER)),
             given_back_past_refill: AtomicU64::new(0),
@@ -469,6 +480,10 @@ impl ChunkReserve {
     /// the memory of other pools' ready chunks first (see `steal_for`).
     pub(super) fn set_memory_short(&self, short: bool) {
         self.memory_short.store(short, Ordering::Relaxed);
+        if short {
+            // The whole target is due (see `target_for_pass`), before swap's writes come.
+            self.wake_refill_if_sleeping();
+        }
     }
 
     /// Whether the system is short of memory, as last told (`set_memory_short`).
@@ -676,6 +691,7 @@ impl ChunkReserve {
         let k = pages - 1;
         self.demand[k].fetch_add(1, Ordering::Relaxed);
         self.taken.fetch_add(1, Ordering::Relaxed);
+        self.wake_refill_if_sleeping();
         // Without a refill thread to wait for, no quarter is kept. Ready chunks of other
         // sizes serve too before the taker counts as a miss and a waiter (which changes how
         // the refill thread works: see `starving`).
@@ -1727,19 +1743,51 @@ impl ChunkReserve {
         self.wake.notify_one();
     }
 
+    /// Wake the refill thread if it sleeps for `REFILL_IDLE_PERIOD`: activity again. One
+    /// load when it does not (every take asks).
+    fn wake_refill_if_sleeping(&self) {
+        if self.sleeping.load(Ordering::Relaxed) && self.sleeping.swap(false, Ordering::AcqRel) {
+            self.wake_refill();
+        }
+    }
+
+    /// Whether the refill thread sleeps for `REFILL_IDLE_PERIOD` now.
+    #[cfg(test)]
+    fn refill_sleeps(&self) -> bool {
+        self.sleeping.load(Ordering::Acquire)
+    }
+
     /// The refill thread's loop, until `stop`; `also` runs after each pass (the allocator
     /// grows its bookkeeping there).
     pub(super) fn run_refill(&self, also: impl Fn()) {
         let _registered = self.refill_thread.register();
         let _running = RefillRunning::start(self);
+        let mut quiet_passes = 0_u32;
         while !self.stop.load(Ordering::Acquire) {
             also();
+            let held_before = self.held_bytes();
+            let active = self.taken.load(Ordering::Relaxed) > 0
+                || self.memory_short()
+                || self.wanted.load(Ordering::Relaxed) != 0
+                || self.waiters.load(Ordering::Relaxed) > 0
+                || self.surplus_waiting.load(Ordering::Relaxed);
             self.refill_and(&also);
+            quiet_passes = if active || self.held_bytes() != held_before {
+                0
+            } else {
+                quiet_passes.saturating_add(1)
+            };
             self.refill_state.set(RefillActivity::Waiting);
             let mut guard = self.wake_lock.lock();
             self.refilled.notify_all();
             if !self.stop.load(Ordering::Acquire) {
-                self.wake.wait_for(&mut guard, REFILL_PERIOD);
+                if quiet_passes >= QUIET_PASSES {
+                    self.sleeping.store(true, Ordering::Release);
+                    self.wake.wait_for(&mut guard, REFILL_IDLE_PERIOD);
+                    self.sleeping.store(false, Ordering::Release);
+                } else {
+                    self.wake.wait_for(&mut guard, REFILL_PERIOD);
+                }
             }
         }
     }
@@ -1798,6 +1846,44 @@ mod tests {
         for _ in 0..300 {
             assert_eq!(reserve.take(2, None).unwrap().len(), 2 * PAGE_SIZE);
         }
+        reserve.stop();
+        refill.join().unwrap();
+    }
+
+    #[test]
+    fn an_idle_refill_thread_sleeps_longer_and_the_next_take_wakes_it() {
+        let reserve = Arc::new(ChunkReserve::new(64 * PAGE_SIZE as u64, arena(), &[1]));
+        let passes = Arc::new(AtomicUsize::new(0));
+        let refill = {
+            let (reserve, passes) = (Arc::clone(&reserve), Arc::clone(&passes));
+            std::thread::spawn(move || {
+                reserve.run_refill(|| {
+                    passes.fetch_add(1, Ordering::Relaxed);
+                })
+            })
+        };
+        // Nothing taken: once the reserve is down to its quiet target and `QUIET_PASSES`
+        // passes saw nothing happen, the thread sleeps for `REFILL_IDLE_PERIOD`.
+        let started = Instant::now();
+        while !reserve.refill_sleeps() {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "never slept longer"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let before = passes.load(Ordering::Relaxed);
+        let taken = Instant::now();
+        assert_eq!(reserve.take(1, None).unwrap().len(), PAGE_SIZE);
+        assert!(!reserve.refill_sleeps(), "the taker woke it");
+        while passes.load(Ordering::Relaxed) == before {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(
+            taken.elapsed() < REFILL_IDLE_PERIOD / 2,
+            "a pass {:?} after the take: not woken by it",
+            taken.elapsed()
+        );
         reserve.stop();
         refill.join().unwrap();
     }
