@@ -1331,6 +1331,29 @@ if [ "$MODE" = full ]; then
     figure supervisor_rss_kib "$(awk '/^VmRSS/ { print $2 }' "/proc/$SUPERVISOR/status")"
     figure standby_rss_kib "$(awk '/^VmRSS/ { print $2 }' "/proc/$STANDBY/status")"
     figure serving_rss_kib "$(awk '/^VmRSS/ { print $2 }' "/proc/$DAEMON/status")"
+    # How often the idle daemon wakes: each thread's context switches over 10 s with no I/O,
+    # from 3 s after the standby is ready (a laptop's powertop counts these; kernel zram makes
+    # none). 69 a second before 2026-12-07, when every thread but the queue's polled.
+    idle_wakeups() {
+        for p in "$SUPERVISOR" "$DAEMON" "$STANDBY"; do
+            for t in /proc/"$p"/task/*; do
+                awk -v who="$p/$(cat "$t/comm" 2>/dev/null)" '/^(non)?voluntary_ctxt_switches/ { n += $2 }
+                    END { print who, n }' "$t/status" 2>/dev/null
+            done
+        done
+    }
+    sleep 3
+    idle_wakeups >/tmp/wakeups.before
+    sleep 10
+    idle_wakeups >/tmp/wakeups.after
+    awk 'NR == FNR { b[$1] += $2; next } { a[$1] += $2 } END { for (k in a) { d = a[k] - b[k]; t += d; if (d > 0) printf "  %s %.1f/s\n", k, d / 10 } printf "TOTAL %.1f\n", t / 10 }' \
+        /tmp/wakeups.before /tmp/wakeups.after | sort >/tmp/wakeups.rate
+    echo "idle wake-ups per second, by process/thread (supervisor $SUPERVISOR, serving $DAEMON, standby $STANDBY):"
+    grep -v TOTAL /tmp/wakeups.rate
+    wakeups=$(awk '/^TOTAL/ { print $2 }' /tmp/wakeups.rate)
+    figure idle_wakeups_per_s "$wakeups"
+    check "the idle daemon's three processes wake at most 20 times a second ($wakeups)" \
+        awk -v w="$wakeups" 'BEGIN { exit !(w <= 20) }'
     trueno-ublk list | tee /tmp/list.out
     check "trueno-ublk list shows $DEV" grep -q ublkb0 /tmp/list.out
 
