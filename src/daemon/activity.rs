@@ -1,7 +1,8 @@
 //! How often the serving process's main thread looks at what it watches (freed swap slots,
 //! the system's memory, a hand-over asked for): every `slotfree::POLL` while the device is
 //! in use, every `IDLE_POLL` once nothing has happened for `QUIET_LOOKS` looks, and at once
-//! again at the next request. Why: an idle daemon should sleep (a laptop's `powertop` counts
+//! at the next request (swap's first writes are when memory has run short: the store must
+//! hear so before it compresses them). Why: an idle daemon should sleep (a laptop's `powertop` counts
 //! wake-ups; kernel zram makes none), while freed slots must still give their memory back
 //! within two seconds of a program's exit (issue 16).
 
@@ -63,6 +64,8 @@ impl Activity {
 pub(super) struct MainPoll {
     quiet_looks: u32,
     asleep: bool,
+    /// Woken by a request: the next look is now.
+    look_now: bool,
 }
 
 impl MainPoll {
@@ -70,12 +73,15 @@ impl MainPoll {
         Self {
             quiet_looks: 0,
             asleep: false,
+            look_now: false,
         }
     }
 
     /// The wait before the next look: `busy` while the device is in use.
     pub(super) fn interval(&self, busy: Duration) -> Duration {
-        if self.asleep {
+        if self.look_now {
+            Duration::ZERO
+        } else if self.asleep {
             IDLE_POLL
         } else {
             busy
@@ -84,6 +90,7 @@ impl MainPoll {
 
     /// A look was made; `happened`: it found something to do (slots freed, memory short).
     pub(super) fn looked(&mut self, activity: &Activity, happened: bool) {
+        self.look_now = false;
         let requests = activity.state.swap(QUIET, Ordering::AcqRel) == BUSY;
         self.quiet_looks = if requests || happened {
             0
@@ -98,9 +105,10 @@ impl MainPoll {
                 .is_ok();
     }
 
-    /// Woken by a request (`Activity::woken`): look again at the busy period.
+    /// Woken by a request (`Activity::woken`): look now, then at the busy period.
     pub(super) fn wake(&mut self) {
         self.asleep = false;
+        self.look_now = true;
         self.quiet_looks = 0;
     }
 }
@@ -131,7 +139,7 @@ mod tests {
         );
         activity.woken().recv().unwrap();
         poll.wake();
-        assert_eq!(poll.interval(BUSY_POLL), BUSY_POLL);
+        assert_eq!(poll.interval(BUSY_POLL), Duration::ZERO, "a look at once");
         poll.looked(&activity, false);
         assert_eq!(
             poll.interval(BUSY_POLL),

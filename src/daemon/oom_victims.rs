@@ -102,9 +102,7 @@ impl OomVictimReleaser {
             }
         }
     }
-}
 
-impl OomVictimReleaser {
     /// Memory has just gone short (the main thread's `MemoryWatch` says so): the choosing
     /// thread starts holding candidates.
     pub(super) fn memory_went_short(&self) {
