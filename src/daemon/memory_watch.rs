@@ -1,6 +1,7 @@
 //! Whether the system is short of memory, looked at by the serving process's main thread at
-//! every poll (see `crate::slotfree::POLL`) and told to the store, which then compresses new
-//! pages with its stronger codec (see `BatchedPageStore::set_memory_short`).
+//! every poll (see `super::activity`) and told to the store, which then compresses new pages
+//! with its stronger codec (see `BatchedPageStore::set_memory_short`), and to the thread that
+//! chooses OOM candidates when it has just gone short.
 
 #![forbid(unsafe_code)]
 
