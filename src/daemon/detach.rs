@@ -28,7 +28,7 @@ const STOP_AFTER_TIMEOUT: Duration = Duration::from_secs(10);
 /// notify socket) and wait until it reports the device live, or fails.
 pub(super) fn start_detached(settings: &DeviceSettings) -> Result<(), DaemonError> {
     // Fail fast, in the user's terminal, on what we can check here.
-    super::check_page_size()?;
+    super::check_host(settings)?;
     drop(crate::ublk::Control::open()?);
     if let Some(id) = settings.id {
         // A device that exists is resumed by the daemon unless a live daemon serves it.

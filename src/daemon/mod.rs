@@ -142,6 +142,36 @@ fn io_error(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DaemonErr
     move |source| DaemonError::Io { what, source }
 }
 
+/// Refuse to start on a host the daemon cannot serve on (`check_page_size`,
+/// `check_overcommit`): before anything is set up, so that nothing is left to undo. A device
+/// that exists already (a restart, an upgrade) is resumed whatever the overcommit mode: its
+/// pages are in its store, and a daemon that tries to serve them beats none.
+fn check_host(settings: &DeviceSettings) -> Result<(), DaemonError> {
+    check_page_size()?;
+    if settings.id.is_some_and(device_exists) {
+        return Ok(());
+    }
+    check_overcommit(crate::mem::overcommit_mode())
+}
+
+/// Refuse strict overcommit (`vm.overcommit_memory` 2, `mode`): Linux 6.12 charges the
+/// store's whole address space to the commit limit when its segment is made, and 7.3, which
+/// grants the segment, refused the allocations after it (the flusher thread's signal stack, 41
+/// bytes of heap), which killed the serving process before its device was live (SIGABRT).
+/// Refused at once instead, whatever the commit limit's room today.
+fn check_overcommit(mode: Option<u32>) -> Result<(), DaemonError> {
+    if mode == Some(2) {
+        return Err(DaemonError::Settings(
+            "under strict overcommit (vm.overcommit_memory = 2) the kernel counts the store's \
+             address space (16 times the device's size and 1 GiB) against the commit limit, or \
+             refuses the daemon's threads memory after it: set vm.overcommit_memory to 0 (the \
+             default) or 1"
+                .to_string(),
+        ));
+    }
+    Ok(())
+}
+
 /// Refuse a kernel whose pages are not 4 KiB (arm64 with 16 or 64 KiB pages): the store's
 /// shared memory and the ublk queues' descriptor arrays are laid out in 4 KiB pages.
 fn check_page_size() -> Result<(), DaemonError> {
@@ -418,7 +448,7 @@ fn failure_status(error: &DaemonError) -> String {
 /// The supervisor's life: start serving processes until one exits (see `supervise`).
 fn run_supervisor(settings: &DeviceSettings) -> Result<(), DaemonError> {
     // Fail before anything else on what needs no set-up: no driver, no permission.
-    check_page_size()?;
+    check_host(settings)?;
     drop(crate::ublk::Control::open()?);
     let detached_log = std::env::var_os(DETACHED_ENV).map(PathBuf::from);
     if detached_log.is_some() {
@@ -1340,6 +1370,15 @@ fn poll_interval(store: &BatchedPageStore) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn strict_overcommit_is_refused_saying_which_setting_to_change() {
+        let refused = check_overcommit(Some(2)).unwrap_err().to_string();
+        assert!(refused.contains("vm.overcommit_memory to 0"), "{refused}");
+        for mode in [Some(0), Some(1), None] {
+            assert!(check_overcommit(mode).is_ok(), "{mode:?}");
+        }
+    }
 
     #[test]
     fn a_takeover_word_is_found_among_what_the_supervisor_sent_without_waiting() {

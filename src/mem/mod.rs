@@ -185,7 +185,7 @@ fn map_private(len: usize) -> std::io::Result<NonNull<std::ffi::c_void>> {
 
 /// `vm.overcommit_memory`, read once, so that every buffer's mapping length stays what it was
 /// made with; `None` where it cannot be read.
-fn overcommit_mode() -> Option<u32> {
+pub fn overcommit_mode() -> Option<u32> {
     static MODE: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
     *MODE.get_or_init(|| {
         std::fs::read_to_string("/proc/sys/vm/overcommit_memory")
