@@ -108,9 +108,13 @@ pub(super) fn start_detached(settings: &DeviceSettings) -> Result<(), DaemonErro
                 }
                 if field("ERRNO=").is_some() {
                     let _ = child.wait();
-                    return Err(DaemonError::Daemon(
-                        field("STATUS=").unwrap_or_else(|| "the daemon failed".into()),
-                    ));
+                    let failure = field("STATUS=").unwrap_or_else(|| "the daemon failed".into());
+                    // What its processes said before it (a serving process's last words, an
+                    // allocation that failed say) is in the log, kept.
+                    return Err(DaemonError::Daemon(format!(
+                        "{failure} (its log: {})",
+                        log_path.display()
+                    )));
                 }
             }
             Err(error)
