@@ -34,6 +34,18 @@ fn store(config: StoreConfig) -> Arc<BatchedPageStore> {
     BatchedPageStore::new(config, None).unwrap()
 }
 
+/// Write `content(i)` at page `i` of `s` for each `i` of `pages`, then flush what is pending.
+fn write_pages_and_flush(
+    s: &BatchedPageStore,
+    pages: std::ops::Range<u64>,
+    content: impl Fn(u64) -> Box<Page>,
+) {
+    for i in pages {
+        s.write(i * PAGE_SIZE as u64, &content(i)[..]).unwrap();
+    }
+    s.flush_pending().unwrap();
+}
+
 #[test]
 fn corrupt_stored_page_fails_only_its_read() {
     for algorithm in [Algorithm::Lz4, Algorithm::Zstd { level: 3 }] {
@@ -41,10 +53,7 @@ fn corrupt_stored_page_fails_only_its_read() {
             crate::config::StoreSettings::default().store_config(64 * PAGE_SIZE as u64, false);
         c.algorithm = algorithm;
         let s = store(c);
-        for i in 0..8u64 {
-            s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
-        }
-        s.flush_pending().unwrap();
+        write_pages_and_flush(&s, 0..8u64, text);
         assert!(s.corrupt_stored_page(3, 0xff));
         let mut buf = vec![0u8; PAGE_SIZE];
         let err = s.read(3 * PAGE_SIZE as u64, &mut buf).unwrap_err();
@@ -191,10 +200,7 @@ fn a_page_whose_raw_install_panics_too_is_lost_not_read_from_the_reused_batch() 
     let s = store_with_panicking_codec(PAGES, 0);
     // The codec panics, and so does storing the first page raw: it is lost, the rest stored.
     s.install_panics.store(1, Ordering::Release);
-    for i in 0..pages {
-        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
-    }
-    s.flush_pending().unwrap();
+    write_pages_and_flush(&s, 0..pages, text);
     // The batches are reused by other pages: the lost page reads none of them.
     for round in 1..4u64 {
         for i in 0..pages {
@@ -270,10 +276,7 @@ fn idle_pages_are_recompressed_once_and_incompressible_ones_not_retried() {
     for i in 0..32u64 {
         s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
     }
-    for i in 32..40u64 {
-        s.write(i * PAGE_SIZE as u64, &noise(i)[..]).unwrap();
-    }
-    s.flush_pending().unwrap();
+    write_pages_and_flush(&s, 32..40u64, noise);
     let before = s.stats();
     assert_eq!((before.pages_lz4, before.huge_pages), (32, 8));
 
@@ -339,19 +342,13 @@ fn new_pages_get_the_stronger_codec_while_memory_is_short() {
     let (s, config) = recompressing_store(64);
     s.set_memory_short(true);
     assert!(s.stats().memory_short);
-    for i in 0..16u64 {
-        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
-    }
-    s.flush_pending().unwrap();
+    write_pages_and_flush(&s, 0..16u64, text);
     let st = s.stats();
     assert_eq!((st.pages_zstd, st.pages_lz4), (16, 0), "{st:?}");
     assert_eq!(st.short_memory_pages, 16);
 
     s.set_memory_short(false);
-    for i in 16..24u64 {
-        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
-    }
-    s.flush_pending().unwrap();
+    write_pages_and_flush(&s, 16..24u64, text);
     let st = s.stats();
     assert!(!st.memory_short);
     assert_eq!((st.pages_zstd, st.pages_lz4), (16, 8), "{st:?}");
@@ -650,10 +647,7 @@ fn gpu_output_that_does_not_decode_to_its_page_is_compressed_again_on_the_cpu() 
     let gpu = Arc::new(SwappingGpu::default());
     let s = BatchedPageStore::new(c, Some(gpu.clone() as Arc<dyn BatchCodec>)).unwrap();
     // (`text` seeds 2k and 2k + 1 make the same page.)
-    for i in 0..8u64 {
-        s.write(i * PAGE_SIZE as u64, &text(2 * i + 1)[..]).unwrap();
-    }
-    s.flush_pending().unwrap();
+    write_pages_and_flush(&s, 0..8u64, |i| text(2 * i + 1));
     let st = s.stats();
     assert_eq!(st.gpu_mismatched_pages, 2, "{st:?}");
     assert_eq!((st.huge_pages, st.pages_lz4), (0, 8));
@@ -822,10 +816,7 @@ fn shared_store_holding_16_pages(
     let (key, backing) = fresh_shared_backing(key_base);
     let (s, opened) = BatchedPageStore::open(layout_test_config(), None, backing).unwrap();
     check(&s, opened);
-    for i in 0..16u64 {
-        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
-    }
-    s.flush_pending().unwrap();
+    write_pages_and_flush(&s, 0..16u64, text);
     (key, backing)
 }
 
@@ -1144,10 +1135,7 @@ fn a_store_of_layout_version_3_is_resumed_with_crc32c_and_kept_at_3() {
 fn start_compaction_compacts_in_a_thread_and_reports() {
     let s =
         store(crate::config::StoreSettings::default().store_config(256 * PAGE_SIZE as u64, false));
-    for i in 0..256u64 {
-        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
-    }
-    s.flush_pending().unwrap();
+    write_pages_and_flush(&s, 0..256u64, text);
     for i in (0..256u64).step_by(2) {
         s.discard(i * PAGE_SIZE as u64, PAGE_SIZE as u64).unwrap();
     }
@@ -1195,10 +1183,7 @@ fn memory_follows_the_data_after_a_discard() {
     let target = 4u64 << 20;
     let (s, flusher) = store_with_reserve(target);
     let n = 20_000u64;
-    for i in 0..n {
-        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
-    }
-    s.flush_pending().unwrap();
+    write_pages_and_flush(&s, 0..n, text);
     assert!(s.stats().mem_used > target);
     s.discard(0, n * PAGE_SIZE as u64).unwrap();
     // Every chunk is free at once; the refill thread, woken by the discard, gives back what
@@ -1232,10 +1217,7 @@ fn starving_store(
         },
     ));
     let s = store(c);
-    for i in 0..pages {
-        s.write(i * PAGE_SIZE as u64, &page(i)[..]).unwrap();
-    }
-    s.flush_pending().unwrap();
+    write_pages_and_flush(&s, 0..pages, page);
     (s, asked)
 }
 
@@ -1380,10 +1362,7 @@ fn a_freed_swap_slot_empties_its_page_only_while_the_report_stands() {
     let s = store(
         crate::config::StoreSettings::default().store_config(pages * PAGE_SIZE as u64, false),
     );
-    for i in 0..pages {
-        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
-    }
-    s.flush_pending().unwrap();
+    write_pages_and_flush(&s, 0..pages, text);
     let data = s.stats().orig_bytes;
     // Past the end: nothing freed, but the report is consumed.
     let asked = std::cell::Cell::new(0);
@@ -1497,10 +1476,7 @@ fn a_resumed_store_keeps_the_free_memory_it_finds_ready() {
     };
     let (key, backing) = fresh_shared_backing(0x7c00_0000);
     let (s, _) = BatchedPageStore::open(config(), None, backing).unwrap();
-    for i in 0..16u64 {
-        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
-    }
-    s.flush_pending().unwrap();
+    write_pages_and_flush(&s, 0..16u64, text);
     s.alloc.reserve.refill();
     let before = s.stats().reserve_bytes;
     assert!(before > 0, "the first store holds no reserve");
@@ -1516,10 +1492,7 @@ fn a_resumed_store_keeps_the_free_memory_it_finds_ready() {
         "the resume committed memory though {kept} bytes were kept ready ({before} before)"
     );
     let mut buf = vec![0u8; PAGE_SIZE];
-    for i in 16..32u64 {
-        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
-    }
-    s.flush_pending().unwrap();
+    write_pages_and_flush(&s, 16..32u64, text);
     for i in 0..32u64 {
         s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
         assert_eq!(&buf[..], &text(i)[..], "page {i}");
@@ -2038,10 +2011,7 @@ fn batches_grow_though_a_flush_holds_the_flush_mutex_whenever_the_refill_thread_
     let s = store(c);
     let n = QUIET_SLOTS as u64;
     let write_and_check = |pages: u64, round: u64| {
-        for i in 0..pages {
-            s.write(i * PAGE_SIZE as u64, &text(i + round)[..]).unwrap();
-        }
-        s.flush_pending().unwrap();
+        write_pages_and_flush(&s, 0..pages, |i| text(i + round));
         let mut buf = vec![0u8; PAGE_SIZE];
         for i in 0..pages {
             s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
@@ -2153,10 +2123,7 @@ fn while_a_write_waits_for_memory_the_refill_thread_faults_in_nothing_ahead_of_n
     let s = store(c);
     let room = || s.alloc.list_capacities();
     let spares = || s.table.memory().spares();
-    for i in 0..64u64 {
-        s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
-    }
-    s.flush_pending().unwrap();
+    write_pages_and_flush(&s, 0..64u64, text);
     // A class whose lists are full: a new chunk of it would wait for room.
     let full = s.alloc.leave_an_unused_class_without_room().unwrap();
     let (room_before, spares_before) = (room(), spares());
