@@ -34,6 +34,22 @@ fn store(config: StoreConfig) -> Arc<BatchedPageStore> {
     BatchedPageStore::new(config, None).unwrap()
 }
 
+/// Read page `i` of `s` back for each `i` of `pages`, and check that it holds `content(i)`
+/// (`what`: the caller's context for a failure's message, the round say).
+#[track_caller]
+fn assert_pages_read_back(
+    s: &BatchedPageStore,
+    pages: impl IntoIterator<Item = u64>,
+    content: impl Fn(u64) -> Box<Page>,
+    what: &str,
+) {
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for i in pages {
+        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
+        assert_eq!(&buf[..], &content(i)[..], "{what} page {i}");
+    }
+}
+
 /// Write `content(i)` at page `i` of `s` for each `i` of `pages`, then flush what is pending.
 fn write_pages_and_flush(
     s: &BatchedPageStore,
@@ -60,10 +76,7 @@ fn corrupt_stored_page_fails_only_its_read() {
         assert!(matches!(err, StoreError::Corrupt { page: 3, .. }), "{err}");
         assert_eq!(err.errno(), -libc::EIO);
         assert_eq!(s.stats().failed_reads, 1);
-        for i in (0..8u64).filter(|&i| i != 3) {
-            s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
-            assert_eq!(&buf[..], &text(i)[..]);
-        }
+        assert_pages_read_back(&s, (0..8u64).filter(|&i| i != 3), text, "");
         // Overwriting the corrupt page heals it.
         s.write(3 * PAGE_SIZE as u64, &text(33)[..]).unwrap();
         s.read(3 * PAGE_SIZE as u64, &mut buf).unwrap();
@@ -1006,11 +1019,7 @@ fn a_store_of_another_layout_version_is_refused_and_left_untouched() {
     metadata[1].store(layout::LAYOUT_VERSION, Ordering::Relaxed);
     let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
     assert_eq!(opened, Opened::Resumed { pages: 16, lost: 0 });
-    let mut buf = vec![0u8; PAGE_SIZE];
-    for i in 0..16u64 {
-        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
-        assert_eq!(&buf[..], &text(i)[..], "page {i}");
-    }
+    assert_pages_read_back(&s, 0..16u64, text, "");
     drop(s);
     drop(metadata);
     drop(segment);
@@ -1051,11 +1060,7 @@ fn stores_of_versions_5_to_7_are_resumed_with_their_own_checksums() {
         let (s, opened) = BatchedPageStore::open(config(), None, backing).unwrap();
         assert_eq!(opened, Opened::Resumed { pages: 16, lost: 0 });
         assert_eq!(s.checksum, checksum, "version {version} resumed");
-        let mut buf = vec![0u8; PAGE_SIZE];
-        for i in 0..16u64 {
-            s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
-            assert_eq!(&buf[..], &text(i)[..], "version {version}, page {i}");
-        }
+        assert_pages_read_back(&s, 0..16u64, text, &format!("version {version}"));
         let stats = s.stats();
         assert_eq!(stats.checksum_failures, 0);
         assert_eq!(
@@ -1110,10 +1115,7 @@ fn a_store_of_layout_version_3_is_resumed_with_crc32c_and_kept_at_3() {
     assert_eq!(opened, Opened::Resumed { pages: 16, lost: 0 });
     assert_eq!(s.checksum, PageChecksum::Crc32c);
     let mut buf = vec![0u8; PAGE_SIZE];
-    for i in 0..16u64 {
-        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
-        assert_eq!(&buf[..], &text(i)[..], "page {i}");
-    }
+    assert_pages_read_back(&s, 0..16u64, text, "");
     // Pages stored from here on get CRC32C too.
     s.write(20 * PAGE_SIZE as u64, &text(20)[..]).unwrap();
     s.flush_pending().unwrap();
@@ -1298,11 +1300,7 @@ fn writers_flush_for_themselves_until_the_flusher_is_ready() {
     for i in 0..pages {
         s.write(i * PAGE_SIZE as u64, &text(i)[..]).unwrap();
     }
-    let mut buf = vec![0u8; PAGE_SIZE];
-    for i in 0..pages {
-        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
-        assert_eq!(&buf[..], &text(i)[..], "page {i}");
-    }
+    assert_pages_read_back(&s, 0..pages, text, "");
     ready.store(true, Ordering::Release);
     drop(flusher);
 }
@@ -1429,10 +1427,7 @@ fn a_resumed_entry_longer_than_its_object_is_lost() {
         s.read(PAGE_SIZE as u64, &mut buf).is_err(),
         "the lost page read"
     );
-    for i in (0..16u64).filter(|&i| i != 1) {
-        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
-        assert_eq!(&buf[..], &text(i)[..], "page {i}");
-    }
+    assert_pages_read_back(&s, (0..16u64).filter(|&i| i != 1), text, "");
     drop(s);
     crate::mem::Segment::remove_shared(key).unwrap();
 }
@@ -1454,11 +1449,7 @@ fn a_page_whose_overwrite_died_after_its_checksum_reads_as_it_was() {
     }
     let (s, opened) = BatchedPageStore::open(layout_test_config(), None, backing).unwrap();
     assert_eq!(opened, Opened::Resumed { pages: 16, lost: 0 });
-    let mut buf = vec![0u8; PAGE_SIZE];
-    for i in 0..16u64 {
-        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
-        assert_eq!(&buf[..], &text(i)[..], "page {i}");
-    }
+    assert_pages_read_back(&s, 0..16u64, text, "");
     assert_eq!(s.stats().checksum_failures, 0);
     drop(s);
     crate::mem::Segment::remove_shared(key).unwrap();
@@ -1491,12 +1482,8 @@ fn a_resumed_store_keeps_the_free_memory_it_finds_ready() {
         0,
         "the resume committed memory though {kept} bytes were kept ready ({before} before)"
     );
-    let mut buf = vec![0u8; PAGE_SIZE];
     write_pages_and_flush(&s, 16..32u64, text);
-    for i in 0..32u64 {
-        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
-        assert_eq!(&buf[..], &text(i)[..], "page {i}");
-    }
+    assert_pages_read_back(&s, 0..32u64, text, "");
     drop(s);
     crate::mem::Segment::remove_shared(key).unwrap();
 }
@@ -1974,11 +1961,7 @@ fn the_pending_batches_hold_memory_for_every_slot_only_while_writes_come() {
         }
     };
     let read_all = |round: u64| {
-        let mut buf = vec![0u8; PAGE_SIZE];
-        for i in 0..n {
-            s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
-            assert_eq!(&buf[..], &text(i + round)[..], "round {round} page {i}");
-        }
+        assert_pages_read_back(&s, 0..n, |i| text(i + round), &format!("round {round}"));
     };
     for round in 0..2u64 {
         // A burst fills quiet batches: the refill thread commits every slot, and batches open
@@ -2012,11 +1995,7 @@ fn batches_grow_though_a_flush_holds_the_flush_mutex_whenever_the_refill_thread_
     let n = QUIET_SLOTS as u64;
     let write_and_check = |pages: u64, round: u64| {
         write_pages_and_flush(&s, 0..pages, |i| text(i + round));
-        let mut buf = vec![0u8; PAGE_SIZE];
-        for i in 0..pages {
-            s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
-            assert_eq!(&buf[..], &text(i + round)[..], "round {round} page {i}");
-        }
+        assert_pages_read_back(&s, 0..pages, |i| text(i + round), &format!("round {round}"));
     };
     write_and_check(n, 0);
     {
@@ -2106,11 +2085,7 @@ fn a_resumed_store_gives_back_the_batch_slots_its_predecessor_grew() {
         "{opened:?}"
     );
     assert!(!batch_tails_in_memory(&s));
-    let mut buf = vec![0u8; PAGE_SIZE];
-    for i in 0..n {
-        s.read(i * PAGE_SIZE as u64, &mut buf).unwrap();
-        assert_eq!(&buf[..], &text(i)[..], "page {i}");
-    }
+    assert_pages_read_back(&s, 0..n, text, "");
     drop(s);
     crate::mem::Segment::remove_shared(key).unwrap();
 }
