@@ -68,10 +68,11 @@ TIMEOUT_S=${VM_TIMEOUT_S:-900}
 KERNEL_META=${VM_KERNEL_META:-linux-image-6.12-cloud-amd64}
 MODE=full
 # The build the upgrade in the daemon's recovery step starts from: an earlier commit of main
-# whose store layout this build reads (version 3, CRC32C checksums; this build makes version 7, 6
-# or 5, with XXH3, CRC32C or XXH64 checksums, whichever is fastest there, and resumes 3 as it
-# is). It only starts the device and hands it over; every takeover in the step is this build's (builds before ab0f020 can stall a takeover
-# during a swap storm: their resumed store faulted in memory on the I/O path).
+# whose store layout this build reads (version 3, CRC32C checksums; this build makes version 7,
+# 6 or 5, with XXH3, CRC32C or XXH64 checksums, whichever is fastest there, and resumes 3 as it
+# is). It only starts the device and hands it over; every takeover in the step is this build's
+# (builds before ab0f020 can stall a takeover during a swap storm: their resumed store faulted
+# in memory on the I/O path).
 UPGRADE_FROM=f6b57ebbf397aaceafd24de96c3580185e2c19dd
 PREVIOUS_BIN=
 

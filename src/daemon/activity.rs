@@ -1,10 +1,10 @@
-//! How often the serving process's main thread looks at what it watches (freed swap slots,
-//! the system's memory, a hand-over asked for): every `slotfree::POLL` while the device is
-//! in use, every `IDLE_POLL` once nothing has happened for `QUIET_LOOKS` looks, and at once
-//! at the next request (swap's first writes are when memory has run short: the store must
-//! hear so before it compresses them). Why: an idle daemon should sleep (a laptop's `powertop` counts
-//! wake-ups; kernel zram makes none), while freed slots must still give their memory back
-//! within two seconds of a program's exit (issue 16).
+//! How often the serving process's main thread looks at what it watches (freed swap slots, the
+//! system's memory, a hand-over asked for): every `slotfree::POLL` while the device is in use,
+//! every `IDLE_POLL` once nothing has happened for `QUIET_LOOKS` looks, and at once at the next
+//! request (swap's first writes are when memory has run short: the store must hear so before it
+//! compresses them). Why: an idle daemon should sleep (a laptop's `powertop` counts wake-ups;
+//! kernel zram makes none), while freed slots must still give their memory back within two
+//! seconds of a program's exit (issue 16).
 
 #![forbid(unsafe_code)]
 

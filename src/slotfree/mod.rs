@@ -7,14 +7,13 @@
 //! longer exist, in locked memory, exactly when memory runs out (a killed program's pages).
 //! zram frees a slot's memory as the kernel frees the slot.
 //!
-//! How: a kprobe program (`program`) on the function every freed slot passes through (which
-//! one depends on the kernel: `btf::FREE_FUNCTIONS`) sets the freed slots' bits in a bitmap
-//! shared with the daemon (a BPF array map it maps), and counts its calls in the word after
-//! it. The daemon looks at the count every `POLL` (`POLL_MEMORY_SHORT` while memory is
-//! short; once a second on a device idle for two seconds) and, when it moved, frees the pages
-//! whose bits are set
-//! (`SlotFreeProbe::free_reported`). Optional: a kernel without BTF, kprobes, the function or
-//! the permissions has no probe, and memory comes back with discards as before
+//! How: a kprobe program (`program`) on the function every freed slot passes through (which one
+//! depends on the kernel: `btf::FREE_FUNCTIONS`) sets the freed slots' bits in a bitmap shared
+//! with the daemon (a BPF array map it maps), and counts its calls in the word after it. The
+//! daemon looks at the count every `POLL` (`POLL_MEMORY_SHORT` while memory is short; once a
+//! second on a device idle for two seconds) and, when it moved, frees the pages whose bits are
+//! set (`SlotFreeProbe::free_reported`). Optional: a kernel without BTF, kprobes, the function
+//! or the permissions has no probe, and memory comes back with discards as before
 //! (`SlotFreeProbe::attach` says why not). A bit never set (the moments of a takeover) only
 //! returns memory later.
 //!
