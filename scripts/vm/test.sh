@@ -1352,8 +1352,8 @@ if [ "$MODE" = full ]; then
     grep -v TOTAL /tmp/wakeups.rate
     wakeups=$(awk '/^TOTAL/ { print $2 }' /tmp/wakeups.rate)
     figure idle_wakeups_per_s "$wakeups"
-    check "the idle daemon's three processes wake at most 20 times a second ($wakeups)" \
-        awk -v w="$wakeups" 'BEGIN { exit !(w <= 20) }'
+    check "the idle daemon's three processes wake at most 10 times a second ($wakeups)" \
+        awk -v w="$wakeups" 'BEGIN { exit !(w <= 10) }'
     trueno-ublk list | tee /tmp/list.out
     check "trueno-ublk list shows $DEV" grep -q ublkb0 /tmp/list.out
 

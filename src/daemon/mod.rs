@@ -102,9 +102,15 @@ const RESUME_ONLY_ENV: &str = "TRUENO_UBLK_RESUME_ONLY";
 
 /// Log lines waiting for the writer thread before new ones are dropped.
 const LOG_BACKLOG_LINES: usize = 1024;
-/// How often a standby asks the kernel for its device's state (see `Standby::ping`); well
-/// under io_uring's idle time for a worker thread (5 s).
+/// How often a standby asks the kernel for its device's state (see `Standby::ping`) and
+/// follows the store (`keep_ready`) while the store grows: each look maps what was carved
+/// since the last, so what a takeover would still have to map stays small.
 const STANDBY_PING: std::time::Duration = std::time::Duration::from_secs(1);
+/// How often it does while the store is quiet (the last look found it as the one before):
+/// there is nothing to follow, and an idle machine should not wake for it (a laptop's
+/// `powertop` counts wake-ups). Under io_uring's idle time for a worker thread (5 s), although
+/// a ring's last worker stays past it anyway.
+const STANDBY_QUIET_PING: std::time::Duration = std::time::Duration::from_secs(4);
 /// Heap a standby faults in for its takeover beyond what resuming the store needs (see
 /// `store::resume_heap_bytes`): the main thread's codec context, the store's own structures.
 const STANDBY_HEAP_BYTES: usize = 512 << 10;
@@ -582,13 +588,14 @@ fn find_target(
 
 /// A standby's wait for the supervisor's word to take the device over: true on `TAKEOVER=1`,
 /// false when told to go (SIGTERM, SIGINT, or SIGUSR1: the supervisor died) or when the
-/// device is gone. It pings the device every second (see `Standby::ping`) and then runs
-/// `keep_ready`; between pings it sleeps until the supervisor writes or a signal comes.
+/// device is gone. It pings the device (see `Standby::ping`) and then runs `keep_ready`, every
+/// second while that says the store changed, every `STANDBY_QUIET_PING` while it does not;
+/// between pings it sleeps until the supervisor writes or a signal comes.
 fn wait_for_takeover(
     notifier: &Notifier,
     signals: &mut signal_hook::iterator::Signals,
     standby: &mut Standby,
-    keep_ready: &mut dyn FnMut(),
+    keep_ready: &mut dyn FnMut() -> bool,
 ) -> Result<bool, DaemonError> {
     let Notifier::Supervisor(channel, _) = notifier else {
         return Err(DaemonError::Daemon(
@@ -604,10 +611,11 @@ fn wait_for_takeover(
     )
     .map_err(io_error("installing signal handlers"))?;
     let mut pinged = Instant::now();
+    let mut ping_every = STANDBY_PING;
     // The first poll only looks: a signal that came before `wake` was made is in `signals`.
     let mut first = true;
     loop {
-        if pinged.elapsed() >= STANDBY_PING {
+        if pinged.elapsed() >= ping_every {
             pinged = Instant::now();
             match standby.ping() {
                 Err(
@@ -625,7 +633,11 @@ fn wait_for_takeover(
                 Err(error) => tracing::warn!(%error, "standby: cannot look at the device now"),
                 Ok(_) => {}
             }
-            keep_ready();
+            ping_every = if keep_ready() {
+                STANDBY_PING
+            } else {
+                STANDBY_QUIET_PING
+            };
         }
         let mut fds = [
             nix::poll::PollFd::new(
@@ -641,7 +653,7 @@ fn wait_for_takeover(
         let until_ping = if std::mem::take(&mut first) {
             Duration::ZERO
         } else {
-            STANDBY_PING.saturating_sub(pinged.elapsed()) + Duration::from_micros(999)
+            ping_every.saturating_sub(pinged.elapsed()) + Duration::from_micros(999)
         };
         let timeout =
             nix::poll::PollTimeout::try_from(until_ping).unwrap_or(nix::poll::PollTimeout::MAX);
@@ -863,23 +875,33 @@ fn serve(
         if let Some(store) = &attached {
             store.check_this_binary_reads()?;
         }
+        // What the last look found: the store's extent and the heap resuming it needs.
+        let mut last_seen = None;
+        // True when the store changed since the last look (or is not there to look at yet).
         let mut keep_ready = || {
+            let mut changed = false;
             if !attached.as_ref().is_some_and(|store| store.is_current()) {
                 attached = attach();
+                changed = true;
             }
-            let store_heap = attached.as_mut().map_or(0, |store| {
-                if let Err(error) = store.make_page_tables() {
+            let seen = attached.as_mut().map(|store| {
+                let extent = store.make_page_tables().unwrap_or_else(|error| {
                     tracing::debug!(%error, "standby: cannot map the device's store ahead");
-                }
-                crate::store::resume_heap_bytes(store, gpu.is_some())
+                    0
+                });
+                (
+                    extent,
+                    crate::store::resume_heap_bytes(store, gpu.is_some()),
+                )
             });
-            let need = STANDBY_HEAP_BYTES + store_heap;
+            let need = STANDBY_HEAP_BYTES + seen.map_or(0, |(_, store_heap)| store_heap);
             if need > heap_ready.get() {
                 // With room to grow, so that a filling store does not make this touch the
                 // whole heap every second.
                 heap_ready.set(need + need / 8);
                 crate::mem::warm_heap(heap_ready.get());
             }
+            changed || seen.is_none() || std::mem::replace(&mut last_seen, seen) != seen
         };
         keep_ready();
         let slot_frees = settings

@@ -377,16 +377,18 @@ impl AttachedStore {
     }
 
     /// Make the page tables of the store's regions and of the arena as far as it is carved
-    /// now (it grows as the serving process stores pages: call again).
-    pub fn make_page_tables(&mut self) -> Result<(), StoreError> {
+    /// now (it grows as the serving process stores pages: call again). Returns how many
+    /// bytes of the store's memory that is (0 while no store is made), so that a caller can
+    /// tell a growing store from a quiet one.
+    pub fn make_page_tables(&mut self) -> Result<usize, StoreError> {
         let Some(header) = self.header() else {
-            return Ok(());
+            return Ok(0);
         };
         let word = |i: usize| usize::try_from(header[i].load(Ordering::Acquire)).ok();
         let (Some(pages), Some(slots_per_batch), Some(arena_bytes), Some(carved)) =
             (word(H_PAGES), word(H_SLOTS), word(H_ARENA), word(H_CARVED))
         else {
-            return Ok(());
+            return Ok(0);
         };
         let shape = Shape {
             pages,
@@ -401,7 +403,8 @@ impl AttachedStore {
             .min(self.segment.len());
         self.segment
             .make_page_tables(0, used, &mut self.page_tables)
-            .map_err(memory_error("making the page tables of the store's memory"))
+            .map_err(memory_error("making the page tables of the store's memory"))?;
+        Ok(used)
     }
 }
 

@@ -136,9 +136,10 @@ impl DataPath {
     }
 }
 
-/// How long the loop sleeps in the kernel before it looks at the stop flag (a stop also wakes
-/// it at once through the wake-up socket; this is the fallback).
-const STOP_POLL: types::Timespec = types::Timespec::new().sec(1);
+/// How long the loop sleeps in the kernel before it looks at the stop flag: only the fallback,
+/// since a stop wakes it at once through the wake-up socket; long, so that an idle device's
+/// thread stays asleep (a laptop's `powertop` counts wake-ups).
+const STOP_POLL: types::Timespec = types::Timespec::new().sec(10);
 /// How long the loop sleeps at most while requests are deferred, before it tries them again
 /// (only while a write waits for memory: an idle device never polls).
 const DEFERRED_POLL: types::Timespec = types::Timespec::new().nsec(2_000_000);
