@@ -23,6 +23,8 @@ use crate::ublk::UblkError;
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long a daemon that missed `READY_TIMEOUT` gets to stop on SIGTERM before a SIGKILL.
 const STOP_AFTER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Logs of failed starts kept in the run directory, the newest (see `prune_failed_start_logs`).
+const FAILED_START_LOGS_KEPT: usize = 4;
 
 /// Start this program again as a detached daemon (`create --foreground` with a private
 /// notify socket) and wait until it reports the device live, or fails.
@@ -43,6 +45,7 @@ pub(super) fn start_detached(settings: &DeviceSettings) -> Result<(), DaemonErro
     }
     std::fs::create_dir_all(RUN_DIR).map_err(io_error(format!("creating {RUN_DIR}")))?;
     set_mode(Path::new(RUN_DIR), 0o700)?;
+    prune_failed_start_logs(Path::new(RUN_DIR), FAILED_START_LOGS_KEPT);
     let log_path = PathBuf::from(format!("{RUN_DIR}/starting-{}.log", std::process::id()));
     // Appended to: the daemon's three processes share it, and one of them may empty it
     // (`log_file`), after which every process's next line must land at its new end.
@@ -160,6 +163,40 @@ pub(super) fn start_detached(settings: &DeviceSettings) -> Result<(), DaemonErro
                 READY_TIMEOUT.as_secs(),
                 log_path.display()
             )));
+        }
+    }
+}
+
+/// Remove the logs of earlier failed starts (`starting-PID.log`) but the newest `keep`. A
+/// failed `create` names its log and keeps it (a start that succeeds renames it to the
+/// device's); a script or a unit that retries `create` would otherwise fill the run
+/// directory, which is RAM, one log at a time. Only logs no start can still be writing: their
+/// `create` has exited and they were last written longer ago than a start may take.
+fn prune_failed_start_logs(run_dir: &Path, keep: usize) {
+    let Ok(entries) = std::fs::read_dir(run_dir) else {
+        return;
+    };
+    let settled_for = READY_TIMEOUT + STOP_AFTER_TIMEOUT;
+    let mut failed: Vec<(std::time::SystemTime, PathBuf)> = entries
+        .filter_map(Result::ok)
+        .filter_map(|entry| {
+            let name = entry.file_name();
+            let pid = name
+                .to_str()?
+                .strip_prefix("starting-")?
+                .strip_suffix(".log")?
+                .parse::<i32>()
+                .ok()?;
+            let written = entry.metadata().ok()?.modified().ok()?;
+            let settled = written.elapsed().is_ok_and(|age| age > settled_for);
+            (settled && crate::os::process_exited(pid)).then(|| (written, entry.path()))
+        })
+        .collect();
+    // Newest first.
+    failed.sort_unstable_by_key(|(written, _)| std::cmp::Reverse(*written));
+    for (_, path) in failed.into_iter().skip(keep) {
+        if let Err(error) = std::fs::remove_file(&path) {
+            tracing::debug!(%error, path = %path.display(), "cannot remove an old log of a failed start");
         }
     }
 }
@@ -315,5 +352,54 @@ impl Notifier {
             }
             Err(error) => tracing::warn!(%error, "readiness notification failed"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_newest_settled_logs_of_failed_starts_are_kept() {
+        let dir = std::env::temp_dir().join(format!("trueno-ublk-prune-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        // Pids of processes that have ended: children, reaped.
+        let mut gone = (0..8).map(|_| {
+            let mut child = Command::new("true").spawn().unwrap();
+            let pid = i32::try_from(child.id()).unwrap();
+            child.wait().unwrap();
+            pid
+        });
+        let now = std::time::SystemTime::now();
+        let log = |name: String, hours_ago: u64| {
+            let path = dir.join(name);
+            let file = std::fs::File::create(&path).unwrap();
+            file.set_modified(now - Duration::from_secs(hours_ago * 3600))
+                .unwrap();
+            path
+        };
+        // Six failed starts, an hour apart: the four newest stay.
+        let failed: Vec<PathBuf> = (1..=6)
+            .map(|hours| log(format!("starting-{}.log", gone.next().unwrap()), hours))
+            .collect();
+        // A start that may still be writing (its log is new), one whose `create` still
+        // waits (this process), and a device's log: all stay.
+        let fresh = log(format!("starting-{}.log", gone.next().unwrap()), 0);
+        let waiting = log(format!("starting-{}.log", std::process::id()), 9);
+        let device = log("ublkb0.log".into(), 9);
+
+        prune_failed_start_logs(&dir, 4);
+
+        for path in &failed[..4] {
+            assert!(path.exists(), "{} was removed", path.display());
+        }
+        for path in &failed[4..] {
+            assert!(!path.exists(), "{} was kept", path.display());
+        }
+        for path in [&fresh, &waiting, &device] {
+            assert!(path.exists(), "{} was removed", path.display());
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
