@@ -1740,6 +1740,19 @@ fn the_page_table_holds_memory_only_for_the_part_of_the_device_in_use() {
     drop(flusher);
 }
 
+/// A 1 GiB store (the page table's groups: 8 MiB of device each) with a 4 MiB chunk reserve,
+/// `adjust`ed, and its flusher (and so its refill thread) running.
+fn gib_store_with_flusher(
+    adjust: impl FnOnce(&mut StoreConfig),
+) -> (Arc<BatchedPageStore>, flusher::FlusherHandle) {
+    let mut c = crate::config::StoreSettings::default().store_config(1 << 30, false);
+    c.reserve_bytes = 4 << 20;
+    adjust(&mut c);
+    let s = store(c);
+    let flusher = s.start_flusher(|_| ()).unwrap();
+    (s, flusher)
+}
+
 /// A write that fails after pinning its page-table group (here at the memory limit) stores
 /// nothing, and the group it took (a spare, or one committed for it) is given back as after a
 /// discard. Before, pinning cleared the group's "never written" mark and nothing marked it
@@ -1748,11 +1761,7 @@ fn the_page_table_holds_memory_only_for_the_part_of_the_device_in_use() {
 fn a_table_group_a_failed_write_pinned_is_given_back() {
     use super::table_memory::{GROUP_PAGES, SPARE_SLOTS};
     let group = GROUP_PAGES as u64;
-    let mut c = crate::config::StoreSettings::default().store_config(1 << 30, false);
-    c.reserve_bytes = 4 << 20;
-    c.mem_limit = Some(1);
-    let s = store(c);
-    let flusher = s.start_flusher(|_| ()).unwrap();
+    let (s, flusher) = gib_store_with_flusher(|c| c.mem_limit = Some(1));
     let committed = |g: u64| s.table.is_committed((g * group) as usize);
     wait_for("the spares", &|| s.table.memory().spares() == SPARE_SLOTS);
     let failed = s.write(60 * group * PAGE_SIZE as u64, &text(1)[..]);
@@ -1768,10 +1777,7 @@ fn a_table_group_a_failed_write_pinned_is_given_back() {
 fn the_groups_after_one_in_use_stay_when_emptied_and_go_with_it() {
     use super::table_memory::GROUP_PAGES;
     let group = GROUP_PAGES as u64;
-    let mut c = crate::config::StoreSettings::default().store_config(1 << 30, false);
-    c.reserve_bytes = 4 << 20;
-    let s = store(c);
-    let flusher = s.start_flusher(|_| ()).unwrap();
+    let (s, flusher) = gib_store_with_flusher(|_| ());
     let committed = |g: u64| s.table.is_committed((g * group) as usize);
     // As swap: its header in page 0, then pages in groups 1..=9 and far away, in group 40.
     s.write(0, &text(0)[..]).unwrap();
