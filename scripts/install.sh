@@ -90,7 +90,8 @@ if [ "$uninstall" -eq 1 ]; then
     fi
     for file in "$bindir/trueno-ublk" "$generator" "${units[@]/#/$unitdir/}" \
         "${old_units[@]/#/$unitdir/}" "$modules_load" \
-        "$docdir/trueno-ublk.conf.example" "$docdir/README.md" "$docdir/docs/measurements.md"; do
+        "$docdir/trueno-ublk.conf.example" "$docdir/README.md" "$docdir/docs/limits.md" \
+        "$docdir/docs/measurements.md"; do
         if [ -e "$destdir$file" ] || [ -L "$destdir$file" ]; then
             rm -f "$destdir$file"
             echo "removed $destdir$file"
@@ -159,6 +160,7 @@ chmod 0644 "$destdir$modules_load"
 echo "installed $destdir$modules_load"
 install -m 0644 "$example" "$destdir$docdir/trueno-ublk.conf.example"
 install -m 0644 "$repo/README.md" "$destdir$docdir/README.md"
+install -D -m 0644 "$repo/docs/limits.md" "$destdir$docdir/docs/limits.md"
 install -D -m 0644 "$repo/docs/measurements.md" "$destdir$docdir/docs/measurements.md"
 if [ -e "$destdir$config" ]; then
     echo "kept $destdir$config (exists; the example is in $destdir$docdir)"

@@ -58,6 +58,7 @@ fn install_keeps_config_and_uninstall_removes_everything() {
         "usr/local/bin/trueno-ublk",
         "usr/local/lib/systemd/system-generators/trueno-ublk-generator",
         "usr/local/share/doc/trueno-ublk/README.md",
+        "usr/local/share/doc/trueno-ublk/docs/limits.md",
         "usr/local/share/doc/trueno-ublk/docs/measurements.md",
         "usr/local/share/doc/trueno-ublk/trueno-ublk.conf.example",
     ]

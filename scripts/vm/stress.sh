@@ -421,7 +421,7 @@ memory_return() {
 # rss_by_mapping PID [MIN_KB]: what PID's resident memory is made of, summed per mapping name from
 # /proc/PID/smaps (anonymous mappings without a name are thread stacks, glibc's per-thread
 # malloc arenas and mmaps), largest first, then each mapping with at least MIN_KB (128) of it:
-# the README's account of the idle footprint.
+# the account of the idle footprint in docs/limits.md.
 rss_by_mapping() {
     awk '/^[0-9a-f]+-[0-9a-f]+ / { name = (NF >= 6 ? $6 : "[anonymous]"); next }
          /^Rss:/ { rss[name] += $2; n[name]++ }

@@ -192,7 +192,7 @@ fi
 # (the host checks that it powered off). Only the tmpfs's pages are pushed out (memory.reclaim
 # of the scope that wrote them): to tell whether a process is marked, systemd-shutdown reads
 # each root process's argv while every process, this daemon too, is stopped, and waits for
-# good if that page is out on the device (README, Limits).
+# good if that page is out on the device (docs/limits.md).
 if grep -qw 'trueno.test=forced-poweroff' /proc/cmdline; then
     section "forced poweroff with tmpfs pages out: kernel $(uname -r)"
     check "swap is on $DEV" wait_for 60 eval "grep -q '^$DEV ' /proc/swaps"

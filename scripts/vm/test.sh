@@ -37,7 +37,7 @@
 #  10b. (MODE full, with cgroup2's memory controller) A device's daemon says it probes OOM
 #      kills at oom:mark_victim; a program OOM-killed in a memory cgroup of 16 MiB wakes it,
 #      and it looks for the process being killed.
-#  11. (MODE=stress only, not yet in the full run: see README, "Near OOM") Near OOM
+#  11. (MODE=stress only, not yet in the full run: see docs/measurements.md, "Near OOM") Near OOM
 #      (stress.sh, after step 10: OOM kills are expected there): stress-ng's vm stressor on
 #      zram lz4 and on a fresh trueno-ublk device, compared; the serving process's memory
 #      comes back when a program's swap is freed.
@@ -610,7 +610,7 @@ daemon_recovery_checks() {
     #    (quiesced, still swap, pages kept) and this build's `create` resumes it; then the
     #    program checks every word. With the pages out and RAM free again, not at the
     #    watermark: there, whatever starts the next daemon needs reclaim, which waits for the
-    #    quiesced device (seen in the VM: the shell's fork blocked for good; README, limits),
+    #    quiesced device (seen in the VM: the shell's fork blocked for good; docs/limits.md),
     #    and the previous build's fill there once failed writes with ENOMEM (its starvation
     #    rule; this build keeps its reserve across a takeover).
     #    The kills below, at the watermark, are this build's: its standby is running already.

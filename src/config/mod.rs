@@ -51,7 +51,7 @@ pub const DEFAULT_DEPTH: u16 = 32;
 /// `DEFAULT_RECOMPRESS_IDLE` are recompressed with zstd in the background
 /// (`DEFAULT_RECOMPRESS`), and while memory is short new pages get that zstd at once
 /// (`MEMORY_SHORT_BELOW_DIVISOR`): the VM test's 256 MiB swap storm ran out of memory with LZ4
-/// alone (README, Limits).
+/// alone (docs/limits.md).
 pub const DEFAULT_ALGORITHM: AlgorithmChoice = AlgorithmChoice::Lz4;
 /// The zstd level of `--algorithm zstd` (`adaptive` keeps its own, `codec::page::ADAPTIVE_ZSTD_LEVEL`).
 pub const DEFAULT_ZSTD_LEVEL: i32 = 1;
