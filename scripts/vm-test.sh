@@ -10,7 +10,9 @@
 #                                      swap pressure, create again); busybox VM only
 #   scripts/vm-test.sh --stress        the near-OOM stage (scripts/vm/stress.sh: stress-ng on
 #                                      zram, then on trueno-ublk; memory return); busybox VM only;
-#                                      not part of the full run until it passes reliably
+#                                      not part of the full run; scripts/test.sh runs it with
+#                                      STRESS_CASES="all:150", the cases of pages that do not
+#                                      compress out until they stop losing the VM now and then
 #   scripts/vm-test.sh --bench-fio     the benchmark's fio table (scripts/vm/bench.sh; see
 #   scripts/vm-test.sh --bench-storm   scripts/vm-bench.sh, which runs both)
 #   scripts/vm-test.sh --bench-store   `trueno-ublk bench --compare-zram` inside the VM: the store

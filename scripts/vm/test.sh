@@ -37,7 +37,8 @@
 #  10b. (MODE full, with cgroup2's memory controller) A device's daemon says it probes OOM
 #      kills at oom:mark_victim; a program OOM-killed in a memory cgroup of 16 MiB wakes it,
 #      and it looks for the process being killed.
-#  11. (MODE=stress only, not yet in the full run: see docs/measurements.md, "Near OOM") Near OOM
+#  11. (MODE=stress only, not in the full run; scripts/test.sh runs it with the compressible
+#      `all` case: see docs/measurements.md, "Near OOM") Near OOM
 #      (stress.sh, after step 10: OOM kills are expected there): stress-ng's vm stressor on
 #      zram lz4 and on a fresh trueno-ublk device, compared; the serving process's memory
 #      comes back when a program's swap is freed.
