@@ -15,7 +15,9 @@
 #   failed-writes rounds in which any swap write failed
 #   other-kills   rounds in which the OOM killer killed anything but the workers
 #   wake-up ms    the longest wake-up delay: median and worst of the rounds
-#   bogo ops/s    the workers' progress: median of the rounds
+#   bogo ops/s    the workers' progress as stress-ng counts it: median of the rounds
+#   user CPU s    the workers' user CPU time, the work of their loops (which stress-ng's count
+#                 loses for a pass cut short at the deadline): median
 #   idle CPU s    seconds the VM's CPUs idled during the run (of STRESS_S x 2): median
 #   throttle s    seconds tasks slept in the kernel's reclaim_throttle during the run, summed
 #                 over tasks (where the VM's kernel has the trace event): median
@@ -59,7 +61,7 @@ function median(list,    n, a, i, j, t) {
     round = $1; key = $2; value = $3
     if (key == "ublk_io_thread_page_allocations") allocs[round] = value
     if (key == "ublk_io_thread_faults") faults[round] = value
-    for (n = split("write_errors oom_kills_not_workers wakeup_max_delay_ms bogo_ops_s cpu_idle_s reclaim_throttle_s", names, " "); n > 0; n--) {
+    for (n = split("write_errors oom_kills_not_workers wakeup_max_delay_ms bogo_ops_s work_user_s cpu_idle_s reclaim_throttle_s", names, " "); n > 0; n--) {
         suffix = "_" names[n]
         if (substr(key, length(key) - length(suffix) + 1) == suffix) {
             tag = substr(key, 1, length(key) - length(suffix))
@@ -70,12 +72,12 @@ function median(list,    n, a, i, j, t) {
     }
 }
 END {
-    printf "%-14s %-6s %5s %14s %12s %19s %11s %10s %10s\n", "case", "device", "runs", "failed-writes", "other-kills", "wake-up ms (med/max)", "bogo ops/s", "idle CPU s", "throttle s"
+    printf "%-14s %-6s %5s %14s %12s %19s %11s %10s %10s %10s\n", "case", "device", "runs", "failed-writes", "other-kills", "wake-up ms (med/max)", "bogo ops/s", "user CPU s", "idle CPU s", "throttle s"
     for (c = 1; c <= ncases; c++) {
         kase = cases[c]
         for (d = 1; d <= 2; d++) {
             device = d == 1 ? "zram" : "ublk"; tag = device "_" kase
-            runs = failed = others = 0; worst = 0; wakes = bogos = idles = throttles = ""
+            runs = failed = others = 0; worst = 0; wakes = bogos = users = idles = throttles = ""
             for (r = 1; r <= rounds; r++) {
                 if (!((r, tag, "write_errors") in fig)) continue
                 runs++
@@ -84,10 +86,11 @@ END {
                 w = fig[r, tag, "wakeup_max_delay_ms"]; wakes = wakes " " w
                 if (w + 0 > worst) worst = w + 0
                 bogos = bogos " " fig[r, tag, "bogo_ops_s"]
+                if ((r, tag, "work_user_s") in fig) users = users " " fig[r, tag, "work_user_s"]
                 if ((r, tag, "cpu_idle_s") in fig) idles = idles " " fig[r, tag, "cpu_idle_s"]
                 if ((r, tag, "reclaim_throttle_s") in fig) throttles = throttles " " fig[r, tag, "reclaim_throttle_s"]
             }
-            printf "%-14s %-6s %5d %14d %12d %12s/%-6d %11s %10s %10s\n", kase, device, runs, failed, others, median(wakes), worst, median(bogos), median(idles), median(throttles)
+            printf "%-14s %-6s %5d %14d %12d %12s/%-6d %11s %10s %10s %10s\n", kase, device, runs, failed, others, median(wakes), worst, median(bogos), median(users), median(idles), median(throttles)
         }
         worse_writes = worse_wake = lost = 0
         for (r = 1; r <= rounds; r++) {

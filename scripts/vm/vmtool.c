@@ -806,6 +806,19 @@ static void daemons_rss(char *out, size_t cap)
 	closedir(proc);
 }
 
+/* Appends " zram0=KB" to `out`: the memory kernel zram holds for its pages (mm_stat's third
+ * field, mem_used_total), where a zram device is set up; the daemon's RSS is the same figure
+ * of ours. */
+static void zram_memory(char *out, size_t cap)
+{
+	char mm_stat[256];
+	long long orig, compr, used;
+	size_t len = strlen(out);
+	if (read_small("/sys/block/zram0/mm_stat", mm_stat, sizeof(mm_stat)) &&
+	    sscanf(mm_stat, "%lld %lld %lld", &orig, &compr, &used) == 3 && len + 32 < cap)
+		snprintf(out + len, cap - len, " zram0=%lld kB", used >> 10);
+}
+
 /* Task flags of /proc/PID/stat (include/linux/sched.h). */
 #define PF_EXITING 0x00000004u
 #define PF_KTHREAD 0x00200000u
@@ -1024,13 +1037,14 @@ static int cmd_monitor(int argc, char **argv)
 			.oom_kill = field_of(vm, "oom_kill"),
 		};
 		daemons_rss(sample->daemons, sizeof(sample->daemons));
+		zram_memory(sample->daemons, sizeof(sample->daemons));
 		print_killed_blocked(t);
 		if ((taken + 1) % interval != 0)
 			continue;
 		printf("monitor: t=%.0f s MemFree=%lld kB MemAvailable=%lld kB SwapFree=%lld kB "
-		       "pswpout=%lld pswpin=%lld%s\n",
+		       "SwapCached=%lld kB pswpout=%lld pswpin=%lld%s\n",
 		       t, sample->mem_free, sample->mem_available, sample->swap_free,
-		       sample->pswpout, sample->pswpin, sample->daemons);
+		       sample->swap_cached, sample->pswpout, sample->pswpin, sample->daemons);
 		fflush(stdout);
 		long long swaps = field_of(vm, "pswpout") + field_of(vm, "pswpin");
 		if (swaps != last_swaps || access(flagfile, F_OK) != 0) {
