@@ -901,7 +901,9 @@ fn serve(
                 heap_ready.set(need + need / 8);
                 crate::mem::warm_heap(heap_ready.get());
             }
-            changed || seen.is_none() || std::mem::replace(&mut last_seen, seen) != seen
+            // Recorded whatever else changed: a look after a re-attach then compares with it.
+            let moved = std::mem::replace(&mut last_seen, seen) != seen;
+            changed || seen.is_none() || moved
         };
         keep_ready();
         let slot_frees = settings
