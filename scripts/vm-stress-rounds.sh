@@ -16,8 +16,9 @@
 #   other-kills   rounds in which the OOM killer killed anything but the workers
 #   wake-up ms    the longest wake-up delay: median and worst of the rounds
 #   bogo ops/s    the workers' progress as stress-ng counts it: median of the rounds
-#   user CPU s    the workers' user CPU time, the work of their loops (which stress-ng's count
-#                 loses for a pass cut short at the deadline): median
+#   user CPU s    the workers' user CPU time, kept for a pass cut short at the deadline (which
+#                 stress-ng's count loses): median; the work of the loop of a single method
+#                 (move-inv), not comparable between runs of `all` (see stress_compare)
 #   idle CPU s    seconds the VM's CPUs idled during the run (of STRESS_S x 2): median
 #   throttle s    seconds tasks slept in the kernel's reclaim_throttle during the run, summed
 #                 over tasks (where the VM's kernel has the trace event): median

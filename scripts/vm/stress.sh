@@ -359,9 +359,12 @@ stress_compare() {
     # with one that counts a single op, of the 4096 that make one reported), and at the
     # deadline stress-ng asks it to stop and, where it has not within seconds, kills it: the
     # pass under way is lost, with the worker's CPU time in stress-ng's own figures. While
-    # swap thrashes a pass can outlast the run: 0 on either device (zram's in 3 of 4
-    # 30-second `all` runs of 2026-12-07 evening). The workers' user CPU time in their cgroup, the work of
-    # their loops, stays whatever happens at the deadline: printed beside it.
+    # swap thrashes a pass can outlast the run: 0 on either device (zram's in 5 of 10 30 s
+    # `all` runs of 2026-12-07 evening). The workers' user CPU time in their cgroup stays
+    # whatever happens at the deadline: printed beside it. With one method (move-inv) it is
+    # the work of its loop; with `all`, whose methods differ in CPU per page, it runs against
+    # stress-ng's count (zram's that evening: 0 bogo ops with 2.6-3.0 s, 18 with 2.3-2.4 s,
+    # 33-37 with 1.2-1.3 s), so neither figure alone ranks two runs of `all`.
     echo "$u: workers' CPU s, user (their loops) / system: $(sfig "$u" work_user_s) / $(sfig "$u" work_sys_s) against zram's $(sfig "$z" work_user_s) / $(sfig "$z" work_sys_s)"
     if awk -v u="$(sfig "$u" bogo_ops_s)" -v z="$(sfig "$z" bogo_ops_s)" 'BEGIN { exit !(u + 0 >= z + 0) }'; then
         echo "$u: workers' bogo ops/s $(sfig "$u" bogo_ops_s), at least zram's $(sfig "$z" bogo_ops_s)"
