@@ -807,7 +807,7 @@ static void daemons_rss(char *out, size_t cap)
 }
 
 /* Appends " zram0=KB" to `out`: the memory kernel zram holds for its pages (mm_stat's third
- * field, mem_used_total), where a zram device is set up; the daemon's RSS is the same figure
+ * field, mem_used_total), while a zram device holds any; the daemon's RSS is the same figure
  * of ours. */
 static void zram_memory(char *out, size_t cap)
 {
@@ -815,7 +815,8 @@ static void zram_memory(char *out, size_t cap)
 	long long orig, compr, used;
 	size_t len = strlen(out);
 	if (read_small("/sys/block/zram0/mm_stat", mm_stat, sizeof(mm_stat)) &&
-	    sscanf(mm_stat, "%lld %lld %lld", &orig, &compr, &used) == 3 && len + 32 < cap)
+	    sscanf(mm_stat, "%lld %lld %lld", &orig, &compr, &used) == 3 && used > 0 &&
+	    len + 32 < cap)
 		snprintf(out + len, cap - len, " zram0=%lld kB", used >> 10);
 }
 
