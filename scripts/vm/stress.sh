@@ -91,7 +91,7 @@ cpu_seconds() {
 # controller); "0 0" without cgroups.
 work_cpu() {
     awk '$1 == "user_usec" { u = $2 } $1 == "system_usec" { s = $2 } END { print u + 0, s + 0 }' \
-        /sys/fs/cgroup/work/cpu.stat 2>/dev/null || echo 0 0
+        "$CG/work/cpu.stat" 2>/dev/null || echo 0 0
 }
 
 # The kernel's reclaim throttle, where tracefs has its event: each time a task in reclaim
@@ -240,11 +240,14 @@ stress_case() {
     dmesg -c >"/tmp/dmesg.$tag"
     grep -E 'vm |fail|error|warn' /tmp/sng.out | head -n 12
     # The workers' own CPU, which a pass cut short at the deadline keeps (see stress_compare):
-    # user time is their loops over the buffer, system time mostly their page faults.
+    # for a single method user time is its loops over the buffer; system time is mostly their
+    # page faults.
     read -r wu0 ws0 </tmp/work-cpu.before
     read -r wu1 ws1 </tmp/work-cpu.after
-    wuser=$(awk -v a="$wu0" -v b="$wu1" 'BEGIN { printf "%.2f", (b - a) / 1e6 }')
-    wsys=$(awk -v a="$ws0" -v b="$ws1" 'BEGIN { printf "%.2f", (b - a) / 1e6 }')
+    read -r wuser wsys <<EOF2
+$(awk -v u0="$wu0" -v s0="$ws0" -v u1="$wu1" -v s1="$ws1" \
+        'BEGIN { printf "%.2f %.2f\n", (u1 - u0) / 1e6, (s1 - s0) / 1e6 }')
+EOF2
     kills=$(grep -c 'Killed process' "/tmp/dmesg.$tag")
     others=$(grep 'Killed process' "/tmp/dmesg.$tag" | grep -vc '(stress-ng')
     grep 'Killed process' "/tmp/dmesg.$tag" | grep -v '(stress-ng' | head -n 5

@@ -96,7 +96,7 @@ if [ -z "${TEST_IN_CGROUP:-}" ] && [ -w $CG/cgroup.subtree_control ] &&
 fi
 # work CMD...: run CMD in the "work" cgroup (or here, without cgroups).
 work() {
-    sh -c 'echo $$ >/sys/fs/cgroup/work/cgroup.procs 2>/dev/null; exec "$@"' work "$@"
+    sh -c "echo \$\$ 2>/dev/null >$CG/work/cgroup.procs; exec \"\$@\"" work "$@"
 }
 VT=/test/vmtool
 UL=/usr/sbin # util-linux tools (busybox's would win for bare names in this shell)
