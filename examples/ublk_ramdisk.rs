@@ -220,6 +220,8 @@ fn run(args: &Args) -> Result<(), String> {
         depth: args.depth,
         max_io_bytes: MAX_IO_BYTES,
         user_copy_max_io_bytes: args.user_copy.then_some(MAX_IO_BYTES),
+        // A test target, given its depth as asked (the driver caps it at 4096).
+        tag_buffers_limit_bytes: u64::MAX,
     };
     spec.validate().map_err(|e| e.to_string())?;
     // Installed before the device exists, so a signal during start-up is not lost.

@@ -866,6 +866,35 @@ early_death_checks() {
         check "early death ($args): no trueno-ublk process is left" wait_until 10 no_daemon_runs
         [ -z "$(daemon_pids)" ] || kill -9 $(daemon_pids) 2>/dev/null
     done
+    # Killed before it added its device (held up opening the control device): nothing to
+    # resume, so the start fails at once, as after an added device, instead of starting
+    # serving processes again while `create` waits.
+    for args in "" "--id 6"; do
+        # shellcheck disable=SC2086 # $args: no option, or two words
+        strace -f -qq -o /dev/null -P /dev/ublk-control -e trace=openat \
+            -e inject=openat:delay_enter=5s trueno-ublk create --size 64M $args >/tmp/early.out 2>&1 &
+        st=$!
+        pid=
+        if wait_until 30 eval 'pid=$(serving_child) && [ -n "$pid" ]'; then
+            kill -9 "$pid"
+        else
+            fail "death before the device ($args): no serving process within 30 s"
+        fi
+        rc=0
+        if wait_until 30 not alive $st; then
+            wait $st || rc=$?
+        else
+            kill -9 $st
+            rc=timeout
+        fi
+        cat /tmp/early.out
+        check "death before the device ($args): create fails at once (exit $rc), saying why" \
+            eval "[ '$rc' != 0 ] && [ '$rc' != timeout ] && grep -q 'killed by signal 9 before it added its device' /tmp/early.out"
+        check "death before the device ($args): no device is left" \
+            wait_until 10 eval '[ -z "$(ls /dev/ublkc* 2>/dev/null)" ]'
+        check "death before the device ($args): no trueno-ublk process is left" wait_until 10 no_daemon_runs
+        [ -z "$(daemon_pids)" ] || kill -9 $(daemon_pids) 2>/dev/null
+    done
     check "early death: create --size 64M --id 6 works after it" trueno-ublk create --size 64M --id 6
     check "early death: and delete --id 6" trueno-ublk delete --id 6
 }
@@ -1445,6 +1474,21 @@ if [ "$MODE" = full ]; then
     # far died of an allocation the commit limit refused (SIGABRT) before its device was live.
     check "... before the daemon started serving" eval "! grep -q 'killed by signal' /tmp/create3.out"
     check "... leaving no device behind" eval "trueno-ublk list >/tmp/list.out 2>&1 && ! grep -q 'ublkb[1-9]' /tmp/list.out"
+    recheck_patterns "after the refused create"
+
+    # Without user copy every tag has a buffer, locked for the device's life: a depth that
+    # would lock more than a sixteenth of RAM (here 256 MiB, where a sixteenth of the VM's RAM
+    # is 13) is refused once the driver has said how many queues it gives, and the device it
+    # added for that is removed; before, this VM refused it for want of memory to lock.
+    section "create with buffers per tag that would lock too much (--no-user-copy --depth 4096)"
+    procs=$(daemon_pids | wc -w)
+    trueno-ublk create --size 64M --no-user-copy --depth 4096 >/tmp/create4.out 2>&1
+    rc=$?
+    cat /tmp/create4.out
+    check "create refused (exit $rc)" [ "$rc" -ne 0 ]
+    check "... saying what to lower" grep -q "lower the depth or the queues" /tmp/create4.out
+    check "... leaving no device behind" eval "trueno-ublk list >/tmp/list.out 2>&1 && ! grep -q 'ublkb[1-9]' /tmp/list.out"
+    check "... and no process of it" wait_until 10 eval '[ "$(daemon_pids | wc -w)" -eq "$procs" ]'
     recheck_patterns "after the refused create"
 
     # --- 8. swap ---------------------------------------------------------------------------

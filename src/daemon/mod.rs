@@ -120,6 +120,10 @@ const STANDBY_SPARE_BYTES: usize = 1 << 20;
 /// The largest READ or WRITE the kernel sends us when every tag has a buffer that large (no
 /// user copy).
 const TAG_BUFFER_MAX_IO_BYTES: u32 = 64 << 10;
+/// Of RAM, the share the buffers of every tag may lock where a device has them (no user copy),
+/// for the device's life and again in the supervisor's standby: the default depth takes 2 MiB a
+/// queue, a depth of thousands would take a small machine's memory.
+const TAG_BUFFERS_RAM_DIVISOR: u64 = 16;
 /// The largest READ or WRITE with user copy, whose data goes through the queue's staging
 /// buffer a piece at a time.
 const USER_COPY_MAX_IO_BYTES: u32 = 1 << 20;
@@ -305,7 +309,12 @@ fn decide_stop(request: StopRequest, path: &str, survives_daemon: bool) -> Optio
 /// depth the driver refuses), before anything is set up; the generator asks too, so that a
 /// section with them gets no swap unit that would wait at boot for a device that never comes.
 pub fn check_startable(settings: &DeviceSettings) -> Result<(), DaemonError> {
-    check_size_against_ram(settings.size_bytes)?;
+    // A device that exists already (a restart, a standby) is resumed whatever RAM is now
+    // (memory unplugged, a balloon inflated): its pages are in its store, and refusing would
+    // leave its swap waiting.
+    if !settings.id.is_some_and(device_exists) {
+        check_size_against_ram(settings.size_bytes)?;
+    }
     crate::store::check_size(settings.size_bytes)?;
     device_spec(settings).validate()?;
     Ok(())
@@ -320,6 +329,8 @@ fn device_spec(settings: &DeviceSettings) -> DeviceSpec {
         depth: settings.depth,
         max_io_bytes: TAG_BUFFER_MAX_IO_BYTES,
         user_copy_max_io_bytes: settings.user_copy.then_some(USER_COPY_MAX_IO_BYTES),
+        tag_buffers_limit_bytes: config::ram_bytes()
+            .map_or(u64::MAX, |ram| ram / TAG_BUFFERS_RAM_DIVISOR),
     }
 }
 

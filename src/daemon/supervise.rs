@@ -796,6 +796,16 @@ pub(super) fn supervise(
                     "the serving process was killed by signal {signal} while stopping"
                 )));
             }
+            // Killed before it served, with no device to resume (none added; one it added
+            // was removed above): a start that dies is the administrator's to repeat.
+            (_, Some(signal))
+                if !ready && !device.is_some_and(crate::ublk::device::device_exists) =>
+            {
+                break Err(DaemonError::Daemon(format!(
+                    "the serving process was killed by signal {signal} before it added its \
+                     device; nothing was made: create it again"
+                )));
+            }
             (_, signal) => signal,
         };
         // A death while handing over for a reload ends the same way: the new build's standby

@@ -459,6 +459,8 @@ impl Device {
             info,
             size_bytes: spec.size_bytes,
         };
+        // A refusal drops `added`, which deletes the device.
+        spec.check_tag_buffers(&added.info)?;
         let id = added.id();
         let params = device_params(spec.size_bytes, added.info.max_io_buf_bytes);
         if let Some(control) = added.control.as_mut() {

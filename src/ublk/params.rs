@@ -45,6 +45,9 @@ pub struct DeviceSpec {
     /// per queue, a piece at a time; requests may then be larger than a tag buffer could
     /// sensibly be.
     pub user_copy_max_io_bytes: Option<u32>,
+    /// The most that the buffers of every tag of every queue may take together where the
+    /// device has them (no user copy): they stay locked for the device's life.
+    pub tag_buffers_limit_bytes: u64,
 }
 
 impl DeviceSpec {
@@ -85,6 +88,35 @@ impl DeviceSpec {
             ));
         }
         Ok(())
+    }
+
+    /// Refuse the device the driver made of this spec (`info`, its answer to ADD_DEV: whether
+    /// user copy is on, how many queues it gave, at most one per CPU) where its tags' buffers
+    /// would take more than `tag_buffers_limit_bytes`.
+    pub fn check_tag_buffers(&self, info: &CtrlDevInfo) -> Result<(), UblkError> {
+        if info.flags & sys::UBLK_F_USER_COPY != 0 {
+            return Ok(());
+        }
+        let bytes = u64::from(info.nr_hw_queues)
+            * u64::from(info.queue_depth)
+            * u64::from(info.max_io_buf_bytes);
+        if bytes <= self.tag_buffers_limit_bytes {
+            return Ok(());
+        }
+        let why = if self.user_copy_max_io_bytes.is_some() {
+            "this kernel's ublk driver has no user copy (Linux 6.5+)"
+        } else {
+            "user copy is off (`--no-user-copy`, `user-copy = no`)"
+        };
+        Err(UblkError::InvalidSpec(format!(
+            "{} queue(s) of depth {} would lock {} MiB in a {} KiB buffer per tag, as {why}: \
+             more than the {} MiB allowed here; lower the depth or the queues",
+            info.nr_hw_queues,
+            info.queue_depth,
+            bytes >> 20,
+            info.max_io_buf_bytes >> 10,
+            self.tag_buffers_limit_bytes >> 20
+        )))
     }
 
     /// The `ADD_DEV` payload, asking only for features the driver reported: encoded opcodes,
@@ -178,7 +210,44 @@ mod tests {
             depth: 64,
             max_io_bytes: 256 << 10,
             user_copy_max_io_bytes: None,
+            tag_buffers_limit_bytes: 64 << 20,
         }
+    }
+
+    #[test]
+    fn tag_buffers_past_the_limit_are_refused_where_the_device_has_them() {
+        // 1 queue x 64 tags x 256 KiB = 16 MiB, within 64 MiB.
+        assert!(spec().check_tag_buffers(&spec().dev_info(0x1fe)).is_ok());
+        let deep = DeviceSpec {
+            depth: 512,
+            ..spec()
+        };
+        let refused = deep
+            .check_tag_buffers(&deep.dev_info(0x1fe))
+            .expect_err("128 MiB of tag buffers");
+        assert!(
+            refused.to_string().contains("user copy is off"),
+            "{refused}"
+        );
+        // The driver gives fewer queues than asked (one per CPU): its answer counts.
+        let mut info = DeviceSpec {
+            queues: 8,
+            ..spec()
+        }
+        .dev_info(0x1fe);
+        assert!(spec().check_tag_buffers(&info).is_err());
+        info.nr_hw_queues = 2;
+        assert!(spec().check_tag_buffers(&info).is_ok());
+        // With user copy there are no tag buffers; asked for but not offered, there are.
+        let wanted = DeviceSpec {
+            user_copy_max_io_bytes: Some(1 << 20),
+            ..deep
+        };
+        assert!(wanted.check_tag_buffers(&wanted.dev_info(0x1fe)).is_ok());
+        let refused = wanted
+            .check_tag_buffers(&wanted.dev_info(0x7e))
+            .expect_err("no user copy offered");
+        assert!(refused.to_string().contains("no user copy"), "{refused}");
     }
 
     #[test]
