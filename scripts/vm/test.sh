@@ -25,7 +25,8 @@
 #   5. O_DIRECT 1 MiB write and read speed of /dev/ublkb0 (a mixed, compressible pattern).
 #   6. blkdiscard and blkdiscard -z of a range read back as zeros; the data around it stays.
 #   7. A second device is created, used and deleted (a process holding it open keeps neither
-#      its daemon nor its memory) while I/O runs on the first.
+#      its daemon nor its memory) while I/O runs on the first; `create` refuses strict
+#      overcommit and tags' buffers that would lock too much, leaving nothing behind.
 #   8. mkswap + swapon -d; `delete --id 0` refused while it is swap; a program fills 1.5x the
 #      RAM with a mixed pattern and verifies every word twice; pswpout and pswpin grew;
 #      `trueno-ublk stat` while the data is swapped out; once the kernel freed that swap and
@@ -63,7 +64,8 @@
 #      is free once its last user lets go.
 #  8c. (MODE full and recovery) A serving process killed before its device went live (its start
 #      held up by strace): the device it added and its store's memory are removed, `create`
-#      fails saying so, nothing is left behind.
+#      fails saying so, nothing is left behind; killed before it added its device, the same,
+#      at once.
 #  8d. (MODE full and recovery) Signals to every process of a daemon: job control stops none;
 #      SIGUSR2 to the supervisor compacts, SIGUSR1 does nothing; SIGQUIT stops it cleanly.
 #  8e. (MODE full and recovery) A second `create` of a device whose supervisor is about to
@@ -824,9 +826,12 @@ daemon_refusal_checks() {
 }
 
 # early_death_checks: a serving process killed (-9) before its device went live, held up 5 s
-# by strace in the shmat of its store's new segment (after ADD_DEV, before START_DEV): the supervisor
-# removes the device it had added and the store's shared memory, and `create` fails saying
-# so; no device, segment or process is left. With the id the kernel picks, and with --id.
+# by strace: in the shmat of its store's new segment (after ADD_DEV, before START_DEV), where
+# the supervisor removes the device it had added and the store's shared memory, and `create`
+# fails saying so; or in its open of /dev/ublk-control (before ADD_DEV), where there is
+# nothing to resume and `create` fails at once (before 2026-12-07 night the supervisor started
+# serving processes again while `create` waited). No device, segment or process is left. With
+# the id the kernel picks, and with --id.
 serving_child() {
     local p
     for p in $(daemon_pids); do
@@ -834,66 +839,47 @@ serving_child() {
     done
 }
 early_death_checks() {
-    local args shm_before rc pid st
-    for args in "" "--id 6"; do
-        shm_before=$(grep -c . /proc/sysvipc/shm)
-        # shellcheck disable=SC2086 # $args: no option, or two words
-        strace -f -qq -o /dev/null --seccomp-bpf -e trace=shmat -e inject=shmat:delay_enter=5s \
-            trueno-ublk create --size 64M $args >/tmp/early.out 2>&1 &
-        st=$!
-        pid=
-        if wait_until 30 eval 'ls /dev/ublkc* >/dev/null 2>&1 && pid=$(serving_child) && [ -n "$pid" ]'; then
-            check "early death ($args): its store's segment is made when it is killed" \
-                wait_until 10 eval '[ "$(grep -c . /proc/sysvipc/shm)" -gt "$shm_before" ]'
-            kill -9 "$pid"
+    local when args shm_before rc pid st trace held said
+    for when in added unadded; do
+        if [ "$when" = added ]; then
+            trace="--seccomp-bpf -e trace=shmat -e inject=shmat:delay_enter=5s"
+            held='ls /dev/ublkc* >/dev/null 2>&1 && pid=$(serving_child) && [ -n "$pid" ]'
+            said='before device [0-9]* went live; the device and its memory were removed'
         else
-            fail "early death ($args): no serving process with a device within 30 s ($(ls /dev/ublk* 2>&1))"
+            trace="-P /dev/ublk-control -e trace=openat -e inject=openat:delay_enter=5s"
+            held='pid=$(serving_child) && [ -n "$pid" ]'
+            said='killed by signal 9 before it added its device'
         fi
-        rc=0
-        if wait_until 30 not alive $st; then
-            wait $st || rc=$?
-        else
-            kill -9 $st
-            rc=timeout
-        fi
-        cat /tmp/early.out
-        check "early death ($args): create fails at once (exit $rc), saying the device was removed" \
-            eval "[ '$rc' != 0 ] && [ '$rc' != timeout ] && grep -q 'before device [0-9]* went live; the device and its memory were removed' /tmp/early.out"
-        check "early death ($args): no device is left ($(trueno-ublk list 2>&1 | tail -n +2))" \
-            wait_until 10 eval '[ -z "$(ls /dev/ublkc* 2>/dev/null)" ]'
-        check "early death ($args): no shared memory is left ($shm_before lines of /proc/sysvipc/shm before)" \
-            wait_until 10 eval '[ "$(grep -c . /proc/sysvipc/shm)" -eq "$shm_before" ]'
-        check "early death ($args): no trueno-ublk process is left" wait_until 10 no_daemon_runs
-        [ -z "$(daemon_pids)" ] || kill -9 $(daemon_pids) 2>/dev/null
-    done
-    # Killed before it added its device (held up opening the control device): nothing to
-    # resume, so the start fails at once, as after an added device, instead of starting
-    # serving processes again while `create` waits.
-    for args in "" "--id 6"; do
-        # shellcheck disable=SC2086 # $args: no option, or two words
-        strace -f -qq -o /dev/null -P /dev/ublk-control -e trace=openat \
-            -e inject=openat:delay_enter=5s trueno-ublk create --size 64M $args >/tmp/early.out 2>&1 &
-        st=$!
-        pid=
-        if wait_until 30 eval 'pid=$(serving_child) && [ -n "$pid" ]'; then
-            kill -9 "$pid"
-        else
-            fail "death before the device ($args): no serving process within 30 s"
-        fi
-        rc=0
-        if wait_until 30 not alive $st; then
-            wait $st || rc=$?
-        else
-            kill -9 $st
-            rc=timeout
-        fi
-        cat /tmp/early.out
-        check "death before the device ($args): create fails at once (exit $rc), saying why" \
-            eval "[ '$rc' != 0 ] && [ '$rc' != timeout ] && grep -q 'killed by signal 9 before it added its device' /tmp/early.out"
-        check "death before the device ($args): no device is left" \
-            wait_until 10 eval '[ -z "$(ls /dev/ublkc* 2>/dev/null)" ]'
-        check "death before the device ($args): no trueno-ublk process is left" wait_until 10 no_daemon_runs
-        [ -z "$(daemon_pids)" ] || kill -9 $(daemon_pids) 2>/dev/null
+        for args in "" "--id 6"; do
+            shm_before=$(grep -c . /proc/sysvipc/shm)
+            # shellcheck disable=SC2086 # $trace, $args: words
+            strace -f -qq -o /dev/null $trace trueno-ublk create --size 64M $args >/tmp/early.out 2>&1 &
+            st=$!
+            pid=
+            if ! wait_until 30 eval "$held"; then
+                fail "early death ($when, $args): no serving process held up within 30 s ($(ls /dev/ublk* 2>&1))"
+            elif [ "$when" = added ]; then
+                check "early death ($when, $args): its store's segment is made when it is killed" \
+                    wait_until 10 eval '[ "$(grep -c . /proc/sysvipc/shm)" -gt "$shm_before" ]'
+            fi
+            [ -z "$pid" ] || kill -9 "$pid"
+            rc=0
+            if wait_until 30 not alive $st; then
+                wait $st || rc=$?
+            else
+                kill -9 $st
+                rc=timeout
+            fi
+            cat /tmp/early.out
+            check "early death ($when, $args): create fails at once (exit $rc), saying why" \
+                eval "[ '$rc' != 0 ] && [ '$rc' != timeout ] && grep -q '$said' /tmp/early.out"
+            check "early death ($when, $args): no device is left ($(trueno-ublk list 2>&1 | tail -n +2))" \
+                wait_until 10 eval '[ -z "$(ls /dev/ublkc* 2>/dev/null)" ]'
+            check "early death ($when, $args): no shared memory is left ($shm_before lines of /proc/sysvipc/shm before)" \
+                wait_until 10 eval '[ "$(grep -c . /proc/sysvipc/shm)" -eq "$shm_before" ]'
+            check "early death ($when, $args): no trueno-ublk process is left" wait_until 10 no_daemon_runs
+            [ -z "$(daemon_pids)" ] || kill -9 $(daemon_pids) 2>/dev/null
+        done
     done
     check "early death: create --size 64M --id 6 works after it" trueno-ublk create --size 64M --id 6
     check "early death: and delete --id 6" trueno-ublk delete --id 6

@@ -803,7 +803,7 @@ pub(super) fn supervise(
             {
                 break Err(DaemonError::Daemon(format!(
                     "the serving process was killed by signal {signal} before it added its \
-                     device; nothing was made: create it again"
+                     device: create it again"
                 )));
             }
             (_, signal) => signal,
