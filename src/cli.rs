@@ -58,7 +58,8 @@ pub enum Command {
     FaultIn(FaultInArgs),
 }
 
-/// A clap parser for a setting with named values: the names are the config file's.
+/// A clap parser for a setting with named values: the names are the config file's, in any
+/// case as there (its arguments say `ignore_case`).
 fn choice<T: Choice>() -> impl TypedValueParser<Value = T> {
     PossibleValuesParser::new(T::names())
         .try_map(|name| T::from_name(&name).ok_or_else(|| format!("unknown value '{name}'")))
@@ -70,13 +71,13 @@ fn choice<T: Choice>() -> impl TypedValueParser<Value = T> {
 pub struct StoreArgs {
     /// Compression algorithm of new pages [default: lz4; with recompression on, zstd while
     /// memory is short]
-    #[arg(long, value_parser = choice::<AlgorithmChoice>())]
+    #[arg(long, ignore_case = true, value_parser = choice::<AlgorithmChoice>())]
     pub algorithm: Option<AlgorithmChoice>,
     /// zstd level when the algorithm is zstd (adaptive always uses level 1) [default: 1]
     #[arg(long, allow_negative_numbers = true)]
     pub zstd_level: Option<i32>,
     /// Batch backend [default: auto]
-    #[arg(long, value_parser = choice::<BackendChoice>())]
+    #[arg(long, ignore_case = true, value_parser = choice::<BackendChoice>())]
     pub backend: Option<BackendChoice>,
     /// Pending pages that trigger a batch flush [default: 256, or 1000 with the GPU backend]
     #[arg(long)]
@@ -664,6 +665,25 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn named_values_take_any_case_as_in_the_file() {
+        let cli = Cli::try_parse_from([
+            "trueno-ublk",
+            "create",
+            "--algorithm",
+            "ZSTD",
+            "--backend",
+            "Simd-Parallel",
+        ])
+        .unwrap();
+        let Command::Create(args) = cli.command else {
+            panic!("not create")
+        };
+        assert_eq!(args.store.algorithm, Some(AlgorithmChoice::Zstd));
+        assert_eq!(args.store.backend, Some(BackendChoice::SimdParallel));
+        assert!(Cli::try_parse_from(["trueno-ublk", "create", "--algorithm", "lzo"]).is_err());
     }
 
     #[test]

@@ -142,7 +142,7 @@ fn ublk_swaps_in_fstab(fstab: &str) -> Vec<u32> {
             if fields.get(2) != Some(&"swap") {
                 return None;
             }
-            fields.first()?.strip_prefix("/dev/ublkb")?.parse().ok()
+            crate::os::numbered_name(fields.first()?, "/dev/ublkb")
         })
         .collect()
 }
@@ -154,7 +154,7 @@ fn ublk_swaps_on(swaps: &str) -> Vec<(u32, u16)> {
         .skip(1)
         .filter_map(|line| {
             let fields: Vec<&str> = line.split_whitespace().collect();
-            let id = fields.first()?.strip_prefix("/dev/ublkb")?.parse().ok()?;
+            let id = crate::os::numbered_name(fields.first()?, "/dev/ublkb")?;
             // Negative where swapon gave none; the priority only matters to a swapon.
             let priority = fields.get(4)?.parse::<i32>().ok()?;
             Some((id, u16::try_from(priority).unwrap_or(DEFAULT_SWAP_PRIORITY)))
@@ -339,7 +339,8 @@ mod tests {
     fn an_fstab_swap_line_for_a_device_is_found() {
         let fstab = "# /dev/ublkb9 none swap sw 0 0\n/dev/sda1 / ext4 defaults 0 1\n\
                      /dev/ublkb0 none swap sw,discard 0 0\n  /dev/ublkb3\tnone\tswap\tsw\n\
-                     /dev/ublkb1 /mnt ext4 defaults 0 2\n/dev/ublkbx none swap sw\n";
+                     /dev/ublkb1 /mnt ext4 defaults 0 2\n/dev/ublkbx none swap sw\n\
+                     /dev/ublkb+4 none swap sw\n";
         assert_eq!(ublk_swaps_in_fstab(fstab), vec![0, 3]);
     }
 

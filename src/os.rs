@@ -538,14 +538,17 @@ pub fn numbered_entries<'a>(dir: &str, prefix: &'a str) -> impl Iterator<Item = 
         .into_iter()
         .flatten()
         .flatten()
-        .filter_map(move |entry| {
-            entry
-                .file_name()
-                .to_str()?
-                .strip_prefix(prefix)?
-                .parse()
-                .ok()
-        })
+        .filter_map(move |entry| numbered_name(entry.file_name().to_str()?, prefix))
+}
+
+/// The number in `name` after `prefix` (`ublkb7` → 7 after `ublkb`): decimal digits only,
+/// since `str::parse` alone takes `ublkb+7` as 7 too.
+pub fn numbered_name(name: &str, prefix: &str) -> Option<u32> {
+    let digits = name.strip_prefix(prefix)?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
 }
 
 /// The kernel's OOM badness score of process `pid` (/proc/PID/oom_score, 0 to 2000): the
@@ -581,6 +584,24 @@ fn process_mrelease(pidfd: libc::c_int) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_numbered_name_is_its_prefix_and_decimal_digits() {
+        assert_eq!(numbered_name("ublkb7", "ublkb"), Some(7));
+        assert_eq!(numbered_name("ublkb007", "ublkb"), Some(7));
+        assert_eq!(numbered_name("1234", ""), Some(1234));
+        for name in [
+            "ublkb",
+            "ublkb+7",
+            "ublkb-7",
+            "ublkb 7",
+            "ublkb7x",
+            "ublkc7",
+            "ublkb99999999999",
+        ] {
+            assert_eq!(numbered_name(name, "ublkb"), None, "{name}");
+        }
+    }
 
     #[test]
     fn the_oom_kill_count_is_read_from_vmstat() {

@@ -279,9 +279,5 @@ fn set_key(
 
 /// `ublkb7` → 7.
 fn section_id(name: &str) -> Option<u32> {
-    let digits = name.strip_prefix("ublkb")?;
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    digits.parse().ok()
+    crate::os::numbered_name(name, "ublkb")
 }

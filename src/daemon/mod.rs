@@ -124,6 +124,8 @@ const TAG_BUFFER_MAX_IO_BYTES: u32 = 64 << 10;
 /// for the device's life and again in the supervisor's standby: the default depth takes 2 MiB a
 /// queue, a depth of thousands would take a small machine's memory.
 const TAG_BUFFERS_RAM_DIVISOR: u64 = 16;
+// Every id the driver takes names a store of its own.
+const _: () = assert!(crate::ublk::params::MAX_DEVICE_ID <= crate::store::MAX_DEVICE_ID);
 /// The largest READ or WRITE with user copy, whose data goes through the queue's staging
 /// buffer a piece at a time.
 const USER_COPY_MAX_IO_BYTES: u32 = 1 << 20;

@@ -285,11 +285,7 @@ const QUERIES_AT_ONCE: usize = 16;
 
 /// `ublkb7.sock` → 7.
 fn socket_id(name: &str) -> Option<u32> {
-    let digits = name.strip_prefix("ublkb")?.strip_suffix(".sock")?;
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    digits.parse().ok()
+    crate::os::numbered_name(name.strip_suffix(".sock")?, "ublkb")
 }
 
 enum QueryError {

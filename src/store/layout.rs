@@ -86,11 +86,13 @@ pub(super) fn checksum_of_version(version: u64) -> PageChecksum {
     }
 }
 const MAGIC: u64 = u64::from_le_bytes(*b"trueublk");
-/// SysV keys of device stores: this plus the device id (ublk ids are below 2^20).
+/// SysV keys of device stores: this plus the device id, in the key's low `DEVICE_ID_BITS`.
 const DEVICE_KEY_BASE: i32 = 0x7400_0000;
-const MAX_DEVICE_ID: u32 = (1 << 20) - 1;
+const DEVICE_ID_BITS: u32 = 20;
+/// The highest device id a store's key holds (the daemon asserts that ublk's ids fit).
+pub const MAX_DEVICE_ID: u32 = (1 << DEVICE_ID_BITS) - 1;
 /// The bits of a device key that are its id.
-const DEVICE_ID_MASK: i32 = (1 << 20) - 1;
+const DEVICE_ID_MASK: i32 = (1 << DEVICE_ID_BITS) - 1;
 
 /// Header words.
 const H_MAGIC: usize = 0;

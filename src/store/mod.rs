@@ -71,7 +71,7 @@ pub use error::StoreError;
 pub use flusher::{FlusherHandle, StoreThread, StoreThreads};
 pub use layout::{
     remove_shared, shared_exists, shared_store, AttachedStore, Backing, Opened, SharedStore,
-    LAYOUT_VERSION,
+    LAYOUT_VERSION, MAX_DEVICE_ID,
 };
 use layout::{Ownership, Regions, Shape};
 pub use oom::OomKiller;
