@@ -15,26 +15,38 @@ use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-/// Whether the kernel holds `path` (a block device) exclusively: active swap, a mounted file
-/// system, a device-mapper or md member, or another `O_EXCL` opener. An error other than
-/// `EBUSY` (no such node, no permission) means "cannot tell": callers that would lose data
-/// on a wrong "no" must treat it as "in use".
-pub fn is_claimed(path: &Path) -> io::Result<bool> {
-    is_claimed_with(path, open_exclusive)
+/// What an exclusive open of a block device found.
+#[derive(Debug)]
+pub enum Claim {
+    /// Nobody held it: this file holds it now, until it is dropped, so nothing (swapon, mount)
+    /// can take the device meanwhile.
+    Held(File),
+    /// The kernel holds it (`EBUSY`): active swap, a mounted file system, a device-mapper or
+    /// md member, or another `O_EXCL` opener.
+    Busy,
 }
 
-/// [`is_claimed`] with the open behind a function, so the decision can be tested on any
-/// answer the kernel might give.
-pub fn is_claimed_with(
-    path: &Path,
-    open: impl FnOnce(&Path) -> io::Result<File>,
-) -> io::Result<bool> {
+/// Claim `path` (a block device) if nobody holds it. An error other than `EBUSY` (no such
+/// node, no permission) means "cannot tell": callers that would lose data on a wrong "no"
+/// must treat it as "in use".
+pub fn claim(path: &Path) -> io::Result<Claim> {
+    claim_with(path, open_exclusive)
+}
+
+/// [`claim`] with the open behind a function, so the decision can be tested on any answer
+/// the kernel might give.
+pub fn claim_with(path: &Path, open: impl FnOnce(&Path) -> io::Result<File>) -> io::Result<Claim> {
     match open(path) {
-        // Dropping the file releases the claim this open took at once.
-        Ok(_file) => Ok(false),
-        Err(error) if error.raw_os_error() == Some(libc::EBUSY) => Ok(true),
+        Ok(file) => Ok(Claim::Held(file)),
+        Err(error) if error.raw_os_error() == Some(libc::EBUSY) => Ok(Claim::Busy),
         Err(error) => Err(error),
     }
+}
+
+/// Whether the kernel holds `path` now (see [`claim`]); the claim this takes to ask is let go
+/// at once, so the answer may be stale by the time it is read.
+pub fn is_claimed(path: &Path) -> io::Result<bool> {
+    claim(path).map(|claim| matches!(claim, Claim::Busy))
 }
 
 /// Open read-only with `O_EXCL`, which for a block device means "claim it": it fails with
@@ -55,15 +67,15 @@ mod tests {
     #[test]
     fn ebusy_means_claimed_and_other_errors_are_reported() {
         let path = Path::new("/dev/ublkb0");
-        let busy = is_claimed_with(path, |_| Err(io::Error::from_raw_os_error(libc::EBUSY)));
-        assert!(matches!(busy, Ok(true)));
-        let missing = is_claimed_with(path, |_| Err(io::Error::from_raw_os_error(libc::ENOENT)));
+        let busy = claim_with(path, |_| Err(io::Error::from_raw_os_error(libc::EBUSY)));
+        assert!(matches!(busy, Ok(Claim::Busy)));
+        let missing = claim_with(path, |_| Err(io::Error::from_raw_os_error(libc::ENOENT)));
         assert_eq!(
-            missing.map_err(|e| e.raw_os_error()),
-            Err(Some(libc::ENOENT))
+            missing.map_err(|e| e.raw_os_error()).err(),
+            Some(Some(libc::ENOENT))
         );
-        let free = is_claimed_with(path, |_| File::open("/dev/null"));
-        assert!(matches!(free, Ok(false)));
+        let free = claim_with(path, |_| File::open("/dev/null"));
+        assert!(matches!(free, Ok(Claim::Held(_))));
     }
 
     /// A block device on this machine that nobody claims now (loop devices first), if any.

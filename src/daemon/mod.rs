@@ -251,24 +251,35 @@ enum StopAction {
 /// serve it, and the process keeps serving (`None`), as before.
 fn stop_action(
     request: StopRequest,
-    claimed: &std::io::Result<bool>,
+    in_use: Option<bool>,
     survives_daemon: bool,
 ) -> Option<StopAction> {
-    match (request, claimed, survives_daemon) {
+    match (request, in_use, survives_daemon) {
         (StopRequest::SupervisorGone | StopRequest::Replace, _, true) => Some(StopAction::HandOver),
         (StopRequest::SupervisorGone | StopRequest::Replace, _, false) => None,
-        (StopRequest::Stop, Ok(false), _) => Some(StopAction::Delete),
+        (StopRequest::Stop, Some(false), _) => Some(StopAction::Delete),
         // Claimed, or unknown (then as if claimed: a wrong "no" would lose its pages).
         (StopRequest::Stop, _, true) => Some(StopAction::HandOver),
         (StopRequest::Stop, _, false) => None,
     }
 }
 
-/// `stop_action` for the device at `path`, with the log line that says what and why.
-fn decide_stop(request: StopRequest, path: &str, survives_daemon: bool) -> Option<StopAction> {
-    let claimed = crate::blockdev::is_claimed(Path::new(path));
-    let action = stop_action(request, &claimed, survives_daemon);
-    match (action, &claimed) {
+/// `stop_action` for the device at `path`, with the log line that says what and why; with
+/// `Delete`, the claim on the device found unused (`None` where its open raced a removal), held
+/// until it is stopped: a swapon or mount after the decision would see its I/O fail, so none
+/// can come.
+fn decide_stop(
+    request: StopRequest,
+    path: &str,
+    survives_daemon: bool,
+) -> Option<(StopAction, Option<std::fs::File>)> {
+    let claim = crate::blockdev::claim(Path::new(path));
+    let in_use = claim
+        .as_ref()
+        .ok()
+        .map(|claim| matches!(claim, crate::blockdev::Claim::Busy));
+    let action = stop_action(request, in_use, survives_daemon);
+    match (action, in_use) {
         (Some(StopAction::Delete), _) => {
             tracing::info!(device = path, "stopping: the device is not in use, deleting it")
         }
@@ -279,7 +290,7 @@ fn decide_stop(request: StopRequest, path: &str, survives_daemon: bool) -> Optio
             device = path,
             "reload: handing the device over to the standby of the binary on disk"
         ),
-        (Some(StopAction::HandOver), Ok(true)) => tracing::info!(
+        (Some(StopAction::HandOver), Some(true)) => tracing::info!(
             device = path,
             "stopping: the device is in use (active swap or mounted), handing it over: it stays, quiesced with its pages, and the next start resumes it; `trueno-ublk delete --id N --force` deletes it"
         ),
@@ -295,7 +306,7 @@ fn decide_stop(request: StopRequest, path: &str, survives_daemon: bool) -> Optio
             device = path,
             "the supervisor is gone; serving on (this kernel cannot hand the device over)"
         ),
-        (None, Ok(true)) => tracing::warn!(
+        (None, Some(true)) => tracing::warn!(
             device = path,
             "not stopping: the device is in use (active swap or mounted) and this kernel's ublk driver offers no user recovery (Linux 6.5+), so stopping it would fail every page it holds. Run `swapoff {path}` (or stop its swap unit) first, then stop again"
         ),
@@ -304,7 +315,11 @@ fn decide_stop(request: StopRequest, path: &str, survives_daemon: bool) -> Optio
             "not stopping: could not tell whether the device is in use; check /proc/swaps and mounts, then use `trueno-ublk delete --force`"
         ),
     }
-    action
+    let held = match (action, claim) {
+        (Some(StopAction::Delete), Ok(crate::blockdev::Claim::Held(file))) => Some(file),
+        _ => None,
+    };
+    action.map(|action| (action, held))
 }
 
 /// Refuse settings no device can be made with (a size beyond what RAM can index, queues or
@@ -1175,8 +1190,9 @@ fn serve(
     let mut memory_watch = memory_watch::MemoryWatch::open();
     let oom_victims = oom_victims::OomVictimReleaser::start(Arc::clone(&store));
     let mut main_poll = activity::MainPoll::new();
-    // What to do with the device, and whether the stop was unexpected (a failure to report).
-    let (action, unexpected) = loop {
+    // What to do with the device, whether the stop was unexpected (a failure to report), and
+    // the claim on a device found unused (see `decide_stop`).
+    let (action, unexpected, claim) = loop {
         let poll = main_poll.interval(poll_interval(&store));
         crossbeam_channel::select! {
             recv(signal_rx) -> signal => {
@@ -1212,16 +1228,16 @@ fn serve(
                         continue;
                     }
                     Ok(_) => StopRequest::Stop,
-                    Err(_) if survives => break (StopAction::HandOver, true),
+                    Err(_) if survives => break (StopAction::HandOver, true, None),
                     Err(_) => {
                         // No signals any more (cannot happen: the thread ends only when told):
                         // serve until the device is stopped from outside.
                         let _ = device.queue_exits().recv();
-                        break (StopAction::Delete, true);
+                        break (StopAction::Delete, true, None);
                     }
                 };
-                if let Some(action) = decide_stop(request, &path, survives) {
-                    break (action, false);
+                if let Some((action, claim)) = decide_stop(request, &path, survives) {
+                    break (action, false, claim);
                 }
             },
             recv(device.queue_exits()) -> _ => {
@@ -1242,18 +1258,18 @@ fn serve(
                 };
                 if survives && exists {
                     tracing::error!(device = path, "a queue ended while the device is live: handing it over");
-                    break (StopAction::HandOver, true);
+                    break (StopAction::HandOver, true, None);
                 }
                 tracing::warn!(device = path, "a queue ended (device stopped from outside?); shutting down");
-                break (StopAction::Delete, false);
+                break (StopAction::Delete, false, None);
             }
             recv(handler.activity().woken()) -> _ => main_poll.wake(),
             // Only here are reported slots freed: once the loop ends (a hand-over), no page of
             // the device changes in this process.
             default(poll) => {
                 if notifier.handover_asked() {
-                    if let Some(action) = decide_stop(StopRequest::Replace, &path, survives) {
-                        break (action, false);
+                    if let Some((action, claim)) = decide_stop(StopRequest::Replace, &path, survives) {
+                        break (action, false, claim);
                     }
                 }
                 let freed = handler.free_reported_slots();
@@ -1271,11 +1287,11 @@ fn serve(
     drop(oom_victims);
     notifier.send("STOPPING=1");
     let mut action = action;
-    // The device found unused is claimed until it is stopped: a swapon (or mount) since the
-    // decision makes it in use, and it is handed over as such a device is; one after it
-    // would see its I/O fail once the device stops.
-    let claim = match action {
-        StopAction::Delete => match crate::blockdev::open_exclusive(Path::new(&path)) {
+    // A device stopped from outside, or whose queue failed, is claimed here if it can be: a
+    // swapon (or mount) since then makes it in use, and it is handed over as such a device is.
+    let claim = match (action, claim) {
+        (StopAction::Delete, Some(claim)) => Some(claim),
+        (StopAction::Delete, None) => match crate::blockdev::open_exclusive(Path::new(&path)) {
             Err(error) if error.raw_os_error() == Some(libc::EBUSY) && survives => {
                 tracing::warn!(device = path, "stopping: the device was taken into use since it was found unused; handing it over instead");
                 action = StopAction::HandOver;
@@ -1296,7 +1312,7 @@ fn serve(
             }
             claim => claim.ok(),
         },
-        StopAction::HandOver => None,
+        (StopAction::HandOver, _) => None,
     };
     let stopped = match action {
         StopAction::Delete => device.shutdown_holding(claim),
@@ -1447,29 +1463,29 @@ mod tests {
     fn a_stop_never_stops_a_device_in_use() {
         use StopAction::{Delete, HandOver};
         use StopRequest::{Replace, Stop, SupervisorGone};
-        let unknown = || Err(std::io::Error::from_raw_os_error(libc::EACCES));
-        let cases: [(StopRequest, std::io::Result<bool>, bool, Option<StopAction>); 13] = [
+        let unknown = None;
+        let cases: [(StopRequest, Option<bool>, bool, Option<StopAction>); 13] = [
             // Unused: deleted, with or without recovery.
-            (Stop, Ok(false), true, Some(Delete)),
-            (Stop, Ok(false), false, Some(Delete)),
+            (Stop, Some(false), true, Some(Delete)),
+            (Stop, Some(false), false, Some(Delete)),
             // In use, or unknown: handed over when it can outlive us, else kept serving.
-            (Stop, Ok(true), true, Some(HandOver)),
-            (Stop, Ok(true), false, None),
-            (Stop, unknown(), true, Some(HandOver)),
-            (Stop, unknown(), false, None),
+            (Stop, Some(true), true, Some(HandOver)),
+            (Stop, Some(true), false, None),
+            (Stop, unknown, true, Some(HandOver)),
+            (Stop, unknown, false, None),
             // The supervisor gone: handed over whatever the use, never deleted.
-            (SupervisorGone, Ok(false), true, Some(HandOver)),
-            (SupervisorGone, Ok(true), true, Some(HandOver)),
-            (SupervisorGone, Ok(false), false, None),
-            (SupervisorGone, Ok(true), false, None),
+            (SupervisorGone, Some(false), true, Some(HandOver)),
+            (SupervisorGone, Some(true), true, Some(HandOver)),
+            (SupervisorGone, Some(false), false, None),
+            (SupervisorGone, Some(true), false, None),
             // A reload: handed over to the new standby, in use or not; never deleted.
-            (Replace, Ok(false), true, Some(HandOver)),
-            (Replace, unknown(), true, Some(HandOver)),
-            (Replace, Ok(true), false, None),
+            (Replace, Some(false), true, Some(HandOver)),
+            (Replace, unknown, true, Some(HandOver)),
+            (Replace, Some(true), false, None),
         ];
         for (request, claimed, survives, want) in cases {
             assert_eq!(
-                stop_action(request, &claimed, survives),
+                stop_action(request, claimed, survives),
                 want,
                 "{request:?} claimed {claimed:?} survives {survives}"
             );
