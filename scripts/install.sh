@@ -39,6 +39,17 @@ while [ $# -gt 0 ]; do
     esac
 done
 
+# The prefix goes into the units' ExecStart lines (through sed), where a space would split
+# the command and `#`, `&` or `\` would garble it.
+case "$prefix" in
+    /*) ;;
+    *) echo "install.sh: --prefix must be an absolute path, not '$prefix'" >&2; exit 2 ;;
+esac
+if [[ ! "$prefix" =~ ^[A-Za-z0-9._/+-]+$ ]]; then
+    echo "install.sh: --prefix '$prefix' has characters a unit's command line cannot take: use letters, digits and . _ / + - only" >&2
+    exit 2
+fi
+
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 destdir=${DESTDIR:-}
 bindir="$prefix/bin"
@@ -133,7 +144,10 @@ if [ ! -x "$binary" ]; then
 fi
 
 install -d "$destdir$bindir" "$destdir$unitdir" "$destdir/etc/modules-load.d" "$destdir$docdir"
-install -m 0755 "$binary" "$destdir$bindir/trueno-ublk"
+# Beside it, then renamed over it: a unit's restart or a reload's standby that starts the
+# binary meanwhile runs the old one or the new one, never a half-copied file.
+install -m 0755 "$binary" "$destdir$bindir/.trueno-ublk.new"
+mv -f "$destdir$bindir/.trueno-ublk.new" "$destdir$bindir/trueno-ublk"
 echo "installed $destdir$bindir/trueno-ublk"
 for unit in "${units[@]}"; do
     # The units name /usr/local/bin/trueno-ublk; point them at this prefix.

@@ -153,4 +153,12 @@ fn install_keeps_config_and_uninstall_removes_everything() {
     let (ok, log) = install(&dest, &["--bogus"]);
     assert!(!ok);
     assert!(log.contains("unknown option"), "{log}");
+
+    // A prefix the units' command line could not take, or a relative one: nothing installed.
+    for prefix in ["/opt/my apps", "/opt/a#b", "/opt/a&b", "opt/tu"] {
+        let (ok, log) = install(&dest, &["--prefix", prefix]);
+        assert!(!ok, "{prefix}: {log}");
+        assert!(log.contains("--prefix"), "{log}");
+        assert!(files_under(&dest).is_empty(), "{prefix}: {log}");
+    }
 }
