@@ -33,7 +33,7 @@ use tracing::level_filters::LevelFilter;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use trueno_ublk::ublk::device::{block_path, char_class_path};
-use trueno_ublk::ublk::{BlockHandler, Device, DeviceSpec, Op, Request};
+use trueno_ublk::ublk::{BlockHandler, Device, DeviceSpec, Failure, Op, Request};
 
 /// How often the main thread looks for a signal while it waits for a queue to end.
 const SIGNAL_POLL: Duration = Duration::from_millis(100);
@@ -152,10 +152,10 @@ impl RamDisk {
         (end <= self.size).then_some((request.offset, end))
     }
 
-    fn refuse(&self, request: &Request, errno: i32) -> Result<(), i32> {
+    fn refuse(&self, request: &Request, errno: i32) -> Result<(), Failure> {
         self.served.refused.fetch_add(1, Ordering::Relaxed);
         eprintln!("ublk_ramdisk: refused {request:?}: errno {errno}");
-        Err(-errno)
+        Err(Failure::from(-errno))
     }
 
     fn zero(&self, start: u64, end: u64) -> std::io::Result<()> {
@@ -173,7 +173,7 @@ impl RamDisk {
 impl BlockHandler for RamDisk {
     fn prepare_thread(&self) {}
 
-    fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32> {
+    fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), Failure> {
         let counter = match request.op {
             Op::Read => &self.served.read,
             Op::Write => &self.served.write,
@@ -413,7 +413,7 @@ mod tests {
         let disk = RamDisk::open(&file.0, SIZE, true).unwrap();
         let mut page = vec![0u8; 4096];
         let end = SIZE;
-        let eio = Err(-libc::EIO);
+        let eio = Err(Failure::from(-libc::EIO));
         assert_eq!(disk.handle(&request(Op::Read, end, 4096), &mut page), eio);
         assert_eq!(
             disk.handle(&request(Op::Write, end - 2048, 4096), &mut page),
@@ -429,7 +429,7 @@ mod tests {
         );
         assert_eq!(
             disk.handle(&request(Op::Read, 0, 8192), &mut page),
-            Err(-libc::EINVAL)
+            Err(Failure::from(-libc::EINVAL))
         );
         assert_eq!(disk.served.refused.load(Ordering::Relaxed), 5);
     }

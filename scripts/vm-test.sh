@@ -44,7 +44,7 @@
 #   TRUENO_UBLK_BIN   use this binary instead of building target/release/trueno-ublk
 #   UBLK_RAMDISK_BIN  use this binary instead of target/release/examples/ublk_ramdisk
 #   VM_TEST_SKIP      debugging: steps to leave out ("ramdisk ramdisk-recovery zram ublk-swap
-#                     daemon-recovery early-death signals claim oom-probe systemd"); the run
+#                     daemon-recovery early-death signals claim oom-probe bitflip systemd"); the run
 #                     then fails
 #   VM_TEST_ONLY      debugging: "systemd" runs only the real-systemd stage (the run then fails)
 #   VM_SYSTEMD_RAM_MIB [768]  VM_SYSTEMD_TIMEOUT_S [900]  the real-systemd stage's VM

@@ -38,6 +38,9 @@
 #  10b. (MODE full, with cgroup2's memory controller) A device's daemon says it probes OOM
 #      kills at oom:mark_victim; a program OOM-killed in a memory cgroup of 16 MiB wakes it,
 #      and it looks for the process being killed.
+#  10c. (MODE full) A bit flipped under a stored page: of eight one-page reads submitted at
+#      once (merged), those before it read back right and it fails with EIO; the page after
+#      it read alone is right; `stat` counts the checksum failure.
 #  11. (MODE=stress only, not in the full run; scripts/test.sh runs it with the compressible
 #      `all` case: see docs/measurements.md, "Near OOM") Near OOM
 #      (stress.sh, after step 10: OOM kills are expected there): stress-ng's vm stressor on
@@ -1589,6 +1592,33 @@ oom_probe_checks() {
 if [ "$MODE" = full ] && [ -n "${TEST_IN_CGROUP:-}" ] && ! skipped oom-probe; then
     section "an OOM kill in a memory cgroup, seen by the daemon's probe"
     oom_probe_checks
+fi
+
+# --- 10c. a bit flipped under a stored page (after the kernel-log check: its read fails) --------
+# The store keeps a checksum of every page: a bit flipped in its memory is an EIO for that
+# page, and for nothing else, also where the block layer merged its read with its neighbours'
+# (swap's readahead does): the pages before it are read (the daemon commits them as a partial
+# result and the driver sends the rest again), and a page after it read alone is right.
+bitflip_checks() {
+    local dev id out rc=0
+    trueno-ublk create --size 64M >/tmp/create-bitflip.out 2>&1
+    dev=$(grep -o '/dev/ublkb[0-9]*' /tmp/create-bitflip.out | head -n1)
+    if [ -z "$dev" ]; then
+        fail "bit flip: create --size 64M ($(cat /tmp/create-bitflip.out))"
+        return
+    fi
+    id=${dev#/dev/ublkb}
+    # The store's SysV key: 0x74000000 plus the device id (src/store/layout.rs).
+    out=$($VT bitflip "$dev" $((0x74000000 | id)) 2>&1) || rc=$?
+    check "bit flip: of 8 one-page reads submitted at once, those before the flipped page read back right and it fails with EIO; the next page read alone is right ($(echo "$out" | tr '\n' ' '), exit $rc)" \
+        [ "$rc" -eq 0 ]
+    check "bit flip: stat counts the page's checksum failure" \
+        eval "trueno-ublk stat --json --id $id | tr ',{}' '\n\n\n' | grep -Eq '\"checksum_failures\": *[1-9]'"
+    check "bit flip: delete $dev" trueno-ublk delete --id "$id"
+}
+if [ "$MODE" = full ] && ! skipped bitflip; then
+    section "a bit flipped under a stored page"
+    bitflip_checks
 fi
 
 # --- 11. near OOM (after the kernel-log check: OOM kills are expected there) ---------------

@@ -78,6 +78,17 @@
  *   vmtool shm-remove KEY
  *       Removes the SysV shared memory segment with KEY (busybox has no ipcrm); exits 1
  *       if there is none.
+ *   vmtool bitflip DEV KEY
+ *       A bit flipped in RAM under a stored page: writes 8 pages of random words (stored
+ *       raw: nothing compresses) at the start of block device DEV with O_DIRECT, waits a
+ *       second for the daemon to store them, flips a bit of every copy of page 3 in its
+ *       SysV segment KEY (the store's memory; only pages resident there are looked at),
+ *       then reads the 8 pages back as 8 one-page reads submitted at once (Linux AIO, in
+ *       one plug: the block layer merges them into one request, as swap's readahead is),
+ *       and page 4 again alone. Prints BITFLIP_COPIES (copies flipped), BITFLIP_PAGES (each
+ *       page's result: ok, bad for wrong data, or the errno's name) and BITFLIP_ALONE;
+ *       exits 0 if pages 0 to 2 read back right, page 3 failed with EIO and page 4 alone
+ *       read back right.
  *   vmtool monitor INTERVAL_S DEADLINE_S STALL_S FLAGFILE
  *       The VM's watchdog, started first by test.sh: locked in memory, real-time
  *       priority and with every file opened up front, so it still runs when the test
@@ -121,6 +132,7 @@
 #include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
+#include <linux/aio_abi.h>
 #include <sys/uio.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -1424,6 +1436,122 @@ static int cmd_rss_settle(int argc, char **argv)
 	return settled >= 0 ? 0 : 1;
 }
 
+static const char *io_result_name(long res, const uint64_t *got, const uint64_t *want)
+{
+	if (res == -EIO)
+		return "EIO";
+	if (res < 0)
+		return "error";
+	if (res != PAGE_BYTES || memcmp(got, want, PAGE_BYTES) != 0)
+		return "bad";
+	return "ok";
+}
+
+static int cmd_bitflip(int argc, char **argv)
+{
+	enum { PAGES = 8, BAD = 3 };
+	if (argc != 2) {
+		fprintf(stderr, "usage: vmtool bitflip DEV KEY\n");
+		return 2;
+	}
+	int fd = open(argv[0], O_RDWR | O_DIRECT);
+	int shm = shmget((key_t)parse_u64(argv[1], "key"), 0, 0);
+	if (fd < 0 || shm < 0) {
+		perror("vmtool bitflip: open or shmget");
+		return 2;
+	}
+	uint64_t *want = aligned_alloc(PAGE_BYTES, PAGES * PAGE_BYTES);
+	uint64_t *got = aligned_alloc(PAGE_BYTES, PAGES * PAGE_BYTES);
+	if (!want || !got)
+		return 2;
+	uint64_t state = (uint64_t)now_s() * 1000003u;
+	for (int i = 0; i < PAGES * PAGE_WORDS; i++)
+		want[i] = splitmix64(&state);
+	if (pwrite(fd, want, PAGES * PAGE_BYTES, 0) != PAGES * PAGE_BYTES) {
+		perror("vmtool bitflip: write");
+		return 2;
+	}
+	sleep(1);
+
+	struct shmid_ds ds;
+	unsigned char *seg = shmat(shm, NULL, 0);
+	if (seg == (void *)-1 || shmctl(shm, IPC_STAT, &ds) < 0) {
+		perror("vmtool bitflip: shmat");
+		return 2;
+	}
+	size_t len = ds.shm_segsz / PAGE_BYTES * PAGE_BYTES;
+	unsigned char *resident = malloc(len / PAGE_BYTES);
+	if (!resident || mincore(seg, len, resident) < 0) {
+		perror("vmtool bitflip: mincore");
+		return 2;
+	}
+	const unsigned char *page3 = (const unsigned char *)(want + BAD * PAGE_WORDS);
+	int copies = 0;
+	/* A stored raw page may start anywhere in a chunk: look for its first 64 bytes at
+	 * every 8-byte step of each resident page (reading a hole would fill it). */
+	for (size_t p = 0; p < len / PAGE_BYTES; p++) {
+		if (!(resident[p] & 1))
+			continue;
+		for (size_t off = 0; off + 64 <= PAGE_BYTES; off += 8) {
+			unsigned char *at = seg + p * PAGE_BYTES + off;
+			if (memcmp(at, page3, 64) != 0)
+				continue;
+			at[32] ^= 0x10;
+			copies++;
+		}
+	}
+	printf("BITFLIP_COPIES=%d\n", copies);
+
+	aio_context_t ctx = 0;
+	if (syscall(SYS_io_setup, PAGES, &ctx) < 0) {
+		perror("vmtool bitflip: io_setup");
+		return 2;
+	}
+	struct iocb cbs[PAGES], *list[PAGES];
+	memset(cbs, 0, sizeof(cbs));
+	memset(got, 0, PAGES * PAGE_BYTES);
+	for (int i = 0; i < PAGES; i++) {
+		cbs[i].aio_fildes = (uint32_t)fd;
+		cbs[i].aio_lio_opcode = IOCB_CMD_PREAD;
+		cbs[i].aio_buf = (uint64_t)(uintptr_t)(got + i * PAGE_WORDS);
+		cbs[i].aio_nbytes = PAGE_BYTES;
+		cbs[i].aio_offset = (int64_t)i * PAGE_BYTES;
+		cbs[i].aio_data = (uint64_t)i;
+		list[i] = &cbs[i];
+	}
+	if (syscall(SYS_io_submit, ctx, PAGES, list) != PAGES) {
+		perror("vmtool bitflip: io_submit");
+		return 2;
+	}
+	long results[PAGES];
+	struct io_event events[PAGES];
+	int done = 0;
+	while (done < PAGES) {
+		long n = syscall(SYS_io_getevents, ctx, 1, PAGES - done, events, NULL);
+		if (n < 0) {
+			perror("vmtool bitflip: io_getevents");
+			return 2;
+		}
+		for (long e = 0; e < n; e++)
+			results[events[e].data] = (long)events[e].res;
+		done += (int)n;
+	}
+	syscall(SYS_io_destroy, ctx);
+	int right = 1;
+	printf("BITFLIP_PAGES=");
+	for (int i = 0; i < PAGES; i++) {
+		const char *name = io_result_name(results[i], got + i * PAGE_WORDS, want + i * PAGE_WORDS);
+		printf("%s%s", i ? " " : "", name);
+		if ((i < BAD && strcmp(name, "ok") != 0) || (i == BAD && strcmp(name, "EIO") != 0))
+			right = 0;
+	}
+	printf("\n");
+	long alone = pread(fd, got, PAGE_BYTES, (BAD + 1) * PAGE_BYTES);
+	const char *alone_name = io_result_name(alone < 0 ? -errno : alone, got, want + (BAD + 1) * PAGE_WORDS);
+	printf("BITFLIP_ALONE=%s\n", alone_name);
+	return right && copies > 0 && strcmp(alone_name, "ok") == 0 ? 0 : 1;
+}
+
 int main(int argc, char **argv)
 {
 	if (argc >= 2 && strcmp(argv[1], "now") == 0) {
@@ -1452,6 +1580,8 @@ int main(int argc, char **argv)
 		return cmd_heartbeat(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "shm-remove") == 0)
 		return cmd_shm_remove(argc - 2, argv + 2);
+	if (argc >= 2 && strcmp(argv[1], "bitflip") == 0)
+		return cmd_bitflip(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "pageout") == 0)
 		return cmd_pageout(argc - 2, argv + 2);
 	if (argc >= 2 && strcmp(argv[1], "pageout-pid") == 0)
@@ -1466,7 +1596,7 @@ int main(int argc, char **argv)
 			"scatter MIB PROCS SEED | "
 			"notify-run TIMEOUT_S STATEFILE CMD [ARGS...] | job CMD [ARGS...] | "
 			"heartbeat DEV OFFSET STOPFILE | "
-			"shm-remove KEY | pageout MIB SEED | pageout-pid PID | wakeup PERIOD_MS SECONDS | stalls PID SECONDS | "
+			"shm-remove KEY | bitflip DEV KEY | pageout MIB SEED | pageout-pid PID | wakeup PERIOD_MS SECONDS | stalls PID SECONDS | "
 			"rss-settle PID LIMIT_KB TIMEOUT_S | "
 			"monitor INTERVAL_S DEADLINE_S STALL_S FLAGFILE\n");
 	return 2;

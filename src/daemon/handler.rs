@@ -9,7 +9,7 @@ use std::time::Instant;
 use crate::codec::{Algorithm, ThreadCodecs};
 use crate::slotfree::SlotFreeProbe;
 use crate::store::{BatchedPageStore, WriteOutcome};
-use crate::ublk::{BlockHandler, Handled, Op, Request};
+use crate::ublk::{BlockHandler, Failure, Handled, Op, Request};
 
 use super::activity::Activity;
 
@@ -117,11 +117,11 @@ impl BlockHandler for StoreHandler {
         rayon::spawn(job);
     }
 
-    fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32> {
+    fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), Failure> {
         match self.serve(request, data, Writes::Wait) {
             Handled::Done(result) => result,
             // Only a write that may be deferred is.
-            Handled::Deferred { .. } => Err(-libc::EIO),
+            Handled::Deferred { .. } => Err(Failure::from(-libc::EIO)),
         }
     }
 
@@ -151,7 +151,7 @@ impl StoreHandler {
         self.activity.note_request();
         // Set before the device goes live, so never missing here.
         let Some(store) = self.store.get() else {
-            return Handled::Done(Err(-libc::EIO));
+            return Handled::Done(Err(Failure::from(-libc::EIO)));
         };
         let result = match request.op {
             Op::Read => store.read(request.offset, data),
@@ -184,7 +184,17 @@ impl StoreHandler {
             if count < 16 || count.is_multiple_of(1024) {
                 tracing::warn!(?request, %error, errors = count + 1, "request failed");
             }
-            error.errno()
+            // A read that failed at a bad page has read the pages before it.
+            let done_pages = match request.op {
+                Op::Read => error
+                    .bad_page()
+                    .and_then(|page| page.checked_sub(request.offset / PAGE_BYTES)),
+                _ => None,
+            };
+            Failure {
+                errno: error.errno(),
+                done_bytes: done_pages.map_or(0, |pages| pages * PAGE_BYTES),
+            }
         }))
     }
 }

@@ -50,6 +50,18 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// The page whose own data is bad or gone, where that is the failure: a read that fails
+    /// with it has read every page before it (see `BatchedPageStore::read`).
+    pub fn bad_page(&self) -> Option<u64> {
+        match self {
+            StoreError::Corrupt { page, .. }
+            | StoreError::ChecksumMismatch { page }
+            | StoreError::EntryMismatch { page }
+            | StoreError::Lost { page } => Some(*page),
+            _ => None,
+        }
+    }
+
     /// The negative errno a block request fails with.
     pub fn errno(&self) -> i32 {
         match self {

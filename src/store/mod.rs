@@ -649,7 +649,9 @@ impl BatchedPageStore {
         Ok(())
     }
 
-    /// Read whole pages at byte `offset` (never-written pages read as zeros).
+    /// Read whole pages at byte `offset` (never-written pages read as zeros). An error with a
+    /// `bad_page` names the first bad page of the range, and every page before it is read
+    /// into `buf`: a request that merged several swap-ins fails from that page on only.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
         let len = buf.len() as u64;
         let read_one =
@@ -659,9 +661,13 @@ impl BatchedPageStore {
             };
         let result = self.check_range(offset, len).and_then(|first| {
             if buf.len() >= PARALLEL_READ_MIN_PAGES * PAGE_SIZE {
-                buf.par_chunks_exact_mut(PAGE_SIZE)
+                // Every page is read, and the first failure wins, as in order.
+                let first_failure = buf
+                    .par_chunks_exact_mut(PAGE_SIZE)
                     .enumerate()
-                    .try_for_each(|item| read_one(item, first))
+                    .filter_map(|item| read_one(item, first).err())
+                    .min_by_key(|error| error.bad_page().unwrap_or(0));
+                first_failure.map_or(Ok(()), Err)
             } else {
                 buf.chunks_exact_mut(PAGE_SIZE)
                     .enumerate()

@@ -84,6 +84,38 @@ fn corrupt_stored_page_fails_only_its_read() {
     }
 }
 
+/// A read of many pages (a swap-in merged with its neighbours') that meets bad ones names the
+/// first, and has read every page before it, in order or in parallel.
+#[test]
+fn a_read_of_many_pages_fails_at_its_first_bad_page_having_read_those_before() {
+    let pages = 2 * PARALLEL_READ_MIN_PAGES as u64;
+    let s = store(
+        crate::config::StoreSettings::default().store_config(pages * PAGE_SIZE as u64, false),
+    );
+    write_pages_and_flush(&s, 0..pages, text);
+    for bad in [pages - 3, 300, 5] {
+        assert!(s.corrupt_stored_page(bad, 0xff));
+    }
+    // Eight pages from page 2: page 5 is the first bad one.
+    let mut buf = vec![0u8; 8 * PAGE_SIZE];
+    let err = s.read(2 * PAGE_SIZE as u64, &mut buf).unwrap_err();
+    assert_eq!(err.bad_page(), Some(5), "{err}");
+    for (i, page) in buf.chunks_exact(PAGE_SIZE).take(3).enumerate() {
+        assert_eq!(page, &text(2 + i as u64)[..], "page {}", 2 + i);
+    }
+    // Every page, read in parallel: page 5 still, not whichever a thread met first.
+    let mut buf = vec![0u8; pages as usize * PAGE_SIZE];
+    for _ in 0..8 {
+        let err = s.read(0, &mut buf).unwrap_err();
+        assert_eq!(err.bad_page(), Some(5), "{err}");
+    }
+    // A failure that is not a page's own names none: nothing is taken as read.
+    let err = s
+        .read(pages * PAGE_SIZE as u64, &mut buf[..PAGE_SIZE])
+        .unwrap_err();
+    assert_eq!(err.bad_page(), None, "{err}");
+}
+
 #[test]
 fn pending_page_overwritten_during_flush_keeps_newest() {
     // Entries that changed after their slot was written are not installed.

@@ -23,8 +23,8 @@ pub trait BlockHandler: Send + Sync {
     }
 
     /// Serve one checked request. For `Read` fill `data`, for `Write` take `data` (both exactly
-    /// `request.len` bytes); other ops get an empty slice. `Err` carries a negative errno.
-    fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32>;
+    /// `request.len` bytes); other ops get an empty slice.
+    fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), Failure>;
 
     /// As `handle`, but a request that would wait (a write waiting for memory) may be given
     /// back as `Handled::Deferred`: the queue serves its other requests meanwhile and calls
@@ -50,11 +50,33 @@ pub trait BlockHandler: Send + Sync {
     }
 }
 
+/// A request that failed, and how much of it was served before it did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Failure {
+    /// A negative errno.
+    pub errno: i32,
+    /// Its first bytes, served all the same (a READ of several pages whose first were read
+    /// before a bad one). The queue commits them as a partial result, which the driver
+    /// completes while it sends the rest again as a new request (that one then fails at its
+    /// first block): a swap-in merged with its neighbours' fails only from the bad page on.
+    pub done_bytes: u64,
+}
+
+impl From<i32> for Failure {
+    /// Failed whole, with negative errno `errno`.
+    fn from(errno: i32) -> Self {
+        Self {
+            errno,
+            done_bytes: 0,
+        }
+    }
+}
+
 /// What became of a request given to `BlockHandler::try_handle`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Handled {
-    /// Served: commit it with this result (`Err`: a negative errno).
-    Done(Result<(), i32>),
+    /// Served, or failed.
+    Done(Result<(), Failure>),
     /// Its first `done_bytes` are served; the rest would wait: try it again later.
     Deferred { done_bytes: u64 },
 }

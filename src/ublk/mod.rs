@@ -18,7 +18,7 @@ pub mod timing;
 
 pub use ctrl::Control;
 pub use device::{AddedDevice, Device, Standby};
-pub use handler::{BlockHandler, Handled};
+pub use handler::{BlockHandler, Failure, Handled};
 pub use io::{Op, Request};
 pub use params::{survives_daemon, DeviceSpec};
 pub use timing::{IoTiming, IoTimingReport};

@@ -579,7 +579,7 @@ impl Queue {
         }
         loop {
             match self.serve_piece(&mut request, handler, may_defer) {
-                Err(errno) => return Progress::Served(errno),
+                Err(result) => return Progress::Served(result),
                 Ok(_) if request.rest.len == 0 => return Progress::Served(request.served),
                 Ok(Piece::Whole) => {}
                 Ok(Piece::Deferred) => {
@@ -624,7 +624,8 @@ impl Queue {
 
     /// Serve the first piece of `request.rest` (all of it unless the staging buffer is
     /// smaller) and take what was served off it: all of the piece, or, deferred, part of it.
-    /// `Err`: the negative errno the request fails with.
+    /// `Err`: what the request is committed with, having failed: a negative errno, or, where
+    /// its first bytes were served before the failure, their count (see `Failure`).
     fn serve_piece(
         &mut self,
         request: &mut HeldRequest,
@@ -678,9 +679,15 @@ impl Queue {
             }
         }));
         let (done_bytes, end) = match handled {
-            Ok(Handled::Done(Ok(()))) => (piece.len, Piece::Whole),
-            Ok(Handled::Done(Err(errno))) => return Err(failure_result(errno)),
-            Ok(Handled::Deferred { done_bytes }) => (done_bytes.min(piece.len), Piece::Deferred),
+            Ok(Handled::Done(Ok(()))) => (piece.len, Ok(Piece::Whole)),
+            // Whole blocks only: the driver completes what is committed as done.
+            Ok(Handled::Done(Err(failure))) => (
+                failure.done_bytes.min(piece.len) & !(BLOCK_SIZE - 1),
+                Err(failure.errno),
+            ),
+            Ok(Handled::Deferred { done_bytes }) => {
+                (done_bytes.min(piece.len), Ok(Piece::Deferred))
+            }
             Err(_) => {
                 tracing::error!(
                     q = q_id,
@@ -705,7 +712,19 @@ impl Queue {
         if rest_len > 0 {
             request.buffer_offset += done;
         }
-        Ok(end)
+        end.map_err(|errno| partial_result(request, errno))
+    }
+}
+
+/// What `request`, failed with `errno` after what it served, commits: the bytes of data served
+/// (the driver completes those and sends the rest again), or, where none were, the errno.
+fn partial_result(request: &HeldRequest, errno: i32) -> i32 {
+    let served = u64::try_from(request.served).unwrap_or(0);
+    match served.checked_sub(request.rest.len) {
+        Some(done) if done > 0 && matches!(request.rest.op, Op::Read | Op::Write) => {
+            i32::try_from(done).unwrap_or_else(|_| failure_result(errno))
+        }
+        _ => failure_result(errno),
     }
 }
 
@@ -719,4 +738,58 @@ fn data_len(request: &Request) -> i32 {
 
 fn elapsed_ns(since: Instant) -> u64 {
     crate::units::nanos(since.elapsed())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held(op: Op, len: u64, rest_len: u64) -> HeldRequest {
+        HeldRequest {
+            tag: 0,
+            rest: Request {
+                op,
+                flags: 0,
+                offset: 8 * BLOCK_SIZE + (len - rest_len),
+                len: rest_len,
+            },
+            buffer_offset: 0,
+            deferred_since: None,
+            arrived: Instant::now(),
+            served: data_len(&Request {
+                op,
+                flags: 0,
+                offset: 0,
+                len,
+            }),
+        }
+    }
+
+    /// A request that failed part way commits the bytes before the failure, which the driver
+    /// completes before it sends the rest again; one that failed at its start, or that moves
+    /// no data, commits the errno (or EIO for a failure that is not one).
+    #[test]
+    fn a_failure_part_way_commits_what_was_served_before_it() {
+        let page = BLOCK_SIZE;
+        assert_eq!(
+            partial_result(&held(Op::Read, 8 * page, 5 * page), -libc::EIO),
+            i32::try_from(3 * page).unwrap()
+        );
+        assert_eq!(
+            partial_result(&held(Op::Write, 8 * page, page), -libc::ENOMEM),
+            i32::try_from(7 * page).unwrap()
+        );
+        assert_eq!(
+            partial_result(&held(Op::Read, 8 * page, 8 * page), -libc::EIO),
+            -libc::EIO
+        );
+        assert_eq!(
+            partial_result(&held(Op::Read, 8 * page, 8 * page), 0),
+            -libc::EIO
+        );
+        assert_eq!(
+            partial_result(&held(Op::Discard, 8 * page, 0), -libc::EIO),
+            -libc::EIO
+        );
+    }
 }

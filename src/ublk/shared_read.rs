@@ -17,7 +17,7 @@
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::Thread;
 
@@ -26,6 +26,7 @@ use parking_lot::Mutex;
 use super::handler::BlockHandler;
 use super::io::{failure_result, Request};
 use super::mmap::IoBuffers;
+use super::params::BLOCK_SIZE;
 use super::sys;
 
 /// Bytes of a piece, of the lent thread's buffer and of the queue's staging buffer: 8 pages,
@@ -54,15 +55,20 @@ pub(super) struct SharedRead {
     next: AtomicUsize,
     /// Whether the lent thread is inside a piece (or about to take one).
     lent_busy: AtomicBool,
-    /// The first piece's failure, a negative errno; 0 while none failed.
-    error: AtomicI32,
+    /// Whether a piece failed: no more are taken.
+    failed: AtomicBool,
+    /// The failure nearest the read's start: the bytes before it, all served, and its errno.
+    /// Pieces are taken in order, so every piece before a failed one was taken, and is
+    /// served (or failed nearer) by the time both threads are done.
+    first_failure: Mutex<Option<(usize, i32)>>,
     queue_thread: Thread,
 }
 
 impl SharedRead {
     /// Serve `request` (a READ of tag `tag`) on the calling queue thread, through `staging`
     /// (`PIECE_BYTES`), and on a thread the handler lends, through `lent`; the
-    /// result to commit: the bytes read, or the first piece's negative errno.
+    /// result to commit: the bytes read (all, or those before the first that failed; see
+    /// `Failure`), or, where the first failed, its negative errno.
     pub(super) fn serve(
         handler: &Arc<dyn BlockHandler>,
         char_dev: &Arc<File>,
@@ -86,7 +92,8 @@ impl SharedRead {
             pieces: len.div_ceil(PIECE_BYTES),
             next: AtomicUsize::new(0),
             lent_busy: AtomicBool::new(false),
-            error: AtomicI32::new(0),
+            failed: AtomicBool::new(false),
+            first_failure: Mutex::new(None),
             queue_thread: std::thread::current(),
         });
         // The lent thread's job holds the read weakly: one that starts after the read was
@@ -103,9 +110,11 @@ impl SharedRead {
         while shared.lent_busy.load(Ordering::SeqCst) {
             std::thread::park();
         }
-        match shared.error.load(Ordering::SeqCst) {
-            0 => served,
-            errno => errno,
+        let first_failure = *shared.first_failure.lock();
+        match first_failure {
+            None => served,
+            Some((0, errno)) => failure_result(errno),
+            Some((done, errno)) => i32::try_from(done).unwrap_or_else(|_| failure_result(errno)),
         }
     }
 
@@ -127,45 +136,62 @@ impl SharedRead {
 
     /// Serve pieces through `buffer` until none is left or one failed.
     fn take_pieces(&self, buffer: &mut [u8]) {
-        while self.error.load(Ordering::SeqCst) == 0 {
+        while !self.failed.load(Ordering::SeqCst) {
             let piece = self.next.fetch_add(1, Ordering::SeqCst);
             if piece >= self.pieces {
                 return;
             }
-            if let Err(errno) = self.serve_piece(piece, buffer) {
-                let _ = self
-                    .error
-                    .compare_exchange(0, errno, Ordering::SeqCst, Ordering::SeqCst);
+            if let Err((done, errno)) = self.serve_piece(piece, buffer) {
+                let mut first = self.first_failure.lock();
+                if first.is_none_or(|(first_done, _)| done < first_done) {
+                    *first = Some((done, errno));
+                }
+                self.failed.store(true, Ordering::SeqCst);
             }
         }
     }
 
     /// Read piece `piece` from the handler into `buffer` and write it into the request.
-    fn serve_piece(&self, piece: usize, buffer: &mut [u8]) -> Result<(), i32> {
+    /// `Err`: the bytes of the read before the failure, all written into the request, and
+    /// the failure's negative errno.
+    fn serve_piece(&self, piece: usize, buffer: &mut [u8]) -> Result<(), (usize, i32)> {
         let start = piece * PIECE_BYTES;
+        let failed_whole = |errno| (start, errno);
         let len = usize::try_from(self.request.len)
             .ok()
             .and_then(|len| len.checked_sub(start))
-            .ok_or(-libc::EIO)?;
-        let data = buffer.get_mut(..len.min(PIECE_BYTES)).ok_or(-libc::EIO)?;
+            .ok_or(failed_whole(-libc::EIO))?;
+        let data = buffer
+            .get_mut(..len.min(PIECE_BYTES))
+            .ok_or(failed_whole(-libc::EIO))?;
         let part = Request {
             offset: self.request.offset + start as u64,
             len: data.len() as u64,
             ..self.request
         };
-        match catch_unwind(AssertUnwindSafe(|| self.handler.handle(&part, data))) {
-            Ok(Ok(())) => {}
-            Ok(Err(errno)) => return Err(failure_result(errno)),
+        let (done, failure) = match catch_unwind(AssertUnwindSafe(|| {
+            self.handler.handle(&part, data)
+        })) {
+            Ok(Ok(())) => (data.len(), None),
+            // Whole blocks only: the driver completes what is committed as done.
+            Ok(Err(failure)) => (
+                usize::try_from(failure.done_bytes.min(part.len) & !(BLOCK_SIZE - 1)).unwrap_or(0),
+                Some(failure.errno),
+            ),
             Err(_) => {
                 tracing::error!(q = self.q_id, tag = self.tag, request = ?part, "handler panicked; request failed with EIO");
-                return Err(-libc::EIO);
+                return Err(failed_whole(-libc::EIO));
             }
-        }
+        };
         let at = sys::user_copy_pos(self.q_id, self.tag, start);
-        self.char_dev.write_all_at(data, at).map_err(|error| {
+        self.char_dev.write_all_at(&data[..done], at).map_err(|error| {
             tracing::warn!(q = self.q_id, tag = self.tag, request = ?part, %error, "writing a read's data into the request failed; request failed with EIO");
-            -libc::EIO
-        })
+            failed_whole(-libc::EIO)
+        })?;
+        match failure {
+            None => Ok(()),
+            Some(errno) => Err((start + done, errno)),
+        }
     }
 }
 
@@ -182,7 +208,7 @@ impl Drop for LentDone<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ublk::Op;
+    use crate::ublk::{Failure, Op};
 
     /// Reads as each byte's device offset (mod 251), fails a read at `fail_at` with the value
     /// it gives; lends a
@@ -204,17 +230,18 @@ mod tests {
     impl BlockHandler for Pattern {
         fn prepare_thread(&self) {}
 
-        fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), i32> {
-            let end = request.offset + request.len;
-            if let Some((at, error)) = self.fail_at {
-                if (request.offset..end).contains(&at) {
-                    return Err(error);
-                }
-            }
+        fn handle(&self, request: &Request, data: &mut [u8]) -> Result<(), Failure> {
             for (i, byte) in data.iter_mut().enumerate() {
                 *byte = ((request.offset + i as u64) % 251) as u8;
             }
-            Ok(())
+            let end = request.offset + request.len;
+            match self.fail_at {
+                Some((at, errno)) if (request.offset..end).contains(&at) => Err(Failure {
+                    errno,
+                    done_bytes: at - request.offset,
+                }),
+                _ => Ok(()),
+            }
         }
 
         fn lend_thread(&self, job: Box<dyn FnOnce() + Send>) {
@@ -314,20 +341,31 @@ mod tests {
         }
     }
 
-    /// A handler's failure that is not a negative errno (0, a count) fails the read with EIO:
-    /// taken as given, 0 let the other pieces finish and the read pass whole with a hole.
+    /// A piece that fails past the read's first page commits the bytes before it (the driver
+    /// completes them and sends the rest again), whichever thread served which piece; one that
+    /// fails at the first fails the read with its errno, and a failure that is not a negative
+    /// errno (0, a count) with EIO: taken as given, 0 let the other pieces finish and the read
+    /// pass whole with a hole.
     #[test]
-    fn a_failed_piece_fails_the_read_with_its_errno() {
+    fn a_failed_piece_ends_the_read_where_it_failed() {
         for lend in [Lend::Never, Lend::Now] {
+            let request = read(1 << 20, 1 << 20);
+            let handler = Pattern {
+                lend,
+                fail_at: Some(((1 << 20) + (700 << 10), -libc::ENOMEM)),
+                late: Mutex::new(Vec::new()),
+            };
+            let (result, got, _) = serve(handler, request, "partial");
+            assert_eq!(result, 700 << 10);
+            assert!(got[..700 << 10] == expected(request)[..700 << 10]);
             for (error, result_wanted) in [
                 (-libc::ENOMEM, -libc::ENOMEM),
                 (0, -libc::EIO),
                 (4096, -libc::EIO),
             ] {
-                let request = read(1 << 20, 1 << 20);
                 let handler = Pattern {
                     lend,
-                    fail_at: Some(((1 << 20) + (700 << 10), error)),
+                    fail_at: Some((1 << 20, error)),
                     late: Mutex::new(Vec::new()),
                 };
                 let (result, _, _) = serve(handler, request, "fail");
