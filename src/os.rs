@@ -13,6 +13,20 @@ pub fn cvt(rc: libc::c_int) -> std::io::Result<()> {
     }
 }
 
+/// Counts events of one kind that are logged, and says which to log: the first 16, then every
+/// 1024th, so that a flood of them (a full device's failed writes, a stopping device's aborted
+/// requests) cannot fill the log or the disk under it.
+#[derive(Debug, Default)]
+pub struct LogThrottle(std::sync::atomic::AtomicU64);
+
+impl LogThrottle {
+    /// Count one event: `Some(count so far)` where this one is to be logged.
+    pub fn note(&self) -> Option<u64> {
+        let count = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        (count <= 16 || count.is_multiple_of(1024)).then_some(count)
+    }
+}
+
 /// Write `line` and a newline to standard error. A reader that has gone (`2>&1 | head`) loses
 /// it quietly, where `eprintln!` would panic, and a panic part-way through a command (`delete
 /// --all`) leaves the devices after it undeleted.
@@ -584,6 +598,15 @@ fn process_mrelease(pidfd: libc::c_int) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_log_throttle_passes_the_first_16_then_every_1024th() {
+        let throttle = LogThrottle::default();
+        let logged: Vec<u64> = (0..5000).filter_map(|_| throttle.note()).collect();
+        let mut want: Vec<u64> = (1..=16).collect();
+        want.extend([1024, 2048, 3072, 4096]);
+        assert_eq!(logged, want);
+    }
 
     #[test]
     fn a_numbered_name_is_its_prefix_and_decimal_digits() {

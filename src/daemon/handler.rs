@@ -2,7 +2,6 @@
 
 #![forbid(unsafe_code)]
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
@@ -26,7 +25,8 @@ pub(super) struct StoreHandler {
     /// Freed swap slots, once the probe is attached (after the device is live).
     slot_frees: OnceLock<Arc<SlotFreeProbe>>,
     algorithm: Algorithm,
-    errors: AtomicU64,
+    /// Failed requests, to log some of.
+    errors: crate::os::LogThrottle,
     /// Told of every request, for the main thread's polls.
     activity: Activity,
 }
@@ -37,7 +37,7 @@ impl StoreHandler {
             store: OnceLock::new(),
             slot_frees: OnceLock::new(),
             algorithm,
-            errors: AtomicU64::new(0),
+            errors: crate::os::LogThrottle::default(),
             activity: Activity::new(),
         }
     }
@@ -179,10 +179,8 @@ impl StoreHandler {
             Op::Discard | Op::WriteZeroes => store.discard(request.offset, request.len),
         };
         Handled::Done(result.map_err(|error| {
-            // Log the first errors and then every 1024th, so a full device cannot flood the log.
-            let count = self.errors.fetch_add(1, Ordering::Relaxed);
-            if count < 16 || count.is_multiple_of(1024) {
-                tracing::warn!(?request, %error, errors = count + 1, "request failed");
+            if let Some(errors) = self.errors.note() {
+                tracing::warn!(?request, %error, errors, "request failed");
             }
             // A read that failed at a bad page has read the pages before it.
             let done_pages = match request.op {

@@ -273,6 +273,9 @@ pub struct Queue {
     wake: Arc<UnixStream>,
     /// Tags whose command is with the kernel.
     in_flight: usize,
+    /// Requests refused or failed in copying their data, to log some of (a stopping device
+    /// aborts every request in flight).
+    failures: Arc<crate::os::LogThrottle>,
 }
 
 impl Queue {
@@ -296,6 +299,7 @@ impl Queue {
             char_dev,
             wake,
             in_flight: 0,
+            failures: Arc::default(),
         };
         for tag in 0..setup.depth {
             queue.push_command(sys::UBLK_U_IO_FETCH_REQ, tag, 0)?;
@@ -545,7 +549,9 @@ impl Queue {
             u64::from(self.setup.max_io_bytes),
         )
         .map_err(|error| {
-            tracing::warn!(q = self.setup.q_id, tag, ?desc, %error, "request refused");
+            if let Some(failures) = self.failures.note() {
+                tracing::warn!(q = self.setup.q_id, tag, ?desc, %error, failures, "request refused");
+            }
             error.errno()
         })
     }
@@ -614,7 +620,7 @@ impl Queue {
         }
         Some(SharedRead::serve(
             handler,
-            &self.char_dev,
+            (&self.char_dev, &self.failures),
             (self.setup.q_id, request.tag),
             request.rest,
             staging,
@@ -666,7 +672,9 @@ impl Queue {
         };
         if let (Some((char_dev, at)), Op::Write) = (user_copy, piece.op) {
             if let Err(error) = char_dev.read_exact_at(data, at) {
-                tracing::warn!(q = q_id, tag, request = ?piece, %error, "reading a write's data from the request failed; request failed with EIO");
+                if let Some(failures) = self.failures.note() {
+                    tracing::warn!(q = q_id, tag, request = ?piece, %error, failures, "reading a write's data from the request failed; request failed with EIO");
+                }
                 return Err(-libc::EIO);
             }
         }
@@ -703,7 +711,9 @@ impl Queue {
             // What the handler read, into the request before its commit (a deferred part's
             // data would not survive in the staging buffer).
             if let Err(error) = char_dev.write_all_at(&data[..done], at) {
-                tracing::warn!(q = q_id, tag, request = ?piece, %error, "writing a read's data into the request failed; request failed with EIO");
+                if let Some(failures) = self.failures.note() {
+                    tracing::warn!(q = q_id, tag, request = ?piece, %error, failures, "writing a read's data into the request failed; request failed with EIO");
+                }
                 return Err(-libc::EIO);
             }
         }

@@ -28,6 +28,7 @@ use super::io::{failure_result, Request};
 use super::mmap::IoBuffers;
 use super::params::BLOCK_SIZE;
 use super::sys;
+use crate::os::LogThrottle;
 
 /// Bytes of a piece, of the lent thread's buffer and of the queue's staging buffer: 8 pages,
 /// small enough that the two threads finish a 1 MiB read close together, large enough that a
@@ -46,6 +47,8 @@ pub(super) fn lent_buffer() -> std::io::Result<LentBuffer> {
 pub(super) struct SharedRead {
     handler: Arc<dyn BlockHandler>,
     char_dev: Arc<File>,
+    /// The queue's count of failed copies, to log some of.
+    failures: Arc<LogThrottle>,
     q_id: u16,
     tag: u16,
     /// The read (all of it: reads are never deferred).
@@ -66,12 +69,13 @@ pub(super) struct SharedRead {
 
 impl SharedRead {
     /// Serve `request` (a READ of tag `tag`) on the calling queue thread, through `staging`
-    /// (`PIECE_BYTES`), and on a thread the handler lends, through `lent`; the
+    /// (`PIECE_BYTES`), and on a thread the handler lends, through `lent` (`char_dev`: the
+    /// device's, and the queue's count of failed copies); the
     /// result to commit: the bytes read (all, or those before the first that failed; see
     /// `Failure`), or, where the first failed, its negative errno.
     pub(super) fn serve(
         handler: &Arc<dyn BlockHandler>,
-        char_dev: &Arc<File>,
+        (char_dev, failures): (&Arc<File>, &Arc<LogThrottle>),
         (q_id, tag): (u16, u16),
         request: Request,
         staging: &mut [u8],
@@ -86,6 +90,7 @@ impl SharedRead {
         let shared = Arc::new(Self {
             handler: handler.clone(),
             char_dev: char_dev.clone(),
+            failures: failures.clone(),
             q_id,
             tag,
             request,
@@ -185,7 +190,9 @@ impl SharedRead {
         };
         let at = sys::user_copy_pos(self.q_id, self.tag, start);
         self.char_dev.write_all_at(&data[..done], at).map_err(|error| {
-            tracing::warn!(q = self.q_id, tag = self.tag, request = ?part, %error, "writing a read's data into the request failed; request failed with EIO");
+            if let Some(failures) = self.failures.note() {
+                tracing::warn!(q = self.q_id, tag = self.tag, request = ?part, %error, failures, "writing a read's data into the request failed; request failed with EIO");
+            }
             failed_whole(-libc::EIO)
         })?;
         match failure {
@@ -287,7 +294,14 @@ mod tests {
             .expect("sparse temp file");
         let lent = lent_buffer().expect("lent buffer");
         let mut staging = vec![0u8; PIECE_BYTES];
-        let result = SharedRead::serve(&dyn_handler, &file, (1, 3), request, &mut staging, &lent);
+        let result = SharedRead::serve(
+            &dyn_handler,
+            (&file, &Arc::default()),
+            (1, 3),
+            request,
+            &mut staging,
+            &lent,
+        );
         let mut got = vec![0u8; usize::try_from(request.len).expect("a test's length")];
         file.read_exact_at(&mut got, sys::user_copy_pos(1, 3, 0))
             .expect("the request's bytes");
