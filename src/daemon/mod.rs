@@ -273,11 +273,12 @@ fn decide_stop(
     path: &str,
     survives_daemon: bool,
 ) -> Option<(StopAction, Option<std::fs::File>)> {
-    let claim = crate::blockdev::claim(Path::new(path));
-    let in_use = claim
-        .as_ref()
-        .ok()
-        .map(|claim| matches!(claim, crate::blockdev::Claim::Busy));
+    // Only a stop asks: a claim, even a moment's, fails a swapon or mount made meanwhile.
+    let claim = (request == StopRequest::Stop).then(|| crate::blockdev::claim(Path::new(path)));
+    let in_use = match &claim {
+        Some(Ok(claim)) => Some(matches!(claim, crate::blockdev::Claim::Busy)),
+        _ => None,
+    };
     let action = stop_action(request, in_use, survives_daemon);
     match (action, in_use) {
         (Some(StopAction::Delete), _) => {
@@ -316,7 +317,7 @@ fn decide_stop(
         ),
     }
     let held = match (action, claim) {
-        (Some(StopAction::Delete), Ok(crate::blockdev::Claim::Held(file))) => Some(file),
+        (Some(StopAction::Delete), Some(Ok(crate::blockdev::Claim::Held(file)))) => Some(file),
         _ => None,
     };
     action.map(|action| (action, held))
