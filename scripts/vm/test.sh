@@ -1565,14 +1565,20 @@ kernel_swap_table_reports /tmp/dmesg
 # oom:mark_victim, which fires for a memory cgroup's OOM kill as for the whole system's: a
 # program of 64 MiB in a cgroup of 16 MiB without swap is killed, and the daemon says it
 # looked for the process being killed.
+# small_device NAME: create a 64 MiB device with the next free id and set SMALL_DEV to its
+# path; or fail a check of NAME's with what create said and return 1.
+small_device() {
+    trueno-ublk create --size 64M >/tmp/create-small.out 2>&1
+    SMALL_DEV=$(grep -o '/dev/ublkb[0-9]*' /tmp/create-small.out | head -n1)
+    if [ -z "$SMALL_DEV" ]; then
+        fail "$1: create --size 64M ($(cat /tmp/create-small.out))"
+        return 1
+    fi
+}
 oom_probe_checks() {
     local dev id log n0 pid rc
-    trueno-ublk create --size 64M >/tmp/create-oom.out 2>&1
-    dev=$(grep -o '/dev/ublkb[0-9]*' /tmp/create-oom.out | head -n1)
-    if [ -z "$dev" ]; then
-        fail "OOM probe: create --size 64M ($(cat /tmp/create-oom.out))"
-        return
-    fi
+    small_device "OOM probe" || return
+    dev=$SMALL_DEV
     id=${dev#/dev/ublkb}
     log=/run/trueno-ublk/ublkb$id.log
     wait_until 5 grep -q "OOM kills are probed at the tracepoint" "$log"
@@ -1601,12 +1607,8 @@ fi
 # result and the driver sends the rest again), and a page after it read alone is right.
 bitflip_checks() {
     local dev id out rc=0
-    trueno-ublk create --size 64M >/tmp/create-bitflip.out 2>&1
-    dev=$(grep -o '/dev/ublkb[0-9]*' /tmp/create-bitflip.out | head -n1)
-    if [ -z "$dev" ]; then
-        fail "bit flip: create --size 64M ($(cat /tmp/create-bitflip.out))"
-        return
-    fi
+    small_device "bit flip" || return
+    dev=$SMALL_DEV
     id=${dev#/dev/ublkb}
     # The store's SysV key: 0x74000000 plus the device id (src/store/layout.rs).
     out=$($VT bitflip "$dev" $((0x74000000 | id)) 2>&1) || rc=$?
