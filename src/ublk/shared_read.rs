@@ -70,9 +70,9 @@ pub(super) struct SharedRead {
 impl SharedRead {
     /// Serve `request` (a READ of tag `tag`) on the calling queue thread, through `staging`
     /// (`PIECE_BYTES`), and on a thread the handler lends, through `lent` (`char_dev`: the
-    /// device's, and the queue's count of failed copies); the
-    /// result to commit: the bytes read (all, or those before the first that failed; see
-    /// `Failure`), or, where the first failed, its negative errno.
+    /// device's, and the queue's count of failed copies); the result to commit: the bytes
+    /// read (all, or those before the first that failed; see `Failure`), or, where the first
+    /// failed, its negative errno.
     pub(super) fn serve(
         handler: &Arc<dyn BlockHandler>,
         (char_dev, failures): (&Arc<File>, &Arc<LogThrottle>),
@@ -157,8 +157,8 @@ impl SharedRead {
     }
 
     /// Read piece `piece` from the handler into `buffer` and write it into the request.
-    /// `Err`: the bytes of the read before the failure, all written into the request, and
-    /// the failure's negative errno.
+    /// `Err`: where the read failed (its bytes before the failure, this piece's of them
+    /// written into the request), and the failure's negative errno.
     fn serve_piece(&self, piece: usize, buffer: &mut [u8]) -> Result<(), (usize, i32)> {
         let start = piece * PIECE_BYTES;
         let failed_whole = |errno| (start, errno);
